@@ -1,0 +1,184 @@
+"""Fixed-size slot arenas: host DRAM in a shared-memory segment, and GPU HBM.
+
+A value occupies ``ceil(size / slot_bytes)`` slots, not necessarily adjacent.
+Free slots form an intrusive singly linked list: the link of slot ``i`` is
+``next_free[i]`` in a flat int array, so alloc and free allocate no Python
+objects per slot and never scan. Each slot carries a generation that grows on
+every free, so a descriptor naming (slot, generation) goes stale the moment the
+slot is reused.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from array import array
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "crescent-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale_segments() -> list[str]:
+    """Unlinks arenas left in /dev/shm by store processes that died (e.g. kill -9)."""
+    removed = []
+    if not os.path.isdir(SHM_DIR):
+        return removed
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid = name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class SlotAllocator:
+    """Slot bookkeeping shared by the host and device arenas."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        assert num_slots > 0 and slot_bytes > 0
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._next_free = array("i", range(1, num_slots + 1))
+        self._next_free[num_slots - 1] = -1
+        self._free_head = 0
+        self.num_free = num_slots
+        self.generation = array("Q", bytes(8 * num_slots))
+
+    def slots_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.slot_bytes))
+
+    def alloc(self, num: int) -> list[int] | None:
+        """Takes ``num`` free slots, or None (and takes nothing) when fewer are free."""
+        if num > self.num_free:
+            return None
+        out = []
+        head, nxt = self._free_head, self._next_free
+        for _ in range(num):
+            out.append(head)
+            head = nxt[head]
+        self._free_head = head
+        self.num_free -= num
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        head, nxt, gen = self._free_head, self._next_free, self.generation
+        for s in slots:
+            gen[s] += 1
+            nxt[s] = head
+            head = s
+        self._free_head = head
+        self.num_free += len(slots)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_slots - self.num_free) * self.slot_bytes
+
+
+class HostArena(SlotAllocator):
+    """Slots in one file under /dev/shm, mapped shared so same-host clients can map it too.
+
+    The file is named ``crescent-<pid>-<random>``; ``reap_stale_segments``
+    removes those of dead processes at the next start.
+    """
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+        num_slots = capacity_bytes // slot_bytes
+        if num_slots <= 0:
+            raise ValueError(f"a DRAM arena of {capacity_bytes} B holds no {slot_bytes} B slot")
+        super().__init__(num_slots, slot_bytes)
+        self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, num_slots * slot_bytes)
+            self._mmap = mmap.mmap(fd, num_slots * slot_bytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def views(self, slots: list[int], nbytes: int) -> list[memoryview]:
+        """Writable views covering the first ``nbytes`` of ``slots``, in order."""
+        sb, buf, out = self.slot_bytes, self.buf, []
+        for s in slots:
+            n = min(sb, nbytes)
+            if n <= 0:
+                break
+            out.append(buf[s * sb : s * sb + n])
+            nbytes -= n
+        return out
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still exported (a reader mid-copy at shutdown): the OS frees it at exit
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class DeviceArena(SlotAllocator):
+    """Slots in one CUDA allocation (HBM). Reads and writes copy to or from host memory."""
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int, device: str = "cuda") -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("the device tier needs a CUDA GPU; torch sees none (use --device 0)")
+        num_slots = capacity_bytes // slot_bytes
+        super().__init__(num_slots, slot_bytes)
+        self._torch = torch
+        self.storage = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+
+    def write(self, slots: list[int], src: list[memoryview]) -> None:
+        """Copies the host bytes of ``src`` (concatenated) into ``slots``."""
+        data = b"".join(src) if len(src) != 1 else src[0]
+        host = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8)
+        sb, off = self.slot_bytes, 0
+        for s in slots:
+            n = min(sb, host.numel() - off)
+            if n <= 0:
+                break
+            self.storage[s * sb : s * sb + n].copy_(host[off : off + n], non_blocking=False)
+            off += n
+
+    def read(self, slots: list[int], nbytes: int) -> bytearray:
+        out = bytearray(nbytes)
+        host = self._torch.frombuffer(out, dtype=self._torch.uint8) if nbytes else None
+        sb, off = self.slot_bytes, 0
+        for s in slots:
+            n = min(sb, nbytes - off)
+            if n <= 0:
+                break
+            host[off : off + n].copy_(self.storage[s * sb : s * sb + n])
+            off += n
+        return out
+
+    def close(self) -> None:
+        del self.storage

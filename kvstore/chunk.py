@@ -1,0 +1,201 @@
+"""KV chunk codec: a verified header in front of a layer-major payload.
+
+Layout of an encoded chunk (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic b"CRKV"
+    4       2     version (1)
+    6       1     dtype code (see _DTYPES)
+    7       1     ndim of the payload shape
+    8       16    namespace
+    24      16    parent key
+    40      4     num_tokens
+    44      4     reserved (0)
+    48      8     payload bytes
+    56      8     xxh3_64 of the payload
+    64      4*ndim     shape
+    ...     4*num_tokens token ids (int32)
+    ...     8     xxh3_64 of every header byte before this field
+    ...     pad with zeros to a multiple of 64
+    ...     payload: [layers, 2 (K,V), kv_heads, chunk_tokens, head_dim], C order
+
+The payload starts 64-byte aligned so a reader can view it in place. The chunk's
+own key is not stored: a reader recomputes ``chunk_key(parent, namespace,
+tokens)`` and compares it with the key it asked for, which catches collisions
+and mislabelled values as well as corruption.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.errors import ChunkVerificationError
+from kvstore.keys import KEY_BYTES, ChunkKey, Namespace, chunk_key, tokens_to_bytes
+
+MAGIC = b"CRKV"
+VERSION = 1
+ALIGN = 64
+_FIXED = struct.Struct("<4sHBB16s16sII QQ".replace(" ", ""))
+assert _FIXED.size == 64
+
+_DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.bfloat16,
+    4: torch.float8_e4m3fn,
+    5: torch.float8_e5m2,
+    6: torch.uint8,
+    7: torch.int8,
+}
+_CODES = {dt: code for code, dt in _DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    namespace: Namespace
+    parent: ChunkKey
+    tokens: np.ndarray
+    """``[num_tokens]`` int32 token ids of this chunk."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload_offset: int
+    payload_bytes: int
+    payload_hash: int
+
+
+def _header_bytes(namespace: bytes, parent: bytes, tokens_le: bytes, dtype: torch.dtype,
+                  shape: Sequence[int], payload: memoryview) -> bytes:
+    if dtype not in _CODES:
+        raise ValueError(f"unsupported KV dtype {dtype}")
+    if len(namespace) != KEY_BYTES or len(parent) != KEY_BYTES:
+        raise ValueError("namespace and parent key must be 16 bytes each")
+    num_tokens = len(tokens_le) // 4
+    head = _FIXED.pack(MAGIC, VERSION, _CODES[dtype], len(shape), bytes(namespace), bytes(parent),
+                       num_tokens, 0, payload.nbytes, xxhash.xxh3_64_intdigest(payload))
+    head += struct.pack(f"<{len(shape)}I", *shape) + tokens_le
+    head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    return head + bytes(-len(head) % ALIGN)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    if t.device.type != "cpu":
+        raise ValueError("encode from a CPU tensor (copy device tensors to pinned host memory first)")
+    if not t.is_contiguous():
+        raise ValueError("the KV tensor must be contiguous")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
+                 tokens: Sequence[int] | np.ndarray) -> list[bytes | memoryview]:
+    """Encodes one chunk as ``[header, payload]`` segments, without copying the payload.
+
+    Args:
+        kv: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` contiguous CPU tensor.
+        namespace: the chunk's namespace.
+        parent: key of the previous chunk (``ROOT_KEY`` for the first).
+        tokens: ``[chunk_tokens]`` token ids of this chunk.
+
+    Returns:
+        The header (bytes) and a view of ``kv``'s memory. Send them in order (a
+        gather write) or join them with ``b"".join`` for a single value. The
+        view aliases ``kv``: keep ``kv`` unchanged until the bytes are sent.
+    """
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [layers, 2, kv_heads, chunk_tokens, head_dim], got {tuple(kv.shape)}")
+    tokens_le = tokens_to_bytes(tokens)
+    if len(tokens_le) // 4 != kv.shape[3]:
+        raise ValueError(f"{len(tokens_le) // 4} token ids for a chunk of {kv.shape[3]} tokens")
+    payload = tensor_bytes(kv)
+    return [_header_bytes(namespace, parent, tokens_le, kv.dtype, kv.shape, payload), payload]
+
+
+def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
+    """Parses and self-checks a chunk's header; raises ChunkVerificationError."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < _FIXED.size + 8:
+        raise ChunkVerificationError(f"chunk of {mv.nbytes} bytes is shorter than a header")
+    magic, version, code, ndim, ns, parent, num_tokens, _, payload_bytes, payload_hash = \
+        _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC or version != VERSION:
+        raise ChunkVerificationError("not a Crescent KV chunk (bad magic or version)")
+    if code not in _DTYPES:
+        raise ChunkVerificationError(f"unknown dtype code {code}")
+    end = _FIXED.size + 4 * ndim + 4 * num_tokens
+    if mv.nbytes < end + 8:
+        raise ChunkVerificationError("truncated chunk header")
+    (header_hash,) = struct.unpack_from("<Q", mv, end)
+    if xxhash.xxh3_64_intdigest(mv[:end]) != header_hash:
+        raise ChunkVerificationError("chunk header checksum mismatch")
+    shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
+    tokens = np.frombuffer(mv, dtype="<i4", count=num_tokens, offset=_FIXED.size + 4 * ndim).copy()
+    offset = end + 8 + (-(end + 8) % ALIGN)
+    return ChunkHeader(Namespace(ns), ChunkKey(parent), tokens, _DTYPES[code], tuple(shape),
+                       offset, payload_bytes, payload_hash)
+
+
+def verify_chunk(buf: bytes | bytearray | memoryview, *, key: bytes, namespace: Namespace,
+                 parent: bytes | None = None, tokens: Sequence[int] | np.ndarray | None = None,
+                 dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> ChunkHeader:
+    """Checks everything a reader relies on; any mismatch raises ChunkVerificationError.
+
+    Checks the header checksum, the namespace, the parent key and token ids
+    (when given), that ``chunk_key(parent, namespace, tokens) == key`` (no
+    collision, no mislabelled value), dtype and shape (when given), the payload
+    length and its xxh3_64.
+    """
+    hdr = parse_header(buf)
+    mv = memoryview(buf).cast("B")
+    if hdr.namespace != bytes(namespace):
+        raise ChunkVerificationError("chunk namespace differs (another model or tenant)")
+    if parent is not None and hdr.parent != bytes(parent):
+        raise ChunkVerificationError("chunk parent key differs")
+    if tokens is not None and tokens_to_bytes(tokens) != hdr.tokens.tobytes():
+        raise ChunkVerificationError("chunk token ids differ")
+    if chunk_key(hdr.parent, hdr.namespace, hdr.tokens) != bytes(key):
+        raise ChunkVerificationError("chunk does not hash to the requested key")
+    if dtype is not None and hdr.dtype != dtype:
+        raise ChunkVerificationError(f"chunk dtype {hdr.dtype} differs from {dtype}")
+    if shape is not None and tuple(shape) != hdr.shape:
+        raise ChunkVerificationError(f"chunk shape {hdr.shape} differs from {tuple(shape)}")
+    elem = torch.empty((), dtype=hdr.dtype).element_size()
+    if hdr.payload_bytes != elem * int(np.prod(hdr.shape, dtype=np.int64)):
+        raise ChunkVerificationError("chunk payload length does not match its shape")
+    if mv.nbytes != hdr.payload_offset + hdr.payload_bytes:
+        raise ChunkVerificationError(
+            f"chunk is {mv.nbytes} bytes, header promises {hdr.payload_offset + hdr.payload_bytes}")
+    if xxhash.xxh3_64_intdigest(mv[hdr.payload_offset:]) != hdr.payload_hash:
+        raise ChunkVerificationError("chunk payload checksum mismatch")
+    return hdr
+
+
+def decode_chunk(buf: bytearray | memoryview | bytes, *, key: bytes, namespace: Namespace,
+                 parent: bytes | None = None, tokens: Sequence[int] | np.ndarray | None = None,
+                 dtype: torch.dtype | None = None, shape: Sequence[int] | None = None,
+                 copy: bool = False) -> torch.Tensor:
+    """Verifies a chunk and returns its payload as a tensor.
+
+    Returns:
+        ``[layers, 2, kv_heads, chunk_tokens, head_dim]``. With ``copy=False``
+        the tensor views ``buf`` (which must then be writable, e.g. a bytearray);
+        ``copy=True`` or a read-only ``buf`` gives an owned copy.
+    """
+    hdr = verify_chunk(buf, key=key, namespace=namespace, parent=parent, tokens=tokens,
+                       dtype=dtype, shape=shape)
+    mv = memoryview(buf).cast("B")[hdr.payload_offset:]
+    if copy or mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return torch.frombuffer(mv, dtype=hdr.dtype).view(hdr.shape)
+
+
+def encoded_size(shape: Sequence[int], dtype: torch.dtype, num_tokens: int) -> int:
+    """Bytes of an encoded chunk of this shape (header, padding and payload)."""
+    end = _FIXED.size + 4 * len(shape) + 4 * num_tokens + 8
+    elem = torch.empty((), dtype=dtype).element_size()
+    return end + (-end % ALIGN) + elem * int(np.prod(shape, dtype=np.int64))

@@ -1,0 +1,338 @@
+"""Python client of a store node.
+
+``StoreClient(address)`` speaks gRPC for control (lookup, exists, delete, pin,
+stats, health) and moves value bytes over the node's bulk data channel when it
+has one (raw TCP, straight into caller-owned buffers), else over gRPC frames.
+Every failure surfaces as a ``CrescentError`` subclass; UNAVAILABLE is retried
+with backoff by one ``Retry`` object.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar, Union
+
+import grpc
+
+from kvstore.config import MAX_KEY_BYTES
+from kvstore.datachannel import Status, _Connections
+from kvstore.errors import (CrescentError, DataLossError, InvalidArgumentError,
+                            ResourceExhaustedError, UnavailableError, from_grpc)
+from kvstore.store import Tier
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+
+FRAME_BYTES = 4 << 20
+_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
+            ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20))]
+
+Buffer = Union[bytes, bytearray, memoryview, "torch.Tensor"]  # noqa: F821
+Value = Union[Buffer, Sequence[Buffer]]
+"""A value: one buffer, or a list of parts stored back to back (e.g. a chunk's header and payload)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retries a call that failed with UnavailableError, with jittered exponential backoff."""
+
+    attempts: int = 5
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def call(self, fn: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except UnavailableError:
+                if attempt == self.attempts - 1:
+                    raise
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.max_backoff_s)
+        raise AssertionError
+
+
+def as_bytes_view(buf: Buffer) -> memoryview:
+    """A flat byte view of a buffer-like or a contiguous CPU tensor (no copy)."""
+    if hasattr(buf, "data_ptr"):  # torch.Tensor
+        from kvstore.chunk import tensor_bytes
+
+        return tensor_bytes(buf)
+    return memoryview(buf).cast("B")
+
+
+def _parts(value: Value) -> list[memoryview]:
+    if isinstance(value, (list, tuple)):
+        return [as_bytes_view(p) for p in value]
+    return [as_bytes_view(value)]
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = []
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)):
+            raise InvalidArgumentError(f"a key must be bytes, got {type(k).__name__}")
+        if not k or len(k) > MAX_KEY_BYTES:
+            raise InvalidArgumentError(f"a key must be 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
+        out.append(bytes(k))
+    return out
+
+
+class StoreClient:
+    """Client of one store node.
+
+    Args:
+        address: ``host:port`` of the node's gRPC listener.
+        timeout_s: deadline of each call.
+        retry: retry policy for UNAVAILABLE.
+        data_channel: use the node's raw TCP data channel for value bytes when it has one.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, retry: Retry = Retry(),
+                 data_channel: bool = True) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._want_dc = data_channel
+        self._dc: _Connections | None = None
+        self._limits: pb.HealthResponse | None = None
+
+    # ---- plumbing -----------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        def once():
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                raise from_grpc(exc) from None
+
+        return self.retry.call(once)
+
+    def health(self) -> dict:
+        h = self._call(lambda: self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s))
+        self._limits = h
+        return {"serving": h.serving, "node_id": h.node_id, "version": h.version,
+                "max_key_bytes": h.max_key_bytes, "max_value_bytes": h.max_value_bytes,
+                "data_port": h.data_port}
+
+    def _data_channel(self) -> _Connections | None:
+        if not self._want_dc:
+            return None
+        if self._dc is None:
+            if self._limits is None:
+                self.health()
+            if not self._limits.data_port:
+                self._want_dc = False
+                return None
+            host = self.address.rpartition(":")[0].strip("[]")
+            self._dc = _Connections(host, self._limits.data_port, self._limits.data_token)
+        return self._dc
+
+    def _dc_call(self, fn):
+        """Runs fn(conn) on this thread's data connection; a broken one is reopened once."""
+        dc = self._data_channel()
+        try:
+            return fn(dc.get())
+        except DataLossError:
+            return fn(dc.get())  # the failed connection closed itself; get() reconnects
+        except OSError as exc:
+            raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+
+    # ---- values ---------------------------------------------------------------
+
+    def put(self, key: bytes, value: Value) -> None:
+        """Stores one value (replacing any under the same key).
+
+        Raises:
+            InvalidArgumentError: bad key or value size.
+            ResourceExhaustedError: the node has no room (everything leased or pinned, or full).
+        """
+        if not self.batch_put([(key, value)], _raise=True)[0]:
+            raise ResourceExhaustedError(f"no room for key {bytes(key).hex()}")
+
+    def batch_put(self, items: Sequence[tuple[bytes, Value]], _raise: bool = False) -> list[bool]:
+        """Stores several values; returns, per item, whether it was stored (False: no room).
+
+        Raises:
+            InvalidArgumentError: a bad key or value size (nothing is sent).
+        """
+        keys = _check_keys([k for k, _ in items])
+        values = [_parts(v) for _, v in items]
+        if self._limits is None:
+            self.health()
+        limit = self._limits.max_value_bytes
+        for k, parts in zip(keys, values):
+            size = sum(p.nbytes for p in parts)
+            if size > limit:
+                raise InvalidArgumentError(f"value of {size} bytes for key {k.hex()} exceeds the limit of {limit}")
+        if not keys:
+            return []
+        if self._data_channel() is not None:
+            results, msg = self._dc_call(lambda c: c.put(keys, values))
+            out = []
+            for status, _ in results:
+                if status is Status.INVALID:
+                    raise InvalidArgumentError(msg)
+                if status is Status.EXHAUSTED and _raise:
+                    raise ResourceExhaustedError(msg)
+                out.append(status is Status.OK)
+            return out
+        return self._grpc_put(keys, values, _raise)
+
+    def _grpc_put(self, keys, values, _raise) -> list[bool]:
+        def frames():
+            for k, parts in zip(keys, values):
+                yield pb.PutFrame(header=pb.ValueHeader(key=k, size=sum(p.nbytes for p in parts)))
+                for p in parts:
+                    for off in range(0, p.nbytes, FRAME_BYTES):
+                        yield pb.PutFrame(data=bytes(p[off : off + FRAME_BYTES]))
+
+        try:
+            self._call(lambda: self._stub.Put(frames(), timeout=self.timeout_s))
+            return [True] * len(keys)
+        except ResourceExhaustedError:
+            if _raise or len(keys) == 1:
+                if _raise:
+                    raise
+                return [False]
+            # NOTE: a gRPC batch is all or nothing; retry value by value to store what fits.
+            return [self._grpc_put([k], [v], False)[0] for k, v in zip(keys, values)]
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value under ``key``, or None on a miss."""
+        v = self.batch_get([key])[0]
+        return bytes(v) if v is not None else None
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Values (None for misses), one per key, in order."""
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        if self._data_channel() is not None:
+            return self._dc_call(lambda c: c.get(keys))
+        return self._call(lambda: self._grpc_get(keys))
+
+    def _grpc_get(self, keys) -> list[bytearray | None]:
+        out: list[bytearray | None] = [None] * len(keys)
+        cur: memoryview | None = None
+        for frame in self._stub.Get(pb.GetRequest(keys=keys), timeout=self.timeout_s):
+            if frame.WhichOneof("frame") == "header":
+                if cur is not None and cur.nbytes:
+                    raise DataLossError("a value arrived truncated")
+                if frame.header.found:
+                    buf = bytearray(frame.header.size)
+                    out[frame.header.index] = buf
+                    cur = memoryview(buf)
+                else:
+                    cur = None
+            else:
+                if cur is None or len(frame.data) > cur.nbytes:
+                    raise DataLossError("more value bytes than announced")
+                cur[: len(frame.data)] = frame.data
+                cur = cur[len(frame.data):]
+        if cur is not None and cur.nbytes:
+            raise DataLossError("a value arrived truncated")
+        return out
+
+    def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int | None]:
+        """Reads values straight into caller-owned buffers.
+
+        Args:
+            keys: keys to read.
+            buffers: one writable buffer per key (bytearray, writable memoryview or
+                contiguous CPU tensor), each at least as large as its value.
+
+        Returns:
+            Per key, the value's size (bytes written at the buffer's start), or None on a miss.
+
+        Raises:
+            InvalidArgumentError: a value is larger than its buffer.
+        """
+        keys = _check_keys(keys)
+        views = [as_bytes_view(b) for b in buffers]
+        if len(views) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} buffers")
+        if any(v.readonly for v in views):
+            raise InvalidArgumentError("batch_get_into needs writable buffers")
+        if not keys:
+            return []
+        if self._data_channel() is None:
+            vals = self.batch_get(keys)
+            sizes: list[int | None] = []
+            for k, v, buf in zip(keys, vals, views):
+                if v is not None and len(v) > buf.nbytes:
+                    raise InvalidArgumentError(f"value of key {k.hex()} ({len(v)} bytes) exceeds its buffer")
+                if v is not None:
+                    buf[: len(v)] = v
+                sizes.append(len(v) if v is not None else None)
+            return sizes
+        items = self._dc_call(lambda c: c.get_into(keys, views))
+        out: list[int | None] = []
+        for k, (status, size), buf in zip(keys, items, views):
+            if status is Status.TOO_LARGE:
+                raise InvalidArgumentError(f"value of key {k.hex()} ({size} bytes) exceeds its buffer of {buf.nbytes}")
+            out.append(size if status is Status.OK else None)
+        return out
+
+    # ---- metadata -------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys present on the node (the hit prefix)."""
+        return self.lookup_tiers(keys)[0]
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[Tier]]:
+        """The hit prefix's length and the tier of each of its keys."""
+        keys = _check_keys(keys)
+        r = self._call(lambda: self._stub.Lookup(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
+        return r.num_prefix, [Tier(t) for t in r.tiers]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = _check_keys(keys)
+        r = self._call(lambda: self._stub.Exists(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
+        return list(r.present)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Removes keys; returns how many were present."""
+        keys = _check_keys(keys)
+        r = self._call(lambda: self._stub.Delete(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
+        return r.num_deleted
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float = 600.0) -> int:
+        """Protects keys from eviction for ``ttl_s`` seconds; returns keys found."""
+        keys = _check_keys(keys)
+        r = self._call(lambda: self._stub.Pin(pb.PinRequest(keys=keys, ttl_s=ttl_s), timeout=self.timeout_s))
+        return r.num_pinned
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self.pin(keys, 0.0)
+
+    def stats(self) -> dict:
+        r = self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+        return {"node_id": r.node_id, "misses": r.misses, "demotions": r.demotions,
+                "promotions": r.promotions, "drops": r.drops, "num_leases": r.num_leases,
+                "num_pinned": r.num_pinned,
+                "tiers": {Tier(t.tier).name.lower(): {"capacity_bytes": t.capacity_bytes,
+                                                      "used_bytes": t.used_bytes,
+                                                      "num_entries": t.num_entries, "hits": t.hits,
+                                                      "evictions": t.evictions} for t in r.tiers}}
+
+    def close(self) -> None:
+        if self._dc is not None:
+            self._dc.close()
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["StoreClient", "Retry", "CrescentError"]

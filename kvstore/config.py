@@ -1,0 +1,85 @@
+"""Store node configuration: one dataclass, a docstring per field, validated.
+
+The ``crescent store`` CLI is derived from these fields (kvstore/cli.py), so a
+knob is described once, here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """``"1GiB"`` → 1073741824; accepts B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 1GiB, 16GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    raise AssertionError
+
+
+MAX_KEY_BYTES = 1024
+"""Largest accepted key. Chunk keys are 16 bytes; other stacks may use longer names."""
+
+
+@dataclass
+class StoreConfig:
+    """Configuration of one store node (``crescent store``)."""
+
+    listen: str = "127.0.0.1:7400"
+    """gRPC address host:port (port 0 picks a free port)."""
+    dram: int = field(default=1 << 30, metadata={"size": True})
+    """Capacity of the host DRAM tier (shared-memory arena)."""
+    slot_size: int = field(default=64 << 10, metadata={"size": True})
+    """Size of one DRAM arena slot; a value occupies ceil(size/slot_size) slots."""
+    disk: str | None = None
+    """Folder of the LMDB disk tier; none disables the tier."""
+    disk_size: int = field(default=16 << 30, metadata={"size": True})
+    """Capacity of the disk tier (the LMDB map size)."""
+    disk_sync: bool = False
+    """fsync each disk transaction (survives power loss; kill -9 is safe either way)."""
+    device: int = field(default=0, metadata={"size": True})
+    """Capacity of the GPU HBM tier; 0 disables it (needs CUDA)."""
+    high_watermark: float = 0.95
+    """Eviction starts when a tier's use would pass this fraction of its capacity."""
+    low_watermark: float = 0.85
+    """Eviction stops once a tier's use is at or below this fraction."""
+    promote: bool = True
+    """Move a value hit in a slower tier up to the fastest tier with room."""
+    max_value_size: int = field(default=256 << 20, metadata={"size": True})
+    """Largest accepted value."""
+    data_port: int = 0
+    """TCP port of the bulk data channel (0: a free port); -1 disables it."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port; none disables it."""
+    node_id: str = ""
+    """Name of this node (default: hostname:port)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):
+            setattr(self, name, parse_size(getattr(self, name)))
+        if self.slot_size < 4096 or self.slot_size & (self.slot_size - 1):
+            raise ValueError(f"--slot-size must be a power of two >= 4KiB, got {self.slot_size}")
+        if self.dram < self.slot_size:
+            raise ValueError(f"--dram ({self.dram} B) must hold at least one slot ({self.slot_size} B)")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError("watermarks need 0 < --low-watermark <= --high-watermark <= 1")
+        if self.max_value_size <= 0:
+            raise ValueError("--max-value-size must be positive")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--listen must be host:port, got {self.listen!r}")

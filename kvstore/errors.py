@@ -1,0 +1,86 @@
+"""One exception root for Crescent, each class mapped to one gRPC status.
+
+Servers abort with ``err.grpc_code``; clients turn a gRPC status back into the
+matching class (``from_grpc``), so callers catch ``CrescentError`` or a precise
+subclass and never see raw ``grpc.RpcError`` objects.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CrescentError(Exception):
+    """Root of every error Crescent raises across an API border."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(CrescentError):
+    """Bad input: empty or oversized key, oversized value, malformed message."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(CrescentError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhaustedError(CrescentError):
+    """No tier can make room: everything resident is leased or pinned, or the disk is full."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DataLossError(CrescentError):
+    """Stored bytes failed verification (checksum, header, truncated transfer)."""
+
+    grpc_code = grpc.StatusCode.DATA_LOSS
+
+
+class ChunkVerificationError(DataLossError):
+    """A KV chunk's header or payload does not match what the reader asked for.
+
+    Readers treat it as a miss: a corrupt, stale or colliding chunk is never
+    used as KV.
+    """
+
+
+class UnavailableError(CrescentError):
+    """The node cannot be reached or is shutting down."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(CrescentError):
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class FailedPreconditionError(CrescentError):
+    """The operation does not fit the node's state (e.g. an expired lease)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+_BY_CODE = {
+    cls.grpc_code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        ResourceExhaustedError,
+        DataLossError,
+        UnavailableError,
+        DeadlineExceededError,
+        FailedPreconditionError,
+    )
+}
+
+
+def from_grpc(err: grpc.RpcError) -> CrescentError:
+    """The CrescentError for a failed call (its status code and details)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, CrescentError)
+    exc = cls(f"{code.name}: {details}")
+    exc.grpc_code = code
+    return exc

@@ -1,0 +1,124 @@
+"""Chunk identity: chained content hashes over token blocks.
+
+    key_i = xxh3_128(key_{i-1} ‖ namespace ‖ tokens_i as little-endian int32)
+    key_{-1} = 16 zero bytes
+
+Every digest is xxh3-128 with seed 0, in its canonical 16-byte big-endian form
+(``XXH128_canonicalFromHash``). Nothing here depends on the process, the host or
+a random seed, so a router in another language recomputes the same keys; the
+byte encoding is specified in docs/keys.md and pinned by golden vectors in
+tests/test_keys.py.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16-byte identity of one chunk of one sequence under one namespace."""
+
+Namespace = NewType("Namespace", bytes)
+"""16-byte digest of a model fingerprint and a tenant salt."""
+
+KEY_BYTES = 16
+ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
+_NS_DOMAIN = b"crescent/namespace/v1\x00"
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """Everything that makes two engines' KV bytes interchangeable.
+
+    Two engines share chunks only when every field matches: a different dtype,
+    layer count, head layout, chunk size or tensor-parallel shard gives a
+    different namespace and so different keys.
+    """
+
+    model_id: str
+    """Model name or checkpoint identity (e.g. a path's basename plus its config digest)."""
+    dtype: str
+    """KV dtype as torch names it, e.g. ``"bfloat16"``."""
+    num_layers: int
+    num_kv_heads: int
+    """KV heads held by this shard (after tensor-parallel split)."""
+    head_dim: int
+    chunk_tokens: int
+    """Tokens per chunk (default 256)."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelFingerprint.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"ModelFingerprint.tp_rank {self.tp_rank} is outside [0, tp_size={self.tp_size})")
+
+    def encode(self) -> bytes:
+        """Canonical bytes: ``name=value`` lines in field order, UTF-8, ``\\n``-terminated."""
+        return "".join(f"{f.name}={getattr(self, f.name)}\n" for f in fields(self)).encode()
+
+
+def make_namespace(fingerprint: ModelFingerprint, tenant_salt: str | bytes | None = None) -> Namespace:
+    """Namespace digest of a model fingerprint and an optional tenant salt.
+
+    No salt (or an empty one) shares chunks across tenants; a salt isolates a
+    tenant: its keys never equal another salt's.
+
+    Encoding: ``xxh3_128("crescent/namespace/v1\\0" ‖ u32le(len(fp)) ‖ fp ‖
+    u32le(len(salt)) ‖ salt)`` with ``fp = fingerprint.encode()`` and the salt as
+    UTF-8.
+    """
+    fp = fingerprint.encode()
+    salt = tenant_salt.encode() if isinstance(tenant_salt, str) else (tenant_salt or b"")
+    data = _NS_DOMAIN + struct.pack("<I", len(fp)) + fp + struct.pack("<I", len(salt)) + salt
+    return Namespace(xxhash.xxh3_128_digest(data))
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes; raises ValueError outside int32."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
+        raise ValueError("token ids must fit in int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def chunk_key(parent: bytes, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> ChunkKey:
+    """Key of one chunk given its parent's key (``ROOT_KEY`` for the first)."""
+    if len(parent) != KEY_BYTES or len(namespace) != KEY_BYTES:
+        raise ValueError("parent key and namespace must be 16 bytes each")
+    return ChunkKey(xxhash.xxh3_128_digest(bytes(parent) + bytes(namespace) + tokens_to_bytes(tokens)))
+
+
+def chunk_keys(
+    tokens: Sequence[int] | np.ndarray, namespace: Namespace, chunk_tokens: int
+) -> list[ChunkKey]:
+    """Keys of every full chunk of ``tokens``; a partial tail chunk has no key.
+
+    Args:
+        tokens: ``[num_tokens]`` token ids.
+        namespace: from ``make_namespace``.
+        chunk_tokens: tokens per chunk.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    raw = tokens_to_bytes(tokens)
+    step = 4 * chunk_tokens
+    keys: list[ChunkKey] = []
+    parent = bytes(ROOT_KEY)
+    ns = bytes(namespace)
+    for off in range(0, len(raw) - step + 1, step):
+        parent = xxhash.xxh3_128_digest(parent + ns + raw[off : off + step])
+        keys.append(ChunkKey(parent))
+    return keys

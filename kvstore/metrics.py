@@ -1,0 +1,57 @@
+"""Prometheus metrics of a store node, read from the store's own counters at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.store import TieredStore
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class StoreCollector:
+    """Turns ``TieredStore.stats()`` into metric families on each scrape (no hot-path cost)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+
+    def collect(self):
+        s = self.store.stats()
+        hits = CounterMetricFamily("crescent_store_hits", "Reads served, by tier", labels=["tier"])
+        evictions = CounterMetricFamily("crescent_store_evictions", "Values evicted, by tier",
+                                        labels=["tier"])
+        used = GaugeMetricFamily("crescent_store_bytes", "Bytes in use, by tier", labels=["tier"])
+        cap = GaugeMetricFamily("crescent_store_capacity_bytes", "Capacity, by tier", labels=["tier"])
+        entries = GaugeMetricFamily("crescent_store_entries", "Values held, by tier", labels=["tier"])
+        for tier, t in s["tiers"].items():
+            name = tier.name.lower()
+            hits.add_metric([name], t["hits"])
+            evictions.add_metric([name], t["evictions"])
+            used.add_metric([name], t["used_bytes"])
+            cap.add_metric([name], t["capacity_bytes"])
+            entries.add_metric([name], t["num_entries"])
+        yield from (hits, evictions, used, cap, entries)
+        for name, doc in (("misses", "Reads of absent keys"), ("demotions", "Values moved to a slower tier"),
+                          ("promotions", "Values moved to a faster tier"),
+                          ("drops", "Values evicted from the last tier"),
+                          ("corrupt", "Stored values that failed verification"),
+                          ("bytes_in", "Value bytes committed"), ("bytes_out", "Value bytes read")):
+            yield CounterMetricFamily(f"crescent_store_{name}", doc, value=s[name])
+        yield GaugeMetricFamily("crescent_store_leases", "Read leases held", value=s["num_leases"])
+        yield GaugeMetricFamily("crescent_store_pinned", "Values pinned", value=s["num_pinned"])
+
+
+class StoreMetrics:
+    def __init__(self, store: TieredStore) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(store))
+        self.op_latency = Histogram("crescent_store_op_seconds", "Latency of store operations",
+                                    ["op", "path"], buckets=_BUCKETS, registry=self.registry)
+
+    def observe(self, op: str, seconds: float, path: str = "grpc") -> None:
+        self.op_latency.labels(op, path).observe(seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Starts the /metrics HTTP endpoint; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

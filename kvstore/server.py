@@ -1,0 +1,263 @@
+"""The store node: TieredStore behind the ``crescent.v1.KVStore`` gRPC service.
+
+``StoreNode(config).start()`` binds the gRPC listener, the bulk data channel
+and (optionally) the metrics endpoint; ``stop()`` shuts all of them. Tests bind
+port 0 on 127.0.0.1 and run the node in-process or as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from kvstore.arena import reap_stale_segments
+from kvstore.config import MAX_KEY_BYTES, StoreConfig
+from kvstore.dataserver import DataChannelServer
+from kvstore.errors import CrescentError, InvalidArgumentError
+from kvstore.metrics import StoreMetrics
+from kvstore.store import Reservation, Tier, TieredStore, check_key
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+FRAME_BYTES = 4 << 20
+GRPC_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
+                ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20)),
+                ("grpc.so_reuseport", 0)]
+
+
+def _rpc(op: str):
+    """Maps CrescentError to its gRPC status and times the call."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, request, context):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, request, context)
+            except CrescentError as exc:
+                context.abort(exc.grpc_code, str(exc))
+            finally:
+                self.metrics.observe(op, time.perf_counter() - t0)
+
+        return inner
+
+    return wrap
+
+
+class _Filler:
+    """Copies incoming frames into a reservation's views, in order."""
+
+    def __init__(self, res: Reservation) -> None:
+        self.res = res
+        self.views = list(res.views)
+        self.remaining = res.size
+
+    def write(self, data: bytes) -> None:
+        if len(data) > self.remaining:
+            raise InvalidArgumentError(
+                f"more data than the {self.res.size} bytes announced for key {self.res.key.hex()}")
+        mv = memoryview(data)
+        while mv.nbytes:
+            v = self.views[0]
+            n = min(v.nbytes, mv.nbytes)
+            v[:n] = mv[:n]
+            mv = mv[n:]
+            self.views[0] = v[n:]
+            if not self.views[0].nbytes:
+                self.views.pop(0)
+        self.remaining -= len(data)
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, node: StoreNode) -> None:
+        self.node = node
+        self.store = node.store
+        self.metrics = node.metrics
+
+    @_rpc("put")
+    def Put(self, request_iterator, context):
+        pending: list[Reservation] = []
+        filler: _Filler | None = None
+        committed = False
+        try:
+            for frame in request_iterator:
+                which = frame.WhichOneof("frame")
+                if which == "header":
+                    if filler is not None:
+                        raise InvalidArgumentError(
+                            f"value for key {filler.res.key.hex()} truncated: "
+                            f"{filler.remaining} bytes missing before the next header")
+                    filler = _Filler(self.store.reserve(frame.header.key, frame.header.size))
+                elif which == "data":
+                    if filler is None:
+                        raise InvalidArgumentError("a data frame without a header")
+                    filler.write(frame.data)
+                else:
+                    raise InvalidArgumentError("an empty frame")
+                if filler is not None and filler.remaining == 0:
+                    pending.append(filler.res)
+                    filler = None
+            if filler is not None:
+                raise InvalidArgumentError(
+                    f"value for key {filler.res.key.hex()} truncated: {filler.remaining} bytes missing")
+            self.store.commit_many(pending)
+            committed = True
+            return pb.PutResponse(num_stored=len(pending), num_bytes=sum(r.size for r in pending))
+        finally:
+            if filler is not None:
+                self.store.abort(filler.res)
+            if not committed:
+                for r in pending:
+                    self.store.abort(r)
+
+    def Get(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            for key in request.keys:
+                check_key(key)
+        except CrescentError as exc:
+            context.abort(exc.grpc_code, str(exc))
+        for i, key in enumerate(request.keys):
+            lease = self.store.acquire(key)
+            if lease is None:
+                yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
+                continue
+            try:
+                yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
+                                                      tier=int(lease.tier)))
+                for frame in _frames(lease.views):
+                    yield pb.GetFrame(data=frame)
+            finally:
+                self.store.release(lease)
+        self.metrics.observe("get", time.perf_counter() - t0)
+
+    @_rpc("lookup")
+    def Lookup(self, request, context):
+        for k in request.keys:
+            check_key(k)
+        n, tiers = self.store.lookup(request.keys)
+        return pb.LookupResponse(num_prefix=n, tiers=[int(t) for t in tiers])
+
+    @_rpc("exists")
+    def Exists(self, request, context):
+        for k in request.keys:
+            check_key(k)
+        return pb.ExistsResponse(present=self.store.exists(request.keys))
+
+    @_rpc("delete")
+    def Delete(self, request, context):
+        for k in request.keys:
+            check_key(k)
+        return pb.DeleteResponse(num_deleted=self.store.delete(request.keys))
+
+    @_rpc("pin")
+    def Pin(self, request, context):
+        for k in request.keys:
+            check_key(k)
+        if not request.ttl_s >= 0:  # also rejects NaN
+            raise InvalidArgumentError("ttl_s must be >= 0")
+        return pb.PinResponse(num_pinned=self.store.pin(request.keys, request.ttl_s))
+
+    @_rpc("stats")
+    def Stats(self, request, context):
+        s = self.store.stats()
+        return pb.StatsResponse(
+            tiers=[pb.TierStats(tier=int(t), capacity_bytes=v["capacity_bytes"],
+                                used_bytes=v["used_bytes"], num_entries=v["num_entries"],
+                                hits=v["hits"], evictions=v["evictions"])
+                   for t, v in s["tiers"].items()],
+            misses=s["misses"], demotions=s["demotions"], promotions=s["promotions"],
+            drops=s["drops"], num_leases=s["num_leases"], num_pinned=s["num_pinned"],
+            node_id=self.node.node_id)
+
+    @_rpc("health")
+    def Health(self, request, context):
+        dc = self.node.data_server
+        return pb.HealthResponse(serving=not self.node.stopping, node_id=self.node.node_id,
+                                 version=VERSION, max_key_bytes=MAX_KEY_BYTES,
+                                 max_value_bytes=self.store.config.max_value_size,
+                                 data_port=dc.port if dc else 0, data_token=dc.token if dc else b"")
+
+
+def _frames(views: list[memoryview]):
+    """Joins slot views into frames of up to FRAME_BYTES."""
+    batch, size = [], 0
+    for v in views:
+        while v.nbytes:
+            n = min(v.nbytes, FRAME_BYTES - size)
+            batch.append(v[:n])
+            size += n
+            v = v[n:]
+            if size == FRAME_BYTES:
+                yield b"".join(batch)
+                batch, size = [], 0
+    if batch:
+        yield b"".join(batch)
+
+
+class StoreNode:
+    """One store node process's parts: tiers, gRPC service, data channel, metrics."""
+
+    def __init__(self, config: StoreConfig, listener=None) -> None:
+        self.config = config
+        reap_stale_segments()
+        self.store = TieredStore(config, listener=listener)
+        self.metrics = StoreMetrics(self.store)
+        self.stopping = False
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
+                                  options=GRPC_OPTIONS)
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
+        host = config.listen.rpartition(":")[0]
+        self.port = self.server.add_insecure_port(config.listen)
+        if self.port == 0:
+            self.store.close()
+            raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
+        self.host = host
+        self.address = f"{host}:{self.port}"
+        self.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
+        self.data_server = None
+        if config.data_port >= 0:
+            self.data_server = DataChannelServer(
+                self.store, host, config.data_port,
+                on_op=lambda op, dt: self.metrics.observe(op, dt, "tcp"))
+        self._metrics_server = None
+
+    def start(self) -> StoreNode:
+        self.server.start()
+        if self.data_server:
+            self.data_server.start()
+        if self.config.metrics_port is not None:
+            self._metrics_server, _ = self.metrics.serve(self.config.metrics_port, self.host)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.stopping = True
+        if self.data_server:
+            self.data_server.stop()
+        self.server.stop(grace).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.store.close()
+
+
+def serve(config: StoreConfig) -> None:
+    """Runs a node until SIGTERM or SIGINT, then stops it gracefully."""
+    node = StoreNode(config).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    dc = f", data channel :{node.data_server.port}" if node.data_server else ""
+    tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
+    print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers})", flush=True)
+    done.wait()
+    print("crescent store: stopping", flush=True)
+    node.stop()

@@ -1,0 +1,534 @@
+"""TieredStore: opaque values under byte keys across HBM, DRAM and disk.
+
+Tiers, fastest first: DEVICE (GPU HBM, when configured), DRAM (a shared-memory
+slot arena) and DISK (LMDB). Each key lives in exactly one tier.
+
+- Put lands in the fastest tier with room, in two phases: ``reserve`` (slots
+  are taken, nothing is visible), fill the reservation's buffers, then
+  ``commit`` (the value appears whole) or ``abort``. Committing a key that
+  exists replaces it.
+- Eviction order: within a tier, least recently used first, where a commit and
+  a read (``acquire``) count as uses and ``lookup``/``exists`` do not. Entries
+  under a read lease or a live pin are skipped. Eviction starts when a
+  reservation would lift a tier above its high watermark and stops at its low
+  watermark. An evicted value is demoted to the next tier (write-back), or
+  dropped from the last one.
+- A read in a slower tier promotes the value to the fastest arena with room
+  (``promote=True``).
+- A read lease keeps its value in place: it is neither evicted nor freed while
+  leased; a delete or replace under a lease frees the old bytes on release.
+
+All index and allocator state is guarded by one lock; bulk copies into and out
+of DRAM slots happen outside it, protected by reservations and leases.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvstore.arena import DeviceArena, HostArena, SlotAllocator
+from kvstore.config import MAX_KEY_BYTES, StoreConfig
+from kvstore.disk import DiskTier, disk_cost
+from kvstore.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
+                            ResourceExhaustedError)
+
+
+class Tier(enum.IntEnum):
+    """Where a value lives; numbers match ``crescent.v1.Tier``."""
+
+    DEVICE = 1
+    DRAM = 2
+    DISK = 3
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    key: bytes
+    size: int
+    tier: Tier
+    slots: list[int] | None  # arena tiers only
+    leases: int = 0
+    pinned_until: float = 0.0
+    live: bool = True  # False once deleted or replaced; storage freed on last release
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """A change to the index, for listeners (tests, the conductor's KV events)."""
+
+    kind: Literal["stored", "moved", "removed"]
+    key: bytes
+    tier: Tier
+    """New tier for stored/moved; the tier it left for removed."""
+    reason: str = ""
+    """For removed: ``evicted``, ``deleted``, ``replaced`` or ``corrupt``."""
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Space for one value being written; invisible to readers until committed."""
+
+    key: bytes
+    size: int
+    tier: Tier
+    slots: list[int] | None = None
+    buffer: bytearray | None = None  # disk-bound values are staged in memory
+    views: list[memoryview] = field(default_factory=list)
+    """Writable buffers to fill, in order; they hold exactly ``size`` bytes."""
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A read lease: ``views`` stay valid and unchanged until ``release``."""
+
+    key: bytes
+    size: int
+    tier: Tier
+    views: list[memoryview]
+    _entry: _Entry
+    released: bool = False
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, (bytes, bytearray)):
+        raise InvalidArgumentError(f"a key must be bytes, got {type(key).__name__}")
+    if not key:
+        raise InvalidArgumentError("empty key")
+    if len(key) > MAX_KEY_BYTES:
+        raise InvalidArgumentError(f"key of {len(key)} bytes exceeds the limit of {MAX_KEY_BYTES}")
+
+
+class TieredStore:
+    """A node's tiers behind one index. Thread-safe."""
+
+    def __init__(self, config: StoreConfig,
+                 listener: Callable[[StoreEvent], None] | None = None) -> None:
+        self.config = config
+        self._listener = listener
+        self._lock = threading.Lock()
+        self._arenas: list[tuple[Tier, SlotAllocator]] = []
+        if config.device > 0:
+            self._arenas.append((Tier.DEVICE, DeviceArena(config.device, config.slot_size)))
+        self.dram = HostArena(config.dram, config.slot_size)
+        self._arenas.append((Tier.DRAM, self.dram))
+        self.disk = DiskTier(config.disk, config.disk_size, config.disk_sync) if config.disk else None
+        self._index: dict[bytes, _Entry] = {}
+        self._lru: dict[Tier, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in Tier}
+        self._disk_used = 0  # committed and reserved disk cost
+        self.counters = {"hits": {t: 0 for t in Tier}, "evictions": {t: 0 for t in Tier},
+                         "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
+                         "corrupt": 0, "bytes_in": 0, "bytes_out": 0}
+        self._num_leases = 0
+        if self.disk is not None:
+            for key, size, _ in sorted(self.disk.scan(), key=lambda r: r[2]):
+                e = _Entry(key, size, Tier.DISK, None)
+                self._index[key] = e
+                self._lru[Tier.DISK][key] = e
+                self._disk_used += disk_cost(size)
+
+    # ---- writes -------------------------------------------------------------
+
+    def reserve(self, key: bytes, size: int) -> Reservation:
+        """Takes room for a value in the fastest tier that has (or can make) it.
+
+        Raises:
+            InvalidArgumentError: bad key or size.
+            ResourceExhaustedError: no tier can make room (all leased or pinned, or full).
+        """
+        check_key(key)
+        key = bytes(key)
+        if not 0 <= size <= self.config.max_value_size:
+            raise InvalidArgumentError(
+                f"value of {size} bytes exceeds the limit of {self.config.max_value_size}")
+        with self._lock:
+            for pos, (tier, arena) in enumerate(self._arenas):
+                n = arena.slots_for(size)
+                if n <= arena.num_slots and self._make_room(pos, n):
+                    slots = arena.alloc(n)
+                    assert slots is not None
+                    res = Reservation(key, size, tier, slots=slots)
+                    if isinstance(arena, HostArena):
+                        res.views = arena.views(slots, size)
+                    else:
+                        res.buffer = bytearray(size)
+                        res.views = [memoryview(res.buffer)]
+                    return res
+            if self.disk is not None and self._make_disk_room(disk_cost(size)):
+                self._disk_used += disk_cost(size)
+                buf = bytearray(size)
+                return Reservation(key, size, Tier.DISK, buffer=buf, views=[memoryview(buf)])
+        raise ResourceExhaustedError(
+            f"no tier can hold {size} bytes: every resident value is leased or pinned, or the store is full")
+
+    def commit(self, res: Reservation) -> None:
+        self.commit_many([res])
+
+    def commit_many(self, reservations: list[Reservation]) -> None:
+        """Makes reserved values visible, whole; disk-bound ones in one LMDB transaction.
+
+        Raises:
+            FailedPreconditionError: a reservation was already committed or aborted.
+            ResourceExhaustedError: the disk filled up (the disk-bound values are aborted).
+        """
+        with self._lock:
+            for r in reservations:
+                if r.done:
+                    raise FailedPreconditionError("reservation already committed or aborted")
+            to_disk = [r for r in reservations if r.tier is Tier.DISK]
+            if to_disk:
+                try:
+                    self.disk.put_many([(r.key, r.buffer) for r in to_disk])
+                except ResourceExhaustedError:
+                    for r in reservations:
+                        self._abort_locked(r)
+                    raise
+            for r in reservations:
+                r.done = True
+                slots = r.slots
+                if r.tier is Tier.DEVICE:
+                    self._arena(Tier.DEVICE).write(slots, r.views)
+                self._install(_Entry(r.key, r.size, r.tier, slots))
+                self.counters["bytes_in"] += r.size
+                r.views = []
+                r.buffer = None
+
+    def abort(self, res: Reservation) -> None:
+        """Returns a reservation's room; its bytes are never visible. Idempotent."""
+        with self._lock:
+            self._abort_locked(res)
+
+    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> Tier:
+        """Reserve, copy and commit one value; returns the tier it landed in."""
+        mv = memoryview(value).cast("B")
+        res = self.reserve(key, mv.nbytes)
+        try:
+            off = 0
+            for v in res.views:
+                v[:] = mv[off : off + len(v)]
+                off += len(v)
+            self.commit(res)
+        except BaseException:
+            self.abort(res)
+            raise
+        return res.tier
+
+    # ---- reads --------------------------------------------------------------
+
+    def acquire(self, key: bytes) -> Lease | None:
+        """A read lease on ``key``'s value, or None on a miss.
+
+        A DRAM value is leased in place (views into the arena); a device or disk
+        value is copied out (and promoted if configured).
+        """
+        check_key(key)
+        key = bytes(key)
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                self.counters["misses"] += 1
+                return None
+            e.leases += 1
+            self._num_leases += 1
+            self._lru[e.tier].move_to_end(key)
+            self.counters["hits"][e.tier] += 1
+            self.counters["bytes_out"] += e.size
+            tier = e.tier
+            if tier is Tier.DRAM:
+                return Lease(key, e.size, tier, self.dram.views(e.slots, e.size), e)
+            if tier is Tier.DEVICE:
+                data = self._arena(Tier.DEVICE).read(e.slots, e.size)
+                return Lease(key, e.size, tier, [memoryview(data)], e)
+        try:
+            data = self.disk.get(key)
+        except DataLossError:
+            data = None
+        lease = Lease(key, len(data) if data is not None else 0, tier,
+                      [memoryview(data)] if data is not None else [], e)
+        if data is None:
+            with self._lock:
+                self.counters["corrupt"] += 1
+                if e.live:
+                    self._remove(e, "corrupt")
+            self.release(lease)
+            return None
+        if self.config.promote and self._arenas:
+            self._promote(e, data)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """Ends a read lease. Idempotent."""
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            lease.views = []
+            e = lease._entry
+            e.leases -= 1
+            self._num_leases -= 1
+            if not e.live and e.leases == 0:
+                self._free_storage(e)
+
+    def get(self, key: bytes) -> bytes | None:
+        lease = self.acquire(key)
+        if lease is None:
+            return None
+        try:
+            return b"".join(lease.views)
+        finally:
+            self.release(lease)
+
+    # ---- metadata -----------------------------------------------------------
+
+    def lookup(self, keys: Iterable[bytes]) -> tuple[int, list[Tier]]:
+        """Length of the longest present prefix of ``keys`` and the tier of each key in it."""
+        tiers = []
+        with self._lock:
+            for k in keys:
+                e = self._index.get(bytes(k))
+                if e is None:
+                    break
+                tiers.append(e.tier)
+        return len(tiers), tiers
+
+    def exists(self, keys: Iterable[bytes]) -> list[bool]:
+        with self._lock:
+            return [bytes(k) in self._index for k in keys]
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Removes keys; returns how many were present."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                e = self._index.get(bytes(k))
+                if e is not None:
+                    self._remove(e, "deleted")
+                    n += 1
+        return n
+
+    def pin(self, keys: Iterable[bytes], ttl_s: float) -> int:
+        """Protects keys from eviction for ``ttl_s`` seconds (0 unpins); returns keys found."""
+        if ttl_s < 0:
+            raise InvalidArgumentError("pin ttl must be >= 0")
+        until = time.monotonic() + ttl_s if ttl_s > 0 else 0.0
+        n = 0
+        with self._lock:
+            for k in keys:
+                e = self._index.get(bytes(k))
+                if e is not None:
+                    e.pinned_until = until
+                    n += 1
+        return n
+
+    def tier_of(self, key: bytes) -> Tier | None:
+        with self._lock:
+            e = self._index.get(bytes(key))
+            return e.tier if e else None
+
+    def stats(self) -> dict:
+        """Counters and per-tier capacity/use, as plain data."""
+        now = time.monotonic()
+        with self._lock:
+            tiers = {}
+            for tier, arena in self._arenas:
+                tiers[tier] = {"capacity_bytes": arena.capacity_bytes, "used_bytes": arena.used_bytes,
+                               "num_entries": len(self._lru[tier])}
+            if self.disk is not None:
+                tiers[Tier.DISK] = {"capacity_bytes": self.disk.capacity_bytes,
+                                    "used_bytes": self._disk_used,
+                                    "num_entries": len(self._lru[Tier.DISK])}
+            for tier, t in tiers.items():
+                t["hits"] = self.counters["hits"][tier]
+                t["evictions"] = self.counters["evictions"][tier]
+            c = self.counters
+            return {"tiers": tiers, "misses": c["misses"], "demotions": c["demotions"],
+                    "promotions": c["promotions"], "drops": c["drops"], "corrupt": c["corrupt"],
+                    "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
+                    "num_leases": self._num_leases,
+                    "num_pinned": sum(e.pinned_until > now for e in self._index.values())}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def close(self) -> None:
+        with self._lock:
+            for _, arena in self._arenas:
+                arena.close()
+            if self.disk is not None:
+                self.disk.close()
+
+    # ---- internals (lock held) ---------------------------------------------
+
+    def _arena(self, tier: Tier):
+        for t, a in self._arenas:
+            if t is tier:
+                return a
+        raise AssertionError(tier)
+
+    def _emit(self, kind, key, tier, reason="") -> None:
+        if self._listener is not None:
+            self._listener(StoreEvent(kind, key, tier, reason))
+
+    def _install(self, e: _Entry) -> None:
+        old = self._index.get(e.key)
+        if old is not None:  # replaced: unlink first, free after the new entry is in place
+            old.live = False
+            del self._lru[old.tier][old.key]
+        self._index[e.key] = e
+        self._lru[e.tier][e.key] = e
+        if old is not None and old.leases == 0:
+            self._free_storage(old)
+        self._emit("stored", e.key, e.tier)
+
+    def _remove(self, e: _Entry, reason: str) -> None:
+        assert e.live
+        e.live = False
+        del self._index[e.key]
+        del self._lru[e.tier][e.key]
+        self._emit("removed", e.key, e.tier, reason)
+        if e.leases == 0:
+            self._free_storage(e)
+
+    def _free_storage(self, e: _Entry) -> None:
+        if e.tier is Tier.DISK:
+            self._disk_used -= disk_cost(e.size)
+            # NOTE: a replaced disk value shares its LMDB key with the new one,
+            # which may be on disk too: delete only if nothing live is there.
+            cur = self._index.get(e.key)
+            if cur is None or cur.tier is not Tier.DISK:
+                self.disk.delete_many([e.key])
+        else:
+            self._arena(e.tier).free(e.slots)
+            e.slots = None
+
+    def _abort_locked(self, r: Reservation) -> None:
+        if r.done:
+            return
+        r.done = True
+        if r.tier is Tier.DISK:
+            self._disk_used -= disk_cost(r.size)
+        else:
+            self._arena(r.tier).free(r.slots)
+        r.views = []
+        r.buffer = None
+
+    def _victims(self, tier: Tier, enough: Callable[[int], bool], cost: Callable[[_Entry], int]) -> list[_Entry]:
+        """Least recently used evictable entries of ``tier`` until ``enough(freed)``."""
+        now = time.monotonic()
+        out, freed = [], 0
+        for e in self._lru[tier].values():
+            if enough(freed):
+                break
+            if e.leases or e.pinned_until > now:
+                continue
+            out.append(e)
+            freed += cost(e)
+        return out
+
+    def _make_room(self, pos: int, num_slots: int) -> bool:
+        """Evicts from arena ``pos`` so that ``num_slots`` more fit; True if they do."""
+        tier, arena = self._arenas[pos]
+        in_use = arena.num_slots - arena.num_free
+        if in_use + num_slots <= int(self.config.high_watermark * arena.num_slots):
+            return True
+        low = int(self.config.low_watermark * arena.num_slots)
+        need = max(num_slots - arena.num_free, in_use + num_slots - low)
+        victims = self._victims(tier, lambda freed: freed >= need, lambda e: len(e.slots))
+        self._demote(pos, victims)
+        return arena.num_free >= num_slots
+
+    def _make_disk_room(self, cost: int) -> bool:
+        cap = self.disk.capacity_bytes
+        if self._disk_used + cost <= self.config.high_watermark * cap:
+            return True
+        need = max(self._disk_used + cost - cap, self._disk_used + cost - self.config.low_watermark * cap)
+        victims = self._victims(Tier.DISK, lambda freed: freed >= need, lambda e: disk_cost(e.size))
+        for e in victims:
+            self._evicted(e)
+        return self._disk_used + cost <= cap
+
+    def _evicted(self, e: _Entry) -> None:
+        self.counters["evictions"][e.tier] += 1
+        self.counters["drops"] += 1
+        self._remove(e, "evicted")
+
+    def _demote(self, pos: int, victims: list[_Entry]) -> None:
+        """Moves victims of arena ``pos`` to the next tier (write-back), or drops them."""
+        tier, arena = self._arenas[pos]
+        if not victims:
+            return
+        for e in victims:
+            self.counters["evictions"][tier] += 1
+        if pos + 1 < len(self._arenas):
+            next_tier, nxt = self._arenas[pos + 1]
+            for e in victims:
+                n = nxt.slots_for(e.size)
+                if n <= nxt.num_slots and self._make_room(pos + 1, n):
+                    data = arena.read(e.slots, e.size)  # device → host bytes
+                    slots = nxt.alloc(n)
+                    for v, src in zip(nxt.views(slots, e.size), _split(data, nxt.slot_bytes)):
+                        v[:] = src
+                    self._move(e, next_tier, slots)
+                else:
+                    self.counters["evictions"][tier] -= 1
+                    self._evicted(e)
+            return
+        if self.disk is not None:
+            costs = sum(disk_cost(e.size) for e in victims)
+            if self._make_disk_room(costs):
+                try:
+                    self.disk.put_many([(e.key, arena.views(e.slots, e.size)) for e in victims])
+                except ResourceExhaustedError:
+                    pass
+                else:
+                    self._disk_used += costs
+                    for e in victims:
+                        self._move(e, Tier.DISK, None)
+                    return
+        for e in victims:
+            self.counters["evictions"][tier] -= 1
+            self._evicted(e)
+
+    def _move(self, e: _Entry, tier: Tier, slots: list[int] | None) -> None:
+        old_tier = e.tier
+        del self._lru[old_tier][e.key]
+        if old_tier is Tier.DISK:
+            self._disk_used -= disk_cost(e.size)
+            self.disk.delete_many([e.key])
+        else:
+            self._arena(old_tier).free(e.slots)
+        e.tier, e.slots = tier, slots
+        self._lru[tier][e.key] = e
+        if tier > old_tier:
+            self.counters["demotions"] += 1
+        else:
+            self.counters["promotions"] += 1
+        self._emit("moved", e.key, tier)
+
+    def _promote(self, e: _Entry, data: bytes) -> None:
+        """Moves a disk value just read into the fastest arena that has room."""
+        with self._lock:
+            if not e.live or e.tier is not Tier.DISK:
+                return
+            for pos, (tier, arena) in enumerate(self._arenas):
+                n = arena.slots_for(e.size)
+                if n <= arena.num_slots and self._make_room(pos, n):
+                    slots = arena.alloc(n)
+                    if isinstance(arena, HostArena):
+                        for v, src in zip(arena.views(slots, e.size), _split(data, arena.slot_bytes)):
+                            v[:] = src
+                    else:
+                        arena.write(slots, [memoryview(data)])
+                    self._move(e, tier, slots)
+                    return
+
+
+def _split(data, step: int) -> list[memoryview]:
+    mv = memoryview(data)
+    return [mv[i : i + step] for i in range(0, len(mv), step)] or [mv]

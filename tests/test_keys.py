@@ -1,0 +1,101 @@
+"""Chunk keys: golden vectors (they must never change silently) and the spec'd encoding."""
+
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, chunk_keys, make_namespace
+
+LLAMA = ModelFingerprint("llama-3-8b", "bfloat16", 32, 8, 128, 256)
+TINY = ModelFingerprint("tiny", "float32", 2, 2, 64, 4)
+
+GOLDEN_NS = {None: "490e85c2e7f0e95eadd3249536e38969", "tenant-a": "71c987b9f7a2da2e79e610cfe2fdccb6"}
+GOLDEN_TINY_NS = "4ab3f94c133bbfdaca18399c1625af71"
+GOLDEN_TINY_KEYS = ["599d769cc899dbbd07d7efc95870ded0", "788fbf481e0d06320351a17b6596eb41"]
+GOLDEN_EXTREMES = "585571c016c84d0a4a7a73ca16eec8ee"
+
+
+def test_fingerprint_encoding():
+    assert LLAMA.encode() == (b"model_id=llama-3-8b\ndtype=bfloat16\nnum_layers=32\nnum_kv_heads=8\n"
+                              b"head_dim=128\nchunk_tokens=256\ntp_rank=0\ntp_size=1\n")
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_golden_namespaces(salt):
+    assert make_namespace(LLAMA, salt).hex() == GOLDEN_NS[salt]
+
+
+def test_golden_chunk_keys():
+    ns = make_namespace(TINY)
+    assert ns.hex() == GOLDEN_TINY_NS
+    assert [k.hex() for k in chunk_keys(list(range(1, 11)), ns, 4)] == GOLDEN_TINY_KEYS
+    assert chunk_key(ROOT_KEY, ns, [0, -1, 2**31 - 1, -(2**31)]).hex() == GOLDEN_EXTREMES
+
+
+def test_encoding_matches_the_documented_bytes():
+    """Recompute from the spec in docs/keys.md with nothing but struct and xxhash."""
+    fp = TINY.encode()
+    ns = xxhash.xxh3_128(b"crescent/namespace/v1\x00" + struct.pack("<I", len(fp)) + fp
+                         + struct.pack("<I", 0)).digest()
+    assert ns == make_namespace(TINY)
+    parent = bytes(16)
+    expected = []
+    for i in range(2):
+        toks = struct.pack("<4i", *range(1 + 4 * i, 5 + 4 * i))
+        parent = xxhash.xxh3_128(parent + ns + toks, seed=0).digest()
+        expected.append(parent)
+    assert chunk_keys(list(range(1, 11)), make_namespace(TINY), 4) == expected
+
+
+def test_deterministic_across_processes():
+    code = ("from kvstore.keys import *; ns = make_namespace(ModelFingerprint('tiny','float32',2,2,64,4));"
+            "print(chunk_keys(list(range(1, 11)), ns, 4)[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={"PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in (1, 2)}
+    assert outs == {GOLDEN_TINY_KEYS[-1]}
+
+
+def test_chain_partial_tail_and_input_types():
+    ns = make_namespace(TINY)
+    toks = list(range(1, 11))
+    keys = chunk_keys(toks, ns, 4)
+    assert len(keys) == 2  # the 2-token tail has no key
+    assert chunk_keys(np.array(toks, dtype=np.int64), ns, 4) == keys
+    assert chunk_keys(toks[:8], ns, 4) == keys
+    assert chunk_keys(toks[:3], ns, 4) == []
+    # chained: the second key depends on the first chunk's tokens
+    assert chunk_keys([99] + toks[1:], ns, 4)[1] != keys[1]
+    assert chunk_key(keys[0], ns, toks[4:8]) == keys[1]
+
+
+def test_salt_isolates_and_no_salt_shares():
+    toks = list(range(100))
+    a = chunk_keys(toks, make_namespace(TINY, "alice"), 4)
+    b = chunk_keys(toks, make_namespace(TINY, "bob"), 4)
+    assert not set(a) & set(b)
+    assert chunk_keys(toks, make_namespace(TINY), 4) == chunk_keys(toks, make_namespace(TINY, ""), 4)
+
+
+def test_fingerprint_fields_change_the_namespace():
+    base = make_namespace(LLAMA)
+    for change in ({"dtype": "float16"}, {"num_layers": 31}, {"chunk_tokens": 128},
+                   {"tp_rank": 1, "tp_size": 2}, {"model_id": "other"}):
+        fp = ModelFingerprint(**{**{f: getattr(LLAMA, f) for f in LLAMA.__slots__}, **change})
+        assert make_namespace(fp) != base, change
+
+
+@pytest.mark.parametrize("bad", [[2**31], [-(2**31) - 1], [[1, 2]], [1.5]])
+def test_bad_tokens_raise(bad):
+    with pytest.raises(ValueError):
+        chunk_keys(bad, make_namespace(TINY), 1)
+
+
+def test_bad_fingerprint_names_the_knob():
+    with pytest.raises(ValueError, match="tp_rank"):
+        ModelFingerprint("m", "float32", 1, 1, 64, 4, tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ModelFingerprint("m", "float32", 1, 1, 64, 0)

@@ -1,0 +1,237 @@
+"""TieredStore: exact eviction order, demotion/promotion, two-phase puts, leases, pins, disk faults."""
+
+import os
+import time
+
+import lmdb
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.disk import DiskTierError
+from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from kvstore.store import StoreEvent, Tier, TieredStore
+
+SLOT = 4096
+
+
+def make(tmp_path=None, slots=4, disk=False, listener=None, **kw):
+    cfg = StoreConfig(dram=slots * SLOT, slot_size=SLOT, high_watermark=kw.pop("high", 1.0),
+                      low_watermark=kw.pop("low", 1.0),
+                      disk=str(tmp_path / "disk") if disk else None, disk_size=kw.pop("disk_size", 4 << 20), **kw)
+    return TieredStore(cfg, listener=listener)
+
+
+def val(tag: int, size: int = SLOT) -> bytes:
+    return bytes([tag % 256]) * size
+
+
+@pytest.fixture
+def events():
+    return []
+
+
+def test_lru_eviction_order_is_exact(events):
+    s = make(slots=4, listener=events.append)
+    for k in b"abcd":
+        s.put(bytes([k]), val(k))
+    assert s.get(b"a") == val(ord("a"))  # a read touches a
+    s.exists([b"b"])  # exists and lookup do not
+    s.lookup([b"b"])
+    s.put(b"e", val(1))
+    assert [e for e in events if e.kind == "removed"] == [StoreEvent("removed", b"b", Tier.DRAM, "evicted")]
+    s.put(b"f", val(2))
+    s.put(b"g", val(3))
+    assert s.exists([b"a", b"b", b"c", b"d", b"e", b"f", b"g"]) == [True, False, False, False, True, True, True]
+
+
+def test_watermarks_evict_down_to_low(events):
+    s = make(slots=10, high=0.8, low=0.5, listener=events.append)
+    for i in range(8):
+        s.put(b"k%d" % i, val(i))
+    assert not [e for e in events if e.kind == "removed"]
+    s.put(b"k8", val(8))  # 8 + 1 > 8 slots: evict until 8 + 1 - evicted <= 5
+    evicted = [e.key for e in events if e.kind == "removed"]
+    assert evicted == [b"k0", b"k1", b"k2", b"k3"]
+    assert s.stats()["tiers"][Tier.DRAM]["num_entries"] == 5
+
+
+def test_demotion_to_disk_then_promotion_on_hit(tmp_path, events):
+    s = make(tmp_path, slots=4, disk=True, listener=events.append)
+    for i in range(5):
+        s.put(b"k%d" % i, val(i))
+    assert s.tier_of(b"k0") is Tier.DISK
+    assert events[-2] == StoreEvent("moved", b"k0", Tier.DISK)
+    assert s.get(b"k0") == val(0)
+    assert s.tier_of(b"k0") is Tier.DRAM  # promoted
+    assert s.tier_of(b"k1") is Tier.DISK  # the LRU made room for it
+    st = s.stats()
+    assert (st["demotions"], st["promotions"], st["drops"]) == (2, 1, 0)
+    assert st["tiers"][Tier.DISK]["hits"] == 1
+
+
+def test_no_promotion_when_disabled(tmp_path):
+    s = make(tmp_path, slots=2, disk=True, promote=False)
+    for i in range(3):
+        s.put(b"k%d" % i, val(i))
+    assert s.get(b"k0") == val(0) and s.tier_of(b"k0") is Tier.DISK
+
+
+def test_multi_slot_values_and_partial_slots(tmp_path):
+    s = make(tmp_path, slots=8, disk=True)
+    data = os.urandom(3 * SLOT + 17)
+    assert s.put(b"big", data) is Tier.DRAM
+    assert s.stats()["tiers"][Tier.DRAM]["used_bytes"] == 4 * SLOT
+    assert s.get(b"big") == data
+    assert s.put(b"empty", b"") is Tier.DRAM and s.get(b"empty") == b""
+    huge = os.urandom(9 * SLOT)  # larger than the whole arena: lands on disk
+    assert s.put(b"huge", huge) is Tier.DISK and s.get(b"huge") == huge
+
+
+def test_two_phase_put():
+    s = make(slots=4)
+    res = s.reserve(b"k", 10)
+    assert s.exists([b"k"]) == [False] and s.get(b"k") is None
+    res.views[0][:] = b"0123456789"
+    assert s.get(b"k") is None
+    s.commit(res)
+    assert s.get(b"k") == b"0123456789"
+    res2 = s.reserve(b"k", 3)
+    res2.views[0][:] = b"new"
+    s.abort(res2)
+    assert s.get(b"k") == b"0123456789"  # an aborted replace leaves the old value
+    assert s.stats()["tiers"][Tier.DRAM]["used_bytes"] == SLOT
+    with pytest.raises(FailedPreconditionError):
+        s.commit(res2)
+
+
+def test_leases_block_eviction_and_full_leased_dram_is_exhausted():
+    s = make(slots=2)
+    s.put(b"a", val(1))
+    s.put(b"b", val(2))
+    la = s.acquire(b"a")
+    s.put(b"c", val(3))  # evicts b, not the leased a
+    assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
+    lc = s.acquire(b"c")
+    with pytest.raises(ResourceExhaustedError):
+        s.put(b"d", val(4))
+    assert b"".join(la.views) == val(1)
+    s.release(la)
+    s.release(la)  # idempotent
+    s.put(b"d", val(4))
+    assert s.exists([b"a", b"c", b"d"]) == [False, True, True]
+    s.release(lc)
+    assert s.stats()["num_leases"] == 0
+
+
+def test_delete_and_replace_under_lease_keep_the_leased_bytes():
+    s = make(slots=4)
+    s.put(b"a", val(1))
+    s.put(b"b", val(2))
+    la, lb = s.acquire(b"a"), s.acquire(b"b")
+    assert s.delete([b"a", b"zz"]) == 1
+    s.put(b"b", val(9))  # replace
+    assert s.get(b"a") is None and s.get(b"b") == val(9)
+    for i in range(3):  # churn: any reuse of the leased slots would show
+        s.put(b"x%d" % i, val(100 + i))
+    assert b"".join(la.views) == val(1) and b"".join(lb.views) == val(2)
+    s.release(la)
+    s.release(lb)
+    assert s.stats()["tiers"][Tier.DRAM]["used_bytes"] <= 4 * SLOT
+
+
+def test_pins_block_eviction_until_their_ttl():
+    s = make(slots=2)
+    s.put(b"a", val(1))
+    s.put(b"b", val(2))
+    assert s.pin([b"a", b"nope"], 60) == 1
+    s.put(b"c", val(3))
+    assert s.exists([b"a", b"b"]) == [True, False]
+    s.pin([b"a"], 0)  # unpin
+    s.put(b"d", val(4))
+    assert s.exists([b"a"]) == [False]
+    s.put(b"e", val(5))
+    s.pin([b"d"], 0.05)
+    time.sleep(0.2)  # the pin has lapsed
+    s.put(b"f", val(6))
+    s.put(b"g", val(7))
+    assert s.exists([b"d"]) == [False]
+    with pytest.raises(InvalidArgumentError):
+        s.pin([b"e"], -1)
+
+
+def test_bad_input():
+    s = make(slots=2, max_value_size=3 * SLOT)
+    with pytest.raises(InvalidArgumentError, match="empty key"):
+        s.put(b"", b"x")
+    with pytest.raises(InvalidArgumentError, match="exceeds the limit"):
+        s.put(b"k" * 1025, b"x")
+    with pytest.raises(InvalidArgumentError, match="exceeds the limit"):
+        s.reserve(b"k", 3 * SLOT + 1)
+    with pytest.raises(InvalidArgumentError):
+        s.get(b"")
+    assert len(s) == 0
+
+
+def test_value_larger_than_dram_without_disk_is_exhausted():
+    s = make(slots=2)
+    with pytest.raises(ResourceExhaustedError):
+        s.put(b"k", bytes(3 * SLOT))
+
+
+def test_restart_rebuilds_the_disk_index(tmp_path):
+    s = make(tmp_path, slots=2, disk=True)
+    for i in range(6):
+        s.put(b"k%d" % i, val(i, 1000 + i))
+    on_disk = [b"k%d" % i for i in range(6) if s.tier_of(b"k%d" % i) is Tier.DISK]
+    assert len(on_disk) == 4
+    s.close()
+    s2 = make(tmp_path, slots=2, disk=True)
+    assert len(s2) == 4
+    for k in on_disk:
+        i = int(k[1:])
+        assert s2.get(k) == val(i, 1000 + i)
+
+
+def test_corrupt_disk_record_reads_as_a_miss(tmp_path, events):
+    s = make(tmp_path, slots=1, disk=True, listener=events.append)
+    s.put(b"a", val(1))
+    s.put(b"b", val(2))
+    assert s.tier_of(b"a") is Tier.DISK
+    s.close()
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=1)
+    db = env.open_db(b"values")
+    with env.begin(db=db, write=True) as txn:
+        rec = bytearray(txn.get(b"a"))
+        rec[-1] ^= 0xFF
+        txn.put(b"a", bytes(rec))
+    env.close()
+    s = make(tmp_path, slots=1, disk=True, listener=events.append)
+    assert s.get(b"a") is None
+    assert events[-1] == StoreEvent("removed", b"a", Tier.DISK, "corrupt")
+    assert s.stats()["corrupt"] == 1 and s.exists([b"a"]) == [False]
+    s.put(b"a", val(3))  # the key is usable again
+    assert s.get(b"a") == val(3)
+
+
+def test_corrupt_lmdb_file_is_a_clear_startup_error(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir()
+    (d / "data.mdb").write_bytes(os.urandom(64 << 10))
+    with pytest.raises(DiskTierError, match="disk tier"):
+        make(tmp_path, slots=1, disk=True)
+
+
+def test_disk_full_is_exhausted_and_the_store_keeps_serving(tmp_path):
+    s = make(tmp_path, slots=1, disk=True, disk_size=256 << 10)
+    s.put(b"a", val(1))
+    lease = s.acquire(b"a")  # DRAM is full and leased: puts go to disk
+    stored = []
+    with pytest.raises(ResourceExhaustedError):
+        for i in range(200):
+            for held in [s.acquire(k) for k in stored]:  # lease everything: nothing evictable
+                s.release(held) if held is None else None
+            s.put(b"d%d" % i, val(i, 30_000))
+            stored.append(b"d%d" % i)
+    assert stored, "some values fit before the disk filled up"
+    s.release(lease)
+    assert s.get(b"a") == val(1)
