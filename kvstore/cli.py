@@ -30,6 +30,13 @@ def attr_docs(cls) -> dict[str, str]:
     return docs
 
 
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
     """One flag per dataclass field: ``--field-name``, typed, with the field's docstring as help."""
     docs = attr_docs(cls)
@@ -40,7 +47,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
         default = f.default
         help_text = docs.get(f.name, "")
         if f.metadata.get("size"):
-            parser.add_argument(flag, type=parse_size, default=default, metavar="SIZE",
+            parser.add_argument(flag, type=size_arg, default=default, metavar="SIZE",
                                 help=f"{help_text} (default: {format_size(default)})")
         elif hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,

@@ -1,0 +1,57 @@
+"""Test helpers: store nodes in-process or as real processes, always stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):
+    """Polls ``cond`` until truthy; generous deadline for a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class StoreProcess:
+    """``crescent store`` as a real subprocess on 127.0.0.1:0; the address is read from its banner."""
+
+    def __init__(self, *args: str, timeout_s: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on ([^\s,]+)", line)
+        if not m:
+            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            self.stop()
+            raise RuntimeError(f"store did not start: {line!r} {err!r}")
+        self.address = m.group(1)
+        self.pid = self.proc.pid
+
+    def kill9(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait(timeout=60)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f:
+                f.close()
+        return self.proc.returncode

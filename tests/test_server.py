@@ -1,0 +1,382 @@
+"""A real store node on loopback: round trips, prefix lookups, concurrency, and every bad input."""
+
+import os
+import socket
+import struct
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import xxhash
+
+from kvstore.client import Retry, StoreClient
+from kvstore.config import StoreConfig
+from kvstore.datachannel import HELLO, Op, encode_request, read_response
+from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.server import StoreNode
+from kvstore.store import Tier
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.helpers import wait_for
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    nodes = []
+
+    def make(**kw):
+        kw.setdefault("dram", 16 * MiB)
+        if kw.pop("with_disk", True):
+            kw.setdefault("disk", str(tmp_path / f"disk{len(nodes)}"))
+            kw.setdefault("disk_size", 64 * MiB)
+        node = StoreNode(StoreConfig(listen="127.0.0.1:0", **kw)).start()
+        nodes.append(node)
+        return node
+
+    yield make
+    for n in nodes:
+        n.stop(grace=0)
+
+
+@pytest.fixture
+def node(make_node):
+    return make_node()
+
+
+@pytest.fixture(params=["tcp", "grpc"])
+def client(request, node):
+    c = StoreClient(node.address, data_channel=request.param == "tcp")
+    yield c
+    c.close()
+
+
+def stub(node):
+    ch = grpc.insecure_channel(node.address)
+    return ch, pb_grpc.KVStoreStub(ch)
+
+
+def test_round_trip(client):
+    client.put(b"small", b"x")
+    big = os.urandom(9 * MiB + 3)  # several gRPC frames, many slots
+    client.put(b"big", big)
+    assert client.get(b"small") == b"x"
+    assert client.get(b"big") == big
+    assert client.get(b"missing") is None
+    client.put(b"empty", b"")
+    assert client.get(b"empty") == b""
+    vals = {b"b%d" % i: os.urandom(100_000 + i) for i in range(10)}
+    assert client.batch_put(list(vals.items())) == [True] * 10
+    got = client.batch_get(list(vals) + [b"nope"])
+    assert [bytes(g) for g in got[:-1]] == list(vals.values()) and got[-1] is None
+    bufs = [bytearray(200_000) for _ in vals]
+    sizes = client.batch_get_into(list(vals), bufs)
+    assert sizes == [len(v) for v in vals.values()]
+    assert all(bytes(b[:n]) == v for b, n, v in zip(bufs, sizes, vals.values()))
+    with pytest.raises(InvalidArgumentError, match="exceeds its buffer"):
+        client.batch_get_into([b"big"], [bytearray(10)])
+    parts = [b"head", memoryview(b"-body-"), bytearray(b"tail")]
+    client.put(b"parts", parts)
+    assert client.get(b"parts") == b"head-body-tail"
+
+
+def test_batch_get_into_tensors(client):
+    import torch
+
+    src = torch.randn(4, 1024)
+    client.put(b"t", src)
+    dst = torch.empty(4, 1024)
+    assert client.batch_get_into([b"t"], [dst]) == [src.numel() * 4]
+    assert torch.equal(src, dst)
+
+
+def test_lookup_prefix_semantics_and_metadata(client):
+    keys = [b"c%d" % i for i in range(5)]
+    for k in (keys[0], keys[1], keys[3]):
+        client.put(k, k * 10)
+    assert client.lookup(keys) == 2
+    assert client.lookup_tiers(keys) == (2, [Tier.DRAM, Tier.DRAM])
+    assert client.lookup(keys[2:]) == 0 and client.lookup([]) == 0
+    assert client.exists(keys) == [True, True, False, True, False]
+    assert client.pin(keys, 60) == 3
+    assert client.stats()["num_pinned"] == 3
+    assert client.unpin(keys) == 3
+    assert client.delete(keys) == 3
+    assert client.lookup(keys) == 0
+    st = client.stats()
+    assert st["tiers"]["dram"]["num_entries"] == 0 and "disk" in st["tiers"]
+
+
+def _self_describing(key: bytes, version: int, size: int) -> bytes:
+    body = (key + b":%d:" % version) * (size // (len(key) + 8) + 1)
+    body = body[: size - 8]
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def _whole(key: bytes, value: bytes) -> bool:
+    body, (digest,) = value[:-8], struct.unpack("<Q", value[-8:])
+    return xxhash.xxh3_64_intdigest(body) == digest and body.startswith(key + b":")
+
+
+@pytest.mark.parametrize("path", ["tcp", "grpc"])
+def test_eight_threads_mixing_ops_never_tear(make_node, path):
+    node = make_node(dram=4 * MiB)  # small: the mix also evicts, demotes and promotes
+    keys = [b"key%d" % i for i in range(6)]
+    errors = []
+
+    def worker(tid):
+        c = StoreClient(node.address, data_channel=path == "tcp")
+        try:
+            for i in range(60):
+                k = keys[(tid + i) % len(keys)]
+                op = (tid * 7 + i) % 5
+                if op in (0, 1):
+                    c.put(k, _self_describing(k, tid * 1000 + i, 50_000 + 37 * i + 1000 * tid))
+                elif op in (2, 3):
+                    v = c.get(k)
+                    if v is not None and not _whole(k, v):
+                        errors.append(f"torn or foreign read of {k!r}")
+                else:
+                    c.delete([k])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert node.store.stats()["num_leases"] == 0
+
+
+# ---- bad input over raw gRPC (the client would refuse to send most of it) ----
+
+def _put_frames(*frames):
+    return iter(frames)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("empty_key", "empty key"),
+    ("long_key", "exceeds the limit"),
+    ("huge_value", "exceeds the limit"),
+    ("data_first", "without a header"),
+    ("truncated", "truncated"),
+    ("overflow", "more data"),
+    ("empty_frame", "empty frame"),
+])
+def test_put_bad_input_is_invalid_argument(node, case, match):
+    ch, s = stub(node)
+    H = lambda k, n: pb.PutFrame(header=pb.ValueHeader(key=k, size=n))  # noqa: E731
+    D = lambda d: pb.PutFrame(data=d)  # noqa: E731
+    frames = {
+        "empty_key": [H(b"", 1), D(b"x")],
+        "long_key": [H(b"k" * 1025, 1), D(b"x")],
+        "huge_value": [H(b"k", node.config.max_value_size + 1)],
+        "data_first": [D(b"x")],
+        "truncated": [H(b"ok", 1), D(b"x"), H(b"k", 100), D(b"x" * 50)],
+        "overflow": [H(b"k", 2), D(b"xyz")],
+        "empty_frame": [pb.PutFrame()],
+    }[case]
+    with pytest.raises(grpc.RpcError) as ei:
+        s.Put(iter(frames), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in ei.value.details()
+    # nothing of a failed stream is visible, not even its complete values
+    assert node.store.exists([b"k", b"ok"]) == [False, False]
+    assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0
+    ch.close()
+
+
+@pytest.mark.parametrize("rpc", ["Get", "Lookup", "Exists", "Delete", "Pin"])
+@pytest.mark.parametrize("key", [b"", b"k" * 1025])
+def test_bad_keys_everywhere_are_invalid_argument(node, rpc, key):
+    ch, s = stub(node)
+    req = {"Get": pb.GetRequest(keys=[key]), "Pin": pb.PinRequest(keys=[key], ttl_s=1)}.get(
+        rpc, pb.KeysRequest(keys=[b"fine", key]))
+    with pytest.raises(grpc.RpcError) as ei:
+        r = getattr(s, rpc)(req, timeout=30)
+        list(r) if rpc == "Get" else r
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ch.close()
+
+
+def test_pin_rejects_nan_and_negative_ttl(node):
+    ch, s = stub(node)
+    for ttl in (float("nan"), -1.0):
+        with pytest.raises(grpc.RpcError) as ei:
+            s.Pin(pb.PinRequest(keys=[b"k"], ttl_s=ttl), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ch.close()
+
+
+def test_malformed_protobuf_is_rejected_and_server_keeps_serving(node):
+    ch = grpc.insecure_channel(node.address)
+    raw = ch.unary_unary("/crescent.v1.KVStore/Lookup", request_serializer=lambda b: b,
+                         response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as ei:
+        raw(b"\xff\xff\xff\xff\x0f", timeout=30)
+    assert ei.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    c = StoreClient(node.address)
+    c.put(b"k", b"v")
+    assert c.get(b"k") == b"v"
+    c.close()
+    ch.close()
+
+
+def test_client_disconnect_mid_put_leaves_nothing(node):
+    ch, s = stub(node)
+    sent = threading.Event()
+    hold = threading.Event()
+
+    def frames():
+        yield pb.PutFrame(header=pb.ValueHeader(key=b"k", size=4 * MiB))
+        yield pb.PutFrame(data=b"x" * MiB)
+        sent.set()
+        hold.wait(60)
+
+    fut = s.Put.future(frames(), timeout=60)
+    sent.wait(30)
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] > 0, what="the reservation")
+    fut.cancel()
+    hold.set()
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="the abort")
+    assert node.store.exists([b"k"]) == [False]
+    ch.close()
+
+
+def test_client_disconnect_mid_get_releases_the_lease(node):
+    node.store.put(b"big", os.urandom(12 * MiB))
+    ch, s = stub(node)
+    it = s.Get(pb.GetRequest(keys=[b"big"]), timeout=60)
+    first = next(it)
+    assert first.header.found
+    it.cancel()
+    wait_for(lambda: node.store.stats()["num_leases"] == 0, what="the lease release")
+    ch.close()
+
+
+def test_full_dram_with_everything_leased_is_resource_exhausted(make_node):
+    node = make_node(dram=2 * MiB, with_disk=False, high_watermark=1.0)
+    node.store.put(b"a", bytes(MiB))
+    node.store.put(b"b", bytes(MiB))
+    leases = [node.store.acquire(b"a"), node.store.acquire(b"b")]
+    for dc in (True, False):
+        c = StoreClient(node.address, data_channel=dc)
+        with pytest.raises(ResourceExhaustedError):
+            c.put(b"c", bytes(1000))
+        assert c.batch_put([(b"c", b"1"), (b"d", b"2")]) == [False, False]
+        c.close()
+    for lease in leases:
+        node.store.release(lease)
+    c = StoreClient(node.address)
+    c.put(b"c", bytes(1000))
+    c.close()
+
+
+def test_full_disk_is_resource_exhausted(make_node):
+    node = make_node(dram=256 << 10, disk_size=1 * MiB)
+    c = StoreClient(node.address)
+    c.put(b"pinned", bytes(200_000))
+    c.pin([b"pinned"], 600)
+    with pytest.raises(ResourceExhaustedError):
+        for i in range(50):
+            c.put(b"d%d" % i, bytes(100_000))
+            c.pin([b"d%d" % i], 600)  # nothing evictable anywhere
+    assert c.get(b"pinned") == bytes(200_000)
+    c.close()
+
+
+# ---- the data channel's own bad input ----
+
+def _dc_sock(node, token=None):
+    s = socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30)
+    s.sendall(HELLO + (token if token is not None else node.data_server.token))
+    return s
+
+
+def test_data_channel_truncated_put_is_never_visible(node):
+    s = _dc_sock(node)
+    s.sendall(encode_request(Op.PUT, [b"t"], [MiB]) + b"x" * 1000)
+    s.close()
+    c = StoreClient(node.address)
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="the abort")
+    assert c.get(b"t") is None
+    c.put(b"t", b"fine")
+    assert c.get(b"t") == b"fine"
+    c.close()
+
+
+def _closed_by_peer(s) -> bool:
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_data_channel_rejects_bad_token_garbage_and_huge_sizes(node):
+    s = _dc_sock(node, token=b"\0" * 16)
+    s.sendall(encode_request(Op.GET, [b"k"], [-1]))
+    assert _closed_by_peer(s)  # closed without an answer
+    s.close()
+    s = _dc_sock(node)
+    s.sendall(b"GARBAGE!" * 4)
+    assert _closed_by_peer(s)
+    s.close()
+    s = _dc_sock(node)
+    s.sendall(encode_request(Op.PUT, [b"k"], [1 << 40]))
+    items, msg = read_response(s)
+    assert "exceeds the limit" in msg
+    s.close()
+    c = StoreClient(node.address)
+    c.put(b"k", b"v")
+    assert c.get(b"k") == b"v"
+    c.close()
+
+
+def test_client_refuses_bad_input_before_sending(node):
+    c = StoreClient(node.address)
+    with pytest.raises(InvalidArgumentError):
+        c.put(b"", b"x")
+    with pytest.raises(InvalidArgumentError):
+        c.get("not-bytes")
+    with pytest.raises(InvalidArgumentError, match="exceeds the limit"):
+        c.put(b"k", bytes(node.config.max_value_size + 1))
+    with pytest.raises(InvalidArgumentError, match="writable"):
+        c.batch_get_into([b"k"], [b"readonly"])
+    c.close()
+
+
+def test_unreachable_node_is_unavailable_after_retries():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = StoreClient(f"127.0.0.1:{port}", timeout_s=5, retry=Retry(attempts=3, backoff_s=0.01))
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError):
+        c.lookup([b"k"])
+    assert time.monotonic() - t0 < 120  # a bound against hangs, not a speed test
+    c.close()
+
+
+def test_metrics_endpoint(make_node):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = make_node(metrics_port=port)
+    c = StoreClient(node.address)
+    c.put(b"k", b"v")
+    c.get(b"k")
+    c.get(b"nope")
+    c.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    assert 'crescent_store_hits_total{tier="dram"} 1.0' in text
+    assert "crescent_store_misses_total 1.0" in text
+    assert 'crescent_store_op_seconds_count{op="get",path="tcp"}' in text
+    assert 'crescent_store_capacity_bytes{tier="disk"}' in text
