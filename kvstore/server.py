@@ -217,7 +217,10 @@ class StoreNode:
                                   options=GRPC_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         host = config.listen.rpartition(":")[0]
-        self.port = self.server.add_insecure_port(config.listen)
+        try:
+            self.port = self.server.add_insecure_port(config.listen)
+        except RuntimeError:  # grpc raises on a failed bind
+            self.port = 0
         if self.port == 0:
             self.store.close()
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")

@@ -1,0 +1,319 @@
+"""Store throughput and latency on loopback, beside ceilings measured in the same run.
+
+For 64 KiB, 1 MiB and 4 MiB values: put, get and batch_get_into against a real
+`crescent store` process, over the raw TCP data channel and over gRPC alone;
+beside them, in the same run, the raw TCP loopback ceiling (one process
+sendall()s, another recv_into()s a preallocated buffer), single-thread memcpy,
+and Redis (redis-server + redis-py) when it is installed.
+
+    python bench/store_bench.py [--quick] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import OUT, ROOT, median, pct, table, write_docs_section  # noqa: E402
+from kvstore.client import StoreClient  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [64 * KiB, MiB, 4 * MiB]
+
+
+def log(msg: str) -> None:
+    print(f"[store_bench] {msg}", flush=True)
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+# ---- ceilings ---------------------------------------------------------------
+
+_SENDER = """
+import socket, sys
+port, total, block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+s = socket.create_connection(("127.0.0.1", port))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+buf = memoryview(bytearray(block))
+sent = 0
+while sent < total:
+    s.sendall(buf)
+    sent += block
+s.close()
+"""
+
+
+def raw_tcp_gbps(total: int, block: int) -> float:
+    """One process sendall()s ``total`` bytes in ``block`` pieces; this one recv_into()s them."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(total), str(block)])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    dst = memoryview(bytearray(block))
+    got = 0
+    t0 = time.perf_counter()
+    while got < total:
+        view = dst
+        while view.nbytes:
+            n = conn.recv_into(view)
+            if not n:
+                raise RuntimeError("sender closed early")
+            view = view[n:]
+        got += block
+    dt = time.perf_counter() - t0
+    conn.close()
+    srv.close()
+    proc.wait(timeout=60)
+    return total / dt / 1e9
+
+
+def memcpy_gbps(total: int, block: int) -> float:
+    src = memoryview(bytearray(os.urandom(block)))
+    dsts = [memoryview(bytearray(block)) for _ in range(max(1, min(64, (256 * MiB) // block)))]
+    for d in dsts:
+        d[:] = src  # fault the pages in first
+    n = total // block
+    t0 = time.perf_counter()
+    for i in range(n):
+        dsts[i % len(dsts)][:] = src
+    return n * block / (time.perf_counter() - t0) / 1e9
+
+
+# ---- Crescent -----------------------------------------------------------------
+
+class Server:
+    def __init__(self, dram: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="crescent-bench-")
+        cmd = [sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", "--dram", dram,
+               "--disk", os.path.join(self.dir, "disk"), "--disk-size", "4GiB"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        self.address = line.split("listening on ")[1].split(",")[0].split()[0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def bench_crescent(address: str, size: int, batch_bytes: int, reps: int, data_channel: bool) -> dict:
+    c = StoreClient(address, data_channel=data_channel)
+    n = max(4, batch_bytes // size)
+    tag = b"dc" if data_channel else b"grpc"
+    keys = [b"%s-%d-%d" % (tag, size, i) for i in range(n)]
+    vals = [os.urandom(size) for _ in range(min(n, 8))]
+    items = [(k, vals[i % len(vals)]) for i, k in enumerate(keys)]
+    res = {}
+    # put: single-value latency, then batch throughput
+    lat = []
+    for k, v in items[: min(n, 32)]:
+        t0 = time.perf_counter()
+        c.put(k, v)
+        lat.append(time.perf_counter() - t0)
+    tput = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        assert all(c.batch_put(items))
+        tput.append(n * size / (time.perf_counter() - t0) / 1e9)
+    res["put"] = {"gbps": median(tput), "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
+    # get: single-value latency and throughput
+    lat = []
+    for _ in range(max(1, reps // 2)):
+        for k in keys[: min(n, 32)]:
+            t0 = time.perf_counter()
+            assert c.get(k) is not None
+            lat.append(time.perf_counter() - t0)
+    res["get"] = {"gbps": size / median(lat) / 1e9, "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
+    # batch_get_into caller-owned buffers
+    bufs = [bytearray(size) for _ in keys]
+    c.batch_get_into(keys, bufs)  # warm
+    lat, tput = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sizes = c.batch_get_into(keys, bufs)
+        dt = time.perf_counter() - t0
+        assert sizes == [size] * n
+        lat.append(dt)
+        tput.append(n * size / dt / 1e9)
+    assert bytes(bufs[0]) == vals[0]
+    res["batch_get_into"] = {"gbps": median(tput), "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
+    c.delete(keys)
+    c.close()
+    return res
+
+
+# ---- Redis ----------------------------------------------------------------------
+
+def bench_redis(size: int, batch_bytes: int, reps: int) -> dict | None:
+    exe = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        return None
+    if exe is None:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        n = max(4, batch_bytes // size)
+        keys = [b"r-%d-%d" % (size, i) for i in range(n)]
+        vals = [os.urandom(size) for _ in range(min(n, 8))]
+        res = {}
+        lat = []
+        for i, k in enumerate(keys[:32]):
+            t0 = time.perf_counter()
+            r.set(k, vals[i % len(vals)])
+            lat.append(time.perf_counter() - t0)
+        tput = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            p = r.pipeline(transaction=False)
+            for i, k in enumerate(keys):
+                p.set(k, vals[i % len(vals)])
+            p.execute()
+            tput.append(n * size / (time.perf_counter() - t0) / 1e9)
+        res["put"] = {"gbps": median(tput), "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
+        lat = []
+        for k in keys[:32]:
+            t0 = time.perf_counter()
+            r.get(k)
+            lat.append(time.perf_counter() - t0)
+        res["get"] = {"gbps": size / median(lat) / 1e9, "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
+        lat, tput = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            got = r.mget(keys)
+            dt = time.perf_counter() - t0
+            assert len(got[0]) == size
+            lat.append(dt)
+            tput.append(n * size / dt / 1e9)
+        res["batch_get_into"] = {"gbps": median(tput), "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99),
+                                 "note": "MGET (into new bytes)"}
+        r.close()
+        return res
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---- report -----------------------------------------------------------------------
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [human(s) for s in SIZES]
+    series = [("raw TCP ceiling", [results[s]["raw_tcp_gbps"] for s in SIZES]),
+              ("memcpy (1 thread)", [results[s]["memcpy_gbps"] for s in SIZES]),
+              ("Crescent batch_get_into (TCP channel)", [results[s]["crescent_tcp"]["batch_get_into"]["gbps"] for s in SIZES]),
+              ("Crescent batch_get (gRPC only)", [results[s]["crescent_grpc"]["batch_get_into"]["gbps"] for s in SIZES])]
+    if all(results[s].get("redis") for s in SIZES):
+        series.append(("Redis MGET", [results[s]["redis"]["batch_get_into"]["gbps"] for s in SIZES]))
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series):
+        ax.bar([x + i * width for x in range(len(SIZES))], vals, width, label=name)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(SIZES))], labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Batch get throughput on loopback (same run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    ap.add_argument("--write-docs", action="store_true", help="update the store section of docs/benchmarks.md")
+    args = ap.parse_args()
+    reps = 3 if args.quick else 7
+    batch_bytes = (32 if args.quick else 64) * MiB
+    os.makedirs(OUT, exist_ok=True)
+    results: dict = {}
+    server = Server(dram="1GiB")
+    try:
+        for size in SIZES:
+            r = results[size] = {}
+            log(f"{human(size)}: raw TCP ceiling")
+            r["raw_tcp_gbps"] = median([raw_tcp_gbps(256 * MiB, size) for _ in range(3)])
+            log(f"{human(size)}: memcpy ceiling")
+            r["memcpy_gbps"] = median([memcpy_gbps(256 * MiB, size) for _ in range(3)])
+            log(f"{human(size)}: Crescent over the TCP data channel")
+            r["crescent_tcp"] = bench_crescent(server.address, size, batch_bytes, reps, True)
+            log(f"{human(size)}: Crescent over gRPC only")
+            r["crescent_grpc"] = bench_crescent(server.address, size, batch_bytes, reps, False)
+            log(f"{human(size)}: Redis")
+            r["redis"] = bench_redis(size, batch_bytes, reps)
+    finally:
+        server.stop()
+
+    rows = []
+    for size in SIZES:
+        r = results[size]
+        tcp = r["raw_tcp_gbps"]
+        rows.append([human(size), "raw TCP ceiling", "-", f"{tcp:.2f}", "1.00", "", ""])
+        rows.append([human(size), "memcpy (1 thread)", "-", f"{r['memcpy_gbps']:.2f}", f"{r['memcpy_gbps'] / tcp:.2f}", "", ""])
+        for name, key in (("Crescent (TCP channel)", "crescent_tcp"), ("Crescent (gRPC only)", "crescent_grpc"),
+                          ("Redis", "redis")):
+            if not r.get(key):
+                continue
+            for op in ("put", "get", "batch_get_into"):
+                m = r[key][op]
+                rows.append([human(size), name, op, f"{m['gbps']:.2f}", f"{m['gbps'] / tcp:.2f}",
+                             f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}"])
+    md = table(["value", "system", "op", "GB/s", "× raw TCP", "p50 ms", "p99 ms"], rows)
+    target = results[MiB]["crescent_tcp"]["batch_get_into"]["gbps"] / results[MiB]["raw_tcp_gbps"]
+    summary = (f"batch_get_into of 1 MiB values: {target:.2f}× the same run's raw TCP ceiling "
+               f"(target ≥ 0.60×); gRPC-only batch get: "
+               f"{results[MiB]['crescent_grpc']['batch_get_into']['gbps'] / results[MiB]['raw_tcp_gbps']:.2f}×")
+    if not results[MiB].get("redis"):
+        summary += "; Redis not installed, no Redis rows"
+    print()
+    print(md)
+    print()
+    print(summary)
+    png = os.path.join(OUT, "store_bench.png")
+    plot(results, png)
+    with open(os.path.join(OUT, "store_bench.json"), "w") as f:
+        json.dump({str(k): v for k, v in results.items()}, f, indent=1)
+    print(f"plot: {png}")
+    if args.write_docs:
+        shutil.copy(png, os.path.join(ROOT, "docs", "store_bench.png"))
+        body = (f"Machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, loopback; "
+                f"batches of {batch_bytes // MiB} MiB, {reps} repetitions, medians. "
+                "`put` = batch_put throughput, single-put latency; `get` = single get; "
+                "`batch_get_into` = one batch into preallocated buffers (Redis: pipelined MGET).\n\n"
+                f"{md}\n\n**{summary}.**\n\n![store bench](store_bench.png)\n")
+        write_docs_section("store_bench", body)
+        print("docs/benchmarks.md updated")
+
+
+if __name__ == "__main__":
+    main()
