@@ -101,8 +101,10 @@ def test_help_documents_every_flag():
     import dataclasses
 
     from kvstore.config import StoreConfig
+    docs = open(os.path.join(ROOT, "docs", "cli.md")).read()
     for f in dataclasses.fields(StoreConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in r.stdout
+        assert f"`{flag}" in docs, f"{flag} is missing from docs/cli.md"
         line = r.stdout.split(flag, 1)[1][:200]
         assert len(line.strip()) > 10, f"{flag} has no help"

@@ -1,0 +1,140 @@
+"""Triton page gather/scatter and fp8 kernels (interpreter on CPU): exact against their twins."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+pytest.importorskip("triton")
+from kernels.fp8 import dequantize_kv_fp8, quantize_kv_fp8  # noqa: E402
+from kernels.kv_pages import gather_kv_pages, scatter_kv_pages  # noqa: E402
+
+
+def _caches(layers, num_pages, page_size, kv_heads, head_dim, dtype, layout):
+    """K and V caches of every layer, as the engine may hold them.
+
+    layout: "list" (separate tensors), "stacked" ([L, pages, ...] tensors) or
+    "fused" (views into one [L, pages, page_size, 2, KVH, D] buffer: strided).
+    """
+    gen = torch.Generator().manual_seed(layers * 100 + page_size)
+    if layout == "fused":
+        kv = torch.randn(layers, num_pages, page_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
+        return [kv[i, :, :, 0] for i in range(layers)], [kv[i, :, :, 1] for i in range(layers)]
+    shape = (layers, num_pages, page_size, kv_heads, head_dim)
+    ks = torch.randn(shape, generator=gen).to(dtype)
+    vs = torch.randn(shape, generator=gen).to(dtype)
+    return (ks, vs) if layout == "stacked" else (list(ks), list(vs))
+
+
+def _layers(caches):
+    return list(caches) if isinstance(caches, list) else list(caches.unbind(0))
+
+
+# (layers, page_size, kv_heads, head_dim, dtype, layout)
+PAGE_CASES = [
+    (2, 16, 2, 64, torch.bfloat16, "list"),
+    (3, 32, 1, 128, torch.float16, "stacked"),
+    (2, 16, 4, 64, torch.float32, "fused"),
+    (2, 12, 2, 48, torch.float16, "list"),  # page size / head dim not powers of two
+]
+
+
+@pytest.mark.parametrize("case", PAGE_CASES, ids=lambda c: f"L{c[0]}-ps{c[1]}-KV{c[2]}-D{c[3]}-{c[5]}")
+def test_gather_matches_twin_and_scatter_inverts_it(case):
+    layers, page_size, kv_heads, head_dim, dtype, layout = case
+    num_pages = 10
+    ks, vs = _caches(layers, num_pages, page_size, kv_heads, head_dim, dtype, layout)
+    page_ids = torch.tensor([6, 1, 8, 3], dtype=torch.int32)
+
+    chunk = gather_kv_pages(ks, vs, page_ids)
+    assert chunk.shape == (layers, 2, kv_heads, 4 * page_size, head_dim)
+    assert torch.equal(chunk, ref.gather_kv_pages(ks, vs, page_ids))
+
+    # scatter into fresh caches: exactly the chunk's pages change.
+    fresh_k = [torch.zeros_like(t) for t in _layers(ks)]
+    fresh_v = [torch.zeros_like(t) for t in _layers(vs)]
+    scatter_kv_pages(chunk, fresh_k, fresh_v, page_ids)
+    untouched = [p for p in range(num_pages) if p not in page_ids.tolist()]
+    for got, want in zip(fresh_k + fresh_v, _layers(ks) + _layers(vs)):
+        assert torch.equal(got[page_ids.long()], want[page_ids.long()])
+        assert not got[untouched].any()
+    # gather . scatter = identity on chunks, scatter . gather = identity on caches.
+    assert torch.equal(gather_kv_pages(fresh_k, fresh_v, page_ids), chunk)
+    before = [t.clone() for t in _layers(ks) + _layers(vs)]
+    scatter_kv_pages(chunk, ks, vs, page_ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, _layers(ks) + _layers(vs)))
+
+
+def test_gather_into_strided_out_and_scatter_from_strided_chunk():
+    ks, vs = _caches(2, 8, 16, 2, 64, torch.bfloat16, "list")
+    page_ids = torch.tensor([5, 0], dtype=torch.int32)
+    want = ref.gather_kv_pages(ks, vs, page_ids)
+    out = torch.empty(2, 2, 32, 2, 64, dtype=torch.bfloat16).transpose(2, 3)  # [L, 2, KVH, T, D], strided
+    assert gather_kv_pages(ks, vs, page_ids, out) is out
+    assert torch.equal(out, want)
+    fresh_k, fresh_v = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
+    scatter_kv_pages(out, fresh_k, fresh_v, page_ids)
+    assert torch.equal(ref.gather_kv_pages(fresh_k, fresh_v, page_ids), want)
+
+
+def test_pages_reject_mismatched_caches():
+    ks, vs = _caches(2, 8, 16, 2, 64, torch.float16, "list")
+    page_ids = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(AssertionError, match="one K and one V"):
+        gather_kv_pages(ks, vs[:1], page_ids)
+    with pytest.raises(AssertionError, match="dtype"):
+        gather_kv_pages([ks[0], ks[1].float()], vs, page_ids)
+    with pytest.raises(AssertionError, match="int32"):
+        gather_kv_pages(ks, vs, page_ids.long())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_is_bit_identical_to_twin(dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 2, 3, 40, 64, generator=gen)
+    x[0, 1, 2] = 0.0  # all-zero head: scale 1
+    x[1, 0, 0, 5, 7] = 300.0  # outlier head
+    x[1, 1, 1] *= 1e-3  # small head: deep into the subnormals of e4m3 after scaling? no: scaled up
+    x = x.to(dtype)
+    q, scales = quantize_kv_fp8(x)
+    want_q, want_scales = ref.quantize_kv_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(_bits(q), _bits(want_q))
+    for out_dtype in (torch.float32, dtype):
+        got = dequantize_kv_fp8(q, scales, out_dtype)
+        assert torch.equal(got, ref.dequantize_kv_fp8(want_q, want_scales, out_dtype))
+
+
+def test_quantize_rounds_every_e4m3_interval_like_torch():
+    """Every positive e4m3 value, every midpoint (ties) and points beside them, scale 1."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[:-1] + grid[1:]) / 2
+    eps = (grid[1:] - grid[:-1]) / 64
+    vals = torch.cat([grid, mids, mids - eps, mids + eps, -grid, -mids])
+    vals = torch.cat([vals, torch.zeros((-vals.numel()) % 64)])
+    x = vals.view(1, 2, 1, -1, 32)  # amax 448 in both heads -> scale exactly 1
+    q, scales = quantize_kv_fp8(x)
+    assert torch.equal(scales, torch.ones(1, 2, 1))
+    want = (x / scales[..., None, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(_bits(q), _bits(want))
+
+
+def test_fp8_round_trip_error_bound_strided_input():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 2, 2, 96, 64, generator=gen).to(torch.bfloat16)[:, 1]  # [L, 2, KVH, T, D] strided
+    assert not x.is_contiguous()
+    q, scales = quantize_kv_fp8(x)
+    out = torch.empty(2, 2, 96, 2, 64).transpose(2, 3)  # strided out
+    y = dequantize_kv_fp8(q, scales, out=out)
+    assert y is out
+    xf = x.float()
+    # Half an e4m3 ulp: 2**-4 relative for normals, 2**-10 * scale absolute for subnormals.
+    bound = torch.maximum(xf.abs() * 2**-4, 2**-10 * scales[..., None, None].expand_as(xf))
+    assert ((y - xf).abs() <= bound).all()
+    rel = ((y - xf).abs() / xf.abs().clamp_min(1e-30))[xf.abs() >= scales[..., None, None] * 2**-6]
+    assert rel.max() <= 2**-4 and rel.mean() < 0.03
