@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = config_from_args(StoreConfig, ns)
             serve(config)
-        except (ValueError, DiskTierError, OSError) as exc:
+        except (ValueError, DiskTierError, OSError, RuntimeError) as exc:
             print(f"crescent store: error: {exc}", file=sys.stderr)
             return 2
     return 0

@@ -235,3 +235,31 @@ def test_disk_full_is_exhausted_and_the_store_keeps_serving(tmp_path):
     assert stored, "some values fit before the disk filled up"
     s.release(lease)
     assert s.get(b"a") == val(1)
+
+
+def test_device_tier_without_cuda_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the error path does not apply")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        make(slots=2, device=1 << 20)
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="the device tier needs CUDA; torch sees no GPU on this machine")
+def test_device_tier_round_trip_demotion_and_promotion(tmp_path):
+    s = make(tmp_path, slots=4, disk=True, device=2 * SLOT)
+    a, b, c = os.urandom(SLOT), os.urandom(100), os.urandom(SLOT - 1)
+    assert s.put(b"a", a) is Tier.DEVICE
+    assert s.put(b"b", b) is Tier.DEVICE  # the device tier (2 slots) is now full
+    assert s.put(b"c", c) is Tier.DEVICE  # a, the LRU, is demoted to DRAM
+    assert [s.tier_of(k) for k in (b"a", b"b", b"c")] == [Tier.DRAM, Tier.DEVICE, Tier.DEVICE]
+    assert s.get(b"b") == b and s.get(b"c") == c
+    assert s.get(b"a") == a
