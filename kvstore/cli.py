@@ -66,14 +66,37 @@ def config_from_args(cls, ns: argparse.Namespace):
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
+def _register_store(sub) -> None:
+    p = sub.add_parser("store", help="run a store node",
+                       description="Run a store node: DRAM (+ disk, + GPU) tiers behind the "
+                                   "crescent.v1.KVStore gRPC service. Stops gracefully on SIGTERM/SIGINT.")
+    add_config_args(p, StoreConfig)
+    p.set_defaults(handler=_run_store)
+
+
+def _run_store(ns: argparse.Namespace) -> int:
+    from kvstore.disk import DiskTierError
+    from kvstore.server import serve
+
+    try:
+        serve(config_from_args(StoreConfig, ns))
+    except (ValueError, DiskTierError, OSError, RuntimeError) as exc:
+        print(f"crescent store: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# Each entry adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
+# Keep imports inside handlers so `crescent --help` stays fast.
+REGISTRARS = [_register_store]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
-    store = sub.add_parser("store", help="run a store node",
-                           description="Run a store node: DRAM (+ disk, + GPU) tiers behind the "
-                                       "crescent.v1.KVStore gRPC service. Stops gracefully on SIGTERM/SIGINT.")
-    add_config_args(store, StoreConfig)
+    for register in REGISTRARS:
+        register(sub)
     return parser
 
 
@@ -81,17 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if ns.command == "store":
-        from kvstore.disk import DiskTierError
-        from kvstore.server import serve
-
-        try:
-            config = config_from_args(StoreConfig, ns)
-            serve(config)
-        except (ValueError, DiskTierError, OSError, RuntimeError) as exc:
-            print(f"crescent store: error: {exc}", file=sys.stderr)
-            return 2
-    return 0
+    return ns.handler(ns)
 
 
 if __name__ == "__main__":
