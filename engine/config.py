@@ -1,0 +1,170 @@
+"""Model and engine configuration.
+
+``ModelConfig`` reads a Hugging Face ``config.json`` (Llama, Qwen2, Mistral
+layouts, old ``rope_scaling`` and new ``rope_parameters`` spellings) or names a
+seeded random preset (``random:tiny|small|medium``). ``EngineConfig`` holds the
+engine's own knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape; field names follow Hugging Face's LlamaConfig."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` or None (plain RoPE)."""
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    name: str = ""
+    """Identity used in chunk-key namespaces (a preset name or the folder's basename)."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (one of {SUPPORTED_TYPES})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_scaling and self.rope_scaling.get("rope_type", "default") not in ("default", "llama3"):
+            raise ValueError(f"rope type {self.rope_scaling.get('rope_type')!r} is not supported (default, llama3)")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, name: str = "") -> ModelConfig:
+        heads = d["num_attention_heads"]
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type", "default") == "default":
+            rope = {}
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        model_type = d.get("model_type", "llama")
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            name=name,
+        )
+
+    @classmethod
+    def from_folder(cls, path: str) -> ModelConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ValueError(f"{path} has no config.json (a Hugging Face checkpoint folder is expected)")
+        with open(cfg_path) as f:
+            d = json.load(f)
+        return cls.from_hf_dict(d, name=os.path.basename(os.path.normpath(path)))
+
+
+# Seeded random models. Vocabularies leave room for the byte tokenizer (256 bytes + BOS/EOS).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    # NOTE: sized so that a 4k-token prefill takes seconds on a 2-core CPU (the
+    # prefix-reuse benchmark's baseline), with Llama-3-like GQA and head_dim 128.
+    "medium": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=128),
+}
+BYTE_BOS, BYTE_EOS = 256, 257
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset random:{name} (choose from {', '.join('random:' + p for p in PRESETS)})")
+    return ModelConfig(model_type="llama", rope_theta=500000.0, bos_token_id=BYTE_BOS,
+                       eos_token_id=(BYTE_EOS,), name=f"random:{name}", **PRESETS[name])
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (``LLM(...)`` and ``crescent engine``)."""
+
+    model: str = "random:tiny"
+    """A Hugging Face checkpoint folder, or ``random:tiny|small|medium``."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights/KV dtype; auto is float32 on CPU, bfloat16 on CUDA."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or auto."""
+    seed: int = 0
+    """Seed of random presets' weights."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int = 0
+    """KV pages in the pool; 0 sizes it from kv_cache_memory."""
+    kv_cache_memory: int = 1 << 30
+    """Bytes for the KV pool when num_pages is 0."""
+    chunk_size: int = 512
+    """Most prompt tokens one sequence prefills in one step (chunked prefill)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes first, then prefill chunks)."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    store: str | None = None
+    """Store node address host:port; None runs without the store."""
+    chunk_tokens: int = 256
+    """Tokens per stored chunk (a multiple of page_size)."""
+    tenant_salt: str | None = None
+    """Isolates this engine's chunks from other tenants' (None shares them)."""
+    save_to_store: bool = True
+    """Save newly computed full chunks to the store."""
+    load_from_store: bool = True
+    """Load hit prefixes from the store."""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens % self.page_size:
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of page_size ({self.page_size})")
+        if self.chunk_size <= 0 or self.max_num_batched_tokens < self.chunk_size:
+            raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

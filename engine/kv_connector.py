@@ -1,0 +1,178 @@
+"""The engine's store connector: look up, load and save KV chunks by content hash.
+
+Before prefill the engine asks the store how many leading chunks of the prompt
+it holds (``lookup``), loads them into the sequence's pages (``load``:
+batch_get_into → verify → scatter) and computes only the rest. After each step,
+every newly completed chunk is gathered from the pages (a copy, so the pages
+may be reused at once) and handed to a background thread that encodes and
+stores it, so the transfer of chunk k overlaps the compute of chunk k+1.
+
+A verification failure or a store error is a miss: the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model_runner import ModelRunner
+from kvstore.chunk import decode_chunk, encode_chunk, encoded_size
+from kvstore.client import StoreClient
+from kvstore.errors import CrescentError
+from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectorStats:
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    chunks_saved: int = 0
+    bytes_saved: int = 0
+    load_failures: int = 0
+    """Chunks that were reported present but failed to load or verify."""
+    save_failures: int = 0
+    store_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class StoreConnector:
+    def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
+                 load: bool = True) -> None:
+        self.runner = runner
+        self.client = client
+        self.fingerprint = fingerprint
+        self.chunk_tokens = fingerprint.chunk_tokens
+        self.save_enabled, self.load_enabled = save, load
+        self.stats = ConnectorStats()
+        self._namespaces: dict[str | None, Namespace] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
+        self._saver.start()
+
+    def namespace(self, salt: str | None) -> Namespace:
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = self._namespaces[salt] = make_namespace(self.fingerprint, salt)
+        return ns
+
+    def keys(self, tokens: list[int], salt: str | None) -> list[ChunkKey]:
+        return chunk_keys(tokens, self.namespace(salt), self.chunk_tokens)
+
+    def _error(self, what: str, exc: Exception) -> None:
+        self.stats.store_errors += 1
+        msg = f"{what}: {exc}"
+        self.stats.errors = (self.stats.errors + [msg])[-20:]
+        log.warning("store %s", msg)
+
+    def lookup(self, tokens: list[int], salt: str | None) -> int:
+        """Leading chunks of ``tokens`` the store holds (0 on any store error)."""
+        if not self.load_enabled:
+            return 0
+        keys = self.keys(tokens, salt)
+        if not keys:
+            return 0
+        try:
+            return self.client.lookup(keys)
+        except CrescentError as exc:
+            self._error("lookup", exc)
+            return 0
+
+    def load(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> int:
+        """Loads chunks ``first .. first+num-1`` into their pages; returns how many loaded.
+
+        Loading stops at the first chunk that is missing, fails verification or
+        errors: the engine recomputes from there.
+        """
+        keys = self.keys(tokens, salt)[first : first + num]
+        ns = self.namespace(salt)
+        dtype = self.runner.dtype
+        shape = self.runner.chunk_shape
+        size = encoded_size(shape, dtype, self.chunk_tokens)
+        bufs = [bytearray(size) for _ in keys]
+        try:
+            sizes = self.client.batch_get_into(keys, bufs)
+        except CrescentError as exc:
+            self._error("load", exc)
+            return 0
+        per_chunk = self.chunk_tokens // self.runner.cfg.page_size
+        parent = bytes(ROOT_KEY) if first == 0 else self.keys(tokens, salt)[first - 1]
+        loaded = 0
+        for i, (key, buf, n) in enumerate(zip(keys, bufs, sizes)):
+            c = first + i
+            if n is None:  # evicted since the lookup
+                self.stats.load_failures += 1
+                break
+            try:
+                kv = decode_chunk(memoryview(buf)[:n], key=key, namespace=ns, parent=parent,
+                                  tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
+                                  dtype=dtype, shape=shape)
+            except CrescentError as exc:
+                self.stats.load_failures += 1
+                self._error(f"chunk {c} failed verification", exc)
+                break
+            self.runner.scatter_chunk(kv, pages[c * per_chunk : (c + 1) * per_chunk])
+            parent = key
+            loaded += 1
+            self.stats.chunks_loaded += 1
+            self.stats.bytes_loaded += n
+        return loaded
+
+    def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
+        """Gathers chunks ``first .. first+num-1`` now and stores them in the background."""
+        if not self.save_enabled or num <= 0:
+            return
+        keys = self.keys(tokens[: (first + num) * self.chunk_tokens], salt)
+        per_chunk = self.chunk_tokens // self.runner.cfg.page_size
+        items = []
+        for c in range(first, first + num):
+            kv = self.runner.gather_chunk(pages[c * per_chunk : (c + 1) * per_chunk])
+            parent = bytes(ROOT_KEY) if c == 0 else keys[c - 1]
+            items.append((keys[c], parent, tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], kv))
+        with self._cv:
+            self._pending += 1
+        self._queue.put((self.namespace(salt), items))
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            ns, items = job
+            try:
+                batch = [(key, encode_chunk(kv, ns, parent, toks)) for key, parent, toks, kv in items]
+                stored = self.client.batch_put(batch)
+                for ok, (_, parts) in zip(stored, batch):
+                    if ok:
+                        self.stats.chunks_saved += 1
+                        self.stats.bytes_saved += sum(len(p) for p in parts)
+                    else:
+                        self.stats.save_failures += 1
+            except CrescentError as exc:
+                self.stats.save_failures += len(items)
+                self._error("save", exc)
+            except Exception as exc:  # noqa: BLE001 - a save must never kill the engine
+                self.stats.save_failures += len(items)
+                self._error("save (unexpected)", exc)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits until every queued save is done; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.flush(timeout_s=60)
+        self._queue.put(None)
+        self._saver.join(timeout=10)
+        self.client.close()

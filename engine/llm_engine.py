@@ -1,0 +1,219 @@
+"""The engine loop: admit requests, schedule a step, load hits, run the model, sample, save.
+
+``LLMEngine`` is driven by ``step()``; ``LLM`` (engine/llm.py) wraps it for
+offline generation and the serving processes drive it from their own loops.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_connector import StoreConnector
+from engine.model_runner import ModelRunner, load_model_config
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from engine.tokenizer import load_tokenizer
+from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, make_namespace
+
+
+def model_identity(cfg: EngineConfig) -> str:
+    """What distinguishes this model's weights, for chunk-key namespaces.
+
+    Random presets: name and seed. Folders: a digest of config.json and of each
+    safetensors file's name, size, header and first and last MiB, so two
+    checkpoints with the same config but other weights never share chunks.
+    """
+    if cfg.model.startswith("random:"):
+        return f"{cfg.model}:seed={cfg.seed}"
+    h = hashlib.blake2b(digest_size=16)
+    with open(os.path.join(cfg.model, "config.json"), "rb") as f:
+        h.update(f.read())
+    for path in sorted(glob.glob(os.path.join(cfg.model, "*.safetensors"))):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return f"{os.path.basename(os.path.normpath(cfg.model))}:{h.hexdigest()}"
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token: int
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, client=None) -> None:
+        self.cfg = cfg
+        self.model_config = load_model_config(cfg.model)
+        self.runner = ModelRunner(cfg, self.model_config)
+        self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
+        self.scheduler = Scheduler(self.blocks, chunk_size=cfg.chunk_size,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs, chunk_tokens=cfg.chunk_tokens)
+        self.sampler = Sampler()
+        self.tokenizer = load_tokenizer(cfg.model)
+        mc = self.model_config
+        self.fingerprint = ModelFingerprint(
+            model_id=model_identity(cfg), dtype=str(self.runner.dtype).removeprefix("torch."),
+            num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            chunk_tokens=cfg.chunk_tokens)
+        self._page_fp = ModelFingerprint(**{**{f: getattr(self.fingerprint, f) for f in self.fingerprint.__slots__},
+                                            "chunk_tokens": cfg.page_size})
+        self._page_hashes: dict[int, list[bytes]] = {}
+        self._page_ns: dict[str | None, bytes] = {}
+        self.connector: StoreConnector | None = None
+        if cfg.store or client is not None:
+            from kvstore.client import StoreClient
+
+            client = client or StoreClient(cfg.store, timeout_s=30)
+            self.connector = StoreConnector(self.runner, client, self.fingerprint,
+                                            save=cfg.save_to_store, load=cfg.load_from_store)
+        self.eos = set(mc.eos_token_id)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.seqs: dict[int, Sequence] = {}
+
+    # ---- requests -------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None) -> Sequence:
+        """Queues a request. Raises ValueError for an empty prompt, unknown token ids or too long a request."""
+        self.validate(prompt, params)
+        seq = Sequence(list(prompt), params, cache_salt=cache_salt)
+        if self.connector is not None:
+            seq.store_hit_chunks = self.connector.lookup(seq.prompt, cache_salt)
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises ValueError, naming the problem, for a request this engine cannot serve."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.model_config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the model's "
+                             f"context of {self.model_config.max_position_embeddings}")
+        if self.blocks.pages_for(len(prompt) + params.max_tokens) > self.blocks.num_pages:
+            raise ValueError("the request does not fit the KV cache even alone (raise num_pages)")
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._forget(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, upto_pages: int) -> list[bytes]:
+        """Chained page hashes of ``seq``'s first ``upto_pages`` full pages (cached)."""
+        hs = self._page_hashes.setdefault(seq.seq_id, [])
+        salt = seq.cache_salt
+        ns = self._page_ns.get(salt)
+        if ns is None:
+            ns = self._page_ns[salt] = make_namespace(self._page_fp, salt)
+        page = self.cfg.page_size
+        toks = seq.tokens
+        upto_pages = min(upto_pages, len(toks) // page)
+        while len(hs) < upto_pages:
+            i = len(hs)
+            hs.append(chunk_key(hs[-1] if hs else ROOT_KEY, ns, toks[i * page : (i + 1) * page]))
+        return hs[:upto_pages]
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size))
+        scheduled = out.scheduled
+        if self.connector is not None:
+            for seq in out.admitted:
+                if seq.num_store_tokens:
+                    scheduled = self._load(seq, scheduled)
+        if not scheduled:
+            return []
+        before = {id(s.seq): s.seq.num_computed for s in scheduled}
+        logits = self.runner.run(scheduled)
+        results: list[StepOutput] = []
+        rows, params, ids = [], [], []
+        for i, s in enumerate(scheduled):
+            s.seq.num_computed += s.num_new_tokens
+            if s.seq.num_computed == s.seq.num_tokens:
+                rows.append(i)
+                params.append(s.seq.params)
+                ids.append(s.seq.seq_id)
+        tokens = self.sampler.sample(logits[rows], params, ids) if rows else []
+        now = time.perf_counter()
+        sampled = dict(zip(rows, tokens))
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            self._after_compute(seq, before[id(seq)])
+            if i not in sampled:
+                continue
+            tok = sampled[i]
+            seq.output.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = None
+            if len(seq.output) >= seq.params.max_tokens:
+                reason = "length"
+            elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
+                reason = "stop"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                seq.finish_time = now
+                self.seqs.pop(seq.seq_id, None)
+                self._forget(seq)
+            results.append(StepOutput(seq, tok, reason is not None))
+        return results
+
+    def _load(self, seq: Sequence, scheduled):
+        first = seq.num_local_tokens // self.cfg.chunk_tokens
+        num = seq.num_store_tokens // self.cfg.chunk_tokens
+        salt = seq.cache_salt
+        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num)
+        if loaded < num:  # a miss from here on: recompute, starting next step
+            seq.num_computed = (first + loaded) * self.cfg.chunk_tokens
+            seq.num_store_tokens = loaded * self.cfg.chunk_tokens
+            seq.num_saved_chunks = first + loaded
+            scheduled = [s for s in scheduled if s.seq is not seq]
+        self._register_pages(seq, 0)
+        return scheduled
+
+    def _after_compute(self, seq: Sequence, before: int) -> None:
+        """Registers newly full pages locally and saves newly completed chunks to the store."""
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        self._register_pages(seq, before // self.cfg.page_size)
+        if self.connector is not None:
+            done = seq.num_computed // self.cfg.chunk_tokens
+            if done > seq.num_saved_chunks:
+                self.connector.save(seq.tokens, seq.cache_salt, seq.pages,
+                                    seq.num_saved_chunks, done - seq.num_saved_chunks)
+                seq.num_saved_chunks = done
+
+    def _register_pages(self, seq: Sequence, first: int) -> None:
+        full = seq.num_computed // self.cfg.page_size
+        hashes = self._hashes(seq, full)
+        for i in range(first, full):
+            self.blocks.register(seq.pages[i], hashes[i])
+
+    def _forget(self, seq: Sequence) -> None:
+        self._page_hashes.pop(seq.seq_id, None)
+        self.sampler.forget(seq.seq_id)
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()

@@ -1,0 +1,80 @@
+"""Owns the model and its paged KV cache; turns a scheduled step into tensors and logits."""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from engine.config import EngineConfig, ModelConfig, preset_config
+from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
+from engine.scheduler import ScheduledSeq
+
+
+def load_model_config(model: str) -> ModelConfig:
+    if model.startswith("random:"):
+        return preset_config(model.split(":", 1)[1])
+    return ModelConfig.from_folder(model)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig) -> None:
+        self.cfg = cfg
+        self.model_config = mc = model_config
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype()
+        if cfg.model.startswith("random:"):
+            self.model: CausalLM = random_model(mc, cfg.seed, self.dtype, self.device)
+        else:
+            self.model = load_checkpoint(cfg.model, mc, self.dtype, self.device)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.page_bytes = 2 * mc.num_hidden_layers * cfg.page_size * mc.num_key_value_heads * mc.head_dim * elem
+        self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_memory // self.page_bytes)
+        shape = (self.num_pages, cfg.page_size, mc.num_key_value_heads, mc.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        self.kv_caches = list(zip(self.k_caches, self.v_caches))
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """``[layers, 2, kv_heads, chunk_tokens, head_dim]`` of one stored chunk."""
+        mc = self.model_config
+        return (mc.num_hidden_layers, 2, mc.num_key_value_heads, self.cfg.chunk_tokens, mc.head_dim)
+
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Computes the step's tokens; returns ``[B, vocab]`` logits of each sequence's last token."""
+        page = self.cfg.page_size
+        ids, pos, slots, cu, ctx = [], [], [], [0], []
+        max_pages = max(len(s.seq.pages) for s in scheduled)
+        tables = torch.zeros(len(scheduled), max_pages, dtype=torch.int32)
+        for b, s in enumerate(scheduled):
+            seq, start, n = s.seq, s.seq.num_computed, s.num_new_tokens
+            toks = seq.tokens
+            ids += toks[start : start + n]
+            pos += range(start, start + n)
+            slots += [seq.pages[p // page] * page + p % page for p in range(start, start + n)]
+            cu.append(cu[-1] + n)
+            ctx.append(start)
+            tables[b, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        dev = self.device
+        meta = AttnMetadata(
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            is_decode=all(s.num_new_tokens == 1 for s in scheduled),
+            max_q_len=max(s.num_new_tokens for s in scheduled),
+        )
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), meta, self.kv_caches)
+        last = torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1
+        return self.model.logits(hidden[last])
+
+    def gather_chunk(self, pages: list[int]) -> torch.Tensor:
+        """One chunk's pages of every layer as a contiguous CPU ``chunk_shape`` tensor (a copy)."""
+        ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
+        return kernels.gather_kv_pages(self.k_caches, self.v_caches, ids).cpu()
+
+    def scatter_chunk(self, chunk: torch.Tensor, pages: list[int]) -> None:
+        """Writes a ``chunk_shape`` tensor into ``pages`` of every layer."""
+        ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
+        kernels.scatter_kv_pages(chunk.to(self.device, non_blocking=True), self.k_caches, self.v_caches, ids)

@@ -1,0 +1,177 @@
+"""Continuous batching with chunked prefill, under a per-step token budget. No tensors.
+
+Each step: running decodes first (one token each), then prefill chunks of
+running sequences, then newly admitted ones, each chunk at most ``chunk_size``
+tokens and the step at most ``max_num_batched_tokens``. So a 32k-token prompt
+costs the running decodes at most one chunk's worth of delay per step.
+
+When a decode needs a page and none is free, the most recently admitted
+running sequence is preempted: its pages are freed and it goes back to the
+front of the queue to be recomputed (its output so far is kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens computed this step, starting at ``seq.num_computed``."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    """Sequences admitted this step (their store hits still need loading)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, chunk_size: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, chunk_tokens: int) -> None:
+        self.blocks = blocks
+        self.chunk_size = chunk_size
+        self.budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (done, stopped or aborted) and frees its pages."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.pages)
+        seq.pages = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self.blocks.pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.pages += self.blocks.allocate(need)
+        return True
+
+    def _pages_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Pages for ``num_tokens`` of a running sequence, preempting the newest others if need be.
+
+        Returns False when ``seq`` itself had to be preempted.
+        """
+        while not self._ensure_pages(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_saved_chunks = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def schedule(self, local_hashes) -> SchedulerOutput:
+        """Plans one step.
+
+        Args:
+            local_hashes: ``seq -> list[bytes]``, hashes of the sequence's full
+                prompt pages, for the local prefix cache.
+        """
+        out = SchedulerOutput()
+        budget = self.budget
+        # 1. decodes
+        for seq in list(self.running):
+            if seq.num_tokens - seq.num_computed != 1 or budget == 0:
+                continue
+            if not self._pages_or_preempt(seq, seq.num_tokens, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            budget -= 1
+        # 2. prefill chunks of running sequences
+        for seq in list(self.running):
+            remaining = seq.num_tokens - seq.num_computed
+            if remaining <= 1 or budget == 0 or seq.status is not SeqStatus.RUNNING \
+                    or any(s.seq is seq for s in out.scheduled):
+                continue
+            n = min(remaining, self.chunk_size, budget)
+            if not self._pages_or_preempt(seq, seq.num_computed + n, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        # 3. admissions
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, local_hashes(seq)):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            remaining = seq.num_tokens - seq.num_computed
+            n = min(remaining, self.chunk_size, budget)
+            if self._ensure_pages(seq, seq.num_computed + n):
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return out
+
+    def _admit(self, seq: Sequence, hashes: list[bytes]) -> bool:
+        """Takes shared prefix pages and pages for the store hit; False if pages are short."""
+        page = self.blocks.page_size
+        # NOTE: at least the last token is computed, to produce the first output's logits.
+        max_shared = (seq.num_tokens - 1) // page
+        store_tokens = min(seq.store_hit_chunks * self.chunk_tokens, seq.num_tokens - 1)
+        store_tokens -= store_tokens % self.chunk_tokens
+        shared = self.blocks.match_prefix(hashes[:max_shared])
+        local_tokens = len(shared) * page
+        if store_tokens > local_tokens:
+            # NOTE: the store fills whole chunks into private pages: keep only the
+            # shared pages of chunks that the store would not load anyway.
+            keep = (local_tokens // self.chunk_tokens) * self.chunk_tokens // page
+            self.blocks.free(shared[keep:])
+            shared = shared[:keep]
+            local_tokens = len(shared) * page
+        else:
+            store_tokens = 0
+        need = self.blocks.pages_for(store_tokens) - len(shared) if store_tokens else 0
+        first = min(seq.num_tokens - max(local_tokens, store_tokens), self.chunk_size)
+        need_total = self.blocks.pages_for(max(local_tokens, store_tokens) + first) - len(shared)
+        if not self.blocks.can_allocate(need_total):
+            self.blocks.free(shared)
+            return False
+        seq.pages = shared + (self.blocks.allocate(need) if need > 0 else [])
+        # NOTE: store tokens count as computed from here on; the engine loads them
+        # before the step runs and rolls num_computed back if a chunk misses.
+        seq.num_computed = max(local_tokens, store_tokens)
+        seq.num_local_tokens = local_tokens
+        seq.num_store_tokens = store_tokens - local_tokens if store_tokens else 0
+        seq.num_saved_chunks = seq.num_computed // self.chunk_tokens
+        return True

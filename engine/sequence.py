@@ -1,0 +1,62 @@
+"""A request's state as the scheduler sees it: token ids and page ids, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    """Block table: physical page of each logical page, in token order."""
+    num_computed: int = 0
+    """Leading tokens whose KV is in this sequence's pages."""
+    num_store_tokens: int = 0
+    """Prompt tokens loaded from the store (not recomputed)."""
+    num_local_tokens: int = 0
+    """Prompt tokens shared from pages already in this engine (local prefix cache)."""
+    store_hit_chunks: int = 0
+    """Leading chunks the store reported at admission (a hint: loading may still miss)."""
+    num_saved_chunks: int = 0
+    """Leading chunks known to be in the store (loaded or saved)."""
+    cache_salt: str | None = None
+    """Tenant salt of this request's chunk keys (None: shared across tenants)."""
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time

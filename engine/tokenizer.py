@@ -1,0 +1,66 @@
+"""Tokenizers: a folder's ``tokenizer.json`` through the ``tokenizers`` package, or bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from engine.config import BYTE_BOS, BYTE_EOS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, plus BOS (256) and EOS (257). For random models."""
+
+    bos_token_id = BYTE_BOS
+    eos_token_id = BYTE_EOS
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` (and ``tokenizer_config.json`` for BOS/EOS and the chat template)."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        cfg = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+
+        def tok_id(name):
+            v = cfg.get(name)
+            v = v.get("content") if isinstance(v, dict) else v
+            return self._tok.token_to_id(v) if isinstance(v, str) else None
+
+        self.bos_token_id = tok_id("bos_token")
+        self.eos_token_id = tok_id("eos_token")
+        self.chat_template = cfg.get("chat_template")
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        # NOTE: Jinja chat templates need transformers; a plain role-tagged prompt
+        # is used instead (documented in docs/engine.md).
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def load_tokenizer(model: str):
+    if not model.startswith("random:") and os.path.exists(os.path.join(model, "tokenizer.json")):
+        return HFTokenizer(model)
+    return ByteTokenizer()

@@ -1,0 +1,52 @@
+"""Sampling: greedy, seeded temperature sampling, top-p; the engine's request validation."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampling import Sampler
+from engine.tokenizer import ByteTokenizer
+
+
+def test_greedy_is_argmax_and_seeded_sampling_repeats():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    s = Sampler()
+    assert s.sample(logits, [SamplingParams()] * 4, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
+    p = SamplingParams(temperature=1.0, seed=7)
+    a = [Sampler().sample(logits[:1], [p], [0])[0] for _ in range(3)]
+    assert len(set(a)) == 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.tensor([[5.0, 4.0, -10.0, -10.0, -10.0]])
+    s = Sampler()
+    picks = {s.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=i)], [i])[0] for i in range(30)}
+    assert picks == {0}  # the top token alone holds > 50%
+    picks = {s.sample(logits, [SamplingParams(temperature=1.0, top_p=0.99, seed=i)], [100 + i])[0]
+             for i in range(60)}
+    assert picks == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5)])
+def test_bad_sampling_params(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_engine_seeded_sampling_and_bad_requests():
+    with LLM("random:tiny", dtype="float32") as llm:
+        a = llm.generate("hello", max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)[0]
+        b = llm.generate("hello", max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)[0]
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+        with pytest.raises(ValueError, match="empty"):
+            llm.generate([[]])
+        with pytest.raises(ValueError, match="token ids"):
+            llm.generate([[1, 2, 100000]])
+        with pytest.raises(ValueError, match="context"):
+            llm.generate([[1] * 10], max_tokens=10**6)
+
+
+def test_byte_tokenizer_round_trip():
+    t = ByteTokenizer()
+    ids = t.encode("héllo", add_bos=True)
+    assert ids[0] == t.bos_token_id and t.decode(ids) == "héllo"
