@@ -139,6 +139,8 @@ class EngineConfig:
     """Token budget of one step (decodes first, then prefill chunks)."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
+    enable_prefix_caching: bool = True
+    """Share full pages between sequences with a common prefix (local prefix cache)."""
     store: str | None = None
     """Store node address host:port; None runs without the store."""
     chunk_tokens: int = 256

@@ -136,7 +136,10 @@ class LLMEngine:
         return hs[:upto_pages]
 
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size))
+        if self.cfg.enable_prefix_caching:
+            out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size))
+        else:
+            out = self.scheduler.schedule(lambda s: [])
         scheduled = out.scheduled
         if self.connector is not None:
             for seq in out.admitted:
@@ -205,6 +208,8 @@ class LLMEngine:
                 seq.num_saved_chunks = done
 
     def _register_pages(self, seq: Sequence, first: int) -> None:
+        if not self.cfg.enable_prefix_caching:
+            return
         full = seq.num_computed // self.cfg.page_size
         hashes = self._hashes(seq, full)
         for i in range(first, full):
