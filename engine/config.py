@@ -131,7 +131,7 @@ class EngineConfig:
     """Tokens per KV page."""
     num_pages: int = 0
     """KV pages in the pool; 0 sizes it from kv_cache_memory."""
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int = field(default=1 << 30, metadata={"size": True})
     """Bytes for the KV pool when num_pages is 0."""
     chunk_size: int = 512
     """Most prompt tokens one sequence prefills in one step (chunked prefill)."""
@@ -151,9 +151,11 @@ class EngineConfig:
     """Save newly computed full chunks to the store."""
     load_from_store: bool = True
     """Load hit prefixes from the store."""
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from kvstore.config import parse_size
+
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.chunk_tokens % self.page_size:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of page_size ({self.page_size})")
         if self.chunk_size <= 0 or self.max_num_batched_tokens < self.chunk_size:

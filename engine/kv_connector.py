@@ -51,6 +51,7 @@ class StoreConnector:
         self.save_enabled, self.load_enabled = save, load
         self.stats = ConnectorStats()
         self._namespaces: dict[str | None, Namespace] = {}
+        self._staged: dict[int, dict[bytes, bytearray]] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._cv = threading.Condition()
@@ -85,7 +86,56 @@ class StoreConnector:
             self._error("lookup", exc)
             return 0
 
-    def load(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> int:
+    def stage(self, seq_id: int, chunks: dict[bytes, bytearray]) -> None:
+        """Keeps already-fetched encoded chunks for the sequence's ``load``."""
+        self._staged[seq_id] = chunks
+
+    def unstage(self, seq_id: int) -> None:
+        self._staged.pop(seq_id, None)
+
+    def fetch_as_they_arrive(self, keys: list[bytes], timeout_s: float) -> dict[bytes, bytearray]:
+        """Fetches the leading ``keys`` as they appear in the store (a producer may still be saving them).
+
+        Polls ``lookup`` and fetches each newly present run of chunks at once, so
+        loading the first chunks overlaps the saving of later ones. Gives up
+        ``timeout_s`` after the last progress. Returns key → encoded chunk for
+        the fetched prefix (verification happens at load time).
+        """
+        import time
+
+        size = encoded_size(self.runner.chunk_shape, self.runner.dtype, self.chunk_tokens)
+        got: dict[bytes, bytearray] = {}
+        deadline = time.monotonic() + timeout_s
+        delay = 0.002
+        while len(got) < len(keys) and time.monotonic() < deadline:
+            try:
+                present = self.client.lookup(keys[len(got):])
+            except CrescentError as exc:
+                self._error("lookup", exc)
+                break
+            if present:
+                batch = keys[len(got) : len(got) + present]
+                bufs = [bytearray(size) for _ in batch]
+                try:
+                    sizes = self.client.batch_get_into(batch, bufs)
+                except CrescentError as exc:
+                    self._error("fetch", exc)
+                    break
+                for k, b, n in zip(batch, bufs, sizes):
+                    if n is None:
+                        break
+                    got[k] = b if n == size else bytearray(memoryview(b)[:n])
+                else:
+                    deadline = time.monotonic() + timeout_s
+                    delay = 0.002
+                    continue
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return got
+
+    def load(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int,
+             seq_id: int | None = None) -> int:
         """Loads chunks ``first .. first+num-1`` into their pages; returns how many loaded.
 
         Loading stops at the first chunk that is missing, fails verification or
@@ -96,12 +146,19 @@ class StoreConnector:
         dtype = self.runner.dtype
         shape = self.runner.chunk_shape
         size = encoded_size(shape, dtype, self.chunk_tokens)
-        bufs = [bytearray(size) for _ in keys]
-        try:
-            sizes = self.client.batch_get_into(keys, bufs)
-        except CrescentError as exc:
-            self._error("load", exc)
-            return 0
+        mine = self._staged.pop(seq_id, {})
+        staged = [mine.get(k) for k in keys]
+        bufs = [b if b is not None else bytearray(size) for b in staged]
+        sizes: list[int | None] = [len(b) if b is not None else None for b in staged]
+        missing = [i for i, b in enumerate(staged) if b is None]
+        if missing:
+            try:
+                fetched = self.client.batch_get_into([keys[i] for i in missing], [bufs[i] for i in missing])
+            except CrescentError as exc:
+                self._error("load", exc)
+                fetched = [None] * len(missing)
+            for i, n in zip(missing, fetched):
+                sizes[i] = n
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
         parent = bytes(ROOT_KEY) if first == 0 else self.keys(tokens, salt)[first - 1]
         loaded = 0

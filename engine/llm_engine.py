@@ -86,12 +86,29 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------
 
-    def add_request(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None) -> Sequence:
-        """Queues a request. Raises ValueError for an empty prompt, unknown token ids or too long a request."""
+    def add_request(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
+                    output_prefix: list[int] | None = None, prefetched: dict | None = None) -> Sequence:
+        """Queues a request. Raises ValueError for an empty prompt, unknown token ids or too long a request.
+
+        Args:
+            output_prefix: tokens already generated elsewhere (the prefill
+                engine's first token); generation continues after them.
+            prefetched: chunk key → encoded chunk already fetched from the store
+                (the decode engine fetches while the prefill engine still saves);
+                its leading chunks count as store hits.
+        """
         self.validate(prompt, params)
-        seq = Sequence(list(prompt), params, cache_salt=cache_salt)
+        seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []))
         if self.connector is not None:
-            seq.store_hit_chunks = self.connector.lookup(seq.prompt, cache_salt)
+            if prefetched is not None:
+                keys = self.connector.keys(seq.prompt, cache_salt)
+                hits = 0
+                while hits < len(keys) and keys[hits] in prefetched:
+                    hits += 1
+                seq.store_hit_chunks = hits
+                self.connector.stage(seq.seq_id, prefetched)
+            else:
+                seq.store_hit_chunks = self.connector.lookup(seq.prompt, cache_salt)
         self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -186,7 +203,7 @@ class LLMEngine:
         first = seq.num_local_tokens // self.cfg.chunk_tokens
         num = seq.num_store_tokens // self.cfg.chunk_tokens
         salt = seq.cache_salt
-        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num)
+        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num, seq_id=seq.seq_id)
         if loaded < num:  # a miss from here on: recompute, starting next step
             seq.num_computed = (first + loaded) * self.cfg.chunk_tokens
             seq.num_store_tokens = loaded * self.cfg.chunk_tokens
@@ -217,6 +234,8 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self._page_hashes.pop(seq.seq_id, None)
+        if self.connector is not None:
+            self.connector.unstage(seq.seq_id)
         self.sampler.forget(seq.seq_id)
 
     def close(self) -> None:

@@ -86,9 +86,15 @@ def _run_store(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _register_serving(sub) -> None:
+    from engine.serve.cli import register  # `crescent engine`, `crescent gateway`, `crescent up`
+
+    register(sub)
+
+
 # Each entry adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
 # Keep imports inside handlers so `crescent --help` stays fast.
-REGISTRARS = [_register_store]
+REGISTRARS = [_register_store, _register_serving]
 
 
 def build_parser() -> argparse.ArgumentParser:

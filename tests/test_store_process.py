@@ -86,12 +86,15 @@ def test_bad_flags_and_busy_port_are_clear_errors(tmp_path):
 
 def test_sigterm_stops_gracefully_and_frees_the_arena():
     proc = StoreProcess("--dram", "8MiB")
-    segs = [f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{proc.pid}-")]
-    assert len(segs) == 1
-    c = StoreClient(proc.address)
-    c.put(b"k", b"v")
-    c.close()
-    assert proc.stop() == 0
+    try:
+        segs = [f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{proc.pid}-")]
+        assert len(segs) == 1
+        c = StoreClient(proc.address)
+        c.put(b"k", b"v")
+        c.close()
+    finally:
+        code = proc.stop()
+    assert code == 0
     assert not os.path.exists(f"/dev/shm/{segs[0]}")
 
 

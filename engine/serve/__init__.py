@@ -1,0 +1,1 @@
+"""Serving: engine gRPC services, the OpenAI-compatible gateway and `crescent up`."""

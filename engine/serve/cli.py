@@ -1,0 +1,76 @@
+"""Subcommands `crescent engine`, `crescent gateway` and `crescent up`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    from engine.config import EngineConfig
+    from kvstore.cli import add_config_args
+
+    p = sub.add_parser("engine", help="run a prefill, decode or monolithic engine",
+                       description="Run an engine behind the crescent.v1.Engine gRPC service. prefill: "
+                                   "stateless chunked prefill that saves the prompt's chunks to the store; "
+                                   "decode: loads them and streams tokens (prefilling locally when needed); "
+                                   "both: a monolithic engine.")
+    p.add_argument("role", choices=["prefill", "decode", "both"])
+    p.add_argument("--listen", default="127.0.0.1:7500", help="gRPC address host:port (default: 127.0.0.1:7500)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: none)")
+    p.add_argument("--fetch-timeout-s", type=float, default=2.0,
+                   help="decode: how long to wait for a prefill engine's chunks to appear in the store "
+                        "after the last one arrived (default: 2.0)")
+    add_config_args(p, EngineConfig)
+    p.set_defaults(handler=_run_engine)
+
+    g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
+                       description="OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions "
+                                   "(stream: true as SSE), /v1/models, /health, /metrics.")
+    g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address host:port (default: 127.0.0.1:8000)")
+    g.add_argument("--model", default="random:tiny", help="model (for the tokenizer and the served name)")
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    g.add_argument("--prefill", nargs="*", default=[], metavar="ADDR", help="prefill engine addresses")
+    g.add_argument("--decode", nargs="+", required=True, metavar="ADDR", help="decode engine addresses")
+    g.set_defaults(handler=_run_gateway)
+
+    u = sub.add_parser("up", help="run a whole cluster on this machine (store, engines, gateway)",
+                       description="Start a store node, a prefill engine, a decode engine and the gateway on "
+                                   "loopback, wait until all are healthy, print the URLs, and stop everything "
+                                   "on Ctrl-C or SIGTERM.")
+    from engine.serve.up import add_up_args
+
+    add_up_args(u)
+    u.set_defaults(handler=_run_up)
+
+
+def _run_engine(ns: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.serve.engine_server import serve
+    from kvstore.cli import config_from_args
+
+    try:
+        cfg = config_from_args(EngineConfig, ns)
+        serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"crescent engine: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_gateway(ns: argparse.Namespace) -> int:
+    from engine.serve.gateway import Gateway, serve
+
+    try:
+        gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name)
+        serve(gw, ns.listen)
+    except (ValueError, OSError) as exc:
+        print(f"crescent gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_up(ns: argparse.Namespace) -> int:
+    from engine.serve.up import run_up
+
+    return run_up(ns)

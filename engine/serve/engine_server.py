@@ -1,0 +1,187 @@
+"""`crescent engine prefill|decode|both`: an LLMEngine behind the crescent.v1.Engine gRPC service."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.serve.loop import EngineLoop, Handle
+from engine.serve.metrics import EngineMetrics
+from proto.crescent.v1 import engine_pb2 as pb
+from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+
+
+def sampling_from_pb(s: pb.SamplingOptions, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+                          temperature=s.temperature, top_p=s.top_p or 1.0,
+                          seed=s.seed if s.HasField("seed") else None,
+                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, role: str, engine: LLMEngine, loop: EngineLoop, fetch_timeout_s: float) -> None:
+        self.role = role
+        self.engine = engine
+        self.loop = loop
+        self.fetch_timeout_s = fetch_timeout_s
+        self.num_local_prefills = 0
+
+    def _params(self, s: pb.SamplingOptions, context, max_tokens: int | None = None) -> SamplingParams:
+        try:
+            return sampling_from_pb(s, max_tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _submit(self, context, *args, **kw) -> Handle:
+        try:
+            h = self.loop.submit(*args, **kw)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self.loop.abort(h))  # the client went away: free the pages
+        return h
+
+    def Prefill(self, request, context):
+        if self.role == "decode":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode engine")
+        params = self._params(request.sampling, context, max_tokens=1)
+        prompt = list(request.prompt_token_ids)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        t0 = time.perf_counter()
+        h = self._submit(context, prompt, params, salt)
+        first = None
+        while True:
+            kind, val = h.events.get()
+            if kind == "token":
+                first = val
+            elif kind == "done":
+                break
+            else:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, val)
+        if first is None:
+            context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+        seq = h.seq
+        conn = self.engine.connector
+        keys = conn.keys(prompt, salt) if conn is not None else []
+        s = request.sampling
+        if s.max_tokens <= 1:
+            finished, reason = True, "length"
+        elif first in s.stop_token_ids or (first in self.engine.eos and not s.ignore_eos):
+            finished, reason = True, "stop"
+        else:
+            finished, reason = False, ""
+        return pb.PrefillResponse(first_token=first, chunk_keys=keys,
+                                  num_cached_tokens=seq.num_store_tokens + seq.num_local_tokens,
+                                  num_saved_chunks=seq.num_saved_chunks, prefill_s=time.perf_counter() - t0,
+                                  finished=finished, finish_reason=reason)
+
+    def Generate(self, request, context):
+        if self.role == "prefill":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a prefill engine")
+        params = self._params(request.sampling, context)
+        prompt = list(request.prompt_token_ids)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        prefix = [request.first_token] if request.HasField("first_token") else None
+        if prefix is None:
+            self.num_local_prefills += 1
+        prefetched = None
+        conn = self.engine.connector
+        if conn is not None and request.chunk_keys:
+            expected = conn.keys(prompt, salt)
+            if list(request.chunk_keys) == expected:  # never trust keys that are not this prompt's own
+                prefetched = conn.fetch_as_they_arrive(expected, self.fetch_timeout_s)
+        h = self._submit(context, prompt, params, salt, prefix, prefetched)
+        pending = []
+        while True:
+            kind, val = h.events.get()
+            if kind == "error":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, val)
+            seq = h.seq
+            cached = seq.num_store_tokens + seq.num_local_tokens if seq is not None else 0
+            if kind == "token":
+                pending.append(val)
+                if h.events.empty():
+                    yield pb.GenerateResponse(token_ids=pending, num_cached_tokens=cached,
+                                              num_prompt_tokens=len(prompt))
+                    pending = []
+            else:
+                yield pb.GenerateResponse(token_ids=pending, finished=True, finish_reason=val or "",
+                                          num_cached_tokens=cached, num_prompt_tokens=len(prompt))
+                return
+
+    def Health(self, request, context):
+        mc = self.engine.model_config
+        return pb.EngineHealthResponse(serving=True, role=self.role, model=self.engine.cfg.model,
+                                       vocab_size=mc.vocab_size, max_model_len=mc.max_position_embeddings)
+
+    def Stats(self, request, context):
+        eng = self.engine
+        st = eng.connector.stats if eng.connector else None
+        return pb.EngineStatsResponse(
+            role=self.role, num_waiting=len(eng.scheduler.waiting), num_running=len(eng.scheduler.running),
+            num_pages=eng.blocks.num_pages, num_free_pages=eng.blocks.num_free,
+            chunks_loaded=st.chunks_loaded if st else 0, bytes_loaded=st.bytes_loaded if st else 0,
+            chunks_saved=st.chunks_saved if st else 0, bytes_saved=st.bytes_saved if st else 0,
+            num_requests=self.loop.num_requests, num_local_prefills=self.num_local_prefills)
+
+
+class EngineNode:
+    def __init__(self, role: str, cfg: EngineConfig, listen: str = "127.0.0.1:0",
+                 metrics_port: int | None = None, fetch_timeout_s: float = 2.0) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        self.role = role
+        self.engine = LLMEngine(cfg)
+        self.metrics: EngineMetrics | None = None
+        self.loop = EngineLoop(self.engine)
+        self.metrics = EngineMetrics(role, self.loop)
+        self.loop._on_token, self.loop._on_finish = self.metrics.on_token, self.metrics.on_finish
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
+                                  options=[("grpc.so_reuseport", 0)])
+        self.service = EngineService(role, self.engine, self.loop, fetch_timeout_s)
+        pb_grpc.add_EngineServicer_to_server(self.service, self.server)
+        try:
+            self.port = self.server.add_insecure_port(listen)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen} (address in use or not local)")
+        self.address = f"{listen.rpartition(':')[0]}:{self.port}"
+        self._metrics_port = metrics_port
+        self._metrics_server = None
+
+    def start(self) -> EngineNode:
+        self.loop.start()
+        self.server.start()
+        if self._metrics_port is not None:
+            self._metrics_server, _ = self.metrics.serve(self._metrics_port, self.address.rpartition(":")[0])
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.server.stop(grace).wait()
+        self.loop.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.engine.close()
+
+
+def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, fetch_timeout_s: float) -> None:
+    node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    store = f", store {cfg.store}" if cfg.store else ""
+    print(f"crescent engine {role} ({cfg.model}) listening on {node.address}{store}", flush=True)
+    done.wait()
+    print(f"crescent engine {role}: stopping", flush=True)
+    node.stop()

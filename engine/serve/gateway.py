@@ -1,0 +1,329 @@
+"""`crescent gateway`: an OpenAI-compatible HTTP front door over prefill and decode engines.
+
+POST /v1/completions, POST /v1/chat/completions (``stream: true`` as SSE),
+GET /v1/models, /health, /metrics. Each request: tokenize, route (round-robin,
+or the conductor), Prefill on the prefill engine (first token; the prompt's
+chunks go to the store), then Generate on the decode engine (loads the chunks,
+streams the rest). If the prefill engine fails, the decode engine prefills
+locally: the request still completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_response, new_id, parse_request,
+                                          stream_chunk, usage)
+from engine.serve.router import RoundRobinRouter, Router
+from engine.tokenizer import load_tokenizer
+from proto.crescent.v1 import engine_pb2 as pb
+from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+MAX_BODY = 8 << 20
+
+
+class Engines:
+    """gRPC stubs of the engines, one channel each."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self._stubs = {a: pb_grpc.EngineStub(grpc.insecure_channel(a)) for a in addresses}
+
+    def __getitem__(self, address: str) -> pb_grpc.EngineStub:
+        return self._stubs[address]
+
+    def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        out = {}
+        for a, stub in self._stubs.items():
+            try:
+                out[a] = stub.Health(pb.EngineHealthRequest(), timeout=timeout_s).serving
+            except grpc.RpcError:
+                out[a] = False
+        return out
+
+
+class Gateway:
+    def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
+                 router: Router | None = None, timeout_s: float = 600.0) -> None:
+        self.model_name = served_model_name or model
+        self.tokenizer = load_tokenizer(model)
+        self.router = router or RoundRobinRouter(prefill, decode)
+        self.engines = Engines(prefill + decode)
+        self.timeout_s = timeout_s
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("crescent_gateway_requests", "Requests by endpoint and status",
+                                  ["endpoint", "status"], registry=self.registry)
+        self.m_ttft = Histogram("crescent_gateway_ttft_seconds", "Request arrival to first token (end to end)",
+                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                registry=self.registry)
+        self.m_itl = Histogram("crescent_gateway_itl_seconds", "Time between tokens (end to end)",
+                               buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                               registry=self.registry)
+        self.m_tokens = Counter("crescent_gateway_tokens", "Tokens by kind", ["kind"], registry=self.registry)
+        self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
+                                   "Requests whose prefill failed and were prefilled by the decode engine",
+                                   registry=self.registry)
+
+    def encode(self, req: ParsedRequest) -> list[int]:
+        if req.chat:
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(req.prompt), add_bos=True)
+        if isinstance(req.prompt, str):
+            return self.tokenizer.encode(req.prompt, add_bos=True)
+        return list(req.prompt)
+
+    def generate(self, prompt: list[int], req: ParsedRequest) -> Iterator[tuple[list[int], str | None, int]]:
+        """Yields ``(new token ids, finish reason or None, cached prompt tokens)``."""
+        sampling = pb.SamplingOptions(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                      seed=req.seed, ignore_eos=req.ignore_eos)
+        route = self.router.route(prompt, req.cache_salt)
+        first, keys, cached = None, [], 0
+        if route.prefill is not None:
+            try:
+                r = self.engines[route.prefill].Prefill(
+                    pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt),
+                    timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise BadRequest(exc.details()) from None
+                log.warning("prefill on %s failed (%s): the decode engine prefills locally", route.prefill,
+                            exc.code().name)
+                self.m_fallbacks.inc()
+            else:
+                first, keys, cached = r.first_token, list(r.chunk_keys), r.num_cached_tokens
+                yield [first], (r.finish_reason if r.finished else None), cached
+                if r.finished:
+                    return
+        call = self.engines[route.decode].Generate(
+            pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
+                               first_token=first, chunk_keys=keys), timeout=self.timeout_s)
+        try:
+            for msg in call:
+                yield list(msg.token_ids), (msg.finish_reason if msg.finished else None), \
+                    cached if first is not None else msg.num_cached_tokens
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details()) from None
+            raise
+        finally:
+            call.cancel()  # the client went away mid-stream: the decode engine frees the pages
+
+
+class _Detok:
+    """Incremental detokenization that never emits half a character, with stop strings."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tok, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """New text since the last push; holds back a trailing partial character unless ``final``."""
+        self.ids += ids
+        text = self.tok.decode(self.ids)
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0:
+                self.stopped = True
+                text = text[:i]
+        end = len(text)
+        if not self.stopped and not final and text.endswith("\ufffd"):
+            end = len(text.rstrip("\ufffd"))
+        out = text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def text(self) -> str:
+        return self.tok.decode(self.ids)
+
+
+def make_handler(gw: Gateway):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "crescent-gateway"
+
+        def log_message(self, fmt, *args):
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _json(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str, etype: str = "invalid_request_error", **kw) -> None:
+            self._json(status, {"error": {"message": message, "type": etype, "param": kw.get("param"),
+                                          "code": kw.get("code")}})
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": gw.model_name, "object": "model",
+                                                             "created": 0, "owned_by": "crescent"}]})
+            elif self.path == "/health":
+                engines = gw.engines.health()
+                ok = all(engines.values())
+                self._json(200 if ok else 503, {"status": "ok" if ok else "degraded", "engines": engines})
+            elif self.path == "/metrics":
+                data = generate_latest(gw.registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            else:
+                self._error(404, f"no route for GET {self.path}", code="not_found")
+
+        def do_POST(self):
+            chat = self.path == "/v1/chat/completions"
+            endpoint = "chat" if chat else "completions"
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                return self._error(404, f"no route for POST {self.path}", code="not_found")
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY:
+                    raise BadRequest(f"request body over {MAX_BODY} bytes")
+                try:
+                    body = json.loads(self.rfile.read(length) or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise BadRequest(f"the body is not valid JSON: {exc}") from None
+                req = parse_request(body, chat, gw.model_name)
+                prompt = gw.encode(req)
+                if req.stream:
+                    self._stream(req, prompt)
+                else:
+                    self._complete(req, prompt)
+                gw.m_requests.labels(endpoint, "200").inc()
+            except BadRequest as exc:
+                gw.m_requests.labels(endpoint, "400").inc()
+                self._json(400, exc.body())
+            except (BrokenPipeError, ConnectionResetError):
+                gw.m_requests.labels(endpoint, "disconnected").inc()
+                self.close_connection = True
+            except grpc.RpcError as exc:
+                gw.m_requests.labels(endpoint, "503").inc()
+                self._error(503, f"engine unavailable: {exc.code().name}", "server_error")
+
+        def _run(self, req, prompt):
+            t0 = time.perf_counter()
+            last = None
+            for ids, reason, cached in gw.generate(prompt, req):
+                now = time.perf_counter()
+                if ids:
+                    if last is None:
+                        gw.m_ttft.observe(now - t0)
+                    else:
+                        gw.m_itl.observe((now - last) / len(ids))
+                    last = now
+                yield ids, reason, cached
+
+        def _complete(self, req, prompt):
+            detok = _Detok(gw.tokenizer, req.stop)
+            reason, cached, n = "length", 0, 0
+            for ids, r, cached in self._run(req, prompt):
+                n += len(ids)
+                detok.push(ids)
+                if detok.stopped:
+                    reason = "stop"
+                    break
+                reason = r or reason
+            text = detok.text()
+            for s in req.stop:
+                if s in text:
+                    text = text[: text.find(s)]
+            gw.m_tokens.labels("prompt").inc(len(prompt))
+            gw.m_tokens.labels("cached").inc(cached)
+            gw.m_tokens.labels("completion").inc(n)
+            self._json(200, full_response(req, new_id(req.chat), gw.model_name, text, reason,
+                                          usage(len(prompt), n, cached)))
+
+        def _send_chunk(self, payload: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            self.wfile.flush()
+
+        def _stream(self, req, prompt):
+            rid = new_id(req.chat)
+            gen = self._run(req, prompt)
+            first_item = next(gen)  # errors before the first token still answer 400/503
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            detok = _Detok(gw.tokenizer, req.stop)
+            n, cached, first = 0, 0, True
+
+            def emit(obj):
+                self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+            try:
+                for ids, reason, cached in _chain(first_item, gen):
+                    n += len(ids)
+                    text = detok.push(ids, final=reason is not None)
+                    if detok.stopped:
+                        reason = "stop"
+                    if text or reason or first:
+                        emit(stream_chunk(req, rid, gw.model_name, text, reason, first=first))
+                        first = False
+                    if reason:
+                        break
+                if req.include_usage:
+                    emit(stream_chunk(req, rid, gw.model_name, None, None, use=usage(len(prompt), n, cached)))
+                self._send_chunk(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            finally:
+                gen.close()
+            gw.m_tokens.labels("prompt").inc(len(prompt))
+            gw.m_tokens.labels("cached").inc(cached)
+            gw.m_tokens.labels("completion").inc(n)
+
+    return Handler
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+class GatewayServer:
+    def __init__(self, gw: Gateway, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        try:
+            self.httpd = ThreadingHTTPServer((host, int(port)), make_handler(gw))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="gateway", daemon=True)
+
+    def start(self) -> GatewayServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve(gw: Gateway, listen: str) -> None:
+    srv = GatewayServer(gw, listen).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"crescent gateway serving {gw.model_name} on {srv.url}/v1", flush=True)
+    done.wait()
+    print("crescent gateway: stopping", flush=True)
+    srv.stop()

@@ -1,0 +1,57 @@
+"""Prometheus metrics of an engine, labelled by role so prefill and decode SLOs alert apart."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, role: str, loop) -> None:
+        self.role = role
+        self.loop = loop
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("crescent_engine_ttft_seconds", "Arrival to first token, in this engine",
+                              ["role"], buckets=_TTFT, registry=self.registry).labels(role)
+        self.itl = Histogram("crescent_engine_itl_seconds", "Time between consecutive tokens of a request",
+                             ["role"], buckets=_ITL, registry=self.registry).labels(role)
+        self.requests = Counter("crescent_engine_requests", "Requests finished, by reason",
+                                ["role", "reason"], registry=self.registry)
+        self.registry.register(self)
+        self._last: dict[int, float] = {}
+
+    def on_token(self, seq, now: float) -> None:
+        last = self._last.get(seq.seq_id)
+        if last is None:
+            self.ttft.observe(now - seq.arrival_time)
+        else:
+            self.itl.observe(now - last)
+        self._last[seq.seq_id] = now
+
+    def on_finish(self, seq, now: float) -> None:
+        self._last.pop(seq.seq_id, None)
+        self.requests.labels(self.role, seq.finish_reason or "unknown").inc()
+
+    def collect(self):
+        eng = self.loop.engine
+        g = GaugeMetricFamily("crescent_engine_queue_depth", "Requests waiting or running", labels=["role", "state"])
+        g.add_metric([self.role, "waiting"], len(eng.scheduler.waiting))
+        g.add_metric([self.role, "running"], len(eng.scheduler.running))
+        yield g
+        p = GaugeMetricFamily("crescent_engine_kv_pages", "KV pages, by state", labels=["role", "state"])
+        p.add_metric([self.role, "used"], eng.blocks.num_pages - eng.blocks.num_free)
+        p.add_metric([self.role, "free"], eng.blocks.num_free)
+        yield p
+        if eng.connector is not None:
+            st = eng.connector.stats
+            b = GaugeMetricFamily("crescent_engine_store_bytes", "Bytes moved to/from the store",
+                                  labels=["role", "direction"])
+            b.add_metric([self.role, "loaded"], st.bytes_loaded)
+            b.add_metric([self.role, "saved"], st.bytes_saved)
+            yield b
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        return start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,134 @@
+"""OpenAI request parsing and response shapes for the gateway (completions and chat)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+
+class BadRequest(Exception):
+    """An invalid request: answered 400 with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    prompt: str | list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    ignore_eos: bool
+    cache_salt: str | None
+    user: str | None
+
+
+def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise BadRequest(f"'{name}' must be a{'n integer' if integer else ' number'}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+    return v
+
+
+def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest("'model' is required", "model")
+    if model != model_name:
+        raise BadRequest(f"The model '{model}' does not exist; this gateway serves '{model_name}'", "model",
+                         "model_not_found")
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' must be a non-empty list", "messages")
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise BadRequest("each message needs a string 'role' and a string 'content'", "messages")
+        prompt: str | list[int] = msgs  # rendered by the gateway's tokenizer
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one prompt)",
+                                 "prompt")
+        elif not isinstance(prompt, str) or not prompt:
+            raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    n = _num(body, "n", 1, 1, 1, integer=True)
+    del n
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    limit_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    opts = body.get("stream_options") or {}
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string", "cache_salt")
+    return ParsedRequest(
+        chat=chat, prompt=prompt,
+        max_tokens=_num(body, limit_name, 16, 1, None, integer=True),
+        temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
+        seed=_num(body, "seed", None, integer=True),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+        stop=stop, ignore_eos=bool(body.get("ignore_eos", False)), cache_salt=salt,
+        user=body.get("user") if isinstance(body.get("user"), str) else None)
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def full_response(req: ParsedRequest, rid: str, model: str, text: str, reason: str, use: dict) -> dict:
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": use}
+
+
+def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,
+                 first: bool = False, use: dict | None = None) -> dict:
+    if use is not None:
+        return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                "created": int(time.time()), "model": model, "choices": [], "usage": use}
+    if req.chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}

@@ -1,0 +1,227 @@
+"""`crescent up`: a whole Crescent on one machine — store, prefill and decode engines, gateway.
+
+Each part is a real process (the same commands a deployment runs); `up`
+starts them on loopback, waits until every one answers its health check,
+prints the URLs, writes them to ``<data>/up.json``, and on Ctrl-C or SIGTERM
+stops them all (SIGTERM, then SIGKILL after a grace period), newest first.
+A lock file in the data folder makes a second `up` on the same folder fail
+with a clear message, and busy ports are reported before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+
+from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="random:small", help="HF checkpoint folder or random:tiny|small|medium "
+                                                            "(default: random:small)")
+    p.add_argument("--data", default="./crescent-data", help="data folder: disk tier, logs, up.json "
+                                                             "(default: ./crescent-data)")
+    p.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
+    p.add_argument("--store-port", type=int, default=7400, help="store gRPC port (0: any free port)")
+    p.add_argument("--prefill-port", type=int, default=7500, help="prefill engine port (0: any free port)")
+    p.add_argument("--decode-port", type=int, default=7501, help="decode engine port (0: any free port)")
+    p.add_argument("--gateway-port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
+    p.add_argument("--dram", default="1GiB", help="store DRAM tier (default: 1GiB)")
+    p.add_argument("--disk-size", default="4GiB", help="store disk tier (default: 4GiB)")
+    p.add_argument("--chunk-size", type=int, default=512, help="chunked-prefill size (default: 512)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default: 256)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool per engine (default: 512MiB)")
+    p.add_argument("--mode", choices=["disagg", "mono"], default="disagg",
+                   help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
+                        "no prefill engine (default: disagg)")
+    p.add_argument("--no-store", action="store_true", help="run without a store node")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
+
+
+def _port_free(host: str, port: int) -> bool:
+    if port == 0:
+        return True
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Part:
+    """One child process, its log, and the address it printed when ready."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: str) -> None:
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.address: str | None = None
+
+    def wait_banner(self, pattern: str, deadline: float) -> str:
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            with open(self.log_path) as f:
+                m = rx.search(f.read())
+            if m:
+                self.address = m.group(1)
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} did not start in time:\n{self.tail()}")
+
+    def tail(self, n: int = 15) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _healthy_grpc(stub_cls, req, address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return bool(stub_cls(ch).Health(req, timeout=2).serving)
+    except grpc.RpcError:
+        return False
+
+
+def _healthy_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def run_up(ns: argparse.Namespace) -> int:
+    data = os.path.abspath(ns.data)
+    logs = os.path.join(data, "logs")
+    os.makedirs(logs, exist_ok=True)
+    lock = open(os.path.join(data, "up.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "?"
+        print(f"crescent up: error: another `crescent up` (pid {owner}) is running on {data}; "
+              "stop it first or use --data", file=sys.stderr)
+        return 2
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    with_store = not ns.no_store
+    ports = {"gateway": ns.gateway_port, "decode": ns.decode_port}
+    if with_store:
+        ports["store"] = ns.store_port
+    if ns.mode == "disagg":
+        ports["prefill"] = ns.prefill_port
+    busy = [f"{name} port {p}" for name, p in ports.items() if not _port_free(ns.host, p)]
+    if busy:
+        print(f"crescent up: error: {', '.join(busy)} in use on {ns.host} (another cluster or service?); "
+              "choose other ports with --*-port", file=sys.stderr)
+        return 2
+
+    py = [sys.executable, "-m", "kvstore.cli"]
+    parts: list[Part] = []
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    deadline = time.monotonic() + ns.startup_timeout_s
+    state_path = os.path.join(data, "up.json")
+    try:
+        store_addr = None
+        if with_store:
+            p = Part("store", py + ["store", "--listen", f"{ns.host}:{ns.store_port}", "--dram", ns.dram,
+                                    "--disk", os.path.join(data, "store"), "--disk-size", ns.disk_size], logs)
+            parts.append(p)
+            store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+        common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
+                  "--kv-cache-memory", ns.kv_cache_memory]
+        if store_addr:
+            common += ["--store", store_addr]
+        engines = []
+        if ns.mode == "disagg":
+            engines.append(("prefill", "prefill", ns.prefill_port))
+        engines.append(("decode", "decode" if ns.mode == "disagg" else "both", ns.decode_port))
+        for name, role, port in engines:
+            parts.append(Part(name, py + ["engine", role, "--listen", f"{ns.host}:{port}"] + common, logs))
+        addrs = {name: part.wait_banner(r"listening on ([^\s,]+)", deadline)
+                 for (name, _, _), part in zip(engines, parts[-len(engines):])}
+        gw_cmd = py + ["gateway", "--listen", f"{ns.host}:{ns.gateway_port}", "--model", ns.model,
+                       "--decode", addrs["decode"]]
+        if "prefill" in addrs:
+            gw_cmd += ["--prefill", addrs["prefill"]]
+        gw = Part("gateway", gw_cmd, logs)
+        parts.append(gw)
+        gw_url = gw.wait_banner(r"on (http://\S+?)/v1", deadline)
+        checks = [lambda: _healthy_http(gw_url)]
+        checks += [lambda a=a: _healthy_grpc(engine_pb2_grpc.EngineStub, engine_pb2.EngineHealthRequest(), a)
+                   for a in addrs.values()]
+        if store_addr:
+            checks.append(lambda: _healthy_grpc(kvstore_pb2_grpc.KVStoreStub, kvstore_pb2.HealthRequest(),
+                                                store_addr))
+        while not all(c() for c in checks):
+            if time.monotonic() > deadline or stop.is_set():
+                raise RuntimeError("the cluster did not become healthy in time")
+            time.sleep(0.2)
+        state = {"pid": os.getpid(), "model": ns.model, "openai_base_url": f"{gw_url}/v1", "gateway": gw_url,
+                 "store": store_addr, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
+                 "pids": {p.name: p.proc.pid for p in parts}}
+        with open(state_path + ".tmp", "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(state_path + ".tmp", state_path)
+        print(f"Crescent is up ({ns.model}, {ns.mode}).", flush=True)
+        print(f"  OpenAI API   {gw_url}/v1   (model: {ns.model})", flush=True)
+        for k, v in addrs.items():
+            print(f"  {k:<12} {v}", flush=True)
+        if store_addr:
+            print(f"  store        {store_addr}", flush=True)
+        print(f"  metrics      {gw_url}/metrics   logs: {logs}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        store_down = False
+        while not stop.wait(0.5):
+            dead = [p for p in parts if p.proc.poll() is not None]
+            if dead and all(p.name == "store" for p in dead):
+                if not store_down:  # NOTE: the engines carry on without the store (recompute)
+                    print(f"crescent up: warning: the store exited ({dead[0].proc.returncode}); "
+                          "engines continue without it", file=sys.stderr, flush=True)
+                    store_down = True
+            elif dead:
+                name = next(p for p in dead if p.name != "store")
+                print(f"crescent up: error: {name.name} exited ({name.proc.returncode}); stopping:\n"
+                      f"{name.tail()}", file=sys.stderr)
+                return 1
+        print("crescent up: stopping", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"crescent up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for p in reversed(parts):
+            p.stop()
+        if os.path.exists(state_path):
+            os.remove(state_path)
+        lock.close()

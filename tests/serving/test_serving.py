@@ -1,0 +1,189 @@
+"""The serving path with real processes on loopback, through the official `openai` client."""
+
+import http.client
+import json
+import os
+import signal
+import time
+import urllib.parse
+
+import grpc
+import openai
+import pytest
+
+from engine import LLM
+from proto.crescent.v1 import engine_pb2 as epb
+from proto.crescent.v1 import engine_pb2_grpc as epb_grpc
+from tests.helpers import wait_for
+from tests.serving.conftest import Cluster
+
+MODEL = "random:tiny"
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+def engine_stats(address: str) -> epb.EngineStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return epb_grpc.EngineStub(ch).Stats(epb.EngineStatsRequest(), timeout=30)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(3, 250) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def storeless():
+    with LLM(MODEL, dtype="float32", chunk_tokens=64) as llm:
+        yield llm
+
+
+def test_completions_and_chat_streaming_and_not(cluster):
+    c = client(cluster)
+    r = c.completions.create(model=MODEL, prompt="Hello, Crescent", max_tokens=7, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens == len("Hello, Crescent") + 1
+    assert r.choices[0].finish_reason == "length"
+    streamed = c.completions.create(model=MODEL, prompt="Hello, Crescent", max_tokens=7, temperature=0,
+                                    stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 5
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_prefix_reuse_across_tenants_gives_the_storeless_tokens(cluster, storeless):
+    c = client(cluster)
+    prefix = _ids(1, 300)
+    a = prefix + _ids(2, 40)
+    b = prefix + _ids(3, 25)
+    ra = c.completions.create(model=MODEL, prompt=a, max_tokens=10, temperature=0, user="tenant-a",
+                              extra_body={"ignore_eos": True})
+    rb = c.completions.create(model=MODEL, prompt=b, max_tokens=10, temperature=0, user="tenant-b",
+                              extra_body={"ignore_eos": True})
+    assert rb.usage.prompt_tokens_details.cached_tokens >= 256
+    ref = storeless.generate([a, b], max_tokens=10, ignore_eos=True)
+    tok = storeless.tokenizer
+    assert ra.choices[0].text == tok.decode(ref[0].token_ids)
+    assert rb.choices[0].text == tok.decode(ref[1].token_ids)
+    # the decode engine loaded a's 5 chunks from the store, and of b's only the one its
+    # own pages (shared with a) did not hold
+    assert engine_stats(cluster.state["decode_engine"]).chunks_loaded >= 6
+    # a salted tenant shares nothing
+    rs = c.completions.create(model=MODEL, prompt=b, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True, "cache_salt": "secret-tenant"})
+    assert rs.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _post(cluster, path, body: bytes, content_type="application/json"):
+    u = urllib.parse.urlparse(cluster.state["gateway"])
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", path, body=body, headers={"Content-Type": content_type})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data)
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"model": "gpt-17", "prompt": "x"}).encode(), "model"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "ten"}).encode(), "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), "prompt"),
+    (json.dumps({"model": MODEL, "prompt": [1, 2, 10**9]}).encode(), None),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": 9}).encode(), "temperature"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), "messages"),
+])
+def test_bad_requests_get_400_with_openai_errors(cluster, body, param):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    status, data = _post(cluster, path, body)
+    assert status == 400
+    assert data["error"]["type"] == "invalid_request_error" and data["error"]["message"]
+    if param:
+        assert data["error"]["param"] == param
+
+
+def test_openai_client_sees_bad_request_errors(cluster):
+    c = client(cluster)
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        c.completions.create(model="nope", prompt="x", max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+
+
+def test_client_disconnect_mid_stream_frees_the_pages(cluster):
+    decode = cluster.state["decode_engine"]
+    u = urllib.parse.urlparse(cluster.state["gateway"])
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": _ids(9, 200), "max_tokens": 5000, "stream": True,
+                       "ignore_eos": True, "temperature": 0})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    r.fp.readline()  # the first event is flowing
+    wait_for(lambda: engine_stats(decode).num_running == 1, what="the request to run on the decode engine")
+    conn.sock.close()  # the client goes away
+    conn.close()
+    st = wait_for(lambda: (s := engine_stats(decode)).num_running == 0 and s.num_free_pages == s.num_pages and s,
+                  timeout_s=120, what="the decode engine to free the sequence's pages")
+    assert st.num_waiting == 0
+
+
+def test_killing_the_store_mid_run_still_completes_requests(tmp_path, storeless):
+    cl = Cluster(str(tmp_path))
+    try:
+        c = client(cl)
+        prompt = _ids(5, 200)
+        before = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        os.kill(cl.state["pids"]["store"], signal.SIGKILL)
+        wait_for(lambda: "the store exited" in cl.output(), what="crescent up to notice")
+        fresh = _ids(6, 230)
+        after = c.completions.create(model=MODEL, prompt=fresh, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        ref = storeless.generate([prompt, fresh], max_tokens=8, ignore_eos=True)
+        assert before.choices[0].text == storeless.tokenizer.decode(ref[0].token_ids)
+        assert after.choices[0].text == storeless.tokenizer.decode(ref[1].token_ids)
+        assert after.usage.completion_tokens == 8
+    finally:
+        assert cl.stop() == 0, cl.output()
+
+
+def test_second_up_on_the_same_data_is_a_clear_error(cluster):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "up", "--data", cluster.data], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "another `crescent up`" in r.stderr and "Traceback" not in r.stderr
+    gw_port = urllib.parse.urlparse(cluster.state["gateway"]).port
+    other = os.path.join(cluster.data, "other")
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "up", "--data", other, "--gateway-port", str(gw_port)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_metrics(cluster):
+    import urllib.request
+
+    text = urllib.request.urlopen(cluster.state["gateway"] + "/metrics", timeout=30).read().decode()
+    assert "crescent_gateway_ttft_seconds_bucket" in text and "crescent_gateway_requests_total" in text
+    time.sleep(0)
