@@ -18,7 +18,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: setup
-	$(PY) -m kvstore.demo
+	$(PY) -m engine.serve.demo
 
 # Redis is a baseline in the store benchmark when Debian's redis-server is present.
 bench: setup
