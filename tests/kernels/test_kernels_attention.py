@@ -131,6 +131,8 @@ DECODE_CASES = [
 ] + [
     (4, 1, 64, 32, F32, [45, 2], 2, False, None),
     (32, 2, 64, 16, BF16, [48, 16, 1, 47], 4, True, None),  # GQA 16
+    (8, 2, 64, 16, F16, [0, 30, 0], 1, True, "dense"),  # seq_len 0 = batch padding: zeros
+    (8, 2, 64, 16, F16, [0, 30, 0], 3, True, "dense"),
 ]
 
 

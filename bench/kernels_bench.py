@@ -1,0 +1,397 @@
+"""GPU benchmark of the Crescent Triton kernels at Llama-3-8B shapes.
+
+Reports achieved HBM bandwidth (paged decode) and TFLOP/s (chunked prefill)
+against the device's peak and against torch SDPA on pre-gathered (contiguous)
+KV, checks every measured shape against the fp32 reference with
+FlashAttention's error rule, and writes a markdown table and a PNG plot.
+
+    python bench/kernels_bench.py --out bench/out            # H200: ~3-5 min
+    python bench/kernels_bench.py --out bench/out --quick    # a few shapes
+    python bench/kernels_bench.py --fp8-error                # CPU: fp8 error figures
+    python bench/kernels_bench.py --smoke --out /tmp/smoke   # CPU: script check in the interpreter
+
+Without CUDA (and without --smoke / --fp8-error) it exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, 32 layers; engine pages of 16.
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, PAGE = 32, 8, 128, 32, 16
+CHUNK_TOKENS = 256
+# (HBM TB/s, dense bf16 TFLOP/s), public spec sheets (SXM parts).
+PEAKS = {"H200": (4.8, 989.0), "H100": (3.35, 989.0), "A100": (2.0, 312.0)}
+TARGETS = {"decode": (64, 4096, 0.70), "prefill": (8192, 0.50)}  # decode: B x ctx, fraction of HBM peak
+
+
+@dataclass
+class Row:
+    kind: str
+    shape: str
+    ms: float
+    achieved: float  # TB/s (decode, pages) or TFLOP/s (prefill)
+    peak_frac: float
+    sdpa_ms: float | None
+    err: float
+    ref_err: float
+    ok: bool
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench/out"), help="folder for kernels_bench.md/.png")
+    p.add_argument("--quick", action="store_true", help="a handful of shapes instead of the full grid")
+    p.add_argument("--peak-hbm-tbs", type=float, help="peak HBM TB/s (default: from the device name)")
+    p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s (default: from the device name)")
+    p.add_argument("--fp8-error", action="store_true", help="print fp8 round-trip error on gaussian data (CPU ok)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in the Triton interpreter (checks the script)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- fp8 error (CPU)
+
+
+def fp8_error_table(seed: int = 0) -> str:
+    """Round-trip error of per-head e4m3 in the Llama-8B chunk layout ``[32, 2, 8, 256, 128]``."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    lines = [
+        "| data | max rel. err (normal range) | mean rel. err | rel. RMS err | max abs err / head amax "
+        "| share in subnormal range |",
+        "|---|---|---|---|---|---|",
+    ]
+    cases = [("N(0, 1) fp32", torch.float32, 1.0), ("N(0, 1) bf16", torch.bfloat16, 1.0)]
+    cases += [("N(0, 1) bf16, channel 0 x20", torch.bfloat16, 20.0)]  # an outlier channel, as K caches have
+    for label, dtype, outlier in cases:
+        x = torch.randn(LAYERS, 2, KV_HEADS, CHUNK_TOKENS, HEAD_DIM, generator=gen)
+        x[..., 0] *= outlier
+        x = x.to(dtype)
+        q, scales = kernels.quantize_kv_fp8(x)
+        xf = x.float()
+        y = kernels.dequantize_kv_fp8(q, scales, torch.float32)
+        err = (y - xf).abs()
+        nz = xf != 0
+        normal = xf.abs() >= scales[..., None, None] * 2**-6
+        rel = err / xf.abs().clamp_min(torch.finfo(torch.float32).tiny)
+        amax = xf.abs().amax(dim=(-2, -1), keepdim=True)
+        lines.append(
+            f"| {label} | {rel[normal].max():.4f} | {rel[nz].mean():.4f} | {(err.norm() / xf.norm()):.4f} "
+            f"| {(err / amax).max():.4f} | {1 - normal.float().mean():.2e} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- timing and references
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        import triton.testing
+
+        # NOTE: do_bench flushes L2 between runs: bandwidth figures are HBM, not cache.
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def once(fn: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return once
+
+
+def _gold_and_lowp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float, rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 and input-precision references for one sequence, in query slices to bound memory.
+
+    q: ``[T, H, D]``; k, v: ``[ctx + T, KVH, D]`` dense. Returns two ``[T, H, D]``.
+    """
+    from kernels.reference import dense_causal_attention
+
+    gold, lowp = torch.empty_like(q), torch.empty_like(q)
+    for s in range(0, q.shape[0], rows):
+        qs = q[s : s + rows]
+        pos = torch.arange(ctx + s, ctx + s + qs.shape[0], device=q.device)
+        kv_end = ctx + s + qs.shape[0]  # keys past the slice's last query are masked anyway
+        gold[s : s + rows] = dense_causal_attention(qs, k[:kv_end], v[:kv_end], pos, scale, True)
+        lowp[s : s + rows] = dense_causal_attention(qs, k[:kv_end], v[:kv_end], pos, scale, False)
+    return gold, lowp
+
+
+def _sdpa_time(timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> float | None:
+    """SDPA on contiguous KV: q ``[B, H, T, D]``, k/v ``[B, KVH, S, D]``; None if no backend runs it."""
+    try:
+        if q.shape[2] == 1:
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            if ctx == 0:
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            else:
+                from torch.nn.attention.bias import causal_lower_right
+
+                mask = causal_lower_right(q.shape[2], k.shape[2])
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+        fn()
+        return timer(fn)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # a missing SDPA backend is not our failure
+        print(f"  sdpa baseline unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def bench_decode(device, timer, shapes, heads, kv_heads, head_dim, peak_tbs) -> list[Row]:
+    from kernels.decode_attention import decode_bytes, paged_decode_attention
+    from kernels.testing import make_paged_kv, reference_error_rule
+
+    rows = []
+    for batch, ctx in shapes:
+        paged = make_paged_kv([ctx] * batch, kv_heads, head_dim, PAGE, torch.bfloat16, device, poison=False)
+        q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        scale = head_dim**-0.5
+        run = lambda: paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, scale)  # noqa: E731
+        out = run()
+        ms = timer(run)
+        # Dense copies [B, ctx, KVH, D]: the references and the SDPA baseline read them.
+        pages = paged.block_tables.long()
+        k_all = paged.k_cache[pages].flatten(1, 2)[:, :ctx]
+        v_all = paged.v_cache[pages].flatten(1, 2)[:, :ctx]
+        gold, lowp = torch.empty_like(out), torch.empty_like(out)
+        for b in range(batch):
+            gold[b : b + 1], lowp[b : b + 1] = _gold_and_lowp(q[b : b + 1], k_all[b], v_all[b], ctx - 1, scale)
+        ok, err, ref_err = reference_error_rule(out, gold, lowp)
+        del paged
+        k_dense = k_all.transpose(1, 2).contiguous()  # [B, KVH, ctx, D]
+        del k_all
+        v_dense = v_all.transpose(1, 2).contiguous()
+        del v_all
+        sdpa_ms = _sdpa_time(timer, q[:, :, None], k_dense, v_dense, ctx - 1)
+        tbs = decode_bytes([ctx] * batch, heads, kv_heads, head_dim, 2) / (ms * 1e-3) / 1e12
+        rows.append(Row("decode", f"B={batch} ctx={ctx}", ms, tbs, tbs / peak_tbs, sdpa_ms, err, ref_err, ok))
+        print(_fmt(rows[-1]), flush=True)
+        del k_dense, v_dense
+    return rows
+
+
+def bench_prefill(device, timer, shapes, heads, kv_heads, head_dim, peak_tflops) -> list[Row]:
+    from kernels.prefill_attention import chunked_prefill_attention, prefill_flops
+    from kernels.testing import dense_kv, make_paged_kv, reference_error_rule
+
+    rows = []
+    for batch, ctx, chunk in shapes:
+        paged = make_paged_kv([ctx + chunk] * batch, kv_heads, head_dim, PAGE, torch.bfloat16, device, poison=False)
+        q = torch.randn(batch * chunk, heads, head_dim, dtype=torch.bfloat16, device=device)
+        cu_list = [i * chunk for i in range(batch + 1)]
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+        ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        scale = head_dim**-0.5
+        args = (paged.k_cache, paged.v_cache, paged.block_tables, cu, ctx_lens, scale)
+        run = lambda: chunked_prefill_attention(q, *args, max_q_len=chunk)  # noqa: E731
+        out = run()
+        ms = timer(run)
+        gold, lowp = torch.empty_like(out), torch.empty_like(out)
+        for b in range(batch):
+            k, v = dense_kv(paged, b)
+            sl = slice(b * chunk, (b + 1) * chunk)
+            gold[sl], lowp[sl] = _gold_and_lowp(q[sl], k, v, ctx, scale)
+        ok, err, ref_err = reference_error_rule(out, gold, lowp)
+        sdpa_ms = _sdpa_time(timer, q[:chunk].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], ctx)
+        if sdpa_ms is not None:
+            sdpa_ms *= batch  # one sequence timed; the batch runs them back to back
+        flops = prefill_flops(cu_list, [ctx] * batch, heads, head_dim)
+        tflops = flops / (ms * 1e-3) / 1e12
+        shape = f"B={batch} ctx={ctx} chunk={chunk}"
+        rows.append(Row("prefill", shape, ms, tflops, tflops / peak_tflops, sdpa_ms, err, ref_err, ok))
+        print(_fmt(rows[-1]), flush=True)
+        del paged, k, v
+    return rows
+
+
+def bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs) -> list[Row]:
+    """gather/scatter/fp8 of one chunk, all layers: bytes = read + write."""
+    from kernels.fp8 import dequantize_kv_fp8, quantize_kv_fp8
+    from kernels.kv_pages import gather_kv_pages, scatter_kv_pages
+    from kernels.reference import dequantize_kv_fp8 as deq_ref
+    from kernels.reference import gather_kv_pages as gather_ref
+    from kernels.reference import quantize_kv_fp8 as quant_ref
+
+    num_pages = 64 * CHUNK_TOKENS // PAGE
+    ks = [torch.randn(num_pages, PAGE, kv_heads, head_dim, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+    vs = [torch.randn_like(k) for k in ks]
+    page_ids = torch.randperm(num_pages, device=device)[: CHUNK_TOKENS // PAGE].int()
+    chunk = gather_kv_pages(ks, vs, page_ids)
+    q8, scales = quantize_kv_fp8(chunk)
+    want_q8, want_scales = quant_ref(chunk)
+    checks = {
+        "gather": torch.equal(chunk, gather_ref(ks, vs, page_ids)),
+        "scatter": True,
+        "fp8 quantize": torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8)) and torch.equal(scales, want_scales),
+        "fp8 dequantize": torch.equal(dequantize_kv_fp8(q8, scales), deq_ref(q8, scales)),
+    }
+    fresh_k, fresh_v = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
+    scatter_kv_pages(chunk, fresh_k, fresh_v, page_ids)
+    checks["scatter"] = torch.equal(gather_ref(fresh_k, fresh_v, page_ids), chunk)
+    nbytes = chunk.numel() * chunk.element_size()
+    ops = {
+        "gather": (lambda: gather_kv_pages(ks, vs, page_ids, chunk), 2 * nbytes),
+        "scatter": (lambda: scatter_kv_pages(chunk, fresh_k, fresh_v, page_ids), 2 * nbytes),
+        "fp8 quantize": (lambda: quantize_kv_fp8(chunk), nbytes + nbytes // 2),
+        "fp8 dequantize": (lambda: dequantize_kv_fp8(q8, scales), nbytes // 2 + nbytes),
+    }
+    rows = []
+    for name, (fn, moved) in ops.items():
+        ms = timer(fn)
+        tbs = moved / (ms * 1e-3) / 1e12
+        shape = f"L={layers} {CHUNK_TOKENS} tok"
+        rows.append(Row(name, shape, ms, tbs, tbs / peak_tbs, None, 0.0, 0.0, checks[name]))
+        print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(r: Row) -> str:
+    unit = "TFLOP/s" if r.kind == "prefill" else "TB/s"
+    sdpa = f"{r.sdpa_ms:9.3f}" if r.sdpa_ms is not None else "      n/a"
+    speedup = f"{r.sdpa_ms / r.ms:5.2f}x" if r.sdpa_ms is not None else "  n/a"
+    return (
+        f"{r.kind:15s} {r.shape:28s} {r.ms:9.3f} ms {r.achieved:8.2f} {unit:7s} {100 * r.peak_frac:5.1f}% peak"
+        f"  sdpa {sdpa} ms {speedup}  err {r.err:.2e} (ref {r.ref_err:.2e}) {'ok' if r.ok else 'FAIL'}"
+    )
+
+
+def markdown(rows: list[Row], device_name: str, peaks: tuple[float, float], dims: tuple[int, ...], targets: list[str]) -> str:
+    heads, kv_heads, head_dim, layers = dims
+    lines = [
+        f"# Crescent kernels on {device_name}",
+        "",
+        f"Peaks used: {peaks[0]} TB/s HBM, {peaks[1]} TFLOP/s dense bf16. Shapes: {heads} heads, "
+        f"{kv_heads} KV heads, head_dim {head_dim}, {layers} layers (pages, fp8), bf16, pages of {PAGE}. "
+        "SDPA runs on pre-gathered "
+        "contiguous KV (gather not timed). err: max |kernel - fp32 ref|; ref: max |bf16 ref - fp32 ref|; "
+        "ok: err <= 2 ref + 1e-6 (attention), bit-exact (pages, fp8).",
+        "",
+        "| kernel | shape | ms | achieved | % of peak | SDPA ms | speedup vs SDPA | err | ref err | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        unit = "TFLOP/s" if r.kind == "prefill" else "TB/s"
+        sdpa = f"{r.sdpa_ms:.3f}" if r.sdpa_ms is not None else "n/a"
+        speed = f"{r.sdpa_ms / r.ms:.2f}x" if r.sdpa_ms is not None else "n/a"
+        lines.append(
+            f"| {r.kind} | {r.shape} | {r.ms:.3f} | {r.achieved:.2f} {unit} | {100 * r.peak_frac:.1f}% | {sdpa} "
+            f"| {speed} | {r.err:.2e} | {r.ref_err:.2e} | {'ok' if r.ok else 'FAIL'} |"
+        )
+    return "\n".join(lines + ["", "## Targets", "", *[f"- {t}" for t in targets], ""])
+
+
+def plot(rows: list[Row], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    fig, (ax_d, ax_p) = plt.subplots(1, 2, figsize=(12, 4.5))
+    decode = [r for r in rows if r.kind == "decode"]
+    for ctx in sorted({r.shape.split("ctx=")[1] for r in decode}, key=int):
+        pts = [(int(r.shape.split()[0][2:]), 100 * r.peak_frac) for r in decode if r.shape.endswith(f"ctx={ctx}")]
+        ax_d.plot(*zip(*pts), marker="o", label=f"ctx {ctx}")
+    ax_d.set(xscale="log", xlabel="batch", ylabel="% of peak HBM bandwidth", title="paged decode", ylim=(0, 100))
+    ax_d.axhline(100 * TARGETS["decode"][2], ls="--", c="gray")
+    ax_d.legend()
+    prefill = [r for r in rows if r.kind == "prefill"]
+    labels = [r.shape.replace("B=1 ", "") for r in prefill]
+    ax_p.bar(range(len(prefill)), [r.achieved for r in prefill], label="triton")
+    sdpa = [r.achieved * r.ms / r.sdpa_ms if r.sdpa_ms else 0 for r in prefill]
+    ax_p.plot(range(len(prefill)), sdpa, "kx", label="SDPA (gathered KV)")
+    ax_p.set_xticks(range(len(prefill)), labels, rotation=30, ha="right", fontsize=7)
+    ax_p.set(ylabel="TFLOP/s", title="chunked prefill")
+    ax_p.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.fp8_error:
+        print(fp8_error_table())
+        return 0
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules import triton
+        device, name = torch.device("cpu"), "CPU (Triton interpreter, smoke test: timings meaningless)"
+        heads, kv_heads, head_dim, layers = 8, 2, 64, 2
+        decode_shapes, prefill_shapes = [(1, 40), (3, 70)], [(1, 0, 48), (2, 40, 24)]
+    elif not torch.cuda.is_available():
+        print(
+            "kernels_bench: no CUDA device visible; this benchmark needs an NVIDIA GPU (written for H200).\n"
+            "  --fp8-error measures the fp8 error on CPU; --smoke runs the script at tiny shapes in the\n"
+            "  Triton interpreter.",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        device, name = torch.device("cuda"), torch.cuda.get_device_name()
+        heads, kv_heads, head_dim, layers = HEADS, KV_HEADS, HEAD_DIM, LAYERS
+        contexts = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768]
+        batches = [1, 64] if args.quick else [1, 8, 32, 64, 128]
+        decode_shapes = [(b, c) for c in contexts for b in batches]
+        prefill_shapes = [(1, 0, 8192), (1, 6144, 2048)] if args.quick else (
+            [(1, 0, n) for n in contexts] + [(1, n - 2048, 2048) for n in contexts] + [(4, 6144, 2048)]
+        )
+    peak_tbs, peak_tflops = next((v for k, v in PEAKS.items() if k in name), PEAKS["H200"])
+    peak_tbs = args.peak_hbm_tbs or peak_tbs
+    peak_tflops = args.peak_tflops or peak_tflops
+    print(f"device: {name}; peaks {peak_tbs} TB/s, {peak_tflops} TFLOP/s")
+    torch.manual_seed(0)
+    timer = _timer(device)
+    t0 = time.time()
+    rows = bench_decode(device, timer, decode_shapes, heads, kv_heads, head_dim, peak_tbs)
+    rows += bench_prefill(device, timer, prefill_shapes, heads, kv_heads, head_dim, peak_tflops)
+    rows += bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs)
+
+    targets = []
+    db, dc, dfrac = TARGETS["decode"]
+    pc, pfrac = TARGETS["prefill"]
+    for kind, shape, frac in (("decode", f"B={db} ctx={dc}", dfrac), ("prefill", f"B=1 ctx=0 chunk={pc}", pfrac)):
+        hit = [r for r in rows if r.kind == kind and r.shape == shape]
+        verdict = "not measured" if not hit else ("met" if hit[0].peak_frac >= frac else "MISSED")
+        got = f"{100 * hit[0].peak_frac:.1f}%" if hit else "-"
+        targets.append(f"{kind} {shape}: {got} of peak, target {100 * frac:.0f}%: {verdict}")
+    for t in targets:
+        print("target:", t)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels_bench.md").write_text(markdown(rows, name, (peak_tbs, peak_tflops), (heads, kv_heads, head_dim, layers), targets))
+    plotted = plot(rows, args.out / "kernels_bench.png")
+    print(f"wrote {args.out / 'kernels_bench.md'}" + (f" and {args.out / 'kernels_bench.png'}" if plotted else ""))
+    print(f"total {time.time() - t0:.0f} s")
+    failed = [r for r in rows if not r.ok]
+    if failed:
+        print(f"CORRECTNESS FAILURES: {len(failed)}: " + ", ".join(f"{r.kind} {r.shape}" for r in failed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

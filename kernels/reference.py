@@ -1,0 +1,279 @@
+"""PyTorch twins of the Triton kernels: the executable specification.
+
+Every kernel in this package has a twin here with the same signature (plus an
+``upcast`` knob on the attention twins). The twins are what the dispatch layer
+runs on CPU, and what the tests hold the Triton kernels to.
+
+Shapes used throughout (names match the kernels' docstrings):
+
+* ``B``: batch (number of sequences); ``H``: query heads; ``KVH``: KV heads,
+  ``H % KVH == 0`` (GQA: query head ``h`` reads KV head ``h // (H // KVH)``);
+  ``D``: head dim.
+* Paged cache: ``k_cache``/``v_cache`` ``[num_pages, page_size, KVH, D]``;
+  ``block_tables`` ``[B, max_pages]`` int32 maps a sequence's logical page
+  ``i`` (token positions ``i*page_size .. (i+1)*page_size-1``) to a physical
+  page. Pages may appear in any order.
+* Chunk layout (the store's payload, see DESIGN.md):
+  ``[L, 2 (K, V), KVH, chunk_tokens, D]``, layer-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+# NOTE: largest finite e4m3fn value; a scale maps each head's amax onto it.
+FP8_MAX = 448.0
+
+Caches = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32) if upcast else dtype
+
+
+def _gather_seq_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathers one sequence's first ``num_tokens`` K/V rows from the paged cache.
+
+    Args:
+        k_cache: ``[num_pages, page_size, KVH, D]``.
+        v_cache: ``[num_pages, page_size, KVH, D]``.
+        block_table: ``[max_pages]`` int32 physical page ids.
+        num_tokens: tokens to gather, ``<= max_pages * page_size``.
+
+    Returns:
+        ``(k, v)``, each ``[num_tokens, KVH, D]``.
+    """
+    page_size = k_cache.shape[1]
+    num_pages = -(-num_tokens // page_size)
+    pages = block_table[:num_pages].long()
+    k = k_cache[pages].flatten(0, 1)[:num_tokens]
+    v = v_cache[pages].flatten(0, 1)[:num_tokens]
+    return k, v
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, upcast: bool
+) -> torch.Tensor:
+    """Causal attention of queries at absolute positions ``q_pos`` over dense keys ``0..S-1``.
+
+    Args:
+        q: ``[T, H, D]``.
+        k: ``[S, KVH, D]``, key ``s`` sits at position ``s``.
+        v: ``[S, KVH, D]``.
+        q_pos: ``[T]`` int, position of each query; it sees keys ``<= q_pos``.
+        scale: softmax scale.
+        upcast: compute in at least fp32 (True; fp64 stays fp64) or in the
+            input dtype (False), the low-precision baseline of the tests' error rule.
+
+    Returns:
+        ``[T, H, D]`` in ``q.dtype``.
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    cdt = _compute_dtype(q.dtype, upcast)
+    qh = q.to(cdt).transpose(0, 1)  # [H, T, D]
+    kh = k.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
+    vh = v.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [H, T, S]
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    visible = key_pos[None, :] <= q_pos[:, None].to(key_pos.device)  # [T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # NOTE: softmax in at least fp32 (as FlashAttention's low-precision reference
+    # does); only the two matmuls run in the input dtype when upcast=False.
+    probs = torch.softmax(scores.to(torch.promote_types(cdt, torch.float32)), dim=-1).to(cdt)
+    return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, D]
+
+
+def chunked_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Attention of one chunk of queries per sequence over its paged history and itself.
+
+    Query ``t`` of sequence ``b`` sits at position ``context_lens[b] + t`` and
+    attends to every position ``<=`` its own. The chunk's own K/V are already in
+    the paged cache, at positions ``context_lens[b] .. context_lens[b]+q_len-1``.
+
+    Args:
+        q: ``[total_q_tokens, H, D]``; sequence ``b`` owns rows
+            ``cu_q_lens[b]:cu_q_lens[b+1]``.
+        k_cache: ``[num_pages, page_size, KVH, D]``.
+        v_cache: ``[num_pages, page_size, KVH, D]``.
+        block_tables: ``[B, max_pages]`` int32.
+        cu_q_lens: ``[B + 1]`` int32 cumulative query counts, ``cu_q_lens[0] == 0``.
+        context_lens: ``[B]`` int32 tokens already in the cache before the chunk.
+        scale: softmax scale, usually ``D ** -0.5``.
+        out: optional ``[total_q_tokens, H, D]`` buffer, written and returned.
+        upcast: compute in at least fp32 (default) or in the input dtype.
+
+    Returns:
+        ``[total_q_tokens, H, D]`` in ``q.dtype``.
+    """
+    result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+    cu = cu_q_lens.tolist()
+    ctx = context_lens.tolist()
+    for b in range(len(ctx)):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], ctx[b] + end - start)
+        q_pos = torch.arange(ctx[b], ctx[b] + end - start, device=q.device)
+        result[start:end] = dense_causal_attention(q[start:end], k, v, q_pos, scale, upcast)
+    return result
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """One new query token per sequence attending to all its ``seq_lens[b]`` cached tokens.
+
+    Args:
+        q: ``[B, H, D]``.
+        k_cache: ``[num_pages, page_size, KVH, D]``.
+        v_cache: ``[num_pages, page_size, KVH, D]``.
+        block_tables: ``[B, max_pages]`` int32.
+        seq_lens: ``[B]`` int32, the current token's K/V included; 0 marks batch
+            padding and yields zeros.
+        scale: softmax scale.
+        out: optional ``[B, H, D]`` buffer, written and returned.
+        upcast: compute in at least fp32 (default) or in the input dtype.
+
+    Returns:
+        ``[B, H, D]`` in ``q.dtype``.
+    """
+    result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:  # batch padding
+            result[b] = 0
+            continue
+        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], seq_len)
+        q_pos = torch.tensor([seq_len - 1], device=q.device)
+        result[b] = dense_causal_attention(q[b : b + 1], k, v, q_pos, scale, upcast)[0]
+    return result
+
+
+def as_layer_list(caches: Caches) -> list[torch.Tensor]:
+    """Normalizes per-layer caches to a list of ``[num_pages, page_size, KVH, D]`` tensors.
+
+    Args:
+        caches: a sequence of ``L`` tensors ``[num_pages, page_size, KVH, D]`` or
+            one stacked tensor ``[L, num_pages, page_size, KVH, D]``.
+    """
+    if isinstance(caches, torch.Tensor):
+        assert caches.dim() == 5, f"stacked cache must be [L, pages, page_size, KVH, D], got {tuple(caches.shape)}"
+        return list(caches.unbind(0))
+    return list(caches)
+
+
+def gather_kv_pages(
+    k_caches: Caches, v_caches: Caches, page_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Copies one chunk's pages, for all layers, into the contiguous chunk layout.
+
+    Args:
+        k_caches: ``L`` x ``[num_pages, page_size, KVH, D]`` (or stacked
+            ``[L, num_pages, page_size, KVH, D]``).
+        v_caches: same shapes as ``k_caches``.
+        page_ids: ``[P]`` int32, the chunk's pages in token order.
+        out: optional ``[L, 2, KVH, P * page_size, D]`` buffer.
+
+    Returns:
+        ``[L, 2, KVH, P * page_size, D]``: ``out[l, 0, h, t]`` is the K of token
+        ``t`` of the chunk at layer ``l``, head ``h``; ``out[l, 1]`` the V.
+    """
+    ks, vs = as_layer_list(k_caches), as_layer_list(v_caches)
+    _, page_size, num_kv_heads, head_dim = ks[0].shape
+    chunk_tokens = page_ids.numel() * page_size
+    if out is None:
+        out = torch.empty(
+            len(ks), 2, num_kv_heads, chunk_tokens, head_dim, dtype=ks[0].dtype, device=ks[0].device
+        )
+    pages = page_ids.long()
+    for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        # [P, page_size, KVH, D] -> [P * page_size, KVH, D] -> [KVH, T, D]
+        out[layer, 0] = k[pages].flatten(0, 1).transpose(0, 1)
+        out[layer, 1] = v[pages].flatten(0, 1).transpose(0, 1)
+    return out
+
+
+def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, page_ids: torch.Tensor) -> None:
+    """Writes a contiguous chunk into the pages ``page_ids`` of every layer's cache, in place.
+
+    Inverse of :func:`gather_kv_pages`.
+
+    Args:
+        chunk: ``[L, 2, KVH, P * page_size, D]``.
+        k_caches: ``L`` x ``[num_pages, page_size, KVH, D]`` (or stacked), written.
+        v_caches: same shapes as ``k_caches``, written.
+        page_ids: ``[P]`` int32 distinct page ids, in token order.
+    """
+    ks, vs = as_layer_list(k_caches), as_layer_list(v_caches)
+    _, page_size, num_kv_heads, head_dim = ks[0].shape
+    num_pages = page_ids.numel()
+    pages = page_ids.long()
+    for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        # [KVH, T, D] -> [T, KVH, D] -> [P, page_size, KVH, D]
+        k[pages] = chunk[layer, 0].transpose(0, 1).reshape(num_pages, page_size, num_kv_heads, head_dim)
+        v[pages] = chunk[layer, 1].transpose(0, 1).reshape(num_pages, page_size, num_kv_heads, head_dim)
+
+
+def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes a chunk to fp8 e4m3 with one scale per (layer, K/V, head).
+
+    ``scale = amax / 448`` (1.0 for an all-zero head) and
+    ``q = round_to_nearest_even(clamp(x / scale, -448, 448))``.
+
+    Args:
+        chunk: ``[L, 2, KVH, T, D]`` fp16/bf16/fp32.
+
+    Returns:
+        ``(q, scales)``: ``q`` ``[L, 2, KVH, T, D]`` ``torch.float8_e4m3fn``;
+        ``scales`` ``[L, 2, KVH]`` float32 such that ``x ~= q * scale``.
+    """
+    x = chunk.float()
+    amax = x.abs().amax(dim=(-2, -1))  # [L, 2, KVH]
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scales[..., None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales
+
+
+def dequantize_kv_fp8(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_kv_fp8`: ``x = q * scale`` in ``dtype``.
+
+    Args:
+        q: ``[L, 2, KVH, T, D]`` ``torch.float8_e4m3fn``.
+        scales: ``[L, 2, KVH]`` float32.
+        dtype: output dtype (ignored when ``out`` is given).
+        out: optional ``[L, 2, KVH, T, D]`` buffer.
+
+    Returns:
+        ``[L, 2, KVH, T, D]``.
+    """
+    x = q.float() * scales.float()[..., None, None]
+    if out is None:
+        return x.to(dtype)
+    out.copy_(x)
+    return out
