@@ -15,56 +15,13 @@ import argparse
 import collections
 import json
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
-TENANTS = ["acme", "globex", "initech", "umbrella"]
-
-
-def load_workload(num_groups: int, per_group: int, block_tokens: int, max_output: int, vocab: int):
-    """``[(tenant, prompt token ids, max_tokens)]`` in trace order."""
-    if os.path.exists(TRACE):
-        rows = [json.loads(line) for line in open(TRACE)]
-        source = "Mooncake synthetic trace"
-    else:  # built in: groups of requests over shared random "documents"
-        rng = random.Random(0)
-        rows = []
-        for g in range(num_groups):
-            doc = [10_000 * g + i for i in range(rng.randrange(20, 60))]
-            for k in range(per_group):
-                extra = [10_000 * g + 5000 + 100 * k + i for i in range(rng.randrange(1, 4))]
-                rows.append({"timestamp": g * 10 + k, "hash_ids": doc + extra,
-                             "input_length": 512 * len(doc + extra), "output_length": rng.randrange(8, 64)})
-        source = "built-in workload (trace not found)"
-    groups = collections.defaultdict(list)
-    for i, r in enumerate(rows):
-        groups[r["hash_ids"][0]].append(i)
-    big = sorted(groups.values(), key=len, reverse=True)[:num_groups]
-    picked = sorted(i for g in big for i in g[:per_group])
-    out = []
-    for n, i in enumerate(picked):
-        r = rows[i]
-        toks = []
-        for h in r["hash_ids"]:
-            rng = random.Random(h)
-            toks += [rng.randrange(3, vocab) for _ in range(block_tokens)]
-        length = max(1, r["input_length"] * block_tokens // 512)
-        out.append((TENANTS[n % len(TENANTS)], toks[:length], max(1, min(r["output_length"], max_output))))
-    return out, source
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
-
+from engine.serve.workload import ROOT, TENANTS, load_workload, pct, run_workload
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +33,6 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--data", default="crescent-data/demo")
     args = ap.parse_args()
-
-    import openai
-    from tqdm import tqdm
 
     from engine.model_runner import load_model_config
 
@@ -103,51 +57,10 @@ def main() -> int:
             time.sleep(0.2)
         state = json.load(open(state_path))
         print(open(os.path.join(data, "up.out")).read().strip())
-        client = openai.OpenAI(base_url=state["openai_base_url"], api_key="demo", timeout=600, max_retries=0)
         print(f"\nWorkload: {len(work)} requests from the {source}, {args.groups} shared prefixes x "
               f"{args.per_group}, tenants {', '.join(TENANTS)}; "
               f"{sum(len(p) for _, p, _ in work)} prompt tokens\n", flush=True)
-        results = [None] * len(work)
-        bar = tqdm(total=len(work), desc="requests", unit="req")
-        lock = threading.Lock()
-        next_i = iter(range(len(work)))
-
-        def worker():
-            while True:
-                with lock:
-                    i = next(next_i, None)
-                if i is None:
-                    return
-                tenant, prompt, max_tokens = work[i]
-                t0 = time.perf_counter()
-                first, last, gaps, cached, n = None, None, [], 0, 0
-                stream = client.completions.create(model=args.model, prompt=prompt, max_tokens=max_tokens,
-                                                   temperature=0, stream=True, user=tenant,
-                                                   stream_options={"include_usage": True},
-                                                   extra_body={"ignore_eos": True})
-                for ch in stream:
-                    now = time.perf_counter()
-                    if ch.usage is not None:
-                        cached = ch.usage.prompt_tokens_details.cached_tokens
-                        n = ch.usage.completion_tokens
-                    if ch.choices:  # a token arrived (its text may be held back mid-character)
-                        if first is None:
-                            first = now - t0
-                        elif last is not None:
-                            gaps.append(now - last)
-                        last = now
-                results[i] = {"tenant": tenant, "prompt": len(prompt), "cached": cached, "ttft": first or 0.0,
-                              "itl": gaps, "tokens": n, "start": t0}
-                bar.update(1)
-
-        t_start = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        bar.close()
-        wall = time.perf_counter() - t_start
+        results, wall = run_workload(state["openai_base_url"], args.model, work, args.concurrency)
         report(results, state, wall, data)
     finally:
         up.send_signal(signal.SIGTERM)

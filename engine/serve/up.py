@@ -159,7 +159,8 @@ def run_up(ns: argparse.Namespace) -> int:
             parts.append(p)
             store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
-                  "--kv-cache-memory", ns.kv_cache_memory]
+                  "--kv-cache-memory", ns.kv_cache_memory,
+                  "--max-num-batched-tokens", str(max(2048, ns.chunk_size))]
         if store_addr:
             common += ["--store", store_addr]
         engines = []
