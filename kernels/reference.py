@@ -51,8 +51,8 @@ def _gather_seq_kv(
     page_size = k_cache.shape[1]
     num_pages = -(-num_tokens // page_size)
     pages = block_table[:num_pages].long()
-    k = k_cache[pages].flatten(0, 1)[:num_tokens]
-    v = v_cache[pages].flatten(0, 1)[:num_tokens]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:num_tokens]
+    v = v_cache.index_select(0, pages).flatten(0, 1)[:num_tokens]
     return k, v
 
 
@@ -73,20 +73,25 @@ def dense_causal_attention(
     Returns:
         ``[T, H, D]`` in ``q.dtype``.
     """
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     cdt = _compute_dtype(q.dtype, upcast)
-    qh = q.to(cdt).transpose(0, 1)  # [H, T, D]
-    kh = k.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
-    vh = v.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [H, T, S]
+    # NOTE: GQA by viewing the query heads as [KVH, group] (query head h reads KV
+    # head h // group) and broadcasting K/V over the group: the same dot products
+    # as repeating K/V per query head, without materialising the copies.
+    qh = q.to(cdt).view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
+    kh = k.to(cdt).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
+    vh = v.to(cdt).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [KVH, G, T, S]
     key_pos = torch.arange(k.shape[0], device=q.device)
     visible = key_pos[None, :] <= q_pos[:, None].to(key_pos.device)  # [T, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     # NOTE: softmax in at least fp32 (as FlashAttention's low-precision reference
     # does); only the two matmuls run in the input dtype when upcast=False.
     probs = torch.softmax(scores.to(torch.promote_types(cdt, torch.float32)), dim=-1).to(cdt)
-    return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, D]
+    out = torch.matmul(probs, vh)  # [KVH, G, T, D]
+    return out.permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim).to(q.dtype)  # [T, H, D]
 
 
 def chunked_prefill_attention(
