@@ -1,0 +1,135 @@
+"""Moving chunks between a serving engine's paged KV cache and chunk payloads.
+
+A chunk payload is ``[layers, 2 (K,V), kv_heads, chunk_tokens, head_dim]``
+(docs/keys.md); a paged cache holds, per layer, blocks of ``block_size``
+tokens, and a chunk spans ``chunk_tokens // block_size`` of them, listed in
+token order. The functions here copy one layer of one chunk at a time.
+
+Where an element sits inside a block is the attention backend's business: vLLM
+0.32 hands a connector each layer as a logical ``[num_blocks, kv_heads,
+block_size, 2 * head_dim]`` view, but e.g. its CPU backend stores a block's K
+transposed (``[head_dim, block_size]`` per head) and its V row-major, its AMX
+kernels pack K and V in pairs, and GPU backends differ again. Instead of hard-coding layouts,
+``learn_block_layout`` asks the backend's own cache-write function to store
+known values into a one-block scratch page and reads back where each K and V
+element landed. Any layout that is a permutation of the block's elements is
+learned exactly; anything else (quantized caches, scales) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``write(key, value, page, slot_mapping)``: the backend's cache update, with
+``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` and ``page`` shaped like one
+block of the layer's cache."""
+
+_BASE = 256  # NOTE: every float KV dtype (bf16 has 8 significant bits) holds 0..255 exactly.
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each K/V element of one block lives in a layer's page."""
+
+    heads: int
+    block_size: int
+    head_dim: int
+    index: torch.Tensor
+    """``[2 * heads * block_size * head_dim]`` int64: for canonical element
+    ``(kv, head, token, dim)`` (C order), its position in the page's logical view, flattened."""
+    page_numel: int
+    """Elements of one page's logical view (``index`` may leave some unused: padding)."""
+
+    @property
+    def covers_page(self) -> bool:
+        return self.index.numel() == self.page_numel
+
+
+def learn_block_layout(write: CacheWrite, page_like: torch.Tensor, heads: int, head_dim: int) -> BlockLayout:
+    """Learns a backend's block layout by letting it write known values.
+
+    Args:
+        write: the backend's cache update (see ``CacheWrite``).
+        page_like: one block of the layer's cache (``cache[:1]``); only its shape,
+            strides, dtype and device are used.
+        heads: KV heads of the layer.
+        head_dim: head size.
+
+    Raises:
+        ValueError: the backend does not store K and V as a permutation of their elements.
+    """
+    bs = page_like.shape[2]
+    n = 2 * heads * bs * head_dim
+    codes = torch.arange(n, device=page_like.device).view(2, heads, bs, head_dim)
+    slots = torch.arange(bs, device=page_like.device)
+    position_code = torch.zeros(page_like.numel(), dtype=torch.long, device=page_like.device)
+    written: torch.Tensor | None = None
+    for p in range(max(1, math.ceil(math.log(n, _BASE)))):
+        digit = (codes // _BASE**p % _BASE).to(page_like.dtype)
+        page = torch.full_like(page_like, -1)
+        write(digit[0].transpose(0, 1).contiguous(), digit[1].transpose(0, 1).contiguous(), page, slots)
+        flat = page.reshape(-1).to(torch.float64)
+        hit = flat >= 0
+        if written is None:
+            written = hit
+        elif not torch.equal(hit, written):
+            raise ValueError("the attention backend's KV block layout is not a fixed permutation")
+        position_code += flat.clamp(min=0).long() * _BASE**p
+    positions = written.nonzero().flatten()
+    found = position_code[positions]
+    if positions.numel() != n or not torch.equal(found.sort().values, torch.arange(n, device=found.device)):
+        raise ValueError("the attention backend does not store K and V elements as they are "
+                         "(quantized or scaled caches are not supported)")
+    index = torch.empty(n, dtype=torch.long, device=page_like.device)
+    index[found] = positions
+    return BlockLayout(heads, bs, head_dim, index, page_like.numel())
+
+
+def gather_layer(cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Copies one chunk's K and V of one layer out of the paged cache.
+
+    Args:
+        cache: the layer's cache, ``[num_blocks, ...]`` (one page per block).
+        layout: from ``learn_block_layout`` for this layer.
+        block_ids: ``[m]`` int64, the chunk's blocks in token order.
+        out: ``[2, heads, m * block_size, head_dim]`` contiguous; receives K then V.
+    """
+    h, bs, d = layout.heads, layout.block_size, layout.head_dim
+    m = block_ids.numel()
+    assert out.shape == (2, h, m * bs, d) and out.is_contiguous(), (tuple(out.shape), m)
+    pages = cache[block_ids].reshape(m, -1)
+    canon = pages.index_select(1, layout.index).view(m, 2, h, bs, d)
+    out.view(2, h, m, bs, d).copy_(canon.permute(1, 2, 0, 3, 4))
+
+
+def scatter_layer(src: torch.Tensor, cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor,
+                  first_block: int = 0) -> None:
+    """Writes one chunk's K and V of one layer into the paged cache.
+
+    Args:
+        src: ``[2, heads, m * block_size, head_dim]``, K then V.
+        cache: the layer's cache, ``[num_blocks, ...]``, written in place.
+        layout: from ``learn_block_layout`` for this layer.
+        block_ids: ``[m]`` int64, the chunk's blocks in token order.
+        first_block: blocks of the chunk before this index are left untouched
+            (the engine already holds them).
+    """
+    h, bs, d = layout.heads, layout.block_size, layout.head_dim
+    m = block_ids.numel()
+    assert src.shape == (2, h, m * bs, d), (tuple(src.shape), m)
+    dst = block_ids[first_block:]
+    k = dst.numel()
+    if k == 0:
+        return
+    canon = src.view(2, h, m, bs, d)[:, :, first_block:].permute(2, 0, 1, 3, 4).reshape(k, -1)
+    if layout.covers_page:
+        pages = torch.empty((k, layout.page_numel), dtype=cache.dtype, device=cache.device)
+    else:
+        pages = cache[dst].reshape(k, -1)
+    pages[:, layout.index] = canon.to(device=cache.device, dtype=cache.dtype)
+    cache[dst] = pages.view(k, *cache.shape[1:])

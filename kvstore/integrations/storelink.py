@@ -1,0 +1,193 @@
+"""A store client for serving stacks: every fault reads as a miss.
+
+``StoreLink`` wraps ``StoreClient`` for callers that must never fail a request
+because of the cache: a lookup that cannot reach the node finds nothing, a
+fetch returns only the leading chunks that arrived and verified, a save that
+cannot be delivered is dropped. After a connection fault the link stays away
+from the node for ``cooldown_s`` (a circuit breaker), so an engine whose store
+is down pays one failed call per cooldown, not one per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.chunk import decode_chunk, encoded_size
+from kvstore.client import Retry, StoreClient
+from kvstore.errors import ChunkVerificationError, CrescentError, DataLossError, DeadlineExceededError, UnavailableError
+from kvstore.keys import ChunkKey, Namespace
+
+log = logging.getLogger("crescent.integrations")
+
+_CONNECTION_FAULTS = (UnavailableError, DeadlineExceededError, DataLossError, OSError)
+
+
+@dataclass(frozen=True)
+class StoreLinkConfig:
+    """How an integration reaches its store node."""
+
+    address: str
+    """``host:port`` of the store node's gRPC listener."""
+    timeout_s: float = 10.0
+    """Deadline of each store call; a slower call counts as a fault."""
+    attempts: int = 2
+    """Tries per call when the node is UNAVAILABLE (one retry by default)."""
+    cooldown_s: float = 5.0
+    """After a connection fault, seconds during which the node is not asked at all."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"store address must be host:port, got {self.address!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, got {self.attempts}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """What a reader expects of one chunk: its key, its parent's key and its tokens."""
+
+    key: ChunkKey
+    parent: ChunkKey
+    tokens: np.ndarray
+    """``[chunk_tokens]`` int32 token ids."""
+
+
+class StoreLink:
+    """Fault-tolerant chunk I/O against one store node (thread-safe).
+
+    Args:
+        config: address, deadlines and breaker cooldown.
+    """
+
+    def __init__(self, config: StoreLinkConfig) -> None:
+        self.config = config
+        self._client: StoreClient | None = None
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.num_faults = 0
+        """Calls that failed (connection faults, refused values, unexpected errors)."""
+        self.num_rejected = 0
+        """Chunks that arrived but failed verification (read as misses)."""
+
+    # ---- breaker -------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker keeps the link away from the node."""
+        return time.monotonic() >= self._down_until
+
+    def _client_or_none(self) -> StoreClient | None:
+        if not self.available:
+            return None
+        with self._lock:
+            if self._client is None:
+                retry = Retry(attempts=self.config.attempts, backoff_s=0.05, max_backoff_s=0.5)
+                self._client = StoreClient(self.config.address, timeout_s=self.config.timeout_s,
+                                           retry=retry)
+            return self._client
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        self.num_faults += 1
+        if isinstance(exc, _CONNECTION_FAULTS):
+            first = self.available
+            self._down_until = time.monotonic() + self.config.cooldown_s
+            if first:
+                log.warning("crescent store %s: %s failed (%s); treating it as absent for %.1fs",
+                            self.config.address, what, exc, self.config.cooldown_s)
+            with self._lock:  # NOTE: a fresh client after a fault reconnects cleanly.
+                client, self._client = self._client, None
+            if client is not None:
+                try:
+                    client.close()
+                except Exception as close_exc:  # noqa: BLE001 - closing a broken client must not raise
+                    log.debug("crescent: closing a broken client: %r", close_exc)
+        else:
+            log.warning("crescent store %s: %s failed: %r", self.config.address, what, exc,
+                        exc_info=not isinstance(exc, CrescentError))
+
+    # ---- calls ---------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the run of leading keys present on the node; 0 on any fault."""
+        if not keys:
+            return 0
+        client = self._client_or_none()
+        if client is None:
+            return 0
+        try:
+            return client.lookup(keys)
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never a failed request
+            self._fault("lookup", exc)
+            return 0
+
+    def fetch_prefix(self, refs: Sequence[ChunkRef], namespace: Namespace, dtype: torch.dtype,
+                     shape: Sequence[int]) -> list[torch.Tensor]:
+        """Fetches and verifies chunks; returns the leading run that verified.
+
+        Args:
+            refs: the chunks, in sequence order.
+            namespace: the namespace every chunk must carry.
+            dtype: the KV dtype every chunk must have.
+            shape: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` of every chunk.
+
+        Returns:
+            Payload tensors of ``refs[:n]`` (each of ``shape``), where chunk ``n``
+            is the first that is missing, failed verification or could not be
+            read. The tensors own their memory.
+        """
+        if not refs:
+            return []
+        client = self._client_or_none()
+        if client is None:
+            return []
+        size = encoded_size(shape, dtype, len(refs[0].tokens))
+        buffers = [bytearray(size) for _ in refs]
+        try:
+            sizes = client.batch_get_into([r.key for r in refs], buffers)
+        except Exception as exc:  # noqa: BLE001
+            self._fault("fetch", exc)
+            return []
+        out: list[torch.Tensor] = []
+        for ref, buf, n in zip(refs, buffers, sizes):
+            if n is None:
+                break
+            try:
+                out.append(decode_chunk(memoryview(buf)[:n], key=ref.key, namespace=namespace,
+                                        parent=ref.parent, tokens=ref.tokens, dtype=dtype,
+                                        shape=shape))
+            except ChunkVerificationError as exc:
+                self.num_rejected += 1
+                log.warning("crescent chunk %s rejected: %s", bytes(ref.key).hex(), exc)
+                break
+        return out
+
+    def save(self, items: Sequence[tuple[ChunkKey, list]]) -> int:
+        """Stores encoded chunks (``(key, [header, payload])``); returns how many were stored."""
+        if not items:
+            return 0
+        client = self._client_or_none()
+        if client is None:
+            return 0
+        try:
+            return sum(client.batch_put(list(items)))
+        except Exception as exc:  # noqa: BLE001
+            self._fault("save", exc)
+            return 0
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

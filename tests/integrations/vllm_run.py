@@ -1,0 +1,65 @@
+"""One vLLM run for tests/integrations/test_vllm.py (run with the vLLM venv's python).
+
+    python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT]
+
+Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``)
+in one batch, with the Crescent connector when ``--store`` is given, and writes
+per request the prompt and output token ids and vLLM's cached-token count, plus
+the connector's counters. Single-process vLLM on CPU (the caller sets the env).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHUNK_TOKENS = 64
+MODEL_ID = "crescent-tests/tiny-llama"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("requests")
+    ap.add_argument("out")
+    ap.add_argument("--store")
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if args.store:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS,
+                                       "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0})
+    llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
+              max_model_len=512, max_num_seqs=16, seed=0, **kw)
+    with open(args.requests) as f:
+        requests = json.load(f)
+    prompts = [{"prompt": r["prompt"], **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})}
+               for r in requests]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    result = {"outputs": [{"prompt_token_ids": list(o.prompt_token_ids),
+                           "token_ids": list(o.outputs[0].token_ids),
+                           "num_cached_tokens": o.num_cached_tokens} for o in outs]}
+    if args.store:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        conn.flush()
+        result["stats"] = dataclasses.asdict(conn.worker_stats)
+        print("crescent worker stats:", json.dumps(result["stats"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
