@@ -135,12 +135,12 @@ class DataChannelServer:
                     status, msg = Status.INVALID, msg or str(exc)
                 except ResourceExhaustedError as exc:
                     status, msg = Status.EXHAUSTED, msg or str(exc)
+                reservations.append(res)  # NOTE: before the bytes: a cut mid-value aborts it too
                 if res is not None:
                     for v in res.views:
                         recv_exact_into(conn, v)
                 else:
                     _drain(conn, size)
-                reservations.append(res)
                 items.append((status, size if res else 0))
             live = [r for r in reservations if r is not None]
             try:

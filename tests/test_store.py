@@ -14,11 +14,27 @@ from kvstore.store import StoreEvent, Tier, TieredStore
 SLOT = 4096
 
 
+_OPEN: list[TieredStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores():
+    """Every store a test opens is closed after it (its /dev/shm arena removed)."""
+    yield
+    while _OPEN:
+        try:
+            _OPEN.pop().close()
+        except Exception:  # noqa: BLE001 - already closed by the test
+            pass
+
+
 def make(tmp_path=None, slots=4, disk=False, listener=None, **kw):
     cfg = StoreConfig(dram=slots * SLOT, slot_size=SLOT, high_watermark=kw.pop("high", 1.0),
                       low_watermark=kw.pop("low", 1.0),
                       disk=str(tmp_path / "disk") if disk else None, disk_size=kw.pop("disk_size", 4 << 20), **kw)
-    return TieredStore(cfg, listener=listener)
+    store = TieredStore(cfg, listener=listener)
+    _OPEN.append(store)
+    return store
 
 
 def val(tag: int, size: int = SLOT) -> bytes:
