@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm test demo bench proto clean
+.PHONY: setup setup-vllm test demo bench proto clean rdma-setup
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,16 @@ bench: setup
 	$(PY) bench/store_bench.py
 	$(PY) bench/prefix_reuse_bench.py
 	$(PY) bench/serving_bench.py
+	$(PY) bench/replay_bench.py
+
+# Best effort: Debian's python3-pyverbs, linked into .venv through a .pth file that
+# names a folder holding only a link to the system package (no other system modules leak in).
+rdma-setup: setup
+	-dpkg -s python3-pyverbs >/dev/null 2>&1 || { apt-get -qq update && apt-get -qq install -y python3-pyverbs; } >/dev/null 2>&1
+	-test -d /usr/lib/python3/dist-packages/pyverbs && mkdir -p $(VENV)/pyverbs-link && \
+	  ln -sfn /usr/lib/python3/dist-packages/pyverbs $(VENV)/pyverbs-link/pyverbs && \
+	  echo "$(abspath $(VENV))/pyverbs-link" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/crescent-pyverbs.pth
+	$(PY) -c 'from kvstore.transport.rdma import probe; print("rdma:", probe() or "available")'
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/crescent/v1/*.proto

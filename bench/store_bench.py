@@ -1,10 +1,13 @@
 """Store throughput and latency on loopback, beside ceilings measured in the same run.
 
 For 64 KiB, 1 MiB and 4 MiB values: put, get and batch_get_into against a real
-`crescent store` process, over the raw TCP data channel and over gRPC alone;
-beside them, in the same run, the raw TCP loopback ceiling (one process
-sendall()s, another recv_into()s a preallocated buffer), single-thread memcpy,
-and Redis (redis-server + redis-py) when it is installed.
+`crescent store` process (``--transport auto``), through the same-host shm
+mover (the client maps the node's arena), over the raw TCP data channel and
+over gRPC alone; beside them, in the same run, the raw TCP loopback ceiling
+(one process sendall()s, another recv_into()s a preallocated buffer),
+single-thread memcpy (one cache-hot source; and distinct sources, as a store
+copying distinct values has), and Redis (redis-server + redis-py) when it is
+installed.
 
     python bench/store_bench.py [--quick] [--write-docs]
 """
@@ -25,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import OUT, ROOT, median, pct, table, write_docs_section  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
+from kvstore.transport.memcopy import DEFAULT_THREADS  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, MiB, 4 * MiB]
@@ -85,15 +89,18 @@ def raw_tcp_gbps(total: int, block: int, num_buffers: int = 1) -> float:
     return total / dt / 1e9
 
 
-def memcpy_gbps(total: int, block: int) -> float:
-    src = memoryview(bytearray(os.urandom(block)))
-    dsts = [memoryview(bytearray(block)) for _ in range(max(1, min(64, (256 * MiB) // block)))]
-    for d in dsts:
-        d[:] = src  # fault the pages in first
+def memcpy_gbps(total: int, block: int, distinct_sources: bool = False) -> float:
+    """One thread copies ``total`` bytes in ``block`` pieces into cycling destinations,
+    from one cache-hot source (the ceiling) or from as many distinct sources."""
+    num = max(1, min(64, (256 * MiB) // block))
+    dsts = [memoryview(bytearray(block)) for _ in range(num)]
+    srcs = [memoryview(bytearray(os.urandom(block))) for _ in range(num if distinct_sources else 1)]
+    for i, d in enumerate(dsts):
+        d[:] = srcs[i % len(srcs)]  # fault the pages in first
     n = total // block
     t0 = time.perf_counter()
     for i in range(n):
-        dsts[i % len(dsts)][:] = src
+        dsts[i % num][:] = srcs[i % len(srcs)]
     return n * block / (time.perf_counter() - t0) / 1e9
 
 
@@ -103,7 +110,7 @@ class Server:
     def __init__(self, dram: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="crescent-bench-")
         cmd = [sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", "--dram", dram,
-               "--disk", os.path.join(self.dir, "disk"), "--disk-size", "4GiB"]
+               "--disk", os.path.join(self.dir, "disk"), "--disk-size", "4GiB", "--transport", "auto"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         self.address = line.split("listening on ")[1].split(",")[0].split()[0]
@@ -114,10 +121,11 @@ class Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def bench_crescent(address: str, size: int, batch_bytes: int, reps: int, data_channel: bool) -> dict:
-    c = StoreClient(address, data_channel=data_channel)
+def bench_crescent(address: str, size: int, batch_bytes: int, reps: int, transport: str) -> dict:
+    c = StoreClient(address, transport=transport)
+    assert c.transport == transport, c.transport_notes
     n = max(4, batch_bytes // size)
-    tag = b"dc" if data_channel else b"grpc"
+    tag = transport.encode()
     keys = [b"%s-%d-%d" % (tag, size, i) for i in range(n)]
     vals = [os.urandom(size) for _ in range(min(n, 8))]
     items = [(k, vals[i % len(vals)]) for i, k in enumerate(keys)]
@@ -239,6 +247,8 @@ def plot(results: dict, path: str) -> None:
     labels = [human(s) for s in SIZES]
     series = [("raw TCP ceiling", [results[s]["raw_tcp_gbps"] for s in SIZES]),
               ("memcpy (1 thread)", [results[s]["memcpy_gbps"] for s in SIZES]),
+              ("Crescent batch_get_into (shm, same host)",
+               [results[s]["crescent_shm"]["batch_get_into"]["gbps"] for s in SIZES]),
               ("Crescent batch_get_into (TCP channel)", [results[s]["crescent_tcp"]["batch_get_into"]["gbps"] for s in SIZES]),
               ("Crescent batch_get (gRPC only)", [results[s]["crescent_grpc"]["batch_get_into"]["gbps"] for s in SIZES])]
     if all(results[s].get("redis") for s in SIZES):
@@ -248,7 +258,7 @@ def plot(results: dict, path: str) -> None:
         ax.bar([x + i * width for x in range(len(SIZES))], vals, width, label=name)
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(SIZES))], labels)
     ax.set_ylabel("GB/s")
-    ax.set_title("Batch get throughput on loopback (same run)")
+    ax.set_title("Batch get throughput, same host (same run)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -273,10 +283,13 @@ def main() -> None:
                                              for _ in range(3)])
             log(f"{human(size)}: memcpy ceiling")
             r["memcpy_gbps"] = median([memcpy_gbps(256 * MiB, size) for _ in range(3)])
+            r["memcpy_cold_gbps"] = median([memcpy_gbps(256 * MiB, size, True) for _ in range(3)])
+            log(f"{human(size)}: Crescent through shm (same host)")
+            r["crescent_shm"] = bench_crescent(server.address, size, batch_bytes, reps, "shm")
             log(f"{human(size)}: Crescent over the TCP data channel")
-            r["crescent_tcp"] = bench_crescent(server.address, size, batch_bytes, reps, True)
+            r["crescent_tcp"] = bench_crescent(server.address, size, batch_bytes, reps, "tcp")
             log(f"{human(size)}: Crescent over gRPC only")
-            r["crescent_grpc"] = bench_crescent(server.address, size, batch_bytes, reps, False)
+            r["crescent_grpc"] = bench_crescent(server.address, size, batch_bytes, reps, "grpc")
             log(f"{human(size)}: Redis")
             r["redis"] = bench_redis(size, batch_bytes, reps)
     finally:
@@ -285,24 +298,32 @@ def main() -> None:
     rows = []
     for size in SIZES:
         r = results[size]
-        tcp = r["raw_tcp_gbps"]
-        rows.append([human(size), "raw TCP ceiling (1 hot buffer)", "-", f"{tcp:.2f}", "1.00", "", ""])
+        tcp, mc = r["raw_tcp_gbps"], r["memcpy_gbps"]
+        rows.append([human(size), "raw TCP ceiling (1 hot buffer)", "-", f"{tcp:.2f}", "1.00", f"{tcp / mc:.2f}",
+                     "", ""])
         rows.append([human(size), "raw TCP, distinct buffers", "-", f"{r['raw_tcp_cold_gbps']:.2f}",
-                     f"{r['raw_tcp_cold_gbps'] / tcp:.2f}", "", ""])
-        rows.append([human(size), "memcpy (1 thread)", "-", f"{r['memcpy_gbps']:.2f}", f"{r['memcpy_gbps'] / tcp:.2f}", "", ""])
-        for name, key in (("Crescent (TCP channel)", "crescent_tcp"), ("Crescent (gRPC only)", "crescent_grpc"),
-                          ("Redis", "redis")):
+                     f"{r['raw_tcp_cold_gbps'] / tcp:.2f}", f"{r['raw_tcp_cold_gbps'] / mc:.2f}", "", ""])
+        rows.append([human(size), "memcpy (1 thread, 1 hot source)", "-", f"{mc:.2f}", f"{mc / tcp:.2f}", "1.00",
+                     "", ""])
+        rows.append([human(size), "memcpy (1 thread, distinct sources)", "-", f"{r['memcpy_cold_gbps']:.2f}",
+                     f"{r['memcpy_cold_gbps'] / tcp:.2f}", f"{r['memcpy_cold_gbps'] / mc:.2f}", "", ""])
+        for name, key in (("Crescent (shm, same host)", "crescent_shm"), ("Crescent (TCP channel)", "crescent_tcp"),
+                          ("Crescent (gRPC only)", "crescent_grpc"), ("Redis", "redis")):
             if not r.get(key):
                 continue
             for op in ("put", "get", "batch_get_into"):
                 m = r[key][op]
                 rows.append([human(size), name, op, f"{m['gbps']:.2f}", f"{m['gbps'] / tcp:.2f}",
-                             f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}"])
-    md = table(["value", "system", "op", "GB/s", "× raw TCP", "p50 ms", "p99 ms"], rows)
+                             f"{m['gbps'] / mc:.2f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}"])
+    md = table(["value", "system", "op", "GB/s", "× raw TCP", "× memcpy", "p50 ms", "p99 ms"], rows)
     target = results[MiB]["crescent_tcp"]["batch_get_into"]["gbps"] / results[MiB]["raw_tcp_gbps"]
     summary = (f"batch_get_into of 1 MiB values: {target:.2f}× the same run's raw TCP ceiling "
                f"(target ≥ 0.60×); gRPC-only batch get: "
                f"{results[MiB]['crescent_grpc']['batch_get_into']['gbps'] / results[MiB]['raw_tcp_gbps']:.2f}×")
+    shm = results[MiB]["crescent_shm"]["batch_get_into"]["gbps"]
+    summary += (f"; same-host shm batch_get_into of 1 MiB values: {shm / results[MiB]['memcpy_gbps']:.2f}× the "
+                f"same run's single-thread memcpy (target ≥ 1.00×), "
+                f"{shm / results[MiB]['memcpy_cold_gbps']:.2f}× memcpy from distinct sources")
     if not results[MiB].get("redis"):
         summary += "; Redis not installed, no Redis rows"
     print()
@@ -319,7 +340,10 @@ def main() -> None:
         body = (f"Machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, loopback; "
                 f"batches of {batch_bytes // MiB} MiB, {reps} repetitions, medians. "
                 "`put` = batch_put throughput, single-put latency; `get` = single get; "
-                "`batch_get_into` = one batch into preallocated buffers (Redis: pipelined MGET).\n\n"
+                "`batch_get_into` = one batch into preallocated buffers (Redis: pipelined MGET). "
+                "shm rows: the client maps the node's arena and copies slots itself "
+                f"({DEFAULT_THREADS} copy threads), two gRPC calls per batch (grant, release/commit); "
+                "`× memcpy` is against the single-thread, one-hot-source memcpy of the same run.\n\n"
                 f"{md}\n\n**{summary}.**\n\n![store bench](store_bench.png)\n")
         write_docs_section("store_bench", body)
         print("docs/benchmarks.md updated")

@@ -86,6 +86,12 @@ def _run_store(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _register_conductor(sub) -> None:
+    from kvstore.conductor.cli import register  # `crescent conductor` and `crescent ctl`
+
+    register(sub)
+
+
 def _register_serving(sub) -> None:
     from engine.serve.cli import register  # `crescent engine`, `crescent gateway`, `crescent up`
 
@@ -94,7 +100,7 @@ def _register_serving(sub) -> None:
 
 # Each entry adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
 # Keep imports inside handlers so `crescent --help` stays fast.
-REGISTRARS = [_register_store, _register_serving]
+REGISTRARS = [_register_store, _register_conductor, _register_serving]
 
 
 def build_parser() -> argparse.ArgumentParser:

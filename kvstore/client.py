@@ -9,6 +9,7 @@ with backoff by one ``Retry`` object.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -22,8 +23,12 @@ from kvstore.datachannel import Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, InvalidArgumentError,
                             ResourceExhaustedError, UnavailableError, from_grpc)
 from kvstore.store import Tier
+from kvstore.transport.gpu import host_to_cuda, is_cuda
+from kvstore.transport.identity import REQUESTS
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 FRAME_BYTES = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
@@ -66,10 +71,20 @@ def as_bytes_view(buf: Buffer) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-def _parts(value: Value) -> list[memoryview]:
+def _parts(value: Value) -> list:
+    """Byte views of a value's parts; CUDA tensors stay tensors (movers stage them)."""
     if isinstance(value, (list, tuple)):
-        return [as_bytes_view(p) for p in value]
-    return [as_bytes_view(value)]
+        return [p if is_cuda(p) else as_bytes_view(p) for p in value]
+    return [value if is_cuda(value) else as_bytes_view(value)]
+
+
+def _nbytes(part) -> int:
+    return part.numel() * part.element_size() if is_cuda(part) else part.nbytes
+
+
+def _host_parts(parts: list) -> list[memoryview]:
+    """Host views for the streamed paths: a CUDA part is copied to host memory first."""
+    return [as_bytes_view(p.contiguous().cpu()) if is_cuda(p) else p for p in parts]
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -91,18 +106,27 @@ class StoreClient:
         timeout_s: deadline of each call.
         retry: retry policy for UNAVAILABLE.
         data_channel: use the node's raw TCP data channel for value bytes when it has one.
+        transport: how value bytes move: ``auto`` (shm when the node is on this
+            host, rdma when both ends have an ibverbs device, else the TCP data
+            channel, else gRPC), or ``shm``, ``rdma``, ``tcp``, ``grpc``. A
+            one-sided mover that cannot work here falls back, with a warning
+            that says why (``transport_notes``).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, retry: Retry = Retry(),
-                 data_channel: bool = True) -> None:
+                 data_channel: bool = True, transport: str = "auto") -> None:
+        if transport not in REQUESTS:
+            raise InvalidArgumentError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry
         self._channel = grpc.insecure_channel(address, options=_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._want_dc = data_channel
+        self._want_dc = data_channel and transport != "grpc"
         self._dc: _Connections | None = None
         self._limits: pb.HealthResponse | None = None
+        self._transport_req = transport
+        self._selection = None  # kvstore.transport.session.Selection, resolved on first use
 
     # ---- plumbing -----------------------------------------------------------
 
@@ -145,6 +169,36 @@ class StoreClient:
         except OSError as exc:
             raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
 
+    def descriptor_session(self):
+        """The shm/rdma ``DescriptorSession`` with this node, or None (resolved once, on first use).
+
+        Its step-wise calls (acquire/read/release, reserve/write/commit/abort)
+        are for callers that drive the descriptor protocol themselves.
+        """
+        if self._selection is None:
+            from kvstore.transport.session import select
+
+            sel = select(self._stub, self._call, self.timeout_s, self._transport_req)
+            if sel.session is None and self._transport_req in ("shm", "rdma"):
+                log.warning("transport %s to %s unavailable, falling back: %s",
+                            self._transport_req, self.address, sel.notes)
+            self._selection = sel
+        return self._selection.session
+
+    @property
+    def transport(self) -> str:
+        """The mover in use with this node: ``shm``, ``rdma``, ``tcp`` or ``grpc``."""
+        session = self.descriptor_session()
+        if session is not None:
+            return session.mover.value
+        return "tcp" if self._data_channel() is not None else "grpc"
+
+    @property
+    def transport_notes(self) -> str:
+        """Why faster movers are not in use (empty when nothing was left out)."""
+        self.descriptor_session()
+        return self._selection.notes
+
     # ---- values ---------------------------------------------------------------
 
     def put(self, key: bytes, value: Value) -> None:
@@ -169,11 +223,23 @@ class StoreClient:
             self.health()
         limit = self._limits.max_value_bytes
         for k, parts in zip(keys, values):
-            size = sum(p.nbytes for p in parts)
+            size = sum(_nbytes(p) for p in parts)
             if size > limit:
                 raise InvalidArgumentError(f"value of {size} bytes for key {k.hex()} exceeds the limit of {limit}")
         if not keys:
             return []
+        session = self.descriptor_session()
+        if session is None:
+            return self._streamed_put(keys, values, _raise)
+        stored, other = session.put(keys, values)
+        if other:  # no arena room now, or the reservation expired: the streamed path may use disk
+            for i, ok in zip(other, self._streamed_put([keys[i] for i in other], [values[i] for i in other],
+                                                       _raise)):
+                stored[i] = ok
+        return stored
+
+    def _streamed_put(self, keys: list[bytes], values: list[list], _raise: bool) -> list[bool]:
+        values = [_host_parts(parts) for parts in values]
         if self._data_channel() is not None:
             results, msg = self._dc_call(lambda c: c.put(keys, values))
             out = []
@@ -215,6 +281,23 @@ class StoreClient:
         keys = _check_keys(keys)
         if not keys:
             return []
+        session = self.descriptor_session()
+        if session is None:
+            return self._streamed_get(keys)
+        out: list[bytearray | None] = [None] * len(keys)
+
+        def alloc(i: int, size: int) -> bytearray:
+            out[i] = bytearray(size)
+            return out[i]
+
+        sizes, elsewhere = session.get_into(keys, alloc)
+        result = [out[i] if s is not None else None for i, s in enumerate(sizes)]
+        if elsewhere:
+            for i, v in zip(elsewhere, self._streamed_get([keys[i] for i in elsewhere])):
+                result[i] = v
+        return result
+
+    def _streamed_get(self, keys: list[bytes]) -> list[bytearray | None]:
         if self._data_channel() is not None:
             return self._dc_call(lambda c: c.get(keys))
         return self._call(lambda: self._grpc_get(keys))
@@ -256,16 +339,41 @@ class StoreClient:
             InvalidArgumentError: a value is larger than its buffer.
         """
         keys = _check_keys(keys)
-        views = [as_bytes_view(b) for b in buffers]
+        views = [b if is_cuda(b) else as_bytes_view(b) for b in buffers]
         if len(views) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} buffers")
-        if any(v.readonly for v in views):
+        if any(not is_cuda(v) and v.readonly for v in views):
             raise InvalidArgumentError("batch_get_into needs writable buffers")
         if not keys:
             return []
-        if self._data_channel() is None:
-            vals = self.batch_get(keys)
+        session = self.descriptor_session()
+        if session is None:
+            return self._streamed_get_into(keys, views)
+        sizes, elsewhere = session.get_into(keys, lambda i, size: views[i])
+        if elsewhere:
+            for i, s in zip(elsewhere, self._streamed_get_into([keys[i] for i in elsewhere],
+                                                               [views[i] for i in elsewhere])):
+                sizes[i] = s
+        return sizes
+
+    def _streamed_get_into(self, keys: list[bytes], views: list) -> list[int | None]:
+        if any(is_cuda(v) for v in views):  # through host memory, then one copy to the device
+            vals = self._streamed_get(keys)
             sizes: list[int | None] = []
+            for k, v, dst in zip(keys, vals, views):
+                cap = _nbytes(dst)
+                if v is not None and len(v) > cap:
+                    raise InvalidArgumentError(f"value of key {k.hex()} ({len(v)} bytes) exceeds its buffer of {cap}")
+                if v is not None:
+                    if is_cuda(dst):
+                        host_to_cuda(dst, memoryview(v))
+                    else:
+                        dst[: len(v)] = v
+                sizes.append(len(v) if v is not None else None)
+            return sizes
+        if self._data_channel() is None:
+            vals = self._streamed_get(keys)
+            sizes = []
             for k, v, buf in zip(keys, vals, views):
                 if v is not None and len(v) > buf.nbytes:
                     raise InvalidArgumentError(f"value of key {k.hex()} ({len(v)} bytes) exceeds its buffer")
@@ -315,7 +423,16 @@ class StoreClient:
 
     def stats(self) -> dict:
         r = self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
-        return {"node_id": r.node_id, "misses": r.misses, "demotions": r.demotions,
+        return {"node_id": r.node_id, "transport": self.transport, "node_transport": r.transport,
+                "movers": {pb.Mover.Name(m.mover).removeprefix("MOVER_").lower():
+                           {"num_reads": m.num_reads, "num_writes": m.num_writes,
+                            "bytes_read": m.bytes_read, "bytes_written": m.bytes_written}
+                           for m in r.movers},
+                "num_remote_leases": r.num_remote_leases,
+                "num_remote_reservations": r.num_remote_reservations,
+                "num_expired_leases": r.num_expired_leases,
+                "num_expired_reservations": r.num_expired_reservations,
+                "misses": r.misses, "demotions": r.demotions,
                 "promotions": r.promotions, "drops": r.drops, "num_leases": r.num_leases,
                 "num_pinned": r.num_pinned,
                 "tiers": {Tier(t.tier).name.lower(): {"capacity_bytes": t.capacity_bytes,
@@ -324,6 +441,8 @@ class StoreClient:
                                                       "evictions": t.evictions} for t in r.tiers}}
 
     def close(self) -> None:
+        if self._selection is not None and self._selection.session is not None:
+            self._selection.session.close()
         if self._dc is not None:
             self._dc.close()
         self._channel.close()
@@ -336,3 +455,5 @@ class StoreClient:
 
 
 __all__ = ["StoreClient", "Retry", "CrescentError"]
+
+from kvstore.cluster import ClusterClient  # noqa: E402  (at the end: kvstore.cluster imports this module lazily)

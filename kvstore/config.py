@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -64,10 +65,19 @@ class StoreConfig:
     """Largest accepted value."""
     data_port: int = 0
     """TCP port of the bulk data channel (0: a free port); -1 disables it."""
+    transport: Literal["auto", "shm", "rdma", "tcp"] = "auto"
+    """Data movers offered to clients: auto offers shm (same-host clients map the
+    arena) and rdma (where an ibverbs device exists) beside tcp; shm or rdma offers
+    only that one beside tcp; tcp offers only the streamed paths (TCP data channel, gRPC)."""
+    lease_ttl_s: float = 30.0
+    """Lifetime of a read lease or write reservation handed to a client (shm/rdma);
+    an expired one fails cleanly and its slots return."""
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port; none disables it."""
     node_id: str = ""
     """Name of this node (default: hostname:port)."""
+    conductor: str | None = None
+    """Conductor host:port to register with, heartbeat to and stream KV events to; none runs standalone."""
 
     def __post_init__(self) -> None:
         for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):
@@ -80,6 +90,14 @@ class StoreConfig:
             raise ValueError("watermarks need 0 < --low-watermark <= --high-watermark <= 1")
         if self.max_value_size <= 0:
             raise ValueError("--max-value-size must be positive")
+        if not 0.0 < self.lease_ttl_s <= 86400.0:  # also rejects NaN
+            raise ValueError(f"--lease-ttl-s must be in (0, 86400] seconds, got {self.lease_ttl_s}")
+        if self.transport not in ("auto", "shm", "rdma", "tcp"):
+            raise ValueError(f"--transport must be auto, shm, rdma or tcp, got {self.transport!r}")
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--listen must be host:port, got {self.listen!r}")
+        if self.conductor is not None:
+            c_host, _, c_port = self.conductor.rpartition(":")
+            if not c_host or not c_port.isdigit():
+                raise ValueError(f"--conductor must be host:port, got {self.conductor!r}")

@@ -23,6 +23,8 @@ from kvstore.dataserver import DataChannelServer
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.metrics import StoreMetrics
 from kvstore.store import Reservation, Tier, TieredStore, check_key
+from kvstore.transport.descriptors import Mover
+from kvstore.transport.service import DescriptorRpcs, NodeTransport
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -77,7 +79,7 @@ class _Filler:
         self.remaining -= len(data)
 
 
-class KVStoreServicer(pb_grpc.KVStoreServicer):
+class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
     def __init__(self, node: StoreNode) -> None:
         self.node = node
         self.store = node.store
@@ -111,6 +113,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     f"value for key {filler.res.key.hex()} truncated: {filler.remaining} bytes missing")
             self.store.commit_many(pending)
             committed = True
+            self.node.transport.count(Mover.GRPC, "write", sum(r.size for r in pending))
             return pb.PutResponse(num_stored=len(pending), num_bytes=sum(r.size for r in pending))
         finally:
             if filler is not None:
@@ -126,11 +129,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 check_key(key)
         except CrescentError as exc:
             context.abort(exc.grpc_code, str(exc))
+        nbytes = 0
         for i, key in enumerate(request.keys):
             lease = self.store.acquire(key)
             if lease is None:
                 yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
                 continue
+            nbytes += lease.size
             try:
                 yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
                                                       tier=int(lease.tier)))
@@ -138,6 +143,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     yield pb.GetFrame(data=frame)
             finally:
                 self.store.release(lease)
+        self.node.transport.count(Mover.GRPC, "read", nbytes)
         self.metrics.observe("get", time.perf_counter() - t0)
 
     @_rpc("lookup")
@@ -177,7 +183,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                    for t, v in s["tiers"].items()],
             misses=s["misses"], demotions=s["demotions"], promotions=s["promotions"],
             drops=s["drops"], num_leases=s["num_leases"], num_pinned=s["num_pinned"],
-            node_id=self.node.node_id)
+            node_id=self.node.node_id, **self.node.transport.stats_fields())
 
     @_rpc("health")
     def Health(self, request, context):
@@ -210,8 +216,15 @@ class StoreNode:
     def __init__(self, config: StoreConfig, listener=None) -> None:
         self.config = config
         reap_stale_segments()
+        self.agent = None  # conductor membership + KV events (kvstore/conductor/agent.py)
+        if config.conductor:
+            from kvstore.conductor.agent import StoreAgent
+
+            self.agent = StoreAgent(config.conductor)
+            listener = self.agent.listener(listener)
         self.store = TieredStore(config, listener=listener)
         self.metrics = StoreMetrics(self.store)
+        self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                                   options=GRPC_OPTIONS)
@@ -222,6 +235,7 @@ class StoreNode:
         except RuntimeError:  # grpc raises on a failed bind
             self.port = 0
         if self.port == 0:
+            self.transport.stop()
             self.store.close()
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
         self.host = host
@@ -231,10 +245,17 @@ class StoreNode:
         if config.data_port >= 0:
             self.data_server = DataChannelServer(
                 self.store, host, config.data_port,
-                on_op=lambda op, dt: self.metrics.observe(op, dt, "tcp"))
+                on_op=self._on_tcp_op)
         self._metrics_server = None
 
+    def _on_tcp_op(self, op: str, seconds: float) -> None:
+        self.metrics.observe(op, seconds, "tcp")
+        self.transport.count(Mover.TCP, "read" if op == "get" else "write")
+
     def start(self) -> StoreNode:
+        if self.agent is not None:
+            self.agent.attach(self)  # before serving: the agent must see every event
+        self.transport.start()
         self.server.start()
         if self.data_server:
             self.data_server.start()
@@ -244,11 +265,14 @@ class StoreNode:
 
     def stop(self, grace: float = 2.0) -> None:
         self.stopping = True
+        if self.agent is not None:
+            self.agent.stop()  # deregisters: the conductor drops this node's chunks at once
         if self.data_server:
             self.data_server.stop()
         self.server.stop(grace).wait()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        self.transport.stop()
         self.store.close()
 
 

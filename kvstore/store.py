@@ -118,7 +118,12 @@ class TieredStore:
             self._arenas.append((Tier.DEVICE, DeviceArena(config.device, config.slot_size)))
         self.dram = HostArena(config.dram, config.slot_size)
         self._arenas.append((Tier.DRAM, self.dram))
-        self.disk = DiskTier(config.disk, config.disk_size, config.disk_sync) if config.disk else None
+        try:
+            self.disk = DiskTier(config.disk, config.disk_size, config.disk_sync) if config.disk else None
+        except BaseException:
+            for _, arena in self._arenas:  # no arena file outlives a failed start
+                arena.close()
+            raise
         self._index: dict[bytes, _Entry] = {}
         self._lru: dict[Tier, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in Tier}
         self._disk_used = 0  # committed and reserved disk cost
@@ -135,8 +140,13 @@ class TieredStore:
 
     # ---- writes -------------------------------------------------------------
 
-    def reserve(self, key: bytes, size: int) -> Reservation:
+    def reserve(self, key: bytes, size: int, tier: Tier | None = None) -> Reservation:
         """Takes room for a value in the fastest tier that has (or can make) it.
+
+        Args:
+            key: the value's key.
+            size: the value's size in bytes.
+            tier: only this tier (e.g. DRAM for a client that fills arena slots itself).
 
         Raises:
             InvalidArgumentError: bad key or size.
@@ -147,8 +157,11 @@ class TieredStore:
         if not 0 <= size <= self.config.max_value_size:
             raise InvalidArgumentError(
                 f"value of {size} bytes exceeds the limit of {self.config.max_value_size}")
+        only = tier
         with self._lock:
             for pos, (tier, arena) in enumerate(self._arenas):
+                if only is not None and tier is not only:
+                    continue
                 n = arena.slots_for(size)
                 if n <= arena.num_slots and self._make_room(pos, n):
                     slots = arena.alloc(n)
@@ -160,6 +173,8 @@ class TieredStore:
                         res.buffer = bytearray(size)
                         res.views = [memoryview(res.buffer)]
                     return res
+            if only not in (None, Tier.DISK):
+                raise ResourceExhaustedError(f"the {only.name} tier cannot hold {size} bytes now")
             if self.disk is not None and self._make_disk_room(disk_cost(size)):
                 self._disk_used += disk_cost(size)
                 buf = bytearray(size)
@@ -274,6 +289,53 @@ class TieredStore:
             self._num_leases -= 1
             if not e.live and e.leases == 0:
                 self._free_storage(e)
+
+    def acquire_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
+        """Read leases for a batch of checked keys: per key None (a miss) or (lease, DRAM slots).
+
+        DRAM values are leased in one lock hold, without views: the caller
+        copies their slots itself (the descriptor protocol), and the slots stay
+        valid as ``arena_slots`` says. Other values go through ``acquire``
+        (copied out, promoted when configured); their slots are None unless the
+        promotion put them in DRAM.
+        """
+        out: list[tuple[Lease, list[int] | None] | None] = []
+        elsewhere = []
+        with self._lock:
+            lru, c = self._lru[Tier.DRAM], self.counters
+            for i, key in enumerate(keys):
+                e = self._index.get(key)
+                if e is None or e.tier is not Tier.DRAM:
+                    if e is None:
+                        c["misses"] += 1
+                    else:
+                        elsewhere.append(i)
+                    out.append(None)
+                    continue
+                e.leases += 1
+                self._num_leases += 1
+                lru.move_to_end(key)
+                c["hits"][Tier.DRAM] += 1
+                c["bytes_out"] += e.size
+                out.append((Lease(key, e.size, Tier.DRAM, [], e), list(e.slots)))
+        for i in elsewhere:
+            lease = self.acquire(keys[i])
+            out[i] = None if lease is None else (lease, self.arena_slots(lease))
+        return out
+
+    def arena_slots(self, lease: Lease) -> list[int] | None:
+        """The DRAM slots holding a leased value in place, or None when it is elsewhere.
+
+        A DRAM value, or a disk value that ``acquire`` just promoted into DRAM,
+        stays in these slots, unchanged, until the lease is released: a leased
+        entry is never evicted or moved, and a delete or replace frees its slots
+        only at the last release.
+        """
+        with self._lock:
+            e = lease._entry
+            if lease.released or e.tier is not Tier.DRAM or e.slots is None:
+                return None
+            return list(e.slots)
 
     def get(self, key: bytes) -> bytes | None:
         lease = self.acquire(key)

@@ -47,9 +47,9 @@ def node(make_node):
     return make_node()
 
 
-@pytest.fixture(params=["tcp", "grpc"])
+@pytest.fixture(params=["tcp", "grpc", "shm"])
 def client(request, node):
-    c = StoreClient(node.address, data_channel=request.param == "tcp")
+    c = StoreClient(node.address, transport=request.param)
     yield c
     c.close()
 
@@ -121,14 +121,14 @@ def _whole(key: bytes, value: bytes) -> bool:
     return xxhash.xxh3_64_intdigest(body) == digest and body.startswith(key + b":")
 
 
-@pytest.mark.parametrize("path", ["tcp", "grpc"])
+@pytest.mark.parametrize("path", ["tcp", "grpc", "shm"])
 def test_eight_threads_mixing_ops_never_tear(make_node, path):
     node = make_node(dram=4 * MiB)  # small: the mix also evicts, demotes and promotes
     keys = [b"key%d" % i for i in range(6)]
     errors = []
 
     def worker(tid):
-        c = StoreClient(node.address, data_channel=path == "tcp")
+        c = StoreClient(node.address, transport=path)
         try:
             for i in range(60):
                 k = keys[(tid + i) % len(keys)]
@@ -267,8 +267,8 @@ def test_full_dram_with_everything_leased_is_resource_exhausted(make_node):
     node.store.put(b"a", bytes(MiB))
     node.store.put(b"b", bytes(MiB))
     leases = [node.store.acquire(b"a"), node.store.acquire(b"b")]
-    for dc in (True, False):
-        c = StoreClient(node.address, data_channel=dc)
+    for transport in ("tcp", "grpc", "shm"):
+        c = StoreClient(node.address, transport=transport)
         with pytest.raises(ResourceExhaustedError):
             c.put(b"c", bytes(1000))
         assert c.batch_put([(b"c", b"1"), (b"d", b"2")]) == [False, False]
@@ -370,7 +370,7 @@ def test_metrics_endpoint(make_node):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     node = make_node(metrics_port=port)
-    c = StoreClient(node.address)
+    c = StoreClient(node.address, transport="tcp")
     c.put(b"k", b"v")
     c.get(b"k")
     c.get(b"nope")

@@ -24,15 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/crescent/v1/kvstore.proto\x12\x0b\x63rescent.v1\"(\n\x0bValueHeader\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"O\n\x08PutFrame\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.crescent.v1.ValueHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"4\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"X\n\tGetHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.crescent.v1.Tier\"M\n\x08GetFrame\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.crescent.v1.GetHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"F\n\x0eLookupResponse\x12\x12\n\nnum_prefix\x18\x01 \x01(\r\x12 \n\x05tiers\x18\x02 \x03(\x0e\x32\x11.crescent.v1.Tier\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\")\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x8e\x01\n\tTierStats\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.crescent.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_entries\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\"\xb5\x01\n\rStatsResponse\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.crescent.v1.TierStats\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x11\n\tdemotions\x18\x03 \x01(\x04\x12\x12\n\npromotions\x18\x04 \x01(\x04\x12\r\n\x05\x64rops\x18\x05 \x01(\x04\x12\x12\n\nnum_leases\x18\x06 \x01(\x04\x12\x12\n\nnum_pinned\x18\x07 \x01(\x04\x12\x0f\n\x07node_id\x18\x08 \x01(\t\"\x0f\n\rHealthRequest\"\x9a\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x15\n\rmax_key_bytes\x18\x04 \x01(\r\x12\x17\n\x0fmax_value_bytes\x18\x05 \x01(\x04\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\x12\n\ndata_token\x18\x07 \x01(\x0c*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xfc\x03\n\x07KVStore\x12\x38\n\x03Put\x12\x15.crescent.v1.PutFrame\x1a\x18.crescent.v1.PutResponse(\x01\x12\x37\n\x03Get\x12\x17.crescent.v1.GetRequest\x1a\x15.crescent.v1.GetFrame0\x01\x12?\n\x06Lookup\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.LookupResponse\x12?\n\x06\x45xists\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.DeleteResponse\x12\x38\n\x03Pin\x12\x17.crescent.v1.PinRequest\x1a\x18.crescent.v1.PinResponse\x12>\n\x05Stats\x12\x19.crescent.v1.StatsRequest\x1a\x1a.crescent.v1.StatsResponse\x12\x41\n\x06Health\x12\x1a.crescent.v1.HealthRequest\x1a\x1b.crescent.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/crescent/v1/kvstore.proto\x12\x0b\x63rescent.v1\"(\n\x0bValueHeader\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"O\n\x08PutFrame\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.crescent.v1.ValueHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"4\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"X\n\tGetHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.crescent.v1.Tier\"M\n\x08GetFrame\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.crescent.v1.GetHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"F\n\x0eLookupResponse\x12\x12\n\nnum_prefix\x18\x01 \x01(\r\x12 \n\x05tiers\x18\x02 \x03(\x0e\x32\x11.crescent.v1.Tier\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\")\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x8e\x01\n\tTierStats\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.crescent.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_entries\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\"\xeb\x02\n\rStatsResponse\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.crescent.v1.TierStats\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x11\n\tdemotions\x18\x03 \x01(\x04\x12\x12\n\npromotions\x18\x04 \x01(\x04\x12\r\n\x05\x64rops\x18\x05 \x01(\x04\x12\x12\n\nnum_leases\x18\x06 \x01(\x04\x12\x12\n\nnum_pinned\x18\x07 \x01(\x04\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\'\n\x06movers\x18\t \x03(\x0b\x32\x17.crescent.v1.MoverStats\x12\x11\n\ttransport\x18\n \x01(\t\x12\x19\n\x11num_remote_leases\x18\x0b \x01(\x04\x12\x1f\n\x17num_remote_reservations\x18\x0c \x01(\x04\x12\x1a\n\x12num_expired_leases\x18\r \x01(\x04\x12 \n\x18num_expired_reservations\x18\x0e \x01(\x04\"\x0f\n\rHealthRequest\"\x9a\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x15\n\rmax_key_bytes\x18\x04 \x01(\r\x12\x17\n\x0fmax_value_bytes\x18\x05 \x01(\x04\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\x12\n\ndata_token\x18\x07 \x01(\x0c\"\x13\n\x11TransportsRequest\"1\n\x0cHostIdentity\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\"\x85\x01\n\tArenaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x66ile_dev\x18\x04 \x01(\x04\x12\x10\n\x08\x66ile_ino\x18\x05 \x01(\x04\x12\x11\n\trdma_addr\x18\x06 \x01(\x04\x12\x11\n\trdma_rkey\x18\x07 \x01(\r\"O\n\x0cRdmaEndpoint\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\"\xc7\x01\n\x12TransportsResponse\x12\'\n\x04host\x18\x01 \x01(\x0b\x32\x19.crescent.v1.HostIdentity\x12%\n\x05\x61rena\x18\x02 \x01(\x0b\x32\x16.crescent.v1.ArenaInfo\x12#\n\x07offered\x18\x03 \x03(\x0e\x32\x12.crescent.v1.Mover\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\'\n\x04rdma\x18\x05 \x01(\x0b\x32\x19.crescent.v1.RdmaEndpoint\"E\n\x12\x41\x63quireReadRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12!\n\x05mover\x18\x02 \x01(\x0e\x32\x12.crescent.v1.Mover\"\x9b\x01\n\x0eSlotDescriptor\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.crescent.v1.ItemStatus\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.crescent.v1.Tier\x12\r\n\x05slots\x18\x05 \x03(\r\x12\x13\n\x0bgenerations\x18\x06 \x03(\x04\"x\n\x13\x41\x63quireReadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\r\n\x05\x61rena\x18\x03 \x01(\t\x12*\n\x05items\x18\x04 \x03(\x0b\x32\x1b.crescent.v1.SlotDescriptor\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"<\n\x13ReleaseReadResponse\x12\x12\n\nnum_values\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"b\n\x13ReserveWriteRequest\x12(\n\x06values\x18\x01 \x03(\x0b\x32\x18.crescent.v1.ValueHeader\x12!\n\x05mover\x18\x02 \x01(\x0e\x32\x12.crescent.v1.Mover\"\x8a\x01\n\x14ReserveWriteResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\r\n\x05\x61rena\x18\x03 \x01(\t\x12*\n\x05items\x18\x04 \x03(\x0b\x32\x1b.crescent.v1.SlotDescriptor\x12\x0f\n\x07message\x18\x05 \x01(\t\"<\n\x13\x43ommitWriteResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\")\n\x12\x41\x62ortWriteResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"K\n\x12RdmaConnectRequest\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0b\n\x03lid\x18\x02 \x01(\r\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12\x0b\n\x03psn\x18\x04 \x01(\r\"h\n\x13RdmaConnectResponse\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0b\n\x03lid\x18\x02 \x01(\r\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12\x0b\n\x03psn\x18\x04 \x01(\r\x12\x0c\n\x04\x61\x64\x64r\x18\x05 \x01(\x04\x12\x0c\n\x04rkey\x18\x06 \x01(\r\"\x81\x01\n\nMoverStats\x12!\n\x05mover\x18\x01 \x01(\x0e\x32\x12.crescent.v1.Mover\x12\x11\n\tnum_reads\x18\x02 \x01(\x04\x12\x12\n\nnum_writes\x18\x03 \x01(\x04\x12\x12\n\nbytes_read\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\\\n\x05Mover\x12\x15\n\x11MOVER_UNSPECIFIED\x10\x00\x12\x0e\n\nMOVER_GRPC\x10\x01\x12\r\n\tMOVER_TCP\x10\x02\x12\r\n\tMOVER_SHM\x10\x03\x12\x0e\n\nMOVER_RDMA\x10\x04*r\n\nItemStatus\x12\x1b\n\x17ITEM_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07ITEM_OK\x10\x01\x12\x12\n\x0eITEM_NOT_FOUND\x10\x02\x12\x12\n\x0eITEM_ELSEWHERE\x10\x03\x12\x12\n\x0eITEM_EXHAUSTED\x10\x04\x32\xa6\x08\n\x07KVStore\x12\x38\n\x03Put\x12\x15.crescent.v1.PutFrame\x1a\x18.crescent.v1.PutResponse(\x01\x12\x37\n\x03Get\x12\x17.crescent.v1.GetRequest\x1a\x15.crescent.v1.GetFrame0\x01\x12?\n\x06Lookup\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.LookupResponse\x12?\n\x06\x45xists\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x18.crescent.v1.KeysRequest\x1a\x1b.crescent.v1.DeleteResponse\x12\x38\n\x03Pin\x12\x17.crescent.v1.PinRequest\x1a\x18.crescent.v1.PinResponse\x12>\n\x05Stats\x12\x19.crescent.v1.StatsRequest\x1a\x1a.crescent.v1.StatsResponse\x12\x41\n\x06Health\x12\x1a.crescent.v1.HealthRequest\x1a\x1b.crescent.v1.HealthResponse\x12M\n\nTransports\x12\x1e.crescent.v1.TransportsRequest\x1a\x1f.crescent.v1.TransportsResponse\x12P\n\x0b\x41\x63quireRead\x12\x1f.crescent.v1.AcquireReadRequest\x1a .crescent.v1.AcquireReadResponse\x12J\n\x0bReleaseRead\x12\x19.crescent.v1.LeaseRequest\x1a .crescent.v1.ReleaseReadResponse\x12S\n\x0cReserveWrite\x12 .crescent.v1.ReserveWriteRequest\x1a!.crescent.v1.ReserveWriteResponse\x12J\n\x0b\x43ommitWrite\x12\x19.crescent.v1.LeaseRequest\x1a .crescent.v1.CommitWriteResponse\x12H\n\nAbortWrite\x12\x19.crescent.v1.LeaseRequest\x1a\x1f.crescent.v1.AbortWriteResponse\x12P\n\x0b\x43onnectRdma\x12\x1f.crescent.v1.RdmaConnectRequest\x1a .crescent.v1.RdmaConnectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.crescent.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1194
-  _globals['_TIER']._serialized_end=1269
+  _globals['_TIER']._serialized_start=2975
+  _globals['_TIER']._serialized_end=3050
+  _globals['_MOVER']._serialized_start=3052
+  _globals['_MOVER']._serialized_end=3144
+  _globals['_ITEMSTATUS']._serialized_start=3146
+  _globals['_ITEMSTATUS']._serialized_end=3260
   _globals['_VALUEHEADER']._serialized_start=48
   _globals['_VALUEHEADER']._serialized_end=88
   _globals['_PUTFRAME']._serialized_start=90
@@ -62,11 +66,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS']._serialized_start=692
   _globals['_TIERSTATS']._serialized_end=834
   _globals['_STATSRESPONSE']._serialized_start=837
-  _globals['_STATSRESPONSE']._serialized_end=1018
-  _globals['_HEALTHREQUEST']._serialized_start=1020
-  _globals['_HEALTHREQUEST']._serialized_end=1035
-  _globals['_HEALTHRESPONSE']._serialized_start=1038
-  _globals['_HEALTHRESPONSE']._serialized_end=1192
-  _globals['_KVSTORE']._serialized_start=1272
-  _globals['_KVSTORE']._serialized_end=1780
+  _globals['_STATSRESPONSE']._serialized_end=1200
+  _globals['_HEALTHREQUEST']._serialized_start=1202
+  _globals['_HEALTHREQUEST']._serialized_end=1217
+  _globals['_HEALTHRESPONSE']._serialized_start=1220
+  _globals['_HEALTHRESPONSE']._serialized_end=1374
+  _globals['_TRANSPORTSREQUEST']._serialized_start=1376
+  _globals['_TRANSPORTSREQUEST']._serialized_end=1395
+  _globals['_HOSTIDENTITY']._serialized_start=1397
+  _globals['_HOSTIDENTITY']._serialized_end=1446
+  _globals['_ARENAINFO']._serialized_start=1449
+  _globals['_ARENAINFO']._serialized_end=1582
+  _globals['_RDMAENDPOINT']._serialized_start=1584
+  _globals['_RDMAENDPOINT']._serialized_end=1663
+  _globals['_TRANSPORTSRESPONSE']._serialized_start=1666
+  _globals['_TRANSPORTSRESPONSE']._serialized_end=1865
+  _globals['_ACQUIREREADREQUEST']._serialized_start=1867
+  _globals['_ACQUIREREADREQUEST']._serialized_end=1936
+  _globals['_SLOTDESCRIPTOR']._serialized_start=1939
+  _globals['_SLOTDESCRIPTOR']._serialized_end=2094
+  _globals['_ACQUIREREADRESPONSE']._serialized_start=2096
+  _globals['_ACQUIREREADRESPONSE']._serialized_end=2216
+  _globals['_LEASEREQUEST']._serialized_start=2218
+  _globals['_LEASEREQUEST']._serialized_end=2250
+  _globals['_RELEASEREADRESPONSE']._serialized_start=2252
+  _globals['_RELEASEREADRESPONSE']._serialized_end=2312
+  _globals['_RESERVEWRITEREQUEST']._serialized_start=2314
+  _globals['_RESERVEWRITEREQUEST']._serialized_end=2412
+  _globals['_RESERVEWRITERESPONSE']._serialized_start=2415
+  _globals['_RESERVEWRITERESPONSE']._serialized_end=2553
+  _globals['_COMMITWRITERESPONSE']._serialized_start=2555
+  _globals['_COMMITWRITERESPONSE']._serialized_end=2615
+  _globals['_ABORTWRITERESPONSE']._serialized_start=2617
+  _globals['_ABORTWRITERESPONSE']._serialized_end=2658
+  _globals['_RDMACONNECTREQUEST']._serialized_start=2660
+  _globals['_RDMACONNECTREQUEST']._serialized_end=2735
+  _globals['_RDMACONNECTRESPONSE']._serialized_start=2737
+  _globals['_RDMACONNECTRESPONSE']._serialized_end=2841
+  _globals['_MOVERSTATS']._serialized_start=2844
+  _globals['_MOVERSTATS']._serialized_end=2973
+  _globals['_KVSTORE']._serialized_start=3263
+  _globals['_KVSTORE']._serialized_end=4325
 # @@protoc_insertion_point(module_scope)

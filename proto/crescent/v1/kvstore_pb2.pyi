@@ -13,10 +13,36 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+
+class Mover(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MOVER_UNSPECIFIED: _ClassVar[Mover]
+    MOVER_GRPC: _ClassVar[Mover]
+    MOVER_TCP: _ClassVar[Mover]
+    MOVER_SHM: _ClassVar[Mover]
+    MOVER_RDMA: _ClassVar[Mover]
+
+class ItemStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ITEM_STATUS_UNSPECIFIED: _ClassVar[ItemStatus]
+    ITEM_OK: _ClassVar[ItemStatus]
+    ITEM_NOT_FOUND: _ClassVar[ItemStatus]
+    ITEM_ELSEWHERE: _ClassVar[ItemStatus]
+    ITEM_EXHAUSTED: _ClassVar[ItemStatus]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_DRAM: Tier
 TIER_DISK: Tier
+MOVER_UNSPECIFIED: Mover
+MOVER_GRPC: Mover
+MOVER_TCP: Mover
+MOVER_SHM: Mover
+MOVER_RDMA: Mover
+ITEM_STATUS_UNSPECIFIED: ItemStatus
+ITEM_OK: ItemStatus
+ITEM_NOT_FOUND: ItemStatus
+ITEM_ELSEWHERE: ItemStatus
+ITEM_EXHAUSTED: ItemStatus
 
 class ValueHeader(_message.Message):
     __slots__ = ("key", "size")
@@ -129,7 +155,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_entries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "misses", "demotions", "promotions", "drops", "num_leases", "num_pinned", "node_id")
+    __slots__ = ("tiers", "misses", "demotions", "promotions", "drops", "num_leases", "num_pinned", "node_id", "movers", "transport", "num_remote_leases", "num_remote_reservations", "num_expired_leases", "num_expired_reservations")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +164,12 @@ class StatsResponse(_message.Message):
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MOVERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     misses: int
     demotions: int
@@ -146,7 +178,13 @@ class StatsResponse(_message.Message):
     num_leases: int
     num_pinned: int
     node_id: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., drops: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_pinned: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    movers: _containers.RepeatedCompositeFieldContainer[MoverStats]
+    transport: str
+    num_remote_leases: int
+    num_remote_reservations: int
+    num_expired_leases: int
+    num_expired_reservations: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., drops: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_pinned: _Optional[int] = ..., node_id: _Optional[str] = ..., movers: _Optional[_Iterable[_Union[MoverStats, _Mapping]]] = ..., transport: _Optional[str] = ..., num_remote_leases: _Optional[int] = ..., num_remote_reservations: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_expired_reservations: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -169,3 +207,187 @@ class HealthResponse(_message.Message):
     data_port: int
     data_token: bytes
     def __init__(self, serving: _Optional[bool] = ..., node_id: _Optional[str] = ..., version: _Optional[str] = ..., max_key_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
+
+class TransportsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HostIdentity(_message.Message):
+    __slots__ = ("hostname", "boot_id")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    boot_id: str
+    def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("name", "size", "slot_bytes", "file_dev", "file_ino", "rdma_addr", "rdma_rkey")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_DEV_FIELD_NUMBER: _ClassVar[int]
+    FILE_INO_FIELD_NUMBER: _ClassVar[int]
+    RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    slot_bytes: int
+    file_dev: int
+    file_ino: int
+    rdma_addr: int
+    rdma_rkey: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file_dev: _Optional[int] = ..., file_ino: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ...) -> None: ...
+
+class RdmaEndpoint(_message.Message):
+    __slots__ = ("available", "reason", "device", "port")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    reason: str
+    device: str
+    port: int
+    def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class TransportsResponse(_message.Message):
+    __slots__ = ("host", "arena", "offered", "lease_ttl_s", "rdma")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RDMA_FIELD_NUMBER: _ClassVar[int]
+    host: HostIdentity
+    arena: ArenaInfo
+    offered: _containers.RepeatedScalarFieldContainer[Mover]
+    lease_ttl_s: float
+    rdma: RdmaEndpoint
+    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., offered: _Optional[_Iterable[_Union[Mover, str]]] = ..., lease_ttl_s: _Optional[float] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ...) -> None: ...
+
+class AcquireReadRequest(_message.Message):
+    __slots__ = ("keys", "mover")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MOVER_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    mover: Mover
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., mover: _Optional[_Union[Mover, str]] = ...) -> None: ...
+
+class SlotDescriptor(_message.Message):
+    __slots__ = ("index", "status", "size", "tier", "slots", "generations")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: ItemStatus
+    size: int
+    tier: Tier
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., size: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AcquireReadResponse(_message.Message):
+    __slots__ = ("lease_id", "expires_in_s", "arena", "items")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    expires_in_s: float
+    arena: str
+    items: _containers.RepeatedCompositeFieldContainer[SlotDescriptor]
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., arena: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SlotDescriptor, _Mapping]]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseReadResponse(_message.Message):
+    __slots__ = ("num_values", "num_bytes")
+    NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_values: int
+    num_bytes: int
+    def __init__(self, num_values: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveWriteRequest(_message.Message):
+    __slots__ = ("values", "mover")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    MOVER_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[ValueHeader]
+    mover: Mover
+    def __init__(self, values: _Optional[_Iterable[_Union[ValueHeader, _Mapping]]] = ..., mover: _Optional[_Union[Mover, str]] = ...) -> None: ...
+
+class ReserveWriteResponse(_message.Message):
+    __slots__ = ("lease_id", "expires_in_s", "arena", "items", "message")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    expires_in_s: float
+    arena: str
+    items: _containers.RepeatedCompositeFieldContainer[SlotDescriptor]
+    message: str
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., arena: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SlotDescriptor, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CommitWriteResponse(_message.Message):
+    __slots__ = ("num_stored", "num_bytes")
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    num_bytes: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class AbortWriteResponse(_message.Message):
+    __slots__ = ("num_aborted",)
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    num_aborted: int
+    def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
+
+class RdmaConnectRequest(_message.Message):
+    __slots__ = ("gid", "lid", "qp_num", "psn")
+    GID_FIELD_NUMBER: _ClassVar[int]
+    LID_FIELD_NUMBER: _ClassVar[int]
+    QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    PSN_FIELD_NUMBER: _ClassVar[int]
+    gid: bytes
+    lid: int
+    qp_num: int
+    psn: int
+    def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ...) -> None: ...
+
+class RdmaConnectResponse(_message.Message):
+    __slots__ = ("gid", "lid", "qp_num", "psn", "addr", "rkey")
+    GID_FIELD_NUMBER: _ClassVar[int]
+    LID_FIELD_NUMBER: _ClassVar[int]
+    QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    PSN_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    RKEY_FIELD_NUMBER: _ClassVar[int]
+    gid: bytes
+    lid: int
+    qp_num: int
+    psn: int
+    addr: int
+    rkey: int
+    def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., addr: _Optional[int] = ..., rkey: _Optional[int] = ...) -> None: ...
+
+class MoverStats(_message.Message):
+    __slots__ = ("mover", "num_reads", "num_writes", "bytes_read", "bytes_written")
+    MOVER_FIELD_NUMBER: _ClassVar[int]
+    NUM_READS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    mover: Mover
+    num_reads: int
+    num_writes: int
+    bytes_read: int
+    bytes_written: int
+    def __init__(self, mover: _Optional[_Union[Mover, str]] = ..., num_reads: _Optional[int] = ..., num_writes: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...

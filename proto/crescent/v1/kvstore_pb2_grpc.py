@@ -74,6 +74,41 @@ class KVStoreStub:
                 request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Transports = channel.unary_unary(
+                '/crescent.v1.KVStore/Transports',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsResponse.FromString,
+                _registered_method=True)
+        self.AcquireRead = channel.unary_unary(
+                '/crescent.v1.KVStore/AcquireRead',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadResponse.FromString,
+                _registered_method=True)
+        self.ReleaseRead = channel.unary_unary(
+                '/crescent.v1.KVStore/ReleaseRead',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReleaseReadResponse.FromString,
+                _registered_method=True)
+        self.ReserveWrite = channel.unary_unary(
+                '/crescent.v1.KVStore/ReserveWrite',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteResponse.FromString,
+                _registered_method=True)
+        self.CommitWrite = channel.unary_unary(
+                '/crescent.v1.KVStore/CommitWrite',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.CommitWriteResponse.FromString,
+                _registered_method=True)
+        self.AbortWrite = channel.unary_unary(
+                '/crescent.v1.KVStore/AbortWrite',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AbortWriteResponse.FromString,
+                _registered_method=True)
+        self.ConnectRdma = channel.unary_unary(
+                '/crescent.v1.KVStore/ConnectRdma',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -140,6 +175,67 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transports(self, request, context):
+        """---- Descriptor protocol: one-sided data movers (shm, rdma) ----------
+        gRPC carries only control; the client moves value bytes itself between
+        its own buffers and the node's DRAM arena (docs/api.md, "Descriptor
+        protocol").
+
+        How this node's arena can be reached: host identity (same-host shm),
+        the arena file, the RDMA endpoint, the movers it offers, the lease TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireRead(self, request, context):
+        """Read leases: for each key, the arena slots holding its value. The slots
+        keep the value until the lease is released or expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRead(self, request, context):
+        """Ends a read lease. OK means the lease was held, unexpired, from grant to
+        this call, so bytes copied before sending it are the value, whole.
+        FAILED_PRECONDITION (expired or unknown lease): the copy may be torn or
+        foreign; the client must treat every key of the lease as a miss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveWrite(self, request, context):
+        """Write reservations: arena slots to fill, invisible until committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWrite(self, request, context):
+        """Makes every reserved value of the reservation visible, whole.
+        FAILED_PRECONDITION when the reservation expired or is unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortWrite(self, request, context):
+        """Returns a reservation's slots; nothing of it becomes visible. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConnectRdma(self, request, context):
+        """Connects an RC queue pair of the client to one of the node's
+        (FAILED_PRECONDITION when the node has no RDMA endpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +278,41 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthResponse.SerializeToString,
+            ),
+            'Transports': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transports,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsResponse.SerializeToString,
+            ),
+            'AcquireRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireRead,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadResponse.SerializeToString,
+            ),
+            'ReleaseRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRead,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReleaseReadResponse.SerializeToString,
+            ),
+            'ReserveWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveWrite,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteResponse.SerializeToString,
+            ),
+            'CommitWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWrite,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.CommitWriteResponse.SerializeToString,
+            ),
+            'AbortWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWrite,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.AbortWriteResponse.SerializeToString,
+            ),
+            'ConnectRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectRdma,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +531,195 @@ class KVStore:
             '/crescent.v1.KVStore/Health',
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthRequest.SerializeToString,
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transports(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/Transports',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.TransportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/AcquireRead',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.AcquireReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/ReleaseRead',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReleaseReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/ReserveWrite',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.ReserveWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/CommitWrite',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.CommitWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/AbortWrite',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.LeaseRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.AbortWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/ConnectRdma',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

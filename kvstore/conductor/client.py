@@ -1,0 +1,188 @@
+"""A typed client of the conductor: results are dataclasses, failures ``CrescentError``s.
+
+Used by ``crescent ctl``, ``ClusterClient`` and (later) the gateway. Member-side
+calls (register, heartbeat, events) belong to ``MemberAgent``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from kvstore.conductor.membership import EngineLoad, MemberKind
+from kvstore.errors import from_grpc
+from kvstore.store import Tier
+from proto.crescent.v1 import conductor_pb2 as cpb
+from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
+
+T = TypeVar("T")
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.max_receive_message_length", 64 << 20)]
+"""Reconnect within 2 s of a conductor's return (gRPC's default backoff grows to 2 minutes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    accepted: bool
+    reject_reason: str
+    prefill: str | None
+    prefill_address: str
+    decode: str | None
+    decode_address: str
+    source_node: str | None
+    source_address: str
+    num_cached_chunks: int
+    num_cached_tokens: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    replicate_to: str | None
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodePrefix:
+    node_id: str
+    address: str
+    num_prefix: int
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where keys live, per ``Locate``."""
+
+    holders: list[dict[str, Tier]]
+    """One per requested key: node id → tier (empty: absent)."""
+    num_prefix: int
+    """Leading keys held by at least one node."""
+    nodes: list[NodePrefix]
+    """Nodes holding the first key, longest own prefix first."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    member_id: str
+    kind: MemberKind
+    address: str
+    state: str
+    last_seen_s: float
+    num_chunks: int
+    store_node: str | None
+    namespace: bytes
+    chunk_tokens: int
+    engine: EngineLoad | None
+    store: dict | None
+    """Store nodes: ``{"tiers": {name: {...}}, "misses", "bytes_in", "bytes_out", ...}``."""
+    predicted_queue_s: float = 0.0
+    """Engines: the wait Schedule predicts for a new request there."""
+
+
+def store_load_dict(s: cpb.StoreLoad) -> dict:
+    return {"tiers": {Tier(t.tier).name.lower(): {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+                                                  "num_entries": t.num_entries, "hits": t.hits,
+                                                  "evictions": t.evictions} for t in s.tiers},
+            "misses": s.misses, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+            "num_leases": s.num_leases, "num_pinned": s.num_pinned}
+
+
+class ConductorClient:
+    """Client of one conductor.
+
+    Args:
+        address: the conductor's ``host:port``.
+        timeout_s: deadline of each call.
+        retry: a ``kvstore.client.Retry`` for UNAVAILABLE; default: one attempt.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0, retry=None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = cpb_grpc.ConductorStub(self._channel)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        def once():
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                raise from_grpc(exc) from None
+
+        return self.retry.call(once) if self.retry is not None else once()
+
+    def schedule(self, keys: Sequence[bytes], num_tokens: int, *, chunk_tokens: int = 0, policy: str = "",
+                 num_output_tokens: int = 0) -> ScheduleResult:
+        """Where to run a prompt of ``num_tokens`` tokens whose full chunks have ``keys``."""
+        r = self._call(lambda: self._stub.Schedule(cpb.ScheduleRequest(
+            keys=list(keys), num_tokens=num_tokens, chunk_tokens=chunk_tokens, policy=policy,
+            num_output_tokens=num_output_tokens), timeout=self.timeout_s))
+        return ScheduleResult(r.accepted, r.reject_reason, r.prefill.member_id or None, r.prefill.address,
+                              r.decode.member_id or None, r.decode.address, r.source_node or None,
+                              r.source_address, r.num_cached_chunks, r.num_cached_tokens, r.predicted_ttft_s,
+                              r.predicted_tbt_s, r.replicate_to or None, r.policy)
+
+    def locate(self, keys: Sequence[bytes]) -> Location:
+        r = self._call(lambda: self._stub.Locate(cpb.LocateRequest(keys=list(keys)), timeout=self.timeout_s))
+        return Location([{h.node_id: Tier(h.tier) for h in k.holders} for k in r.keys], r.num_prefix,
+                        [NodePrefix(n.node_id, n.address, n.num_prefix) for n in r.nodes])
+
+    def members(self) -> list[MemberInfo]:
+        r = self._call(lambda: self._stub.ListMembers(cpb.ListMembersRequest(), timeout=self.timeout_s))
+        out = []
+        for m in r.members:
+            kind = MemberKind(m.kind)
+            out.append(MemberInfo(m.member_id, kind, m.address, m.state, m.last_seen_s, m.num_chunks,
+                                  m.store_node or None, m.namespace, m.chunk_tokens,
+                                  EngineLoad.from_pb(m.engine) if kind is not MemberKind.STORE else None,
+                                  store_load_dict(m.store) if kind is MemberKind.STORE else None,
+                                  m.predicted_queue_s))
+        return out
+
+    def stats(self) -> dict:
+        r = self._call(lambda: self._stub.ClusterStats(cpb.ClusterStatsRequest(), timeout=self.timeout_s))
+        lookups = sum(t.hits for t in r.tiers) + r.misses
+        return {
+            "num_members": r.num_members, "num_chunks": r.num_chunks, "num_copies": r.num_copies,
+            "tiers": {Tier(t.tier).name.lower(): {
+                "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "num_entries": t.num_entries,
+                "hits": t.hits, "evictions": t.evictions,
+                "hit_rate": t.hits / lookups if lookups else 0.0} for t in r.tiers},
+            "misses": r.misses, "hit_rate": (lookups - r.misses) / lookups if lookups else 0.0,
+            "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
+            "schedule": {"policy": r.policy, "num_scheduled": r.num_scheduled, "num_rejected": r.num_rejected,
+                         "num_replications": r.num_replications,
+                         "num_scheduled_chunks": r.num_scheduled_chunks, "num_cached_chunks": r.num_cached_chunks,
+                         "cached_fraction": (r.num_cached_chunks / r.num_scheduled_chunks
+                                             if r.num_scheduled_chunks else 0.0)},
+            "num_dead": r.num_dead,
+            "cost_model": {"coefficients": list(r.cost_coefficients), "num_samples": r.num_cost_samples},
+        }
+
+    def drain(self, member_id: str, undo: bool = False) -> str:
+        """Drains a member (``undo``: takes it back); returns its new state."""
+        r = self._call(lambda: self._stub.Drain(cpb.DrainRequest(member_id=member_id, undo=undo),
+                                                timeout=self.timeout_s))
+        return r.state
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float) -> tuple[int, int]:
+        """Pins keys on every holder (``ttl_s`` 0 unpins); returns (copies, nodes)."""
+        r = self._call(lambda: self._stub.PinChunks(cpb.PinChunksRequest(keys=list(keys), ttl_s=ttl_s),
+                                                    timeout=self.timeout_s))
+        return r.num_pinned, r.num_nodes
+
+    def evict(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Deletes keys from every holder; returns (copies, nodes)."""
+        r = self._call(lambda: self._stub.EvictChunks(cpb.EvictChunksRequest(keys=list(keys)),
+                                                      timeout=self.timeout_s))
+        return r.num_evicted, r.num_nodes
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ConductorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

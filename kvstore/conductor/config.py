@@ -1,0 +1,66 @@
+"""Conductor configuration: one dataclass, a docstring per field, validated.
+
+``crescent conductor``'s flags are derived from these fields (kvstore/cli.py's
+``add_config_args``), so a knob is described once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PolicyName = Literal["random", "round-robin", "load", "cache-local", "cache-aware"]
+POLICY_NAMES: tuple[str, ...] = ("random", "round-robin", "load", "cache-local", "cache-aware")
+
+
+def check_address(flag: str, address: str) -> None:
+    """Raises ValueError unless ``address`` is ``host:port``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} must be host:port, got {address!r}")
+
+
+@dataclass
+class ConductorConfig:
+    """Configuration of the conductor (``crescent conductor``)."""
+
+    listen: str = "127.0.0.1:7300"
+    """gRPC address host:port (port 0 picks a free port)."""
+    heartbeat_interval: float = 1.0
+    """Seconds between a member's heartbeats (told to members when they register)."""
+    dead_timeout: float = 5.0
+    """A member silent for this many seconds is dead: it leaves the member list and its chunks leave the index."""
+    policy: PolicyName = "cache-aware"
+    """Scheduling policy of Schedule calls that name none."""
+    chunk_tokens: int = 256
+    """Tokens per chunk when a Schedule call does not say."""
+    slo_ttft: float | None = None
+    """Time-to-first-token SLO in seconds; a request predicted to miss it is rejected early. None: no TTFT SLO."""
+    slo_tbt: float | None = None
+    """Time-between-tokens SLO in seconds; a request predicted to miss it is rejected early. None: no TBT SLO."""
+    hot_threshold: float = 3.0
+    """A prefix used at least this often (decayed count) is hot: Schedule asks to replicate it to where it is used."""
+    hot_half_life: float = 60.0
+    """Half-life in seconds of a prefix's use count."""
+    profile: str | None = None
+    """JSON file of HardwareProfile fields for the cost model (default: the built-in 8xH800 profile)."""
+    seed: int = 0
+    """Seed of the random policy."""
+
+    def __post_init__(self) -> None:
+        check_address("--listen", self.listen)
+        if not self.heartbeat_interval > 0:
+            raise ValueError(f"--heartbeat-interval must be > 0, got {self.heartbeat_interval}")
+        if not self.dead_timeout > self.heartbeat_interval:
+            raise ValueError(f"--dead-timeout ({self.dead_timeout}) must exceed "
+                             f"--heartbeat-interval ({self.heartbeat_interval})")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"--chunk-tokens must be positive, got {self.chunk_tokens}")
+        for name in ("slo_ttft", "slo_tbt"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if not self.hot_threshold > 0 or not self.hot_half_life > 0:
+            raise ValueError("--hot-threshold and --hot-half-life must be > 0")

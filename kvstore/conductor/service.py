@@ -1,0 +1,401 @@
+"""The conductor process: the ``crescent.v1.Conductor`` gRPC service over one state.
+
+``Conductor(config).start()`` binds the listener and starts the reaper, which
+declares members dead after the timeout (their chunks leave the index);
+``stop()`` shuts both. Membership, the global index, hotness, the cost model
+and the counters sit behind one lock; calls to store nodes (pin, evict) happen
+outside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from kvstore.conductor.config import ConductorConfig
+from kvstore.conductor.costmodel import CostModel, HardwareProfile, PrefillSample
+from kvstore.conductor.index import GlobalIndex, HotTracker
+from kvstore.conductor.membership import EngineLoad, Member, MemberKind, Membership
+from kvstore.conductor.policy import (DecodeCandidate, PrefillCandidate, Prompt, make_policy,
+                                      schedule)
+from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from kvstore.store import Tier, check_key
+from proto.crescent.v1 import conductor_pb2 as cpb
+from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
+from proto.crescent.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+MAX_KEYS = 1 << 16
+"""Most keys one call may carry."""
+_REFIT_EVERY = 8
+
+
+def _rpc(fn):
+    """Maps CrescentError to its gRPC status."""
+
+    @functools.wraps(fn)
+    def inner(self, request, context):
+        try:
+            return fn(self, request, context)
+        except CrescentError as exc:
+            context.abort(exc.grpc_code, str(exc))
+
+    return inner
+
+
+def _keys(keys) -> list[bytes]:
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgumentError(f"{len(keys)} keys exceed the limit of {MAX_KEYS} per call")
+    for k in keys:
+        check_key(k)
+    return list(keys)
+
+
+class Conductor(cpb_grpc.ConductorServicer):
+    """The conductor's state and its gRPC service."""
+
+    def __init__(self, config: ConductorConfig, clock=time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.cost = CostModel(HardwareProfile.load(config.profile) if config.profile else None)
+        self._lock = threading.Lock()
+        self.members = Membership(config.dead_timeout)
+        self.index = GlobalIndex()
+        self.hot = HotTracker(config.hot_half_life)
+        self._policies = {}
+        self._samples: collections.deque[PrefillSample] = collections.deque(maxlen=512)
+        self._new_samples = 0
+        self.counters = collections.Counter()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
+                                  options=[("grpc.so_reuseport", 0)])
+        cpb_grpc.add_ConductorServicer_to_server(self, self.server)
+        try:
+            self.port = self.server.add_insecure_port(config.listen)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
+        self.address = f"{config.listen.rpartition(':')[0]}:{self.port}"
+
+    def start(self) -> Conductor:
+        self.server.start()
+        self._reaper.start()
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        self.server.stop(grace).wait()
+
+    # ---- membership ---------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        period = min(self.config.heartbeat_interval, self.config.dead_timeout / 4)
+        while not self._stop.wait(period):
+            with self._lock:
+                for m in self.members.reap(self.clock()):
+                    n = self.index.drop_node(m.member_id)
+                    log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
+                                m.member_id, m.kind.label, self.config.dead_timeout, n)
+
+    @_rpc
+    def Register(self, request, context):
+        if not request.member_id or len(request.member_id) > 256:
+            raise InvalidArgumentError("member_id must be 1..256 characters")
+        try:
+            kind = MemberKind(request.kind)
+        except ValueError:
+            raise InvalidArgumentError(f"unknown member kind {request.kind}") from None
+        if kind is MemberKind.STORE:
+            host, _, port = request.address.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgumentError(f"a store node needs its address as host:port, got {request.address!r}")
+        if request.namespace and len(request.namespace) != 16:
+            raise InvalidArgumentError(f"a namespace is 16 bytes, got {len(request.namespace)}")
+        m = Member(request.member_id, kind, request.address, 0, self.clock(),
+                   store_node=request.store_node or None,
+                   kv_bytes_per_token=request.kv_bytes_per_token or None,
+                   namespace=bytes(request.namespace), chunk_tokens=request.chunk_tokens)
+        with self._lock:
+            old = self.members.register(m)
+            if old is not None and old.kind is MemberKind.STORE:
+                self.index.drop_node(old.member_id)
+        log.info("member %s (%s) registered at %s", m.member_id, kind.label, m.address or "-")
+        return cpb.RegisterResponse(incarnation=m.incarnation,
+                                    heartbeat_interval_s=self.config.heartbeat_interval,
+                                    dead_timeout_s=self.config.dead_timeout)
+
+    @_rpc
+    def Heartbeat(self, request, context):
+        samples = [PrefillSample(s.num_new_tokens, s.num_cached_tokens, s.seconds)
+                   for s in request.prefill_samples if s.seconds > 0 and math.isfinite(s.seconds)]
+        with self._lock:
+            m = self.members.get(request.member_id, request.incarnation)
+            if m is None:
+                return cpb.HeartbeatResponse(known=False)
+            m.last_seen = self.clock()
+            which = request.WhichOneof("load")
+            if which == "engine":
+                m.engine_load = EngineLoad.from_pb(request.engine)
+                m.busy_until = 0.0  # the engine's own queue now counts what was scheduled
+            elif which == "store":
+                m.store_load = request.store
+            if samples:
+                self._samples.extend(samples)
+                self._new_samples += len(samples)
+                if self._new_samples >= _REFIT_EVERY:
+                    self._new_samples = 0
+                    self.cost.fit(list(self._samples))
+            return cpb.HeartbeatResponse(known=True, draining=m.draining)
+
+    def StreamEvents(self, request_iterator, context):
+        num = 0
+        try:
+            for batch in request_iterator:
+                with self._lock:
+                    m = self.members.get(batch.member_id, batch.incarnation)
+                    if m is None or m.kind is not MemberKind.STORE:
+                        raise FailedPreconditionError(
+                            f"{batch.member_id!r} is not a registered store node (register again)")
+                    if batch.reset:
+                        self.index.drop_node(m.member_id)
+                    for e in batch.events:
+                        if not e.key or len(e.key) > 1024:
+                            raise InvalidArgumentError("an event with an empty or oversized key")
+                        if e.kind in (cpb.EVENT_KIND_STORED, cpb.EVENT_KIND_MOVED):
+                            if e.tier not in (1, 2, 3):
+                                raise InvalidArgumentError(f"an event with tier {e.tier}")
+                            self.index.stored(m.member_id, e.key, Tier(e.tier))
+                        elif e.kind == cpb.EVENT_KIND_REMOVED:
+                            self.index.removed(m.member_id, e.key)
+                        else:
+                            raise InvalidArgumentError(f"an event of unknown kind {e.kind}")
+                    num += len(batch.events)
+        except CrescentError as exc:
+            context.abort(exc.grpc_code, str(exc))
+        return cpb.EventsAck(num_events=num)
+
+    @_rpc
+    def Deregister(self, request, context):
+        with self._lock:
+            m = self.members.get(request.member_id, request.incarnation)
+            if m is not None:
+                self.members.remove(m.member_id)
+                self.index.drop_node(m.member_id)
+        return cpb.DeregisterResponse()
+
+    # ---- scheduling ---------------------------------------------------------
+
+    def _policy(self, name: str):
+        p = self._policies.get(name)
+        if p is None:
+            try:
+                p = self._policies[name] = make_policy(name, self.config.seed)
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
+        return p
+
+    def _queue_s(self, e: Member, now: float) -> float:
+        """Predicted wait at engine ``e``: its reported queue plus what was scheduled since it reported."""
+        load = e.engine_load
+        return self.cost.queue_s(load.num_queued_tokens, load.num_waiting) + max(0.0, e.busy_until - now)
+
+    @_rpc
+    def Schedule(self, request, context):
+        keys = _keys(request.keys)
+        chunk_tokens = request.chunk_tokens or self.config.chunk_tokens
+        if request.num_tokens < max(1, len(keys) * chunk_tokens):
+            raise InvalidArgumentError(
+                f"num_tokens ({request.num_tokens}) must be >= 1 and cover the {len(keys)} keys "
+                f"of {chunk_tokens} tokens")
+        name = request.policy or self.config.policy
+        prompt = Prompt(request.num_tokens, len(keys), chunk_tokens, request.num_output_tokens)
+        now = self.clock()
+        with self._lock:
+            policy = self._policy(name)
+            engines = self.members.of_kind(MemberKind.PREFILL, include_draining=False)
+            if not engines:
+                raise FailedPreconditionError("no live prefill engine is registered")
+            cands = [PrefillCandidate(e.member_id, e.store_node, self._queue_s(e, now), e.kv_bytes_per_token)
+                     for e in engines]
+            decoders = self.members.of_kind(MemberKind.DECODE, include_draining=False)
+            decodes = [DecodeCandidate(d.member_id, d.engine_load.num_running, d.engine_load.num_context_tokens)
+                       for d in decoders]
+            hot = self.config.hot_threshold
+            d = schedule(policy, prompt, cands, decodes, self.index.match(keys), self.cost,
+                         slo_ttft_s=self.config.slo_ttft, slo_tbt_s=self.config.slo_tbt,
+                         is_hot=lambda n: n > 0 and self.hot.count(keys[n - 1], now) >= hot)
+            self.hot.touch(keys, now)
+            c = self.counters
+            c["scheduled"] += 1
+            c["scheduled_chunks"] += len(keys)
+            resp = cpb.ScheduleResponse(accepted=not d.rejected, reject_reason=d.rejected, policy=name,
+                                        predicted_ttft_s=d.ttft_s, predicted_tbt_s=d.tbt_s)
+            if d.rejected:
+                c["rejected"] += 1
+                return resp
+            c["cached_chunks"] += d.num_cached_chunks
+            pre = self.members.get(d.prefill)
+            service_s = d.ttft_s - next(x.queue_s for x in cands if x.member_id == d.prefill)
+            pre.busy_until = max(now, pre.busy_until) + service_s
+            resp.prefill.CopyFrom(cpb.EngineRef(member_id=pre.member_id, address=pre.address))
+            if d.decode is not None:
+                dec = self.members.get(d.decode)
+                resp.decode.CopyFrom(cpb.EngineRef(member_id=dec.member_id, address=dec.address))
+            if d.source_node is not None and d.num_cached_chunks:
+                src = self.members.get(d.source_node)
+                resp.source_node = d.source_node
+                resp.source_address = src.address if src else ""
+            resp.num_cached_chunks = d.num_cached_chunks
+            resp.num_cached_tokens = d.num_cached_tokens
+            if d.replicate_to is not None:
+                c["replications"] += 1
+                resp.replicate_to = d.replicate_to
+            return resp
+
+    @_rpc
+    def Locate(self, request, context):
+        keys = _keys(request.keys)
+        resp = cpb.LocateResponse()
+        with self._lock:
+            for k in keys:
+                resp.keys.add(holders=[cpb.Holder(node_id=n, tier=int(t))
+                                       for n, t in sorted(self.index.holders(k).items())])
+            resp.num_prefix = self.index.match(keys).num_global
+            prefixes = self.index.node_prefixes(keys)
+            for node, n in sorted(prefixes.items(), key=lambda kv: (-kv[1], kv[0])):
+                m = self.members.get(node)
+                resp.nodes.add(node_id=node, address=m.address if m else "", num_prefix=n)
+        return resp
+
+    # ---- admin --------------------------------------------------------------
+
+    @_rpc
+    def ListMembers(self, request, context):
+        now = self.clock()
+        resp = cpb.ListMembersResponse(dead_timeout_s=self.config.dead_timeout)
+        with self._lock:
+            for m in self.members.all():
+                info = resp.members.add(member_id=m.member_id, kind=int(m.kind), address=m.address,
+                                        state=m.state, last_seen_s=max(0.0, now - m.last_seen),
+                                        incarnation=m.incarnation, store_node=m.store_node or "",
+                                        namespace=m.namespace, chunk_tokens=m.chunk_tokens)
+                if m.kind is MemberKind.STORE:
+                    info.num_chunks = self.index.num_chunks(m.member_id)
+                    if m.store_load is not None:
+                        info.store.CopyFrom(m.store_load)
+                else:
+                    info.engine.CopyFrom(m.engine_load.to_pb())
+                    info.predicted_queue_s = self._queue_s(m, now)
+        return resp
+
+    @_rpc
+    def ClusterStats(self, request, context):
+        with self._lock:
+            tiers: dict[int, pb.TierStats] = {}
+            resp = cpb.ClusterStatsResponse(num_members=len(self.members), num_chunks=self.index.num_chunks(),
+                                            num_copies=self.index.num_copies, policy=self.config.policy,
+                                            num_dead=self.members.num_dead)
+            for m in self.members.of_kind(MemberKind.STORE):
+                s = m.store_load
+                if s is None:
+                    continue
+                for t in s.tiers:
+                    acc = tiers.setdefault(t.tier, pb.TierStats(tier=t.tier))
+                    acc.capacity_bytes += t.capacity_bytes
+                    acc.used_bytes += t.used_bytes
+                    acc.num_entries += t.num_entries
+                    acc.hits += t.hits
+                    acc.evictions += t.evictions
+                resp.misses += s.misses
+                resp.bytes_in += s.bytes_in
+                resp.bytes_out += s.bytes_out
+            resp.tiers.extend(tiers[t] for t in sorted(tiers))
+            c = self.counters
+            resp.num_scheduled, resp.num_rejected = c["scheduled"], c["rejected"]
+            resp.num_replications = c["replications"]
+            resp.num_scheduled_chunks, resp.num_cached_chunks = c["scheduled_chunks"], c["cached_chunks"]
+            resp.cost_coefficients.extend(self.cost.coefficients)
+            resp.num_cost_samples = self.cost.num_samples
+        return resp
+
+    @_rpc
+    def Drain(self, request, context):
+        with self._lock:
+            m = self.members.get(request.member_id)
+            if m is None:
+                raise NotFoundError(f"no live member {request.member_id!r}")
+            m.draining = not request.undo
+            return cpb.DrainResponse(state=m.state)
+
+    def _holders_by_node(self, keys: list[bytes]) -> dict[str, tuple[str, list[bytes]]]:
+        """node id → (address, its keys among ``keys``)."""
+        out: dict[str, tuple[str, list[bytes]]] = {}
+        with self._lock:
+            for k in keys:
+                for node in self.index.holders(k):
+                    m = self.members.get(node)
+                    if m is not None:
+                        out.setdefault(node, (m.address, []))[1].append(k)
+        return out
+
+    def _on_nodes(self, by_node: dict[str, tuple[str, list[bytes]]], op) -> tuple[int, int]:
+        """Runs ``op(client, node_keys)`` on each node of ``by_node``; sums the results."""
+        from kvstore.client import Retry, StoreClient
+
+        total = nodes = 0
+        failed = []
+        for node, (address, node_keys) in sorted(by_node.items()):
+            client = StoreClient(address, timeout_s=10.0, retry=Retry(attempts=2), data_channel=False)
+            try:
+                total += op(client, node_keys)
+                nodes += 1
+            except CrescentError as exc:
+                failed.append(f"{node}: {exc}")
+            finally:
+                client.close()
+        if failed:
+            raise FailedPreconditionError(f"{len(failed)} of {len(by_node)} store node(s) failed: "
+                                          f"{'; '.join(failed)}")
+        return total, nodes
+
+    @_rpc
+    def PinChunks(self, request, context):
+        keys = _keys(request.keys)
+        if not request.ttl_s >= 0 or math.isinf(request.ttl_s):
+            raise InvalidArgumentError("ttl_s must be a finite number >= 0")
+        n, nodes = self._on_nodes(self._holders_by_node(keys), lambda c, ks: c.pin(ks, request.ttl_s))
+        return cpb.PinChunksResponse(num_pinned=n, num_nodes=nodes)
+
+    @_rpc
+    def EvictChunks(self, request, context):
+        keys = _keys(request.keys)
+        by_node = self._holders_by_node(keys)
+        n, nodes = self._on_nodes(by_node, lambda c, ks: c.delete(ks))
+        with self._lock:  # the nodes' events will say so too; don't route to them meanwhile
+            for node, (_, node_keys) in by_node.items():
+                for k in node_keys:
+                    self.index.removed(node, k)
+        return cpb.EvictChunksResponse(num_evicted=n, num_nodes=nodes)
+
+
+def serve(config: ConductorConfig) -> None:
+    """Runs a conductor until SIGTERM or SIGINT, then stops it gracefully."""
+    conductor = Conductor(config).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"crescent conductor listening on {conductor.address} (policy {config.policy}, "
+          f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)", flush=True)
+    done.wait()
+    print("crescent conductor: stopping", flush=True)
+    conductor.stop()

@@ -1,0 +1,157 @@
+"""Types of the descriptor protocol, shared by the node and the client.
+
+A descriptor names where a value lives in the node's DRAM arena: its slots, in
+value order, each with the generation it had when granted. Slot ``i`` holds
+bytes ``[i * slot_bytes, min(size, (i + 1) * slot_bytes))`` of the value at
+arena offset ``slots[i] * slot_bytes``. Descriptors travel under a lease id (a
+read lease or a write reservation) that expires by itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstore.store import Tier
+from proto.crescent.v1 import kvstore_pb2 as pb
+
+
+class Mover(enum.Enum):
+    """How value bytes move between a client and a node; values are the CLI/Stats names."""
+
+    GRPC = "grpc"
+    TCP = "tcp"
+    SHM = "shm"
+    RDMA = "rdma"
+
+    @property
+    def pb(self) -> int:
+        return _TO_PB[self]
+
+    @classmethod
+    def from_pb(cls, value: int) -> Mover:
+        try:
+            return _FROM_PB[value]
+        except KeyError:
+            raise ValueError(f"unknown mover {value}") from None
+
+    @property
+    def one_sided(self) -> bool:
+        """True for the movers that use descriptors (the client moves the bytes)."""
+        return self in (Mover.SHM, Mover.RDMA)
+
+
+_TO_PB = {Mover.GRPC: pb.MOVER_GRPC, Mover.TCP: pb.MOVER_TCP, Mover.SHM: pb.MOVER_SHM,
+          Mover.RDMA: pb.MOVER_RDMA}
+_FROM_PB = {v: k for k, v in _TO_PB.items()}
+
+
+class ItemStatus(enum.IntEnum):
+    """Per key of a descriptor request; numbers match ``crescent.v1.ItemStatus``."""
+
+    OK = 1
+    NOT_FOUND = 2
+    ELSEWHERE = 3  # read: present outside the DRAM arena (GPU or disk)
+    EXHAUSTED = 4  # write: the arena cannot make room
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaRef:
+    """How a client reaches a node's DRAM arena."""
+
+    name: str
+    """File name under /dev/shm."""
+    size: int
+    slot_bytes: int
+    file_dev: int
+    file_ino: int
+    rdma_addr: int = 0
+    rdma_rkey: int = 0
+
+    @classmethod
+    def from_pb(cls, a: pb.ArenaInfo) -> ArenaRef:
+        return cls(a.name, a.size, a.slot_bytes, a.file_dev, a.file_ino, a.rdma_addr, a.rdma_rkey)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotDescriptor:
+    """One key of a grant: its status and, when OK, its arena slots."""
+
+    index: int
+    status: ItemStatus
+    size: int
+    tier: Tier | None
+    slots: tuple[int, ...] = ()
+    generations: tuple[int, ...] = ()
+
+    def extents(self, slot_bytes: int) -> list[tuple[int, int]]:
+        """``(arena offset, length)`` runs covering the value in order; adjacent slots merge."""
+        return value_extents(self.slots, self.size, slot_bytes)
+
+
+def value_extents(slots, size: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """Arena ``(offset, length)`` runs of a value of ``size`` bytes held in ``slots``."""
+    out: list[tuple[int, int]] = []
+    left = size
+    for s in slots:
+        n = min(slot_bytes, left)
+        if n <= 0:
+            break
+        off = s * slot_bytes
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+        left -= n
+    return out
+
+
+def ops_for(local_addr: int, slots, size: int, slot_bytes: int, out: list) -> None:
+    """Appends ``(local addr, arena offset, length)`` copies between a contiguous local
+    buffer at ``local_addr`` and a value of ``size`` bytes in ``slots`` (adjacent slots merge)."""
+    pos = 0
+    run_local = run_off = run_n = 0
+    for s in slots:
+        n = size - pos
+        if n <= 0:
+            break
+        if n > slot_bytes:
+            n = slot_bytes
+        off = s * slot_bytes
+        if run_n and run_off + run_n == off:
+            run_n += n
+        else:
+            if run_n:
+                out.append((run_local, run_off, run_n))
+            run_local, run_off, run_n = local_addr + pos, off, n
+        pos += n
+    if run_n:
+        out.append((run_local, run_off, run_n))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A read lease or a write reservation as the client holds it."""
+
+    lease_id: int
+    """0 when no key was granted (nothing to release or commit)."""
+    expires_at: float
+    """``time.monotonic()`` by which the node may sweep it (measured from the request's send)."""
+    arena: str
+    items: tuple[SlotDescriptor, ...]
+    message: str = ""
+
+    @classmethod
+    def from_pb(cls, r, sent_at: float) -> Grant:
+        items = tuple(
+            SlotDescriptor(d.index, ItemStatus(d.status), d.size, Tier(d.tier) if d.tier else None,
+                           tuple(d.slots), tuple(d.generations))
+            for d in r.items)
+        return cls(r.lease_id, sent_at + r.expires_in_s, r.arena, items, getattr(r, "message", ""))
+
+
+def descriptor_pb(index: int, status: ItemStatus, size: int = 0, tier: Tier | None = None,
+                  slots=(), generations=()) -> pb.SlotDescriptor:
+    return pb.SlotDescriptor(index=index, status=int(status), size=size,
+                             tier=int(tier) if tier is not None else 0,
+                             slots=slots, generations=generations)

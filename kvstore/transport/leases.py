@@ -1,0 +1,313 @@
+"""The node's remote leases: read leases and write reservations handed to clients.
+
+A one-sided client (shm, rdma) copies bytes without the node's involvement, so
+the node cannot know when it is done or whether it died. Every grant therefore
+has a deadline, ``lease_ttl_s`` after it is made, and a sweeper thread ends
+what passes it:
+
+- An expired **read lease** releases its store leases at once (its slots may
+  then be freed and reused). Its ``release`` fails with FAILED_PRECONDITION.
+- An expired **write reservation** can no longer commit; its slots stay
+  reserved (quarantined) for one more TTL and only then return to the free
+  list, so a writer that was mid-copy at the deadline has a whole extra TTL to
+  stop before its slots can belong to anyone else.
+
+The read guarantee, precisely: ``release`` succeeds only if the lease was in
+this table and its deadline had not passed when the release was processed.
+The table, the sweeper and ``release`` serialise on one lock, and a store
+lease keeps its slots allocated and unchanged (never evicted, moved or freed)
+until it is released; so a successful release proves that the slots held the
+granted value, whole, for the whole time between the grant and the client's
+release call, in particular while the client was copying (the client copies
+before it sends the release). A failed release says nothing about the copied
+bytes: they may be torn or another key's, and the client reports the keys as
+misses. As a second check, release and commit compare every slot's generation
+(it grows on each free) with the one granted.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from kvstore.store import Lease, Reservation, Tier, TieredStore, check_key
+from kvstore.transport.descriptors import ItemStatus, Mover, SlotDescriptor
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 1 << 16
+"""Most keys in one grant."""
+
+
+@dataclass(slots=True, eq=False)
+class _Grant:
+    lease_id: int
+    mover: Mover
+    expires_at: float
+    slots: list[list[int]]
+    generations: list[list[int]]
+    nbytes: int
+    leases: list[Lease] | None = None  # reads
+    reservations: list[Reservation] | None = None  # writes
+
+
+@dataclass(frozen=True, slots=True)
+class GrantResult:
+    """What the node hands out: the id (0 when nothing was granted), its TTL, one descriptor per key."""
+
+    lease_id: int
+    ttl_s: float
+    items: list[SlotDescriptor]
+    message: str = ""
+
+
+class LeaseTable:
+    """Remote read leases and write reservations with deadlines. Thread-safe.
+
+    Args:
+        store: the node's store (grants are of its DRAM arena).
+        ttl_s: lifetime of every grant.
+        on_done: ``callback(mover, "read" | "write", nbytes)`` after a successful
+            release or commit (mover statistics).
+    """
+
+    def __init__(self, store: TieredStore, ttl_s: float,
+                 on_done: Callable[[Mover, str, int], None] | None = None) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._reads: dict[int, _Grant] = {}
+        self._writes: dict[int, _Grant] = {}
+        self._quarantine: deque[tuple[float, _Grant]] = deque()
+        self.num_expired_reads = 0
+        self.num_expired_writes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- reads ----------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[bytes], mover: Mover) -> GrantResult:
+        """Leases each present DRAM value in place; other keys get NOT_FOUND or ELSEWHERE."""
+        _check_batch(keys)
+        for k in keys:
+            check_key(k)
+        gen = self.store.dram.generation
+        items: list[SlotDescriptor] = []
+        g = _Grant(0, mover, 0.0, [], [], 0, leases=[])
+        got = self.store.acquire_in_place([bytes(k) for k in keys])
+        try:
+            for i, hit in enumerate(got):
+                if hit is None:
+                    items.append(SlotDescriptor(i, ItemStatus.NOT_FOUND, 0, None))
+                    continue
+                lease, slots = hit
+                if slots is None:
+                    self.store.release(lease)
+                    items.append(SlotDescriptor(i, ItemStatus.ELSEWHERE, lease.size, lease.tier))
+                    continue
+                gens = [gen[s] for s in slots]  # stable: leased slots are never freed
+                g.leases.append(lease)
+                g.slots.append(slots)
+                g.generations.append(gens)
+                g.nbytes += lease.size
+                items.append(SlotDescriptor(i, ItemStatus.OK, lease.size, Tier.DRAM, tuple(slots), tuple(gens)))
+        except BaseException:
+            for hit in got:
+                if hit is not None:
+                    self.store.release(hit[0])  # idempotent
+            raise
+        if not g.leases:
+            return GrantResult(0, self.ttl_s, items)
+        self._register(self._reads, g)
+        return GrantResult(g.lease_id, self.ttl_s, items)
+
+    def release(self, lease_id: int) -> tuple[int, int]:
+        """Ends a read lease; returns (values, bytes).
+
+        Raises:
+            FailedPreconditionError: the lease expired (or never existed): the
+                bytes the client copied cannot be trusted.
+        """
+        with self._lock:
+            g = self._reads.pop(lease_id, None)
+            if g is None:
+                raise FailedPreconditionError(
+                    f"read lease {lease_id:#x} expired or unknown: treat its keys as misses")
+            expired = time.monotonic() > g.expires_at
+            stale = not self._generations_match(g)
+            for lease in g.leases:
+                self.store.release(lease)
+            if expired:
+                self.num_expired_reads += 1
+                raise FailedPreconditionError(
+                    f"read lease {lease_id:#x} expired before its release: treat its keys as misses")
+            if stale:
+                raise FailedPreconditionError(
+                    f"read lease {lease_id:#x}: a slot was reused (stale generation): treat its keys as misses")
+        if self._on_done is not None:
+            self._on_done(g.mover, "read", g.nbytes)
+        return len(g.leases), g.nbytes
+
+    # ---- writes ---------------------------------------------------------------
+
+    def reserve(self, values: Sequence[tuple[bytes, int]], mover: Mover) -> GrantResult:
+        """Reserves DRAM slots per value; a value the arena cannot take now is EXHAUSTED.
+
+        Raises:
+            InvalidArgumentError: a bad key or size (nothing is reserved).
+        """
+        _check_batch(values)
+        limit = self.store.config.max_value_size
+        for k, size in values:
+            check_key(k)
+            if not 0 <= size <= limit:
+                raise InvalidArgumentError(f"value of {size} bytes exceeds the limit of {limit}")
+        gen = self.store.dram.generation
+        items: list[SlotDescriptor] = []
+        msg = ""
+        g = _Grant(0, mover, 0.0, [], [], 0, reservations=[])
+        try:
+            for i, (key, size) in enumerate(values):
+                try:
+                    res = self.store.reserve(key, size, tier=Tier.DRAM)
+                except ResourceExhaustedError as exc:
+                    items.append(SlotDescriptor(i, ItemStatus.EXHAUSTED, size, None))
+                    msg = msg or str(exc)
+                    continue
+                gens = [gen[s] for s in res.slots]
+                g.reservations.append(res)
+                g.slots.append(res.slots)
+                g.generations.append(gens)
+                g.nbytes += size
+                items.append(SlotDescriptor(i, ItemStatus.OK, size, Tier.DRAM, tuple(res.slots), tuple(gens)))
+        except BaseException:
+            for r in g.reservations:
+                self.store.abort(r)
+            raise
+        if not g.reservations:
+            return GrantResult(0, self.ttl_s, items, msg)
+        self._register(self._writes, g)
+        return GrantResult(g.lease_id, self.ttl_s, items, msg)
+
+    def commit(self, lease_id: int) -> tuple[int, int]:
+        """Makes a reservation's values visible, whole; returns (values, bytes).
+
+        Raises:
+            FailedPreconditionError: the reservation expired, is unknown, or was
+                already committed or aborted; nothing of it becomes visible.
+        """
+        with self._lock:
+            g = self._writes.pop(lease_id, None)
+            if g is None:
+                raise FailedPreconditionError(
+                    f"write reservation {lease_id:#x} expired, unknown or already ended: nothing was stored")
+            if time.monotonic() > g.expires_at:
+                self.num_expired_writes += 1
+                self._quarantine.append((time.monotonic() + self.ttl_s, g))
+                raise FailedPreconditionError(
+                    f"write reservation {lease_id:#x} expired before its commit: nothing was stored")
+            if not self._generations_match(g):
+                for r in g.reservations:
+                    self.store.abort(r)
+                raise FailedPreconditionError(
+                    f"write reservation {lease_id:#x}: a slot was reused (stale generation): nothing was stored")
+            self.store.commit_many(g.reservations)
+        if self._on_done is not None:
+            self._on_done(g.mover, "write", g.nbytes)
+        return len(g.reservations), g.nbytes
+
+    def abort(self, lease_id: int) -> int:
+        """Returns a live reservation's slots at once; idempotent. Returns the values aborted."""
+        with self._lock:
+            g = self._writes.pop(lease_id, None)
+            if g is None:
+                return 0
+            for r in g.reservations:
+                self.store.abort(r)
+            return len(g.reservations)
+
+    # ---- expiry -----------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Ends every grant past its deadline, and returns quarantined slots whose time came."""
+        now = time.monotonic()
+        with self._lock:
+            for lease_id in [i for i, g in self._reads.items() if now > g.expires_at]:
+                g = self._reads.pop(lease_id)
+                for lease in g.leases:
+                    self.store.release(lease)
+                self.num_expired_reads += 1
+                log.info("read lease %#x expired (%d values)", lease_id, len(g.leases))
+            for lease_id in [i for i, g in self._writes.items() if now > g.expires_at]:
+                g = self._writes.pop(lease_id)
+                self._quarantine.append((now + self.ttl_s, g))
+                self.num_expired_writes += 1
+                log.info("write reservation %#x expired (%d values)", lease_id, len(g.reservations))
+            while self._quarantine and self._quarantine[0][0] <= now:
+                _, g = self._quarantine.popleft()
+                for r in g.reservations:
+                    self.store.abort(r)
+
+    def start(self) -> LeaseTable:
+        self._thread = threading.Thread(target=self._run, name="lease-sweeper", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the sweeper and ends every grant (reads released, reservations aborted)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for g in self._reads.values():
+                for lease in g.leases:
+                    self.store.release(lease)
+            for g in [*self._writes.values(), *(g for _, g in self._quarantine)]:
+                for r in g.reservations:
+                    self.store.abort(r)
+            self._reads.clear()
+            self._writes.clear()
+            self._quarantine.clear()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"num_remote_leases": len(self._reads), "num_remote_reservations": len(self._writes),
+                    "num_quarantined": len(self._quarantine),
+                    "num_expired_leases": self.num_expired_reads,
+                    "num_expired_reservations": self.num_expired_writes}
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval = min(1.0, max(0.01, self.ttl_s / 4))
+        while not self._stop.wait(interval):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - the sweeper must outlive one bad sweep
+                log.exception("lease sweep failed")
+
+    def _register(self, table: dict[int, _Grant], g: _Grant) -> None:
+        with self._lock:
+            lease_id = secrets.randbits(63) | 1
+            while lease_id in self._reads or lease_id in self._writes:
+                lease_id = secrets.randbits(63) | 1
+            g.lease_id = lease_id
+            g.expires_at = time.monotonic() + self.ttl_s
+            table[lease_id] = g
+
+    def _generations_match(self, g: _Grant) -> bool:
+        gen = self.store.dram.generation
+        return all(gen[s] == want for slots, gens in zip(g.slots, g.generations)
+                   for s, want in zip(slots, gens))
+
+
+def _check_batch(items: Sequence) -> None:
+    if len(items) > MAX_KEYS:
+        raise InvalidArgumentError(f"a batch of {len(items)} keys exceeds the limit of {MAX_KEYS}")

@@ -1,0 +1,222 @@
+"""The node's side of the descriptor protocol: gRPC handlers, mover statistics, metrics.
+
+``NodeTransport`` bundles what a node needs to serve one-sided movers (the
+lease table and its sweeper, the RDMA endpoint when there is one, per-mover
+counters); ``DescriptorRpcs`` is a mixin of the ``KVStore`` servicer that
+serves the descriptor RPCs from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.config import StoreConfig
+from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError
+from kvstore.store import TieredStore
+from kvstore.transport.descriptors import Mover, descriptor_pb
+from kvstore.transport.identity import host_identity
+from kvstore.transport.leases import GrantResult, LeaseTable
+from proto.crescent.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_OFFER = {"auto": (Mover.SHM, Mover.RDMA), "shm": (Mover.SHM,), "rdma": (Mover.RDMA,), "tcp": ()}
+
+
+class NodeTransport:
+    """What a node needs to serve one-sided movers, and every mover's use counts.
+
+    Args:
+        config: the node's config (``transport``, ``lease_ttl_s``, ``data_port``).
+        store: the node's store; its DRAM arena is what clients map or RDMA into.
+        metrics: the node's ``StoreMetrics`` (a collector for mover metrics is added).
+    """
+
+    def __init__(self, config: StoreConfig, store: TieredStore, metrics=None) -> None:
+        self.config = config
+        self.store = store
+        self.leases = LeaseTable(store, config.lease_ttl_s, on_done=self.count)
+        self._lock = threading.Lock()
+        self._counts = {m: [0, 0, 0, 0] for m in Mover}  # reads, writes, bytes read, bytes written
+        self.rdma = None
+        self.rdma_reason = "not offered (--transport)"
+        if Mover.RDMA in _OFFER[config.transport]:
+            from kvstore.transport import rdma
+
+            try:
+                self.rdma = rdma.NodeEndpoint(store.dram)
+                self.rdma_reason = ""
+            except rdma.RdmaUnavailableError as exc:
+                self.rdma_reason = str(exc)
+                if config.transport == "rdma":
+                    log.warning("--transport rdma: %s; serving tcp only", exc)
+        self.offered = [m for m in _OFFER[config.transport] if m is not Mover.RDMA or self.rdma is not None]
+        if config.data_port >= 0:
+            self.offered.append(Mover.TCP)
+        self.offered.append(Mover.GRPC)
+        st = os.stat(store.dram.path)
+        self.arena = pb.ArenaInfo(name=store.dram.name, size=store.dram.capacity_bytes,
+                                  slot_bytes=store.dram.slot_bytes, file_dev=st.st_dev, file_ino=st.st_ino,
+                                  rdma_addr=self.rdma.addr if self.rdma else 0,
+                                  rdma_rkey=self.rdma.rkey if self.rdma else 0)
+        if metrics is not None:
+            metrics.registry.register(MoverCollector(self))
+
+    def start(self) -> None:
+        self.leases.start()
+
+    def stop(self) -> None:
+        self.leases.stop()
+        if self.rdma is not None:
+            self.rdma.close()
+
+    def count(self, mover: Mover, op: str, nbytes: int | None = None) -> None:
+        """Counts one batch moved by ``mover`` (``op`` is ``read`` or ``write``)."""
+        with self._lock:
+            c = self._counts[mover]
+            c[0 if op == "read" else 1] += 1
+            c[2 if op == "read" else 3] += nbytes or 0
+
+    def mover_counts(self) -> dict[Mover, list[int]]:
+        with self._lock:
+            return {m: list(c) for m, c in self._counts.items()}
+
+    def stats_fields(self) -> dict:
+        """Fields of ``StatsResponse`` about movers and remote leases."""
+        s = self.leases.stats()
+        movers = [pb.MoverStats(mover=m.pb, num_reads=c[0], num_writes=c[1], bytes_read=c[2],
+                                bytes_written=c[3]) for m, c in self.mover_counts().items()]
+        return {"movers": movers, "transport": self.config.transport,
+                "num_remote_leases": s["num_remote_leases"],
+                "num_remote_reservations": s["num_remote_reservations"],
+                "num_expired_leases": s["num_expired_leases"],
+                "num_expired_reservations": s["num_expired_reservations"]}
+
+    def check_mover(self, value: int) -> Mover:
+        try:
+            mover = Mover.from_pb(value) if value else Mover.SHM
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if not mover.one_sided:
+            raise InvalidArgumentError(f"descriptors are for shm and rdma, not {mover.value}")
+        if mover not in self.offered:
+            raise FailedPreconditionError(
+                f"this node does not offer {mover.value} (--transport {self.config.transport}"
+                + (f"; rdma: {self.rdma_reason}" if mover is Mover.RDMA and self.rdma_reason else "") + ")")
+        return mover
+
+
+class MoverCollector:
+    """Mover and remote-lease metrics, read at scrape time."""
+
+    def __init__(self, transport: NodeTransport) -> None:
+        self.transport = transport
+
+    def collect(self):
+        ops = CounterMetricFamily("crescent_store_mover_ops", "Batches moved, by mover and direction",
+                                  labels=["mover", "op"])
+        nbytes = CounterMetricFamily("crescent_store_mover_bytes",
+                                     "Value bytes moved, by mover and direction (not counted for tcp)",
+                                     labels=["mover", "op"])
+        for m, c in self.transport.mover_counts().items():
+            ops.add_metric([m.value, "read"], c[0])
+            ops.add_metric([m.value, "write"], c[1])
+            nbytes.add_metric([m.value, "read"], c[2])
+            nbytes.add_metric([m.value, "write"], c[3])
+        s = self.transport.leases.stats()
+        yield ops
+        yield nbytes
+        yield GaugeMetricFamily("crescent_store_remote_leases", "Read leases held by clients",
+                                value=s["num_remote_leases"])
+        yield GaugeMetricFamily("crescent_store_remote_reservations", "Write reservations held by clients",
+                                value=s["num_remote_reservations"])
+        expired = CounterMetricFamily("crescent_store_expired_grants",
+                                      "Leases and reservations that expired unreleased", labels=["kind"])
+        expired.add_metric(["lease"], s["num_expired_leases"])
+        expired.add_metric(["reservation"], s["num_expired_reservations"])
+        yield expired
+
+
+def _rpc(op: str):
+    """Maps CrescentError to its gRPC status and times the call (path = the mover)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, request, context):
+            t0 = time.perf_counter()
+            path = "grpc"
+            try:
+                result, path = fn(self, request, context)
+                return result
+            except CrescentError as exc:
+                context.abort(exc.grpc_code, str(exc))
+            finally:
+                self.metrics.observe(op, time.perf_counter() - t0, path)
+
+        return inner
+
+    return wrap
+
+
+def _grant_pb(cls, g: GrantResult, arena: str):
+    items = [descriptor_pb(d.index, d.status, d.size, d.tier, d.slots, d.generations) for d in g.items]
+    kw = {"message": g.message} if cls is pb.ReserveWriteResponse else {}
+    return cls(lease_id=g.lease_id, expires_in_s=g.ttl_s, arena=arena, items=items, **kw)
+
+
+class DescriptorRpcs:
+    """The descriptor RPCs of ``KVStore``; mixed into the servicer (needs ``self.node``, ``self.metrics``)."""
+
+    @_rpc("transports")
+    def Transports(self, request, context):
+        t = self.node.transport
+        ident = host_identity()
+        r = t.rdma
+        return pb.TransportsResponse(
+            host=pb.HostIdentity(hostname=ident.hostname, boot_id=ident.boot_id), arena=t.arena,
+            offered=[m.pb for m in t.offered], lease_ttl_s=t.config.lease_ttl_s,
+            rdma=pb.RdmaEndpoint(available=r is not None, reason=t.rdma_reason,
+                                 device=r.device if r else "", port=r.port if r else 0)), "grpc"
+
+    @_rpc("acquire_read")
+    def AcquireRead(self, request, context):
+        t = self.node.transport
+        mover = t.check_mover(request.mover)
+        g = t.leases.acquire(list(request.keys), mover)
+        return _grant_pb(pb.AcquireReadResponse, g, t.arena.name), mover.value
+
+    @_rpc("release_read")
+    def ReleaseRead(self, request, context):
+        n, nbytes = self.node.transport.leases.release(request.lease_id)
+        return pb.ReleaseReadResponse(num_values=n, num_bytes=nbytes), "grpc"
+
+    @_rpc("reserve_write")
+    def ReserveWrite(self, request, context):
+        t = self.node.transport
+        mover = t.check_mover(request.mover)
+        g = t.leases.reserve([(v.key, v.size) for v in request.values], mover)
+        return _grant_pb(pb.ReserveWriteResponse, g, t.arena.name), mover.value
+
+    @_rpc("commit_write")
+    def CommitWrite(self, request, context):
+        n, nbytes = self.node.transport.leases.commit(request.lease_id)
+        return pb.CommitWriteResponse(num_stored=n, num_bytes=nbytes), "grpc"
+
+    @_rpc("abort_write")
+    def AbortWrite(self, request, context):
+        return pb.AbortWriteResponse(num_aborted=self.node.transport.leases.abort(request.lease_id)), "grpc"
+
+    @_rpc("connect_rdma")
+    def ConnectRdma(self, request, context):
+        t = self.node.transport
+        if t.rdma is None:
+            raise FailedPreconditionError(f"this node has no RDMA endpoint: {t.rdma_reason}")
+        info = t.rdma.connect(request.gid, request.lid, request.qp_num, request.psn)
+        return pb.RdmaConnectResponse(gid=info.gid, lid=info.lid, qp_num=info.qp_num, psn=info.psn,
+                                      addr=t.rdma.addr, rkey=t.rdma.rkey), "rdma"

@@ -1,0 +1,85 @@
+"""The ``shm`` mover: a same-host client maps the node's DRAM arena and copies slots itself.
+
+The arena is one file under /dev/shm (kvstore/arena.py). The client opens it
+read-write, checks that it is the node's very file (device and inode from
+``KVStore.Transports``; a container with its own /dev/shm sees another file or
+none) and maps it shared. Copies are plain memmoves between the caller's
+buffers and the mapping, several threads for large batches.
+
+The client trusts the descriptors' bounds only after checking them against the
+arena's size: a bad descriptor fails the call, it never touches memory outside
+the mapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+from kvstore.arena import SHM_DIR
+from kvstore.errors import DataLossError, FailedPreconditionError
+from kvstore.transport.descriptors import ArenaRef, Mover
+from kvstore.transport.memcopy import DEFAULT_THREADS, CopyEngine, Op, buffer_address
+
+
+class ShmUnavailableError(FailedPreconditionError):
+    """The node's arena file cannot be mapped here (the message says why)."""
+
+
+class ShmMover:
+    """Copies between local memory and a node's mapped arena.
+
+    Args:
+        arena: the node's arena (from ``Transports``).
+        threads: copy threads for large batches (the caller's thread included).
+
+    Raises:
+        ShmUnavailableError: the file is missing, not readable and writable by
+            this user, not the node's file, or smaller than announced.
+    """
+
+    mover = Mover.SHM
+
+    def __init__(self, arena: ArenaRef, threads: int = DEFAULT_THREADS) -> None:
+        if "/" in arena.name or not arena.name:
+            raise ShmUnavailableError(f"bad arena name {arena.name!r}")
+        path = os.path.join(SHM_DIR, arena.name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ShmUnavailableError(f"cannot open the node's arena {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (arena.file_dev, arena.file_ino):
+                raise ShmUnavailableError(f"{path} is not the node's arena file (another /dev/shm?)")
+            if st.st_size < arena.size:
+                raise ShmUnavailableError(f"{path} holds {st.st_size} bytes, not {arena.size}")
+            self._mmap = mmap.mmap(fd, arena.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.arena = arena
+        self.base = buffer_address(self._mmap)
+        self._engine = CopyEngine(threads)
+
+    def read(self, ops: Sequence[Op], buffers=()) -> None:
+        """Copies arena bytes to local memory: ``ops`` are ``(local addr, arena offset, length)``."""
+        self._check(ops)
+        base = self.base
+        self._engine.run([(local, base + off, n) for local, off, n in ops])
+
+    def write(self, ops: Sequence[Op], buffers=()) -> None:
+        """Copies local bytes into the arena: ``ops`` are ``(local addr, arena offset, length)``."""
+        self._check(ops)
+        base = self.base
+        self._engine.run([(base + off, local, n) for local, off, n in ops])
+
+    def close(self) -> None:
+        self._engine.close()
+        self._mmap.close()
+
+    def _check(self, ops: Sequence[Op]) -> None:
+        size = self.arena.size
+        for _, off, n in ops:
+            if off < 0 or n < 0 or off + n > size:
+                raise DataLossError(f"descriptor outside the arena: offset {off} + {n} > {size}")

@@ -1,0 +1,70 @@
+"""GlobalIndex and HotTracker, exactly."""
+
+import pytest
+
+from kvstore.conductor.index import GlobalIndex, HotTracker
+from kvstore.store import Tier
+
+D, K = Tier.DRAM, Tier.DISK
+
+
+def test_stored_moved_removed_and_counts():
+    ix = GlobalIndex()
+    ix.stored("a", b"k1", D)
+    ix.stored("b", b"k1", D)
+    ix.stored("a", b"k1", K)  # moved: still one copy on a
+    ix.stored("a", b"k2", D)
+    assert ix.holders(b"k1") == {"a": K, "b": D}
+    assert (ix.num_chunks(), ix.num_copies, ix.num_chunks("a"), ix.num_chunks("b")) == (2, 3, 2, 1)
+    assert ix.removed("b", b"k1")
+    assert not ix.removed("b", b"k1")
+    assert not ix.removed("zz", b"k9")
+    assert ix.holders(b"k1") == {"a": K}
+    assert ix.num_copies == 2
+
+
+def test_drop_node_removes_only_its_copies():
+    ix = GlobalIndex()
+    for k in (b"1", b"2", b"3"):
+        ix.stored("a", k, D)
+    ix.stored("b", b"2", D)
+    assert ix.drop_node("a") == 3
+    assert ix.holders(b"1") == {} and ix.holders(b"2") == {"b": D}
+    assert (ix.num_chunks(), ix.num_copies) == (1, 1)
+    assert ix.drop_node("a") == 0
+
+
+def test_match_and_node_prefixes():
+    ix = GlobalIndex()
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    for k in keys[:3]:
+        ix.stored("a", k, D)
+    ix.stored("b", b"k0", D)
+    ix.stored("b", b"k2", D)
+    ix.stored("c", b"k1", D)
+    m = ix.match(keys)
+    assert m.num_global == 3
+    assert m.local_prefix("a") == 3 and m.local_prefix("b") == 1 and m.local_prefix("c") == 0
+    assert ix.node_prefixes(keys) == {"a": 3, "b": 1}
+    assert ix.node_prefixes([]) == {}
+    assert ix.match([b"nope", b"k0"]).num_global == 0
+
+
+def test_hot_tracker_decays_by_half_life():
+    h = HotTracker(half_life_s=10.0)
+    h.touch([b"x", b"y"], now=0.0)
+    h.touch([b"x"], now=0.0)
+    assert h.count(b"x", 0.0) == pytest.approx(2.0)
+    assert h.count(b"x", 10.0) == pytest.approx(1.0)
+    assert h.count(b"y", 20.0) == pytest.approx(0.25)
+    assert h.count(b"z", 5.0) == 0.0
+    h.touch([b"x"], now=10.0)
+    assert h.count(b"x", 10.0) == pytest.approx(2.0)
+
+
+def test_hot_tracker_prunes_cold_keys():
+    h = HotTracker(half_life_s=1.0, max_entries=4)
+    h.touch([1, 2, 3, 4], now=0.0)
+    h.touch([5], now=100.0)  # 1..4 are cold by now
+    assert h.count(5, 100.0) == pytest.approx(1.0)
+    assert len(h._counts) == 1

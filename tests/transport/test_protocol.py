@@ -1,0 +1,208 @@
+"""The descriptor protocol: grants, expiry, reuse, and every bad request, on a real node."""
+
+import math
+import os
+
+import grpc
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.config import StoreConfig
+from kvstore.errors import FailedPreconditionError
+from kvstore.store import Tier
+from kvstore.transport.descriptors import ItemStatus
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.helpers import wait_for
+
+SLOT = 64 << 10
+
+
+def _stub(node):
+    ch = grpc.insecure_channel(node.address)
+    return ch, pb_grpc.KVStoreStub(ch)
+
+
+def _code(fn):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def _dram_used(node):
+    return node.store.stats()["tiers"][Tier.DRAM]["used_bytes"]
+
+
+def test_bad_requests_get_precise_statuses(make_node):
+    node = make_node()
+    ch, s = _stub(node)
+    code, _ = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b""]), timeout=30))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    code, _ = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k" * 1025]), timeout=30))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    code, msg = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_TCP), timeout=30))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "shm and rdma" in msg
+    code, _ = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=99), timeout=30))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    code, msg = _code(lambda: s.ReleaseRead(pb.LeaseRequest(lease_id=12345), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "expired or unknown" in msg
+    code, _ = _code(lambda: s.CommitWrite(pb.LeaseRequest(lease_id=12345), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
+    assert s.AbortWrite(pb.LeaseRequest(lease_id=12345), timeout=30).num_aborted == 0
+    code, msg = _code(lambda: s.ReserveWrite(pb.ReserveWriteRequest(
+        values=[pb.ValueHeader(key=b"k", size=1 << 40)]), timeout=30))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in msg
+    code, msg = _code(lambda: s.ConnectRdma(pb.RdmaConnectRequest(), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "RDMA" in msg
+    # nothing was left behind by the refused requests
+    assert node.transport.leases.stats()["num_remote_reservations"] == 0 and _dram_used(node) == 0
+    tcp_only = make_node(transport="tcp")
+    ch2, s2 = _stub(tcp_only)
+    code, msg = _code(lambda: s2.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_SHM), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "--transport tcp" in msg
+    ch.close()
+    ch2.close()
+
+
+def test_lease_ttl_is_validated():
+    for bad in (0.0, -1.0, math.nan, 1e9):
+        with pytest.raises(ValueError, match="--lease-ttl-s"):
+            StoreConfig(lease_ttl_s=bad)
+    with pytest.raises(ValueError, match="--transport"):
+        StoreConfig(transport="smoke-signals")
+
+
+def test_reservation_is_invisible_until_commit_and_commits_once(make_node, mover):
+    node = make_node()
+    c = StoreClient(node.address, transport=mover)
+    session = c.descriptor_session()
+    value = os.urandom(3 * SLOT + 5)
+    grant = session.reserve([(b"w", len(value)), (b"w2", 10)])
+    assert [d.status for d in grant.items] == [ItemStatus.OK, ItemStatus.OK]
+    session.write(grant.items[0], value)
+    session.write(grant.items[1], b"0123456789")
+    assert c.exists([b"w", b"w2"]) == [False, False]
+    session.commit(grant.lease_id)
+    assert c.get(b"w") == value and c.get(b"w2") == b"0123456789"
+    with pytest.raises(FailedPreconditionError):
+        session.commit(grant.lease_id)
+    grant = session.reserve([(b"gone", 100)])
+    assert session.abort(grant.lease_id) == 1
+    assert c.exists([b"gone"]) == [False]
+    assert c.stats()["num_remote_reservations"] == 0
+    c.close()
+
+
+def test_expired_lease_fails_release_even_after_the_slots_hold_another_key(make_node, mover):
+    node = make_node(dram=1 << 20, lease_ttl_s=0.3)  # 16 slots, no disk: eviction drops
+    c = StoreClient(node.address, transport=mover)
+    session = c.descriptor_session()
+    mine = os.urandom(4 * SLOT)
+    c.put(b"mine", mine)
+    grant = session.acquire([b"mine"])
+    wait_for(lambda: node.transport.leases.stats()["num_expired_leases"] == 1, what="the lease to expire")
+    assert c.stats()["num_remote_leases"] == 0
+    c.delete([b"mine"])  # the expired lease no longer holds the slots: they are free...
+    fill = {b"other%d" % i: bytes([i + 1]) * (4 * SLOT) for i in range(3)}
+    c.batch_put(list(fill.items()))  # ...and reused by other keys
+    buf = bytearray(len(mine))
+    session.read(grant.items[0], buf)  # a slow reader copies only now: foreign bytes
+    assert bytes(buf) != mine
+    with pytest.raises(FailedPreconditionError, match="expired"):
+        session.release(grant.lease_id)  # so the read is invalid: the caller sees a miss
+    assert c.batch_get_into([b"mine"], [buf]) == [None]
+    c.close()
+
+
+def test_get_reports_a_miss_when_its_lease_expired_during_the_copy(make_node):
+    node = make_node(lease_ttl_s=0.2)
+    c = StoreClient(node.address)
+    c.put(b"k", os.urandom(SLOT))
+    session = c.descriptor_session()
+    slow = session._handle.mover.read
+
+    def read_slowly(ops, bufs):
+        wait_for(lambda: node.transport.leases.stats()["num_expired_leases"] >= 1, what="expiry")
+        slow(ops, bufs)
+
+    session._handle.mover.read = read_slowly  # a stalled copier (the real mover, delayed)
+    assert c.batch_get_into([b"k"], [bytearray(SLOT)]) == [None]
+    assert session.num_invalid_reads == 1
+    session._handle.mover.read = slow
+    assert c.batch_get_into([b"k"], [bytearray(SLOT)]) == [SLOT]
+    c.close()
+
+
+def test_expired_reservation_cannot_commit_and_its_slots_return_after_quarantine(make_node, mover):
+    node = make_node(lease_ttl_s=0.3)
+    c = StoreClient(node.address, transport=mover)
+    session = c.descriptor_session()
+    grant = session.reserve([(b"late", 2 * SLOT)])
+    assert _dram_used(node) == 2 * SLOT
+    wait_for(lambda: node.transport.leases.stats()["num_expired_reservations"] == 1, what="expiry")
+    assert _dram_used(node) == 2 * SLOT  # quarantined: a stalled writer may still be copying
+    with pytest.raises(FailedPreconditionError):
+        session.commit(grant.lease_id)
+    wait_for(lambda: _dram_used(node) == 0, what="the quarantined slots to return")
+    assert c.exists([b"late"]) == [False]
+    c.close()
+
+
+def test_put_whose_reservation_expires_is_stored_another_way(make_node):
+    node = make_node(lease_ttl_s=0.2)
+    c = StoreClient(node.address)
+    session = c.descriptor_session()
+    slow = session._handle.mover.write
+
+    def write_late(ops, bufs):
+        wait_for(lambda: node.transport.leases.stats()["num_expired_reservations"] >= 1, what="expiry")
+        slow(ops, bufs)
+
+    session._handle.mover.write = write_late
+    value = os.urandom(SLOT + 1)
+    assert c.batch_put([(b"k", value)]) == [True]  # the commit failed; the TCP path stored it
+    assert c.get(b"k") == value
+    assert c.stats()["movers"]["tcp"]["num_writes"] == 1
+    c.close()
+
+
+def test_stopping_the_node_ends_every_grant(make_node):
+    node = make_node()
+    c = StoreClient(node.address)
+    c.put(b"k", b"v")
+    session = c.descriptor_session()
+    session.acquire([b"k"])
+    session.reserve([(b"w", 100)])
+    assert node.transport.leases.stats()["num_remote_leases"] == 1
+    c.close()
+    node.stop(grace=0)
+    assert node.transport.leases.stats() == {"num_remote_leases": 0, "num_remote_reservations": 0,
+                                             "num_quarantined": 0, "num_expired_leases": 0,
+                                             "num_expired_reservations": 0}
+
+
+def test_store_acquire_in_place(tmp_path):
+    from kvstore.store import TieredStore
+
+    store = TieredStore(StoreConfig(dram=4 * SLOT, disk=str(tmp_path / "d"), disk_size=1 << 26,
+                                    high_watermark=1.0, low_watermark=0.5, promote=False))
+    try:
+        store.put(b"old", b"o" * SLOT)
+        store.put(b"a", b"a" * (2 * SLOT))
+        store.pin([b"a"], 600)
+        store.put(b"b", b"b" * (2 * SLOT))  # demotes "old" (the only unpinned value) to disk
+        assert store.tier_of(b"old") is Tier.DISK
+        got = store.acquire_in_place([b"a", b"nope", b"old"])
+        (lease_a, slots_a), missing, (lease_old, slots_old) = got
+        assert missing is None and len(slots_a) == 2 and slots_old is None
+        assert lease_old.tier is Tier.DISK and lease_old.size == SLOT
+        assert bytes(store.dram.buf[slots_a[0] * SLOT: slots_a[0] * SLOT + 3]) == b"aaa"
+        store.delete([b"a"])
+        assert store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 4 * SLOT  # leased: kept
+        for lease in (lease_a, lease_old):
+            store.release(lease)
+        assert store.stats()["num_leases"] == 0
+        assert store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 2 * SLOT
+        assert store.stats()["misses"] == 1
+    finally:
+        store.close()

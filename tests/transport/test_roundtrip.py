@@ -1,0 +1,170 @@
+"""One-sided movers end to end on a real node: round trips, fallbacks, the choice and its visibility."""
+
+import os
+import socket
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.client import StoreClient
+from kvstore.errors import InvalidArgumentError
+from kvstore.store import Tier
+from kvstore.transport.descriptors import ArenaRef
+from kvstore.transport.rdma import probe
+from kvstore.transport.shm import ShmMover, ShmUnavailableError
+
+MiB = 1 << 20
+SLOT = 64 << 10
+
+
+@pytest.fixture
+def node(make_node):
+    return make_node()
+
+
+@pytest.fixture
+def client(node, mover):
+    c = StoreClient(node.address, transport=mover)
+    assert c.transport == mover, c.transport_notes
+    yield c
+    c.close()
+
+
+def test_round_trip_sizes(client, node):
+    sizes = [0, 1, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 7, 9 * MiB + 3]
+    vals = {b"v%d" % i: os.urandom(n) for i, n in enumerate(sizes)}
+    assert client.batch_put(list(vals.items())) == [True] * len(vals)
+    assert all(node.store.tier_of(k) is Tier.DRAM for k in vals)
+    got = client.batch_get(list(vals) + [b"missing"])
+    assert [bytes(g) for g in got[:-1]] == list(vals.values()) and got[-1] is None
+    bufs = [bytearray(10 * MiB) for _ in vals]
+    assert client.batch_get_into(list(vals), bufs) == sizes
+    assert all(bytes(b[:n]) == v for b, n, v in zip(bufs, sizes, vals.values()))
+    assert client.get(b"missing") is None
+    s = client.stats()
+    assert s["num_remote_leases"] == 0 and s["num_remote_reservations"] == 0
+    assert s["movers"][client.transport]["num_reads"] >= 2 and s["movers"][client.transport]["num_writes"] == 1
+    assert s["movers"][client.transport]["bytes_written"] == sum(sizes)
+
+
+def test_buffers_of_every_kind_and_multi_part_values(client):
+    header, payload = b"H" * 100, torch.arange(200_000, dtype=torch.int32)
+    client.put(b"parts", [header, payload])  # a chunk's shape: header bytes + tensor payload
+    want = header + payload.numpy().tobytes()
+    assert client.get(b"parts") == want
+    n = len(want)
+    ba, mv = bytearray(n), memoryview(bytearray(n + 5))
+    t = torch.zeros(n + 3, dtype=torch.uint8)
+    arr = np.zeros(n, dtype=np.uint8)
+    assert client.batch_get_into([b"parts"] * 4, [ba, mv, t, arr]) == [n] * 4
+    assert bytes(ba) == want and bytes(mv[:n]) == want
+    assert t[:n].numpy().tobytes() == want and arr.tobytes() == want
+
+
+def test_value_larger_than_its_buffer_is_refused_and_the_lease_ends(client):
+    client.put(b"big", os.urandom(SLOT * 2))
+    with pytest.raises(InvalidArgumentError, match="exceeds its buffer"):
+        client.batch_get_into([b"big"], [bytearray(10)])
+    assert client.stats()["num_remote_leases"] == 0
+    with pytest.raises(InvalidArgumentError, match="writable"):
+        client.batch_get_into([b"big"], [b"read-only"])
+
+
+def test_replace_and_delete_under_a_lease_keep_the_leased_bytes(client, node):
+    old = os.urandom(5 * SLOT)
+    client.put(b"k", old)
+    session = client.descriptor_session()
+    grant = session.acquire([b"k"])
+    client.put(b"k", os.urandom(5 * SLOT))  # replace: the old slots stay until the release
+    client.delete([b"k"])
+    buf = bytearray(len(old))
+    session.read(grant.items[0], buf)
+    session.release(grant.lease_id)
+    assert bytes(buf) == old
+    assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0  # freed at the release
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_values_outside_the_arena_are_read_and_written_another_way(make_node, mover, promote):
+    node = make_node(dram=1 * MiB, with_disk=True, high_watermark=1.0, low_watermark=0.5, promote=promote)
+    c = StoreClient(node.address, transport=mover)
+    vals = {b"d%d" % i: os.urandom(200_000) for i in range(12)}  # 12 × 4 slots > 16 slots: demotions
+    assert c.batch_put(list(vals.items())) == [True] * 12
+    assert node.store.stats()["demotions"] > 0
+    on_disk = [k for k in vals if node.store.tier_of(k) is Tier.DISK]
+    assert on_disk
+    for k in on_disk:  # promoted into the arena and read in place, or read over TCP
+        buf = bytearray(200_000)
+        assert c.batch_get_into([k], [buf]) == [200_000] and bytes(buf) == vals[k]
+    movers = c.stats()["movers"]
+    if promote:
+        assert movers[mover]["num_reads"] == len(on_disk) and movers["tcp"]["num_reads"] == 0
+    else:
+        assert movers["tcp"]["num_reads"] == len(on_disk)
+    bufs = [bytearray(200_000) for _ in vals]
+    assert c.batch_get_into(list(vals), bufs) == [200_000] * 12
+    assert [bytes(b) for b in bufs] == list(vals.values())
+    huge = os.urandom(2 * MiB)  # larger than the whole arena: the streamed put lands on disk
+    assert c.batch_put([(b"huge", huge)]) == [True]
+    assert node.store.tier_of(b"huge") is Tier.DISK and c.get(b"huge") == huge
+    c.close()
+
+
+def test_choice_follows_the_node_and_the_request(make_node):
+    auto = make_node()
+    with StoreClient(auto.address) as c:
+        assert c.transport == "shm" and "rdma" in c.transport_notes
+        c.put(b"k", b"v")
+        assert c.stats()["transport"] == "shm" and c.stats()["node_transport"] == "auto"
+    with StoreClient(auto.address, transport="tcp") as c:
+        assert c.transport == "tcp" and c.get(b"k") == b"v"
+    with StoreClient(auto.address, transport="grpc") as c:
+        assert c.transport == "grpc" and c.get(b"k") == b"v"
+    tcp_only = make_node(transport="tcp")
+    with StoreClient(tcp_only.address, transport="shm") as c:
+        assert c.transport == "tcp" and "does not offer shm" in c.transport_notes
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
+        assert c.stats()["movers"]["shm"]["num_writes"] == 0
+    with pytest.raises(InvalidArgumentError, match="transport must be one of"):
+        StoreClient(auto.address, transport="carrier-pigeon")
+
+
+def test_rdma_without_a_device_falls_back_and_says_why(make_node):
+    reason = probe()
+    if reason is None:
+        pytest.skip("an ibverbs device exists here: the fallback is not reachable")
+    node = make_node(transport="rdma")
+    with StoreClient(node.address, transport="rdma") as c:
+        assert c.transport == "tcp"
+        assert reason in c.transport_notes
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
+
+
+def test_shm_refuses_a_file_that_is_not_the_nodes(node):
+    with StoreClient(node.address) as c:
+        real = c.descriptor_session().arena
+    with pytest.raises(ShmUnavailableError, match="not the node's arena"):
+        ShmMover(ArenaRef(real.name, real.size, real.slot_bytes, real.file_dev, real.file_ino + 1))
+    with pytest.raises(ShmUnavailableError, match="cannot open"):
+        ShmMover(ArenaRef("crescent-0-nothere", real.size, real.slot_bytes, 0, 0))
+    with pytest.raises(ShmUnavailableError, match="bad arena name"):
+        ShmMover(ArenaRef("../etc/passwd", real.size, real.slot_bytes, 0, 0))
+
+
+def test_metrics_show_the_movers(make_node):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = make_node(metrics_port=port)
+    with StoreClient(node.address) as c:
+        c.put(b"k", b"v" * 1000)
+        assert c.get(b"k") == b"v" * 1000
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    assert 'crescent_store_mover_ops_total{mover="shm",op="read"} 1.0' in text
+    assert 'crescent_store_mover_bytes_total{mover="shm",op="write"} 1000.0' in text
+    assert 'crescent_store_op_seconds_count{op="acquire_read",path="shm"} 1.0' in text
+    assert "crescent_store_remote_leases 0.0" in text
