@@ -44,6 +44,7 @@ def run_config(name: str, extra: list[str], model: str, work, concurrency: int) 
     out = open(os.path.join(data, "up.out"), "w")
     up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", model,
                            "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
+                           "--conductor-port", "0",
                            "--dram", "512MiB", *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         state = os.path.join(data, "up.json")

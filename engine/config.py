@@ -143,6 +143,9 @@ class EngineConfig:
     """Share full pages between sequences with a common prefix (local prefix cache)."""
     store: str | None = None
     """Store node address host:port; None runs without the store."""
+    conductor: str | None = None
+    """Conductor address host:port: the engine registers and reports its load, and reads and
+    writes chunks across the cluster (ClusterClient, preferring the ``store`` node)."""
     chunk_tokens: int = 256
     """Tokens per stored chunk (a multiple of page_size)."""
     tenant_salt: str | None = None

@@ -135,7 +135,7 @@ class StoreConnector:
         return got
 
     def load(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int,
-             seq_id: int | None = None) -> int:
+             seq_id: int | None = None, replicate: bool = False) -> int:
         """Loads chunks ``first .. first+num-1`` into their pages; returns how many loaded.
 
         Loading stops at the first chunk that is missing, fails verification or
@@ -180,6 +180,12 @@ class StoreConnector:
             loaded += 1
             self.stats.chunks_loaded += 1
             self.stats.bytes_loaded += n
+        if replicate and loaded and self.save_enabled:
+            # NOTE: the verified bytes as they are: a put through the cluster client
+            # lands on this engine's own node first.
+            with self._cv:
+                self._pending += 1
+            self._queue.put((None, [(k, memoryview(b)[:n]) for k, b, n in zip(keys[:loaded], bufs, sizes)]))
         return loaded
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
@@ -204,7 +210,10 @@ class StoreConnector:
                 return
             ns, items = job
             try:
-                batch = [(key, encode_chunk(kv, ns, parent, toks)) for key, parent, toks, kv in items]
+                if ns is None:  # already-encoded chunks (replication)
+                    batch = [(key, [raw]) for key, raw in items]
+                else:
+                    batch = [(key, encode_chunk(kv, ns, parent, toks)) for key, parent, toks, kv in items]
                 stored = self.client.batch_put(batch)
                 for ok, (_, parts) in zip(stored, batch):
                     if ok:

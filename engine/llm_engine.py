@@ -73,10 +73,15 @@ class LLMEngine:
         self._page_hashes: dict[int, list[bytes]] = {}
         self._page_ns: dict[str | None, bytes] = {}
         self.connector: StoreConnector | None = None
-        if cfg.store or client is not None:
-            from kvstore.client import StoreClient
+        if cfg.store or cfg.conductor or client is not None:
+            if client is None and cfg.conductor:
+                from kvstore.cluster import ClusterClient
 
-            client = client or StoreClient(cfg.store, timeout_s=30)
+                client = ClusterClient(cfg.conductor, local=cfg.store, timeout_s=30)
+            elif client is None:
+                from kvstore.client import StoreClient
+
+                client = StoreClient(cfg.store, timeout_s=30)
             self.connector = StoreConnector(self.runner, client, self.fingerprint,
                                             save=cfg.save_to_store, load=cfg.load_from_store)
         self.eos = set(mc.eos_token_id)
@@ -87,7 +92,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------
 
     def add_request(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
-                    output_prefix: list[int] | None = None, prefetched: dict | None = None) -> Sequence:
+                    output_prefix: list[int] | None = None, prefetched: dict | None = None,
+                    replicate: bool = False) -> Sequence:
         """Queues a request. Raises ValueError for an empty prompt, unknown token ids or too long a request.
 
         Args:
@@ -98,7 +104,8 @@ class LLMEngine:
                 its leading chunks count as store hits.
         """
         self.validate(prompt, params)
-        seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []))
+        seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []),
+                       replicate=replicate)
         if self.connector is not None:
             if prefetched is not None:
                 keys = self.connector.keys(seq.prompt, cache_salt)
@@ -203,7 +210,8 @@ class LLMEngine:
         first = seq.num_local_tokens // self.cfg.chunk_tokens
         num = seq.num_store_tokens // self.cfg.chunk_tokens
         salt = seq.cache_salt
-        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num, seq_id=seq.seq_id)
+        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num, seq_id=seq.seq_id,
+                                     replicate=seq.replicate)
         if loaded < num:  # a miss from here on: recompute, starting next step
             seq.num_computed = (first + loaded) * self.cfg.chunk_tokens
             seq.num_store_tokens = loaded * self.cfg.chunk_tokens
@@ -237,6 +245,17 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.unstage(seq.seq_id)
         self.sampler.forget(seq.seq_id)
+
+    def load(self):
+        """The engine's load as the conductor's cost model wants it (no tensors)."""
+        from kvstore.conductor.membership import EngineLoad
+
+        sched = self.scheduler
+        queued = sum(s.num_tokens - s.num_computed for s in sched.waiting)
+        queued += sum(max(0, len(s.prompt) - s.num_computed) for s in sched.running)
+        return EngineLoad(num_queued_tokens=queued, num_waiting=len(sched.waiting), num_running=len(sched.running),
+                          num_context_tokens=sum(s.num_tokens for s in sched.running),
+                          kv_usage=1.0 - self.blocks.num_free / self.blocks.num_pages)
 
     def close(self) -> None:
         if self.connector is not None:

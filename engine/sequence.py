@@ -38,6 +38,8 @@ class Sequence:
     num_saved_chunks: int = 0
     """Leading chunks known to be in the store (loaded or saved)."""
     cache_salt: str | None = None
+    replicate: bool = False
+    """Keep the chunks loaded from other store nodes on this engine's own node too."""
     """Tenant salt of this request's chunk keys (None: shared across tenants)."""
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -65,6 +65,19 @@ class ModelFingerprint:
         """Canonical bytes: ``name=value`` lines in field order, UTF-8, ``\\n``-terminated."""
         return "".join(f"{f.name}={getattr(self, f.name)}\n" for f in fields(self)).encode()
 
+    @classmethod
+    def decode(cls, data: bytes) -> ModelFingerprint:
+        """Inverse of ``encode``; raises ValueError on anything else."""
+        try:
+            pairs = dict(line.split("=", 1) for line in data.decode().splitlines())
+            kw = {f.name: (pairs[f.name] if f.type in ("str", str) else int(pairs[f.name])) for f in fields(cls)}
+            fp = cls(**kw)
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a model fingerprint: {exc}") from None
+        if fp.encode() != data:
+            raise ValueError("not a canonical model fingerprint")
+        return fp
+
 
 def make_namespace(fingerprint: ModelFingerprint, tenant_salt: str | bytes | None = None) -> Namespace:
     """Namespace digest of a model fingerprint and an optional tenant salt.

@@ -99,3 +99,10 @@ def test_bad_fingerprint_names_the_knob():
         ModelFingerprint("m", "float32", 1, 1, 64, 4, tp_rank=2, tp_size=2)
     with pytest.raises(ValueError, match="chunk_tokens"):
         ModelFingerprint("m", "float32", 1, 1, 64, 0)
+
+
+def test_fingerprint_decodes_its_own_encoding_only():
+    assert ModelFingerprint.decode(LLAMA.encode()) == LLAMA
+    for bad in (b"", b"model_id=x\n", LLAMA.encode().replace(b"num_layers=32", b"num_layers=thirty")):
+        with pytest.raises(ValueError):
+            ModelFingerprint.decode(bad)

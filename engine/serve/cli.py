@@ -31,7 +31,10 @@ def register(sub) -> None:
     g.add_argument("--model", default="random:tiny", help="model (for the tokenizer and the served name)")
     g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     g.add_argument("--prefill", nargs="*", default=[], metavar="ADDR", help="prefill engine addresses")
-    g.add_argument("--decode", nargs="+", required=True, metavar="ADDR", help="decode engine addresses")
+    g.add_argument("--decode", nargs="*", default=[], metavar="ADDR",
+                   help="decode engine addresses (round-robin; with --conductor, the fallback when it is away)")
+    g.add_argument("--conductor", default=None, metavar="HOST:PORT",
+                   help="route each request by the conductor's Schedule (cache-aware)")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (store, engines, gateway)",
@@ -62,7 +65,7 @@ def _run_gateway(ns: argparse.Namespace) -> int:
     from engine.serve.gateway import Gateway, serve
 
     try:
-        gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name)
+        gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor)
         serve(gw, ns.listen)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

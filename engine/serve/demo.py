@@ -45,6 +45,7 @@ def main() -> int:
     up_log = open(os.path.join(data, "up.out"), "w")
     up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", args.model,
                            "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
+                           "--conductor-port", "0",
                            "--dram", "256MiB", "--disk-size", "2GiB"], cwd=ROOT, stdout=up_log,
                           stderr=subprocess.STDOUT)
     try:

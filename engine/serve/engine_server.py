@@ -36,6 +36,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.loop = loop
         self.fetch_timeout_s = fetch_timeout_s
         self.num_local_prefills = 0
+        self.agent = None  # a MemberAgent when a conductor is configured
 
     def _params(self, s: pb.SamplingOptions, context, max_tokens: int | None = None) -> SamplingParams:
         try:
@@ -58,7 +59,7 @@ class EngineService(pb_grpc.EngineServicer):
         prompt = list(request.prompt_token_ids)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         t0 = time.perf_counter()
-        h = self._submit(context, prompt, params, salt)
+        h = self._submit(context, prompt, params, salt, replicate=request.replicate)
         first = None
         while True:
             kind, val = h.events.get()
@@ -71,6 +72,10 @@ class EngineService(pb_grpc.EngineServicer):
         if first is None:
             context.abort(grpc.StatusCode.CANCELLED, "request aborted")
         seq = h.seq
+        elapsed = time.perf_counter() - t0
+        if self.agent is not None:
+            cached = seq.num_store_tokens + seq.num_local_tokens
+            self.agent.record_prefill(len(prompt) - cached, cached, elapsed)
         conn = self.engine.connector
         keys = conn.keys(prompt, salt) if conn is not None else []
         s = request.sampling
@@ -82,7 +87,7 @@ class EngineService(pb_grpc.EngineServicer):
             finished, reason = False, ""
         return pb.PrefillResponse(first_token=first, chunk_keys=keys,
                                   num_cached_tokens=seq.num_store_tokens + seq.num_local_tokens,
-                                  num_saved_chunks=seq.num_saved_chunks, prefill_s=time.perf_counter() - t0,
+                                  num_saved_chunks=seq.num_saved_chunks, prefill_s=elapsed,
                                   finished=finished, finish_reason=reason)
 
     def Generate(self, request, context):
@@ -122,7 +127,8 @@ class EngineService(pb_grpc.EngineServicer):
     def Health(self, request, context):
         mc = self.engine.model_config
         return pb.EngineHealthResponse(serving=True, role=self.role, model=self.engine.cfg.model,
-                                       vocab_size=mc.vocab_size, max_model_len=mc.max_position_embeddings)
+                                       vocab_size=mc.vocab_size, max_model_len=mc.max_position_embeddings,
+                                       fingerprint=self.engine.fingerprint.encode())
 
     def Stats(self, request, context):
         eng = self.engine
@@ -159,15 +165,45 @@ class EngineNode:
         self.address = f"{listen.rpartition(':')[0]}:{self.port}"
         self._metrics_port = metrics_port
         self._metrics_server = None
+        self.agent = None
+        if cfg.conductor:
+            self.agent = self._make_agent(cfg)
+            self.service.agent = self.agent
+            self.loop._on_step = lambda: self.agent.report_load(self.engine.load())
+
+    def _make_agent(self, cfg: EngineConfig):
+        """Registers with the conductor as a prefill engine (``both`` too) or a decode engine."""
+        from kvstore.client import StoreClient
+        from kvstore.conductor.agent import MemberAgent
+        from kvstore.conductor.membership import MemberKind
+        from kvstore.errors import CrescentError
+
+        store_node = None
+        if cfg.store:
+            try:
+                with StoreClient(cfg.store, timeout_s=10) as c:
+                    store_node = c.health()["node_id"]
+            except CrescentError:
+                pass  # the store is down: register without a co-located node
+        runner = self.engine.runner
+        conn = self.engine.connector
+        kind = MemberKind.DECODE if self.role == "decode" else MemberKind.PREFILL
+        return MemberAgent(cfg.conductor, f"{self.role}@{self.address}", kind, self.address,
+                           store_node=store_node, kv_bytes_per_token=runner.page_bytes // cfg.page_size,
+                           namespace=bytes(conn.namespace(None)) if conn else b"", chunk_tokens=cfg.chunk_tokens)
 
     def start(self) -> EngineNode:
         self.loop.start()
         self.server.start()
+        if self.agent is not None:
+            self.agent.start()
         if self._metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve(self._metrics_port, self.address.rpartition(":")[0])
         return self
 
     def stop(self, grace: float = 2.0) -> None:
+        if self.agent is not None:
+            self.agent.stop()
         self.server.stop(grace).wait()
         self.loop.stop()
         if self._metrics_server is not None:

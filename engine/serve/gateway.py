@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_response, new_id, parse_request,
                                           stream_chunk, usage)
-from engine.serve.router import RoundRobinRouter, Router
+from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.tokenizer import load_tokenizer
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
@@ -34,17 +34,24 @@ MAX_BODY = 8 << 20
 
 
 class Engines:
-    """gRPC stubs of the engines, one channel each."""
+    """gRPC stubs of the engines, one channel each, opened on first use."""
 
     def __init__(self, addresses: list[str]) -> None:
+        self._lock = threading.Lock()
         self._stubs = {a: pb_grpc.EngineStub(grpc.insecure_channel(a)) for a in addresses}
 
     def __getitem__(self, address: str) -> pb_grpc.EngineStub:
-        return self._stubs[address]
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = pb_grpc.EngineStub(grpc.insecure_channel(address))
+            return stub
 
     def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         out = {}
-        for a, stub in self._stubs.items():
+        with self._lock:
+            stubs = list(self._stubs.items())
+        for a, stub in stubs:
             try:
                 out[a] = stub.Health(pb.EngineHealthRequest(), timeout=timeout_s).serving
             except grpc.RpcError:
@@ -54,10 +61,15 @@ class Engines:
 
 class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
-                 router: Router | None = None, timeout_s: float = 600.0) -> None:
+                 router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None) -> None:
         self.model_name = served_model_name or model
         self.tokenizer = load_tokenizer(model)
-        self.router = router or RoundRobinRouter(prefill, decode)
+        static = RoundRobinRouter(prefill, decode) if decode else None
+        if router is None and conductor:
+            router = ConductorRouter(conductor, fallback=static)
+        if router is None and static is None:
+            raise ValueError("give --decode engines, or a --conductor to find them")
+        self.router = router or static
         self.engines = Engines(prefill + decode)
         self.timeout_s = timeout_s
         self.registry = CollectorRegistry()
@@ -74,6 +86,21 @@ class Gateway:
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
 
+    def health(self) -> tuple[bool, dict]:
+        """Serving when every known engine answers (with a conductor: when it knows a live engine)."""
+        if isinstance(self.router, ConductorRouter):
+            from kvstore.conductor.membership import MemberKind
+            from kvstore.errors import CrescentError
+
+            try:
+                members = self.router.client.members()
+            except CrescentError as exc:
+                return False, {"conductor": f"unreachable: {exc}"}
+            engines = {m.address: m.state for m in members if m.kind is not MemberKind.STORE}
+            return any(st not in ("dead", "draining") for st in engines.values()), {"engines": engines}
+        engines = self.engines.health()
+        return bool(engines) and all(engines.values()), {"engines": engines}
+
     def encode(self, req: ParsedRequest) -> list[int]:
         if req.chat:
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(req.prompt), add_bos=True)
@@ -85,13 +112,13 @@ class Gateway:
         """Yields ``(new token ids, finish reason or None, cached prompt tokens)``."""
         sampling = pb.SamplingOptions(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                       seed=req.seed, ignore_eos=req.ignore_eos)
-        route = self.router.route(prompt, req.cache_salt)
+        route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         first, keys, cached = None, [], 0
         if route.prefill is not None:
             try:
                 r = self.engines[route.prefill].Prefill(
-                    pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt),
-                    timeout=self.timeout_s)
+                    pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
+                                      replicate=route.replicate), timeout=self.timeout_s)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details()) from None
@@ -172,9 +199,8 @@ def make_handler(gw: Gateway):
                 self._json(200, {"object": "list", "data": [{"id": gw.model_name, "object": "model",
                                                              "created": 0, "owned_by": "crescent"}]})
             elif self.path == "/health":
-                engines = gw.engines.health()
-                ok = all(engines.values())
-                self._json(200 if ok else 503, {"status": "ok" if ok else "degraded", "engines": engines})
+                ok, detail = gw.health()
+                self._json(200 if ok else 503, {"status": "ok" if ok else "degraded", **detail})
             elif self.path == "/metrics":
                 data = generate_latest(gw.registry)
                 self.send_response(200)
@@ -211,6 +237,12 @@ def make_handler(gw: Gateway):
             except (BrokenPipeError, ConnectionResetError):
                 gw.m_requests.labels(endpoint, "disconnected").inc()
                 self.close_connection = True
+            except Rejected as exc:
+                gw.m_requests.labels(endpoint, "429").inc()
+                self._error(429, f"rejected by the scheduler: {exc}", "server_overloaded", code="slo_rejected")
+            except NoRoute as exc:
+                gw.m_requests.labels(endpoint, "503").inc()
+                self._error(503, str(exc), "server_error")
             except grpc.RpcError as exc:
                 gw.m_requests.labels(endpoint, "503").inc()
                 self._error(503, f"engine unavailable: {exc.code().name}", "server_error")

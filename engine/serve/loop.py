@@ -29,13 +29,14 @@ class Handle:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_token=None, on_finish=None) -> None:
+    def __init__(self, engine: LLMEngine, on_token=None, on_finish=None, on_step=None) -> None:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, Handle] = {}
         self._stop = threading.Event()
         self._on_token = on_token  # callback(seq, now) for metrics
         self._on_finish = on_finish
+        self._on_step = on_step  # callback() after each step and each command batch (load reports)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_requests = 0
 
@@ -49,11 +50,12 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
-               output_prefix: list[int] | None = None, prefetched: dict | None = None) -> Handle:
+               output_prefix: list[int] | None = None, prefetched: dict | None = None,
+               replicate: bool = False) -> Handle:
         """Queues a request; raises ValueError at once for one the engine cannot serve."""
         self.engine.validate(prompt, params)
         h = Handle()
-        self._inbox.put(("add", h, (prompt, params, cache_salt, output_prefix, prefetched)))
+        self._inbox.put(("add", h, (prompt, params, cache_salt, output_prefix, prefetched, replicate)))
         return h
 
     def abort(self, h: Handle) -> None:
@@ -93,6 +95,8 @@ class EngineLoop:
             except queue.Empty:
                 pass
             if not self.engine.has_work():
+                if self._on_step:
+                    self._on_step()
                 continue
             try:
                 outs = self.engine.step()
@@ -103,6 +107,8 @@ class EngineLoop:
                     self.engine.abort(h.seq.seq_id)
                 self._handles.clear()
                 continue
+            if self._on_step:
+                self._on_step()
             now = time.perf_counter()
             for o in outs:
                 h = self._handles.get(o.seq.seq_id)

@@ -47,6 +47,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
                         "no prefill engine (default: disagg)")
     p.add_argument("--no-store", action="store_true", help="run without a store node")
+    p.add_argument("--conductor-port", type=int, default=7300, help="conductor port (0: any free port)")
+    p.add_argument("--no-conductor", action="store_true",
+                   help="run without a conductor (the gateway routes round-robin)")
+    p.add_argument("--policy", default=None, help="conductor scheduling policy (default: cache-aware)")
+    p.add_argument("--slo-ttft", type=float, default=None, help="conductor: reject requests predicted to miss "
+                                                                 "this TTFT (seconds)")
+    p.add_argument("--slo-tbt", type=float, default=None, help="conductor: reject requests predicted to miss "
+                                                                "this time between tokens (seconds)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
 
 
@@ -115,6 +123,20 @@ def _healthy_http(url: str) -> bool:
         return False
 
 
+def _all_registered(conductor: str, expected: int) -> bool:
+    from kvstore.conductor.client import ConductorClient
+    from kvstore.errors import CrescentError
+
+    try:
+        c = ConductorClient(conductor, timeout_s=2)
+        try:
+            return sum(m.state == "alive" for m in c.members()) >= expected
+        finally:
+            c.close()
+    except CrescentError:
+        return False
+
+
 def run_up(ns: argparse.Namespace) -> int:
     data = os.path.abspath(ns.data)
     logs = os.path.join(data, "logs")
@@ -136,6 +158,8 @@ def run_up(ns: argparse.Namespace) -> int:
     ports = {"gateway": ns.gateway_port, "decode": ns.decode_port}
     if with_store:
         ports["store"] = ns.store_port
+    if not ns.no_conductor:
+        ports["conductor"] = ns.conductor_port
     if ns.mode == "disagg":
         ports["prefill"] = ns.prefill_port
     busy = [f"{name} port {p}" for name, p in ports.items() if not _port_free(ns.host, p)]
@@ -152,10 +176,20 @@ def run_up(ns: argparse.Namespace) -> int:
     deadline = time.monotonic() + ns.startup_timeout_s
     state_path = os.path.join(data, "up.json")
     try:
+        conductor = None
+        if not ns.no_conductor:
+            extra = [f for flag, v in (("--policy", ns.policy), ("--slo-ttft", ns.slo_ttft),
+                                       ("--slo-tbt", ns.slo_tbt)) if v is not None for f in (flag, str(v))]
+            p = Part("conductor", py + ["conductor", "--listen", f"{ns.host}:{ns.conductor_port}",
+                                        "--chunk-tokens", str(ns.chunk_tokens), *extra], logs)
+            parts.append(p)
+            conductor = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+        join = ["--conductor", conductor] if conductor else []
         store_addr = None
         if with_store:
             p = Part("store", py + ["store", "--listen", f"{ns.host}:{ns.store_port}", "--dram", ns.dram,
-                                    "--disk", os.path.join(data, "store"), "--disk-size", ns.disk_size], logs)
+                                    "--disk", os.path.join(data, "store"), "--disk-size", ns.disk_size,
+                                    "--node-id", "store-0", *join], logs)
             parts.append(p)
             store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
@@ -163,6 +197,7 @@ def run_up(ns: argparse.Namespace) -> int:
                   "--max-num-batched-tokens", str(max(2048, ns.chunk_size))]
         if store_addr:
             common += ["--store", store_addr]
+        common += join
         engines = []
         if ns.mode == "disagg":
             engines.append(("prefill", "prefill", ns.prefill_port))
@@ -175,6 +210,7 @@ def run_up(ns: argparse.Namespace) -> int:
                        "--decode", addrs["decode"]]
         if "prefill" in addrs:
             gw_cmd += ["--prefill", addrs["prefill"]]
+        gw_cmd += join
         gw = Part("gateway", gw_cmd, logs)
         parts.append(gw)
         gw_url = gw.wait_banner(r"on (http://\S+?)/v1", deadline)
@@ -184,12 +220,14 @@ def run_up(ns: argparse.Namespace) -> int:
         if store_addr:
             checks.append(lambda: _healthy_grpc(kvstore_pb2_grpc.KVStoreStub, kvstore_pb2.HealthRequest(),
                                                 store_addr))
+        if conductor:
+            checks.append(lambda: _all_registered(conductor, len(addrs) + (1 if store_addr else 0)))
         while not all(c() for c in checks):
             if time.monotonic() > deadline or stop.is_set():
                 raise RuntimeError("the cluster did not become healthy in time")
             time.sleep(0.2)
         state = {"pid": os.getpid(), "model": ns.model, "openai_base_url": f"{gw_url}/v1", "gateway": gw_url,
-                 "store": store_addr, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
+                 "store": store_addr, "conductor": conductor, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
                  "pids": {p.name: p.proc.pid for p in parts}}
         with open(state_path + ".tmp", "w") as f:
             json.dump(state, f, indent=1)
@@ -200,15 +238,18 @@ def run_up(ns: argparse.Namespace) -> int:
             print(f"  {k:<12} {v}", flush=True)
         if store_addr:
             print(f"  store        {store_addr}", flush=True)
+        if conductor:
+            print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
         print(f"  metrics      {gw_url}/metrics   logs: {logs}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         store_down = False
         while not stop.wait(0.5):
             dead = [p for p in parts if p.proc.poll() is not None]
-            if dead and all(p.name == "store" for p in dead):
-                if not store_down:  # NOTE: the engines carry on without the store (recompute)
-                    print(f"crescent up: warning: the store exited ({dead[0].proc.returncode}); "
-                          "engines continue without it", file=sys.stderr, flush=True)
+            if dead and all(p.name in ("store", "conductor") for p in dead):
+                if not store_down:  # NOTE: the engines carry on without them (recompute, round-robin)
+                    for p in dead:
+                        print(f"crescent up: warning: the {p.name} exited ({p.proc.returncode}); "
+                              "engines continue without it", file=sys.stderr, flush=True)
                     store_down = True
             elif dead:
                 name = next(p for p in dead if p.name != "store")

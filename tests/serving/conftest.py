@@ -17,7 +17,7 @@ class Cluster:
         self.log = open(os.path.join(data, "up.out"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", "random:tiny",
-             "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
+             "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0", "--conductor-port", "0",
              "--dram", "256MiB", "--disk-size", "512MiB", "--chunk-tokens", "64", "--kv-cache-memory", "64MiB",
              *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         state_path = os.path.join(data, "up.json")

@@ -187,3 +187,43 @@ def test_metrics(cluster):
     text = urllib.request.urlopen(cluster.state["gateway"] + "/metrics", timeout=30).read().decode()
     assert "crescent_gateway_ttft_seconds_bucket" in text and "crescent_gateway_requests_total" in text
     time.sleep(0)
+
+
+def _ctl(cluster, *args):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "ctl", *args, "--conductor", cluster.state["conductor"],
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_engines_and_store_join_the_conductor_and_feed_its_cost_model(cluster):
+    kinds = sorted(m["kind"] for m in _ctl(cluster, "nodes"))
+    assert kinds == ["decode", "prefill", "store"]
+    c = client(cluster)
+    for i in range(10):  # the conductor refits its prefill model every few measured prefills
+        c.completions.create(model=MODEL, prompt=_ids(100 + i, 40 + 30 * i), max_tokens=2, temperature=0)
+    stats = wait_for(lambda: (s := _ctl(cluster, "stats")) and s["cost_model"]["num_samples"] > 0 and s,
+                     what="a measured prefill to reach the conductor's cost model")
+    assert stats["schedule"]["num_scheduled"] >= 1
+
+
+def test_conductor_down_gateway_falls_back_and_slo_rejections_are_429(tmp_path, storeless):
+    cl = Cluster(str(tmp_path), "--slo-ttft", "0.000001")
+    try:
+        c = client(cl)
+        with pytest.raises(openai.RateLimitError, match="rejected by the scheduler"):
+            c.completions.create(model=MODEL, prompt=_ids(12, 100), max_tokens=3, temperature=0)
+        os.kill(cl.state["pids"]["conductor"], signal.SIGKILL)
+        wait_for(lambda: "the conductor exited" in cl.output(), what="crescent up to notice")
+        prompt = _ids(13, 120)
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        ref = storeless.generate([prompt], max_tokens=6, ignore_eos=True)[0]
+        assert r.choices[0].text == storeless.tokenizer.decode(ref.token_ids)
+    finally:
+        assert cl.stop() == 0, cl.output()

@@ -23,16 +23,18 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "replicate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    replicate: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., replicate: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "chunk_keys", "num_cached_tokens", "num_saved_chunks", "prefill_s", "finished", "finish_reason")
@@ -87,18 +89,20 @@ class EngineHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineHealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "vocab_size", "max_model_len")
+    __slots__ = ("serving", "role", "model", "vocab_size", "max_model_len", "fingerprint")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
     vocab_size: int
     max_model_len: int
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    fingerprint: bytes
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()
