@@ -68,10 +68,13 @@ def main() -> None:
         llm.generate([[rng.randrange(3, vocab) for _ in range(n)]], max_tokens=1)  # warm-up
         results = []
         for frac in (0.0, 0.5, 0.9):
-            cached = int(frac * n) // args.chunk_tokens * args.chunk_tokens
+            # NOTE: the cached prefix is whole chunks; the prompt's length is then
+            # chosen so that the prefix is exactly `frac` of it (90%: 3584 of 3982).
+            cached = round(frac * n / args.chunk_tokens) * args.chunk_tokens
+            total = round(cached / frac) if frac else n
             ttft_store, ttft_recompute, moved, hits = [], [], [], []
             for rep in range(args.reps):
-                prompt = base[:cached] + [rng.randrange(3, vocab) for _ in range(n - cached)]
+                prompt = base[:cached] + [rng.randrange(3, vocab) for _ in range(total - cached)]
                 for mode in ("store", "recompute"):
                     conn.load_enabled = mode == "store"
                     before = conn.stats.bytes_loaded
@@ -83,7 +86,8 @@ def main() -> None:
                 log(f"{frac:.0%} cached, rep {rep + 1}/{args.reps}: store {ttft_store[-1]:.2f}s, "
                     f"recompute {ttft_recompute[-1]:.2f}s, {hits[-1]} tokens from the store")
             s, r = median(ttft_store), median(ttft_recompute)
-            results.append({"target": frac, "cached_tokens": hits[0], "fraction": hits[0] / n, "ttft_store": s,
+            results.append({"target": frac, "cached_tokens": hits[0], "fraction": hits[0] / total,
+                            "prompt_tokens": total, "ttft_store": s,
                             "ttft_recompute": r, "ratio": s / r, "bytes": median(moved)})
         llm.close()
     finally:
@@ -91,9 +95,10 @@ def main() -> None:
         store.wait(timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    rows = [[f"{x['target']:.0%}", f"{x['cached_tokens']} ({x['fraction']:.1%})", f"{x['ttft_recompute']:.2f}",
+    rows = [[f"{x['target']:.0%}", x["prompt_tokens"], f"{x['cached_tokens']} ({x['fraction']:.1%})",
+             f"{x['ttft_recompute']:.2f}",
              f"{x['ttft_store']:.2f}", f"{x['ratio']:.2f}×", f"{x['bytes'] / 2**20:.0f} MiB"] for x in results]
-    md = table(["cached (target)", "tokens from store", "TTFT recompute s", "TTFT with store s",
+    md = table(["cached (target)", "prompt tokens", "tokens from store", "TTFT recompute s", "TTFT with store s",
                 "× recompute", "bytes from store"], rows)
     print()
     print(md)
@@ -122,7 +127,7 @@ def main() -> None:
     if args.write_docs:
         shutil.copy(png, os.path.join(ROOT, "docs", "prefix_reuse.png"))
         body = (f"`{args.model}` (8 layers, hidden 1024, GQA 8/2 heads of 128), fp32 on this 2-core CPU, "
-                f"{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of 512, store on loopback "
+                f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of 512, store on loopback "
                 f"(TCP data channel), median of {args.reps}.\n\n{md}\n\n**{summary}.**\n\n"
                 "![prefix reuse](prefix_reuse.png)\n")
         write_docs_section("prefix_reuse", body)

@@ -42,6 +42,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-size", default="4GiB", help="store disk tier (default: 4GiB)")
     p.add_argument("--chunk-size", type=int, default=512, help="chunked-prefill size (default: 512)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of an engine step (default: chunk size + 64, so that one prefill chunk "
+                        "plus the running decodes fit and a step never holds more prefill than one chunk)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool per engine (default: 512MiB)")
     p.add_argument("--mode", choices=["disagg", "mono"], default="disagg",
                    help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
@@ -194,7 +197,7 @@ def run_up(ns: argparse.Namespace) -> int:
             store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
                   "--kv-cache-memory", ns.kv_cache_memory,
-                  "--max-num-batched-tokens", str(max(2048, ns.chunk_size))]
+                  "--max-num-batched-tokens", str(ns.max_num_batched_tokens or ns.chunk_size + 64)]
         if store_addr:
             common += ["--store", store_addr]
         common += join
