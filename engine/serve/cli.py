@@ -37,10 +37,10 @@ def register(sub) -> None:
                    help="route each request by the conductor's Schedule (cache-aware)")
     g.set_defaults(handler=_run_gateway)
 
-    u = sub.add_parser("up", help="run a whole cluster on this machine (store, engines, gateway)",
-                       description="Start a store node, a prefill engine, a decode engine and the gateway on "
-                                   "loopback, wait until all are healthy, print the URLs, and stop everything "
-                                   "on Ctrl-C or SIGTERM.")
+    u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
+                       description="Start a conductor, a store node, a prefill engine, a decode engine and the "
+                                   "gateway on loopback, wait until all are healthy, print the URLs, and stop "
+                                   "everything on Ctrl-C or SIGTERM.")
     from engine.serve.up import add_up_args
 
     add_up_args(u)

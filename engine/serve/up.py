@@ -1,4 +1,4 @@
-"""`crescent up`: a whole Crescent on one machine — store, prefill and decode engines, gateway.
+"""`crescent up`: a whole Crescent on one machine — conductor, store, prefill and decode engines, gateway.
 
 Each part is a real process (the same commands a deployment runs); `up`
 starts them on loopback, waits until every one answers its health check,
