@@ -157,7 +157,8 @@ class ConductorClient:
                          "cached_fraction": (r.num_cached_chunks / r.num_scheduled_chunks
                                              if r.num_scheduled_chunks else 0.0)},
             "num_dead": r.num_dead,
-            "cost_model": {"coefficients": list(r.cost_coefficients), "num_samples": r.num_cost_samples},
+            "cost_model": {"coefficients": list(r.cost_coefficients), "num_samples": r.num_cost_samples,
+                           "num_samples_received": r.num_prefill_samples_received},
         }
 
     def drain(self, member_id: str, undo: bool = False) -> str:

@@ -73,6 +73,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._policies = {}
         self._samples: collections.deque[PrefillSample] = collections.deque(maxlen=512)
         self._new_samples = 0
+        self._num_samples_received = 0
         self.counters = collections.Counter()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
@@ -150,6 +151,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             elif which == "store":
                 m.store_load = request.store
             if samples:
+                self._num_samples_received += len(samples)
                 self._samples.extend(samples)
                 self._new_samples += len(samples)
                 if self._new_samples >= _REFIT_EVERY:
@@ -326,6 +328,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             resp.num_scheduled_chunks, resp.num_cached_chunks = c["scheduled_chunks"], c["cached_chunks"]
             resp.cost_coefficients.extend(self.cost.coefficients)
             resp.num_cost_samples = self.cost.num_samples
+            resp.num_prefill_samples_received = self._num_samples_received
         return resp
 
     @_rpc

@@ -297,7 +297,7 @@ class ClusterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatsResponse(_message.Message):
-    __slots__ = ("num_members", "num_chunks", "num_copies", "tiers", "misses", "bytes_in", "bytes_out", "num_scheduled", "num_rejected", "num_replications", "num_scheduled_chunks", "num_cached_chunks", "num_dead", "policy", "cost_coefficients", "num_cost_samples")
+    __slots__ = ("num_members", "num_chunks", "num_copies", "tiers", "misses", "bytes_in", "bytes_out", "num_scheduled", "num_rejected", "num_replications", "num_scheduled_chunks", "num_cached_chunks", "num_dead", "policy", "cost_coefficients", "num_cost_samples", "num_prefill_samples_received")
     NUM_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class ClusterStatsResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     COST_COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_COST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_SAMPLES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     num_members: int
     num_chunks: int
     num_copies: int
@@ -330,7 +331,8 @@ class ClusterStatsResponse(_message.Message):
     policy: str
     cost_coefficients: _containers.RepeatedScalarFieldContainer[float]
     num_cost_samples: int
-    def __init__(self, num_members: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_copies: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_kvstore_pb2.TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., num_rejected: _Optional[int] = ..., num_replications: _Optional[int] = ..., num_scheduled_chunks: _Optional[int] = ..., num_cached_chunks: _Optional[int] = ..., num_dead: _Optional[int] = ..., policy: _Optional[str] = ..., cost_coefficients: _Optional[_Iterable[float]] = ..., num_cost_samples: _Optional[int] = ...) -> None: ...
+    num_prefill_samples_received: int
+    def __init__(self, num_members: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_copies: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_kvstore_pb2.TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., num_rejected: _Optional[int] = ..., num_replications: _Optional[int] = ..., num_scheduled_chunks: _Optional[int] = ..., num_cached_chunks: _Optional[int] = ..., num_dead: _Optional[int] = ..., policy: _Optional[str] = ..., cost_coefficients: _Optional[_Iterable[float]] = ..., num_cost_samples: _Optional[int] = ..., num_prefill_samples_received: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("member_id", "undo")
