@@ -93,7 +93,7 @@ class LLMEngine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
                     output_prefix: list[int] | None = None, prefetched: dict | None = None,
-                    replicate: bool = False) -> Sequence:
+                    replicate: bool = False, prefetch_skip: int = 0) -> Sequence:
         """Queues a request. Raises ValueError for an empty prompt, unknown token ids or too long a request.
 
         Args:
@@ -102,6 +102,8 @@ class LLMEngine:
             prefetched: chunk key → encoded chunk already fetched from the store
                 (the decode engine fetches while the prefill engine still saves);
                 its leading chunks count as store hits.
+            prefetch_skip: leading chunks deliberately not prefetched because this
+                engine's own pages held them (``local_prefix_chunks``).
         """
         self.validate(prompt, params)
         seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []),
@@ -109,7 +111,7 @@ class LLMEngine:
         if self.connector is not None:
             if prefetched is not None:
                 keys = self.connector.keys(seq.prompt, cache_salt)
-                hits = 0
+                hits = min(prefetch_skip, len(keys))
                 while hits < len(keys) and keys[hits] in prefetched:
                     hits += 1
                 seq.store_hit_chunks = hits
@@ -143,6 +145,24 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ---- one step -------------------------------------------------------------
+
+    def local_prefix_chunks(self, tokens: list[int], salt: str | None) -> int:
+        """Leading full chunks of ``tokens`` whose pages this engine holds now (a hint for prefetching).
+
+        Safe to call from another thread: it only reads the page index, and a
+        stale answer costs a fetch (or a load at admission), never a wrong token.
+        """
+        if not self.cfg.enable_prefix_caching:
+            return 0
+        page = self.cfg.page_size
+        ns = self._page_ns.get(salt) or make_namespace(self._page_fp, salt)
+        cached, parent, n = self.blocks.cached, ROOT_KEY, 0
+        for i in range((len(tokens) - 1) // page):
+            parent = chunk_key(parent, ns, tokens[i * page : (i + 1) * page])
+            if parent not in cached:
+                break
+            n += 1
+        return n * page // self.cfg.chunk_tokens
 
     def _hashes(self, seq: Sequence, upto_pages: int) -> list[bytes]:
         """Chained page hashes of ``seq``'s first ``upto_pages`` full pages (cached)."""

@@ -99,13 +99,15 @@ class EngineService(pb_grpc.EngineServicer):
         prefix = [request.first_token] if request.HasField("first_token") else None
         if prefix is None:
             self.num_local_prefills += 1
-        prefetched = None
+        prefetched, skip = None, 0
         conn = self.engine.connector
         if conn is not None and request.chunk_keys:
             expected = conn.keys(prompt, salt)
             if list(request.chunk_keys) == expected:  # never trust keys that are not this prompt's own
-                prefetched = conn.fetch_as_they_arrive(expected, self.fetch_timeout_s)
-        h = self._submit(context, prompt, params, salt, prefix, prefetched)
+                # NOTE: chunks this engine's own pages already hold are not fetched again
+                skip = self.engine.local_prefix_chunks(prompt, salt)
+                prefetched = conn.fetch_as_they_arrive(expected[skip:], self.fetch_timeout_s)
+        h = self._submit(context, prompt, params, salt, prefix, prefetched, prefetch_skip=skip)
         pending = []
         while True:
             kind, val = h.events.get()

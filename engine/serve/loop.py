@@ -51,11 +51,12 @@ class EngineLoop:
 
     def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
                output_prefix: list[int] | None = None, prefetched: dict | None = None,
-               replicate: bool = False) -> Handle:
+               replicate: bool = False, prefetch_skip: int = 0) -> Handle:
         """Queues a request; raises ValueError at once for one the engine cannot serve."""
         self.engine.validate(prompt, params)
         h = Handle()
-        self._inbox.put(("add", h, (prompt, params, cache_salt, output_prefix, prefetched, replicate)))
+        self._inbox.put(("add", h, (prompt, params, cache_salt, output_prefix, prefetched, replicate,
+                                    prefetch_skip)))
         return h
 
     def abort(self, h: Handle) -> None:
