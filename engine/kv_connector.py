@@ -17,7 +17,6 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-import torch
 
 from engine.model_runner import ModelRunner
 from kvstore.chunk import decode_chunk, encode_chunk, encoded_size

@@ -454,6 +454,6 @@ class StoreClient:
         self.close()
 
 
-__all__ = ["StoreClient", "Retry", "CrescentError"]
-
 from kvstore.cluster import ClusterClient  # noqa: E402  (at the end: kvstore.cluster imports this module lazily)
+
+__all__ = ["StoreClient", "ClusterClient", "Retry", "CrescentError"]

@@ -22,7 +22,7 @@ from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.dataserver import DataChannelServer
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.metrics import StoreMetrics
-from kvstore.store import Reservation, Tier, TieredStore, check_key
+from kvstore.store import Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.service import DescriptorRpcs, NodeTransport
 from proto.crescent.v1 import kvstore_pb2 as pb

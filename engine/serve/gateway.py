@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
