@@ -23,21 +23,18 @@ def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class StoreProcess:
-    """``crescent store`` as a real subprocess on 127.0.0.1:0; the address is read from its banner."""
+class Proc:
+    """A subprocess whose first stdout line is its banner; ``stop`` ends it by pid (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, *args: str, timeout_s: float = 60.0) -> None:
-        cmd = [sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        line = self.proc.stdout.readline()
-        m = re.search(r"listening on ([^\s,]+)", line)
-        if not m:
+    def __init__(self, cmd: list[str], banner: str) -> None:
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.line = self.proc.stdout.readline()
+        if banner not in self.line:
             err = self.proc.stderr.read() if self.proc.poll() is not None else ""
             self.stop()
-            raise RuntimeError(f"store did not start: {line!r} {err!r}")
-        self.address = m.group(1)
-        self.pid = self.proc.pid
+            raise RuntimeError(f"{cmd[3:5]} did not start: {self.line!r} {err!r}")
 
     def kill9(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
@@ -55,3 +52,12 @@ class StoreProcess:
             if f:
                 f.close()
         return self.proc.returncode
+
+
+class StoreProcess(Proc):
+    """``crescent store`` as a real subprocess on 127.0.0.1:0; the address is read from its banner."""
+
+    def __init__(self, *args: str) -> None:
+        super().__init__([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", *args],
+                         "listening on")
+        self.address = re.search(r"listening on ([^\s,]+)", self.line).group(1)

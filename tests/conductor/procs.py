@@ -3,44 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 
-from tests.helpers import ROOT
-
-
-class Proc:
-    """A subprocess whose first stdout line is its banner; ``stop`` ends it by pid."""
-
-    def __init__(self, cmd: list[str], banner: str) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.pid = self.proc.pid
-        self.line = self.proc.stdout.readline()
-        if banner not in self.line:
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
-            self.stop()
-            raise RuntimeError(f"{cmd[3:5]} did not start: {self.line!r} {err!r}")
-
-    def kill9(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(timeout=60)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.proc.wait(timeout=60)
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f:
-                f.close()
-        return self.proc.returncode
+from tests.helpers import ROOT, Proc
 
 
 class ConductorProcess(Proc):
