@@ -19,7 +19,21 @@ class ByteTokenizer:
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        """Bytes as UTF-8; BOS/EOS dropped; any other id (a random model's vocabulary
+        beyond bytes) shown as ``<|id|>`` so that no generated token is invisible."""
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if run:
+                out.append(run.decode("utf-8", errors="replace"))
+                run = bytearray()
+            if i not in (self.bos_token_id, self.eos_token_id):
+                out.append(f"<|{i}|>")
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"

@@ -50,3 +50,4 @@ def test_byte_tokenizer_round_trip():
     t = ByteTokenizer()
     ids = t.encode("héllo", add_bos=True)
     assert ids[0] == t.bos_token_id and t.decode(ids) == "héllo"
+    assert t.decode([104, 300, 105, t.eos_token_id]) == "h<|300|>i"
