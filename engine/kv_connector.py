@@ -140,7 +140,8 @@ class StoreConnector:
         Loading stops at the first chunk that is missing, fails verification or
         errors: the engine recomputes from there.
         """
-        keys = self.keys(tokens, salt)[first : first + num]
+        all_keys = self.keys(tokens, salt)
+        keys = all_keys[first : first + num]
         ns = self.namespace(salt)
         dtype = self.runner.dtype
         shape = self.runner.chunk_shape
@@ -159,7 +160,7 @@ class StoreConnector:
             for i, n in zip(missing, fetched):
                 sizes[i] = n
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
-        parent = bytes(ROOT_KEY) if first == 0 else self.keys(tokens, salt)[first - 1]
+        parent = bytes(ROOT_KEY) if first == 0 else all_keys[first - 1]
         loaded = 0
         for i, (key, buf, n) in enumerate(zip(keys, bufs, sizes)):
             c = first + i

@@ -21,7 +21,7 @@ import grpc
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.datachannel import Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, InvalidArgumentError,
-                            ResourceExhaustedError, UnavailableError, from_grpc)
+                            ResourceExhaustedError, UnavailableError, call_grpc)
 from kvstore.store import Tier
 from kvstore.transport.gpu import host_to_cuda, is_cuda
 from kvstore.transport.identity import REQUESTS
@@ -131,13 +131,7 @@ class StoreClient:
     # ---- plumbing -----------------------------------------------------------
 
     def _call(self, fn: Callable[[], T]) -> T:
-        def once():
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                raise from_grpc(exc) from None
-
-        return self.retry.call(once)
+        return call_grpc(fn, self.retry)
 
     def health(self) -> dict:
         h = self._call(lambda: self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s))

@@ -76,6 +76,21 @@ _BY_CODE = {
 }
 
 
+def call_grpc(fn, retry=None):
+    """Runs ``fn()`` (one gRPC call), turning a failed status into its CrescentError.
+
+    With a ``kvstore.client.Retry``, UNAVAILABLE is retried with backoff.
+    """
+
+    def once():
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from None
+
+    return retry.call(once) if retry is not None else once()
+
+
 def from_grpc(err: grpc.RpcError) -> CrescentError:
     """The CrescentError for a failed call (its status code and details)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

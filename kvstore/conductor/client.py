@@ -13,7 +13,7 @@ from typing import TypeVar
 import grpc
 
 from kvstore.conductor.membership import EngineLoad, MemberKind
-from kvstore.errors import from_grpc
+from kvstore.errors import call_grpc
 from kvstore.store import Tier
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -104,13 +104,7 @@ class ConductorClient:
         self._stub = cpb_grpc.ConductorStub(self._channel)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        def once():
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                raise from_grpc(exc) from None
-
-        return self.retry.call(once) if self.retry is not None else once()
+        return call_grpc(fn, self.retry)
 
     def schedule(self, keys: Sequence[bytes], num_tokens: int, *, chunk_tokens: int = 0, policy: str = "",
                  num_output_tokens: int = 0) -> ScheduleResult:
