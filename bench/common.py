@@ -39,3 +39,19 @@ def write_docs_section(name: str, body: str, path: str = os.path.join(ROOT, "doc
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+def publish(fig, name: str, body: str, write_docs: bool) -> str:
+    """Saves ``fig`` as bench/out/<name>.png; with ``write_docs``, copies it to docs/ and
+    writes ``body`` plus the image into the ``<name>`` section of docs/benchmarks.md."""
+    import shutil
+
+    os.makedirs(OUT, exist_ok=True)
+    png = os.path.join(OUT, f"{name}.png")
+    fig.savefig(png, dpi=110)
+    print(f"plot: {png}")
+    if write_docs:
+        shutil.copy(png, os.path.join(ROOT, "docs", f"{name}.png"))
+        write_docs_section(name, f"{body.rstrip()}\n\n![{name}]({name}.png)\n")
+        print("docs/benchmarks.md updated")
+    return png

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import OUT, ROOT, median, table, write_docs_section  # noqa: E402
+from bench.common import ROOT, median, publish, table  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -111,7 +111,6 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(OUT, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(results))
     ax.bar([x - 0.2 for x in xs], [r["ttft_recompute"] for r in results], 0.4, label="recompute")
@@ -121,17 +120,10 @@ def main() -> None:
     ax.set_title(f"{args.model}, {n}-token prompt, CPU fp32")
     ax.legend()
     fig.tight_layout()
-    png = os.path.join(OUT, "prefix_reuse.png")
-    fig.savefig(png, dpi=110)
-    print(f"plot: {png}")
-    if args.write_docs:
-        shutil.copy(png, os.path.join(ROOT, "docs", "prefix_reuse.png"))
-        body = (f"`{args.model}` (8 layers, hidden 1024, GQA 8/2 heads of 128), fp32 on this 2-core CPU, "
-                f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of 512, store on loopback "
-                f"(TCP data channel), median of {args.reps}.\n\n{md}\n\n**{summary}.**\n\n"
-                "![prefix reuse](prefix_reuse.png)\n")
-        write_docs_section("prefix_reuse", body)
-        print("docs/benchmarks.md updated")
+    body = (f"`{args.model}` (8 layers, hidden 1024, GQA 8/2 heads of 128), fp32 on this 2-core CPU, "
+            f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of 512, store on loopback "
+            f"(TCP data channel), median of {args.reps}.\n\n{md}\n\n**{summary}.**")
+    publish(fig, "prefix_reuse", body, args.write_docs)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import OUT, ROOT, table, write_docs_section  # noqa: E402
+from bench.common import ROOT, publish, table  # noqa: E402
 from engine.serve.workload import load_workload, pct, run_workload  # noqa: E402
 
 CONFIGS = [
@@ -107,7 +107,6 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(OUT, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "itl", "inter-token latency (s)")):
         for r in results:
@@ -120,17 +119,10 @@ def main() -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{args.model} on {os.cpu_count()} CPU cores, {len(work)} requests, concurrency {args.concurrency}")
     fig.tight_layout()
-    png = os.path.join(OUT, "serving_bench.png")
-    fig.savefig(png, dpi=110)
-    print(f"plot: {png}")
-    if args.write_docs:
-        shutil.copy(png, os.path.join(ROOT, "docs", "serving_bench.png"))
-        body = (f"`{args.model}`, {len(work)} streaming requests ({source}: {args.groups} shared prefixes × "
-                f"{args.per_group}, {args.block_tokens} tokens per 512-token block, outputs ≤ {args.max_output}), "
-                f"concurrency {args.concurrency}, all processes on this {os.cpu_count()}-core machine.\n\n{md}\n\n"
-                "![serving bench](serving_bench.png)\n")
-        write_docs_section("serving_bench", body)
-        print("docs/benchmarks.md updated")
+    body = (f"`{args.model}`, {len(work)} streaming requests ({source}: {args.groups} shared prefixes × "
+            f"{args.per_group}, {args.block_tokens} tokens per 512-token block, outputs ≤ {args.max_output}), "
+            f"concurrency {args.concurrency}, all processes on this {os.cpu_count()}-core machine.\n\n{md}")
+    publish(fig, "serving_bench", body, args.write_docs)
 
 
 if __name__ == "__main__":

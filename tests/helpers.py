@@ -10,6 +10,32 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def store_nodes(tmp_path, with_disk: bool, **defaults):
+    """Yields ``make(**config)`` starting in-process store nodes on 127.0.0.1:0; stops them all after.
+
+    A node has 16 MiB of DRAM unless told otherwise, and a 64 MiB disk tier under
+    ``tmp_path`` when ``with_disk`` (overridable per call with ``with_disk=``).
+    """
+    from kvstore.config import StoreConfig
+    from kvstore.server import StoreNode
+
+    nodes = []
+
+    def make(**kw):
+        kw = {"dram": 16 * MiB, **defaults, **kw}
+        if kw.pop("with_disk", with_disk):
+            kw.setdefault("disk", str(tmp_path / f"disk{len(nodes)}"))
+            kw.setdefault("disk_size", 64 * MiB)
+        node = StoreNode(StoreConfig(listen="127.0.0.1:0", **kw)).start()
+        nodes.append(node)
+        return node
+
+    yield make
+    for n in nodes:
+        n.stop(grace=0)
 
 
 def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):

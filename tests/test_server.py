@@ -12,34 +12,18 @@ import pytest
 import xxhash
 
 from kvstore.client import Retry, StoreClient
-from kvstore.config import StoreConfig
 from kvstore.datachannel import HELLO, Op, encode_request, read_response
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from kvstore.server import StoreNode
 from kvstore.store import Tier
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.helpers import wait_for
+from tests.helpers import MiB, store_nodes, wait_for
 
-MiB = 1 << 20
 
 
 @pytest.fixture
 def make_node(tmp_path):
-    nodes = []
-
-    def make(**kw):
-        kw.setdefault("dram", 16 * MiB)
-        if kw.pop("with_disk", True):
-            kw.setdefault("disk", str(tmp_path / f"disk{len(nodes)}"))
-            kw.setdefault("disk_size", 64 * MiB)
-        node = StoreNode(StoreConfig(listen="127.0.0.1:0", **kw)).start()
-        nodes.append(node)
-        return node
-
-    yield make
-    for n in nodes:
-        n.stop(grace=0)
+    yield from store_nodes(tmp_path, with_disk=True)
 
 
 @pytest.fixture

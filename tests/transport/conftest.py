@@ -2,31 +2,14 @@
 
 import pytest
 
-from kvstore.config import StoreConfig
-from kvstore.server import StoreNode
 from kvstore.transport.rdma import probe
-
-MiB = 1 << 20
+from tests.helpers import store_nodes
 
 
 @pytest.fixture
 def make_node(tmp_path):
     """In-process nodes on 127.0.0.1:0 offering every mover (``--transport auto``); stopped after the test."""
-    nodes = []
-
-    def make(**kw):
-        kw.setdefault("dram", 16 * MiB)
-        kw.setdefault("transport", "auto")
-        if kw.pop("with_disk", False):
-            kw.setdefault("disk", str(tmp_path / f"disk{len(nodes)}"))
-            kw.setdefault("disk_size", 64 * MiB)
-        node = StoreNode(StoreConfig(listen="127.0.0.1:0", **kw)).start()
-        nodes.append(node)
-        return node
-
-    yield make
-    for n in nodes:
-        n.stop(grace=0)
+    yield from store_nodes(tmp_path, with_disk=False, transport="auto")
 
 
 @pytest.fixture(params=["shm", "rdma"])
