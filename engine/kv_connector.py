@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -100,8 +101,6 @@ class StoreConnector:
         ``timeout_s`` after the last progress. Returns key → encoded chunk for
         the fetched prefix (verification happens at load time).
         """
-        import time
-
         size = encoded_size(self.runner.chunk_shape, self.runner.dtype, self.chunk_tokens)
         got: dict[bytes, bytearray] = {}
         deadline = time.monotonic() + timeout_s

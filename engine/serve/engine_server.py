@@ -150,14 +150,9 @@ class EngineNode:
             raise ValueError(f"role must be one of {ROLES}")
         self.role = role
         self.engine = LLMEngine(cfg)
-        self.metrics: EngineMetrics | None = None
-        self.loop = EngineLoop(self.engine)
-        self.metrics = EngineMetrics(role, self.loop)
-        self.loop._on_token, self.loop._on_finish = self.metrics.on_token, self.metrics.on_finish
+        self.metrics = EngineMetrics(role, self.engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
                                   options=[("grpc.so_reuseport", 0)])
-        self.service = EngineService(role, self.engine, self.loop, fetch_timeout_s)
-        pb_grpc.add_EngineServicer_to_server(self.service, self.server)
         try:
             self.port = self.server.add_insecure_port(listen)
         except RuntimeError:
@@ -167,11 +162,13 @@ class EngineNode:
         self.address = f"{listen.rpartition(':')[0]}:{self.port}"
         self._metrics_port = metrics_port
         self._metrics_server = None
-        self.agent = None
-        if cfg.conductor:
-            self.agent = self._make_agent(cfg)
-            self.service.agent = self.agent
-            self.loop._on_step = lambda: self.agent.report_load(self.engine.load())
+        self.agent = self._make_agent(cfg) if cfg.conductor else None
+        on_step = (lambda: self.agent.report_load(self.engine.load())) if self.agent else None
+        self.loop = EngineLoop(self.engine, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
+                               on_step=on_step)
+        self.service = EngineService(role, self.engine, self.loop, fetch_timeout_s)
+        self.service.agent = self.agent
+        pb_grpc.add_EngineServicer_to_server(self.service, self.server)
 
     def _make_agent(self, cfg: EngineConfig):
         """Registers with the conductor as a prefill engine (``both`` too) or a decode engine."""

@@ -10,9 +10,9 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class EngineMetrics:
-    def __init__(self, role: str, loop) -> None:
+    def __init__(self, role: str, engine) -> None:
         self.role = role
-        self.loop = loop
+        self.engine = engine
         self.registry = CollectorRegistry()
         self.ttft = Histogram("crescent_engine_ttft_seconds", "Arrival to first token, in this engine",
                               ["role"], buckets=_TTFT, registry=self.registry).labels(role)
@@ -36,7 +36,7 @@ class EngineMetrics:
         self.requests.labels(self.role, seq.finish_reason or "unknown").inc()
 
     def collect(self):
-        eng = self.loop.engine
+        eng = self.engine
         g = GaugeMetricFamily("crescent_engine_queue_depth", "Requests waiting or running", labels=["role", "state"])
         g.add_metric([self.role, "waiting"], len(eng.scheduler.waiting))
         g.add_metric([self.role, "running"], len(eng.scheduler.running))
