@@ -77,8 +77,10 @@ class SlotAllocator:
         return out
 
     def free(self, slots: list[int]) -> None:
+        """Returns slots; pushed in reverse so that the next ``alloc`` of as many takes them
+        back in ascending order (a value's adjacent slots stay one run for the copiers)."""
         head, nxt, gen = self._free_head, self._next_free, self.generation
-        for s in slots:
+        for s in reversed(slots):
             gen[s] += 1
             nxt[s] = head
             head = s

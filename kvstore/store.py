@@ -279,16 +279,21 @@ class TieredStore:
 
     def release(self, lease: Lease) -> None:
         """Ends a read lease. Idempotent."""
+        self.release_many((lease,))
+
+    def release_many(self, leases: Iterable[Lease]) -> None:
+        """Ends read leases in one lock hold. Idempotent."""
         with self._lock:
-            if lease.released:
-                return
-            lease.released = True
-            lease.views = []
-            e = lease._entry
-            e.leases -= 1
-            self._num_leases -= 1
-            if not e.live and e.leases == 0:
-                self._free_storage(e)
+            for lease in leases:
+                if lease.released:
+                    continue
+                lease.released = True
+                lease.views = []
+                e = lease._entry
+                e.leases -= 1
+                self._num_leases -= 1
+                if not e.live and e.leases == 0:
+                    self._free_storage(e)
 
     def acquire_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
         """Read leases for a batch of checked keys: per key None (a miss) or (lease, DRAM slots).

@@ -103,6 +103,19 @@ def test_multi_slot_values_and_partial_slots(tmp_path):
     assert s.put(b"huge", huge) is Tier.DISK and s.get(b"huge") == huge
 
 
+def test_freed_slots_come_back_as_one_ascending_run():
+    from kvstore.arena import SlotAllocator
+
+    a = SlotAllocator(64, 4096)
+    first = a.alloc(16)
+    assert first == list(range(16))
+    gens = [a.generation[s] for s in first]
+    a.free(first)
+    assert [a.generation[s] for s in first] == [g + 1 for g in gens]  # every freed slot goes stale
+    assert a.alloc(16) == first  # the same run, ascending: one copy for the movers, not 16
+    assert a.num_free == 48
+
+
 def test_two_phase_put():
     s = make(slots=4)
     res = s.reserve(b"k", 10)
