@@ -105,7 +105,8 @@ class StoreClient:
         address: ``host:port`` of the node's gRPC listener.
         timeout_s: deadline of each call.
         retry: retry policy for UNAVAILABLE.
-        data_channel: use the node's raw TCP data channel for value bytes when it has one.
+        data_channel: use the node's raw TCP data channel when it has one: for value
+            bytes (tcp), and for the grant calls of shm and rdma (else those are RPCs).
         transport: how value bytes move: ``auto`` (shm when the node is on this
             host, rdma when both ends have an ibverbs device, else the TCP data
             channel, else gRPC), or ``shm``, ``rdma``, ``tcp``, ``grpc``. A
@@ -153,6 +154,17 @@ class StoreClient:
             self._dc = _Connections(host, self._limits.data_port, self._limits.data_token)
         return self._dc
 
+    def _control_channel(self) -> _Connections | None:
+        """Fresh connections to the node's data channel for a descriptor session's grant
+        calls (None: the node has none, or ``data_channel=False``: they go over gRPC)."""
+        if not self._want_dc:
+            return None
+        self.health()  # re-read: a restarted node listens on a new data port
+        h = self._limits
+        if not h.data_port:
+            return None
+        return _Connections(self.address.rpartition(":")[0].strip("[]"), h.data_port, h.data_token)
+
     def _dc_call(self, fn):
         """Runs fn(conn) on this thread's data connection; a broken one is reopened once."""
         dc = self._data_channel()
@@ -172,7 +184,7 @@ class StoreClient:
         if self._selection is None:
             from kvstore.transport.session import select
 
-            sel = select(self._stub, self._call, self.timeout_s, self._transport_req)
+            sel = select(self._stub, self._call, self.timeout_s, self._transport_req, self._control_channel)
             if sel.session is None and self._transport_req in ("shm", "rdma"):
                 log.warning("transport %s to %s unavailable, falling back: %s",
                             self._transport_req, self.address, sel.notes)

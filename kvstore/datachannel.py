@@ -10,13 +10,31 @@ A client learns the port and a per-node token from ``KVStore.Health`` and
 opens a TCP connection that starts with ``b"CRDC" + token``. Then, any number
 of requests, each answered before the next (all integers little-endian)::
 
-    request   "CRRQ" u8 op (1 GET, 2 PUT) u8 0 u16 0 u32 n
-              n × (u16 key_len, key, i64 arg)      GET: capacity (-1 any); PUT: size
+    request   "CRRQ" u8 op u8 mover u16 0 u32 n u32 body_len
+              body: n × (u16 key_len, key, i64 arg)
               PUT only: the n values' bytes, back to back
-    response  "CRRS" u32 n
-              n × (u8 status, u64 size)
-              u16 msg_len, msg (UTF-8; why the first failed key failed)
+    response  "CRRS" u32 n u32 tail_len
+              tail: n × (u8 status, u64 size)
+                    u16 msg_len, msg (UTF-8; why the first failed key failed)
+                    ACQUIRE/RESERVE only: the grant (below)
               GET only: the bytes of every OK value, back to back
+
+    op    arg per key              mover        size per item
+    GET      capacity (-1 any)     0            value size
+    PUT      value size            0            value size
+    ACQUIRE  0                     shm or rdma  value size (a read lease)
+    RESERVE  value size            shm or rdma  value size (a write reservation)
+    RELEASE  lease id (key empty; any number)   bytes released
+    COMMIT   lease id (one key, empty)          bytes stored
+    ABORT    lease id (one key, empty)          values aborted
+
+    grant     u64 lease_id  f64 ttl_s  u16 arena_len  u32 num_slots  arena
+              u32 slot_count[n]  u32 slots[num_slots]  u64 generations[num_slots]
+
+The descriptor ops (ACQUIRE .. ABORT) are the control half of the shm and rdma
+movers (kvstore/transport/): the same grants as the ``KVStore`` RPCs of the
+same names, without gRPC's per-call cost (a round trip here costs a few tens
+of microseconds; a Python gRPC call, about a millisecond).
 
 A malformed request closes the connection; nothing of a PUT whose bytes did
 not all arrive becomes visible (its reservations are aborted).
@@ -28,20 +46,27 @@ import enum
 import hmac
 import socket
 import struct
+import sys
 import threading
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
+from itertools import chain
 
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import CrescentError, DataLossError, UnavailableError
 
 HELLO = b"CRDC"
 TOKEN_BYTES = 16
-_REQ = struct.Struct("<4sBBHI")
-_RES = struct.Struct("<4sI")
+_REQ = struct.Struct("<4sBBHII")
+_RES = struct.Struct("<4sII")
 _ITEM = struct.Struct("<BQ")
 _KEYLEN = struct.Struct("<H")
+_KEY_ARG = struct.Struct("<Hq")  # a zero-length key and its arg
 _ARG = struct.Struct("<q")
+_GRANT = struct.Struct("<QdHI")
 MAX_BATCH = 1 << 16
+MAX_BODY = MAX_BATCH * (2 + MAX_KEY_BYTES + 8)
+MAX_TAIL = 64 << 20
 _IOV_MAX = 512
 _SOCK_BUF = 4 << 20
 
@@ -49,6 +74,11 @@ _SOCK_BUF = 4 << 20
 class Op(enum.IntEnum):
     GET = 1
     PUT = 2
+    ACQUIRE = 3
+    RELEASE = 4
+    RESERVE = 5
+    COMMIT = 6
+    ABORT = 7
 
 
 class Status(enum.IntEnum):
@@ -57,6 +87,8 @@ class Status(enum.IntEnum):
     TOO_LARGE = 2  # GET: the value does not fit the caller's buffer
     INVALID = 3
     EXHAUSTED = 4
+    ELSEWHERE = 5  # ACQUIRE: present outside the DRAM arena
+    FAILED_PRECONDITION = 6  # a lease or reservation expired or unknown; a mover not offered
 
 
 class ProtocolError(CrescentError):
@@ -99,54 +131,130 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
 
 
-def encode_request(op: Op, keys: Sequence[bytes], args: Sequence[int]) -> bytes:
-    parts = [_REQ.pack(b"CRRQ", op, 0, 0, len(keys))]
+def encode_request(op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int = 0) -> bytes:
+    parts = []
     for k, a in zip(keys, args, strict=True):
         parts += [_KEYLEN.pack(len(k)), bytes(k), _ARG.pack(a)]
-    return b"".join(parts)
+    body = b"".join(parts)
+    return _REQ.pack(b"CRRQ", op, mover, 0, len(keys), len(body)) + body
 
 
-def encode_response(items: Sequence[tuple[Status, int]], msg: str = "") -> bytes:
+def encode_response(items: Sequence[tuple[Status, int]], msg: str = "", grant: bytes = b"") -> bytes:
     m = msg.encode()[:4096]
-    return b"".join([_RES.pack(b"CRRS", len(items)), *(_ITEM.pack(s, n) for s, n in items),
-                     _KEYLEN.pack(len(m)), m])
+    tail = b"".join([*(_ITEM.pack(s, n) for s, n in items), _KEYLEN.pack(len(m)), m, grant])
+    return _RES.pack(b"CRRS", len(items), len(tail)) + tail
 
 
-def read_request(sock: socket.socket) -> tuple[Op, list[bytes], list[int]] | None:
-    """Reads one request header; None when the peer closed cleanly between requests."""
+def read_request(sock: socket.socket) -> tuple[Op, list[bytes], list[int], int] | None:
+    """Reads one request header and body: ``(op, keys, args, mover)``; None when the
+    peer closed cleanly between requests."""
     first = sock.recv(_REQ.size, socket.MSG_WAITALL)
     if not first:
         return None
     if len(first) < _REQ.size:
         raise ProtocolError("truncated request header")
-    magic, op, _, _, n = _REQ.unpack(first)
-    if magic != b"CRRQ" or op not in (Op.GET, Op.PUT):
+    magic, op, mover, _, n, body_len = _REQ.unpack(first)
+    if magic != b"CRRQ" or op not in _OPS:
         raise ProtocolError("bad request magic or op")
     if n > MAX_BATCH:
         raise ProtocolError(f"batch of {n} keys exceeds {MAX_BATCH}")
-    keys, args = [], []
-    for _ in range(n):
-        (klen,) = _KEYLEN.unpack(recv_exact(sock, 2))
-        if klen > MAX_KEY_BYTES:
-            raise ProtocolError(f"key of {klen} bytes exceeds {MAX_KEY_BYTES}")
-        keys.append(recv_exact(sock, klen))
-        (arg,) = _ARG.unpack(recv_exact(sock, 8))
-        args.append(arg)
-    return Op(op), keys, args
+    if body_len > MAX_BODY:
+        raise ProtocolError(f"request body of {body_len} bytes is too large")
+    body = recv_exact(sock, body_len)
+    keys, args, pos = [], [], 0
+    try:
+        for _ in range(n):
+            (klen,) = _KEYLEN.unpack_from(body, pos)
+            if klen > MAX_KEY_BYTES:
+                raise ProtocolError(f"key of {klen} bytes exceeds {MAX_KEY_BYTES}")
+            keys.append(body[pos + 2 : pos + 2 + klen])
+            (arg,) = _ARG.unpack_from(body, pos + 2 + klen)
+            args.append(arg)
+            pos += 10 + klen
+    except struct.error:
+        raise ProtocolError("request body shorter than its keys") from None
+    if pos != body_len:
+        raise ProtocolError("request body longer than its keys")
+    return Op(op), keys, args, mover
+
+
+_OPS = frozenset(int(o) for o in Op)
 
 
 def read_response(sock: socket.socket) -> tuple[list[tuple[Status, int]], str]:
-    magic, n = _RES.unpack(recv_exact(sock, _RES.size))
+    """Reads a response's items and message (a grant, if any, is ``read_grant_response``'s)."""
+    items, msg, _ = read_grant_response(sock)
+    return items, msg
+
+
+def read_grant_response(sock: socket.socket) -> tuple[list[tuple[Status, int]], str, memoryview]:
+    """Reads a response: its items, its message, and what follows them in the tail (a grant)."""
+    magic, n, tail_len = _RES.unpack(recv_exact(sock, _RES.size))
     if magic != b"CRRS":
         raise ProtocolError("bad response magic")
-    raw = recv_exact(sock, n * _ITEM.size)
-    items = [(Status(s), size) for s, size in _ITEM.iter_unpack(raw)]
-    (mlen,) = _KEYLEN.unpack(recv_exact(sock, 2))
-    return items, recv_exact(sock, mlen).decode(errors="replace")
+    if tail_len > MAX_TAIL or tail_len < n * _ITEM.size + 2:
+        raise ProtocolError("bad response length")
+    tail = memoryview(recv_exact(sock, tail_len))
+    try:
+        items = [(Status(s), size) for s, size in _ITEM.iter_unpack(tail[: n * _ITEM.size])]
+    except ValueError:
+        raise ProtocolError("unknown item status") from None
+    pos = n * _ITEM.size
+    (mlen,) = _KEYLEN.unpack_from(tail, pos)
+    msg = bytes(tail[pos + 2 : pos + 2 + mlen]).decode(errors="replace")
+    return items, msg, tail[pos + 2 + mlen :]
+
+
+def encode_grant(lease_id: int, ttl_s: float, arena: str, slots: Sequence[Sequence[int]],
+                 generations: Sequence[Sequence[int]]) -> bytes:
+    """The grant part of an ACQUIRE/RESERVE response: ``slots[i]`` are item i's (empty unless OK)."""
+    name = arena.encode()
+    counts = array("I", map(len, slots))
+    flat_slots = array("I", chain.from_iterable(slots))
+    flat_gens = array("Q", chain.from_iterable(generations))
+    if sys.byteorder != "little":
+        for a in (flat_slots, flat_gens, counts):
+            a.byteswap()
+    return b"".join([_GRANT.pack(lease_id, ttl_s, len(name), len(flat_slots)), name,
+                     counts.tobytes(), flat_slots.tobytes(), flat_gens.tobytes()])
+
+
+def decode_grant(blob: memoryview, n: int) -> tuple[int, float, str, list[list[int]], list[list[int]]]:
+    """``(lease_id, ttl_s, arena, slots per item, generations per item)`` of a grant."""
+    try:
+        lease_id, ttl_s, alen, total = _GRANT.unpack_from(blob, 0)
+        pos = _GRANT.size
+        arena = bytes(blob[pos : pos + alen]).decode()
+        pos += alen
+        counts, flat, gens = array("I"), array("I"), array("Q")
+        counts.frombytes(blob[pos : pos + 4 * n])
+        pos += 4 * n
+        flat.frombytes(blob[pos : pos + 4 * total])
+        pos += 4 * total
+        gens.frombytes(blob[pos : pos + 8 * total])
+    except (struct.error, UnicodeDecodeError, ValueError):
+        raise ProtocolError("malformed grant") from None
+    if sys.byteorder != "little":
+        for a in (counts, flat, gens):
+            a.byteswap()
+    if len(counts) != n or len(flat) != total or len(gens) != total or sum(counts) != total:
+        raise ProtocolError("malformed grant")
+    slots, generations, at = [], [], 0
+    flat_l, gens_l = flat.tolist(), gens.tolist()
+    for c in counts:
+        slots.append(flat_l[at : at + c])
+        generations.append(gens_l[at : at + c])
+        at += c
+    return lease_id, ttl_s, arena, slots, generations
 
 
 class DataChannelClient:
-    """One connection to a node's data channel. Not thread-safe: use one per thread."""
+    """One connection to a node's data channel. Not thread-safe: use one per thread.
+
+    ``end_later`` sends a RELEASE/ABORT without waiting for its answer; the node
+    answers in order, so the answers are read (and checked) just before the
+    next request's own answer, never on the caller's critical path.
+    """
 
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0) -> None:
         try:
@@ -155,14 +263,37 @@ class DataChannelClient:
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
         tune(self.sock)
         self.sock.sendall(HELLO + token)
+        self._deferred: list[tuple[int, Callable | None]] = []
 
     def close(self) -> None:
         self.sock.close()
+
+    def end_later(self, op: Op, lease_ids: Sequence[int],
+                  on_answer: Callable[[list[tuple[Status, int]], str], None] | None = None) -> None:
+        """Sends RELEASE (any number of grants) or ABORT (one) without waiting; the
+        answer goes to ``on_answer(items, message)`` once read."""
+        try:
+            self.sock.sendall(_end_request(op, lease_ids))
+        except OSError as exc:
+            self.close()
+            raise DataLossError(f"data channel broke: {exc}") from exc
+        self._deferred.append((len(lease_ids), on_answer))
+
+    def _read_deferred(self) -> None:
+        """Reads the answers of earlier ``end_later`` requests (they precede any other)."""
+        while self._deferred:
+            n, on_answer = self._deferred.pop(0)
+            items, msg = read_response(self.sock)
+            if len(items) != n:
+                raise ProtocolError("response does not match the request")
+            if on_answer is not None:
+                on_answer(items, msg)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[tuple[Status, int]]:
         """Reads values straight into ``buffers`` (one per key, each at least the value's size)."""
         try:
             self.sock.sendall(encode_request(Op.GET, keys, [b.nbytes for b in buffers]))
+            self._read_deferred()
             items, _ = read_response(self.sock)
             if len(items) != len(keys):
                 raise ProtocolError("response does not match the request")
@@ -179,6 +310,7 @@ class DataChannelClient:
     def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         try:
             self.sock.sendall(encode_request(Op.GET, keys, [-1] * len(keys)))
+            self._read_deferred()
             items, _ = read_response(self.sock)
             out: list[bytearray | None] = []
             for status, size in items:
@@ -200,10 +332,44 @@ class DataChannelClient:
         try:
             self.sock.sendall(encode_request(Op.PUT, keys, sizes))
             send_views(self.sock, [p for parts in values for p in parts])
+            self._read_deferred()
             return read_response(self.sock)
         except (OSError, ProtocolError) as exc:
             self.close()
             raise DataLossError(f"data channel broke: {exc}") from exc
+
+    def grant(self, op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int
+              ) -> tuple[list[tuple[Status, int]], str, tuple | None]:
+        """ACQUIRE or RESERVE: the items, the message and the decoded grant (None when the
+        node answered with an error for the whole batch)."""
+        try:
+            self.sock.sendall(encode_request(op, keys, args, mover))
+            self._read_deferred()
+            items, msg, blob = read_grant_response(self.sock)
+            if len(items) != len(keys):
+                raise ProtocolError("response does not match the request")
+            return items, msg, (decode_grant(blob, len(keys)) if blob.nbytes else None)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise DataLossError(f"data channel broke: {exc}") from exc
+
+    def end(self, op: Op, lease_id: int) -> tuple[Status, int, str]:
+        """RELEASE, COMMIT or ABORT of a grant: ``(status, size, message)``."""
+        try:
+            self.sock.sendall(_end_request(op, [lease_id]))
+            self._read_deferred()
+            items, msg = read_response(self.sock)
+            if len(items) != 1:
+                raise ProtocolError("response does not match the request")
+            return items[0][0], items[0][1], msg
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise DataLossError(f"data channel broke: {exc}") from exc
+
+
+def _end_request(op: Op, lease_ids: Sequence[int]) -> bytes:
+    body = b"".join(_KEY_ARG.pack(0, i) for i in lease_ids)
+    return _REQ.pack(b"CRRQ", op, 0, 0, len(lease_ids), len(body)) + body
 
 
 class _Connections:

@@ -9,21 +9,32 @@ import threading
 import time
 
 from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status, check_token,
-                                 encode_response, read_request, recv_exact, recv_exact_into,
+                                 encode_grant, encode_response, read_request, recv_exact, recv_exact_into,
                                  send_views, tune)
-from kvstore.errors import CrescentError, InvalidArgumentError, ResourceExhaustedError
+from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, TieredStore
+from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
 _DRAIN = 1 << 20
 
 
 class DataChannelServer:
-    """Accepts data-channel connections, one thread each."""
+    """Accepts data-channel connections, one thread each.
+
+    Args:
+        store: the node's store.
+        host, port: where to listen (port 0: any free port).
+        on_op: ``callback(op_name, seconds, path)`` after each request (metrics;
+            ``path`` is ``tcp``, or the mover of an ACQUIRE/RESERVE).
+        grants: the node's ``NodeTransport``: serves the descriptor ops
+            (ACQUIRE .. ABORT) from its lease table; None refuses them.
+    """
 
     def __init__(self, store: TieredStore, host: str, port: int = 0,
-                 on_op=None) -> None:
+                 on_op=None, grants=None) -> None:
         self.store = store
+        self.grants = grants
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._on_op = on_op  # callback(op_name, seconds, nbytes) for metrics
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -73,14 +84,19 @@ class DataChannelServer:
                 req = read_request(conn)
                 if req is None:
                     return
-                op, keys, args = req
+                op, keys, args, mover = req
                 t0 = time.perf_counter()
+                path = "tcp"
                 if op is Op.GET:
                     self._get(conn, keys, args)
-                else:
+                elif op is Op.PUT:
                     self._put(conn, keys, args)
+                else:
+                    conn.sendall(self._descriptor_op(op, keys, args, mover))
+                    if op in (Op.ACQUIRE, Op.RESERVE):
+                        path = _MOVER_NAMES.get(mover, path)
                 if self._on_op is not None:
-                    self._on_op(op.name.lower(), time.perf_counter() - t0)
+                    self._on_op(op.name.lower(), time.perf_counter() - t0, path)
         except (OSError, ProtocolError) as exc:
             log.debug("data channel connection ended: %s", exc)
         finally:
@@ -155,6 +171,48 @@ class DataChannelServer:
                 for r in reservations:
                     if r is not None:
                         self.store.abort(r)
+
+    def _descriptor_op(self, op: Op, keys: list[bytes], args: list[int], mover: int) -> bytes:
+        """One descriptor request, answered as the KVStore RPC of the same name would be."""
+        t = self.grants
+        try:
+            if t is None:
+                raise FailedPreconditionError("this node serves no descriptors on its data channel")
+            if op in (Op.ACQUIRE, Op.RESERVE):
+                m = t.check_mover(mover)
+                if op is Op.ACQUIRE:
+                    g = t.leases.acquire(keys, m)
+                else:
+                    g = t.leases.reserve(list(zip(keys, args)), m)
+                items = [(_GRANT_STATUS[d.status], d.size) for d in g.items]
+                grant = encode_grant(g.lease_id, g.ttl_s, t.arena.name, [d.slots for d in g.items],
+                                     [d.generations for d in g.items])
+                return encode_response(items, g.message, grant)
+            if op is Op.RELEASE:
+                items, msg = [], ""
+                for lease_id in args:
+                    try:
+                        items.append((Status.OK, t.leases.release(lease_id)[1]))
+                    except FailedPreconditionError as exc:
+                        items.append((Status.FAILED_PRECONDITION, 0))
+                        msg = msg or str(exc)
+                return encode_response(items, msg)
+            if len(args) != 1:
+                raise InvalidArgumentError(f"{op.name} takes one lease id, got {len(args)}")
+            if op is Op.COMMIT:
+                _, nbytes = t.leases.commit(args[0])
+            else:
+                nbytes = t.leases.abort(args[0])
+            return encode_response([(Status.OK, nbytes)])
+        except InvalidArgumentError as exc:
+            return encode_response([(Status.INVALID, 0)] * len(keys), str(exc))
+        except FailedPreconditionError as exc:
+            return encode_response([(Status.FAILED_PRECONDITION, 0)] * len(keys), str(exc))
+
+
+_MOVER_NAMES = {m.pb: m.value for m in Mover}
+_GRANT_STATUS = {ItemStatus.OK: Status.OK, ItemStatus.NOT_FOUND: Status.NOT_FOUND,
+                 ItemStatus.ELSEWHERE: Status.ELSEWHERE, ItemStatus.EXHAUSTED: Status.EXHAUSTED}
 
 
 def _drain(conn: socket.socket, n: int) -> None:

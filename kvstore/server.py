@@ -29,6 +29,8 @@ from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+_CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve": "reserve_write",
+                "commit": "commit_write", "abort": "abort_write"}
 VERSION = "0.1.0"
 FRAME_BYTES = 4 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
@@ -245,12 +247,15 @@ class StoreNode:
         if config.data_port >= 0:
             self.data_server = DataChannelServer(
                 self.store, host, config.data_port,
-                on_op=self._on_tcp_op)
+                on_op=self._on_tcp_op, grants=self.transport)
         self._metrics_server = None
 
-    def _on_tcp_op(self, op: str, seconds: float) -> None:
-        self.metrics.observe(op, seconds, "tcp")
-        self.transport.count(Mover.TCP, "read" if op == "get" else "write")
+    def _on_tcp_op(self, op: str, seconds: float, path: str) -> None:
+        if op in ("get", "put"):
+            self.metrics.observe(op, seconds, path)
+            self.transport.count(Mover.TCP, "read" if op == "get" else "write")
+        else:  # the control half of shm/rdma, named as its RPC (mover counts come from the lease table)
+            self.metrics.observe(_CHANNEL_OPS[op], seconds, path)
 
     def start(self) -> StoreNode:
         if self.agent is not None:

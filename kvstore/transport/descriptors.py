@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
 
 from kvstore.store import Tier
 from proto.crescent.v1 import kvstore_pb2 as pb
@@ -73,9 +75,11 @@ class ArenaRef:
         return cls(a.name, a.size, a.slot_bytes, a.file_dev, a.file_ino, a.rdma_addr, a.rdma_rkey)
 
 
-@dataclass(frozen=True, slots=True)
-class SlotDescriptor:
-    """One key of a grant: its status and, when OK, its arena slots."""
+class SlotDescriptor(NamedTuple):
+    """One key of a grant: its status and, when OK, its arena slots.
+
+    A named tuple: a grant of a large batch builds one per key on both ends.
+    """
 
     index: int
     status: ItemStatus
@@ -87,6 +91,13 @@ class SlotDescriptor:
     def extents(self, slot_bytes: int) -> list[tuple[int, int]]:
         """``(arena offset, length)`` runs covering the value in order; adjacent slots merge."""
         return value_extents(self.slots, self.size, slot_bytes)
+
+
+def gather(values, slots) -> tuple[int, ...]:
+    """``values[s]`` for each slot, as a tuple (one C call)."""
+    if len(slots) == 1:
+        return (values[slots[0]],)
+    return itemgetter(*slots)(values) if slots else ()
 
 
 def value_extents(slots, size: int, slot_bytes: int) -> list[tuple[int, int]]:
@@ -109,6 +120,11 @@ def value_extents(slots, size: int, slot_bytes: int) -> list[tuple[int, int]]:
 def ops_for(local_addr: int, slots, size: int, slot_bytes: int, out: list) -> None:
     """Appends ``(local addr, arena offset, length)`` copies between a contiguous local
     buffer at ``local_addr`` and a value of ``size`` bytes in ``slots`` (adjacent slots merge)."""
+    n = len(slots)
+    if n and size <= n * slot_bytes and size > (n - 1) * slot_bytes and slots[-1] - slots[0] == n - 1 \
+            and (n < 3 or tuple(slots) == tuple(range(slots[0], slots[0] + n))):
+        out.append((local_addr, slots[0] * slot_bytes, size))  # the usual case: one ascending run
+        return
     pos = 0
     run_local = run_off = run_n = 0
     for s in slots:
@@ -140,6 +156,8 @@ class Grant:
     arena: str
     items: tuple[SlotDescriptor, ...]
     message: str = ""
+    sent_at: float = 0.0
+    """``time.monotonic()`` when the request was sent."""
 
     @classmethod
     def from_pb(cls, r, sent_at: float) -> Grant:
@@ -147,7 +165,7 @@ class Grant:
             SlotDescriptor(d.index, ItemStatus(d.status), d.size, Tier(d.tier) if d.tier else None,
                            tuple(d.slots), tuple(d.generations))
             for d in r.items)
-        return cls(r.lease_id, sent_at + r.expires_in_s, r.arena, items, getattr(r, "message", ""))
+        return cls(r.lease_id, sent_at + r.expires_in_s, r.arena, items, getattr(r, "message", ""), sent_at)
 
 
 def descriptor_pb(index: int, status: ItemStatus, size: int = 0, tier: Tier | None = None,

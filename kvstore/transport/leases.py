@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, Tier, TieredStore, check_key
-from kvstore.transport.descriptors import ItemStatus, Mover, SlotDescriptor
+from kvstore.transport.descriptors import ItemStatus, Mover, SlotDescriptor, gather
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class _Grant:
     lease_id: int
     mover: Mover
     expires_at: float
-    slots: list[list[int]]
-    generations: list[list[int]]
+    slots: list[tuple[int, ...]]
+    generations: list[tuple[int, ...]]
     nbytes: int
     leases: list[Lease] | None = None  # reads
     reservations: list[Reservation] | None = None  # writes
@@ -112,12 +112,13 @@ class LeaseTable:
                     self.store.release(lease)
                     items.append(SlotDescriptor(i, ItemStatus.ELSEWHERE, lease.size, lease.tier))
                     continue
-                gens = [gen[s] for s in slots]  # stable: leased slots are never freed
+                slots = tuple(slots)
+                gens = gather(gen, slots)  # stable: leased slots are never freed
                 g.leases.append(lease)
                 g.slots.append(slots)
                 g.generations.append(gens)
                 g.nbytes += lease.size
-                items.append(SlotDescriptor(i, ItemStatus.OK, lease.size, Tier.DRAM, tuple(slots), tuple(gens)))
+                items.append(SlotDescriptor(i, ItemStatus.OK, lease.size, Tier.DRAM, slots, gens))
         except BaseException:
             for hit in got:
                 if hit is not None:
@@ -142,8 +143,7 @@ class LeaseTable:
                     f"read lease {lease_id:#x} expired or unknown: treat its keys as misses")
             expired = time.monotonic() > g.expires_at
             stale = not self._generations_match(g)
-            for lease in g.leases:
-                self.store.release(lease)
+            self.store.release_many(g.leases)
             if expired:
                 self.num_expired_reads += 1
                 raise FailedPreconditionError(
@@ -181,12 +181,13 @@ class LeaseTable:
                     items.append(SlotDescriptor(i, ItemStatus.EXHAUSTED, size, None))
                     msg = msg or str(exc)
                     continue
-                gens = [gen[s] for s in res.slots]
+                slots = tuple(res.slots)
+                gens = gather(gen, slots)
                 g.reservations.append(res)
-                g.slots.append(res.slots)
+                g.slots.append(slots)
                 g.generations.append(gens)
                 g.nbytes += size
-                items.append(SlotDescriptor(i, ItemStatus.OK, size, Tier.DRAM, tuple(res.slots), tuple(gens)))
+                items.append(SlotDescriptor(i, ItemStatus.OK, size, Tier.DRAM, slots, gens))
         except BaseException:
             for r in g.reservations:
                 self.store.abort(r)
@@ -241,8 +242,7 @@ class LeaseTable:
         with self._lock:
             for lease_id in [i for i, g in self._reads.items() if now > g.expires_at]:
                 g = self._reads.pop(lease_id)
-                for lease in g.leases:
-                    self.store.release(lease)
+                self.store.release_many(g.leases)
                 self.num_expired_reads += 1
                 log.info("read lease %#x expired (%d values)", lease_id, len(g.leases))
             for lease_id in [i for i, g in self._writes.items() if now > g.expires_at]:
@@ -304,8 +304,7 @@ class LeaseTable:
 
     def _generations_match(self, g: _Grant) -> bool:
         gen = self.store.dram.generation
-        return all(gen[s] == want for slots, gens in zip(g.slots, g.generations)
-                   for s, want in zip(slots, gens))
+        return all(gather(gen, slots) == gens for slots, gens in zip(g.slots, g.generations))
 
 
 def _check_batch(items: Sequence) -> None:

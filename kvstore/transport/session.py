@@ -4,7 +4,11 @@
 same host, rdma when both ends have a device, else none (the client then uses
 its streamed path, the TCP data channel or gRPC). ``DescriptorSession`` runs
 the protocol: ask for a grant, move the bytes with the mover, release or
-commit.
+commit. The grant calls travel over the node's data channel when it has one
+(``ChannelControl``: a binary request on a kept-open TCP connection, tens of
+microseconds) and as ``KVStore`` RPCs otherwise (``GrpcControl``: about a
+millisecond each in Python); a broken channel is re-resolved once (the node
+may have restarted on a new data port).
 
 Read guarantee (see kvstore/transport/leases.py for the node's half): a key
 is reported as a hit only when the node confirmed the release of its lease,
@@ -27,8 +31,12 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, UnavailableError
-from kvstore.transport.descriptors import ArenaRef, Grant, Mover, SlotDescriptor, ops_for, value_extents
+from kvstore.datachannel import Op, Status, _Connections
+from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
+                            UnavailableError)
+from kvstore.store import Tier
+from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
+                                           value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
 from kvstore.transport.memcopy import local_buffer, plan, slice_extents
@@ -48,7 +56,8 @@ class Selection:
     notes: str = ""
 
 
-def select(stub, call: Callable, timeout_s: float, requested: str) -> Selection:
+def select(stub, call: Callable, timeout_s: float, requested: str,
+           channel: Callable[[], _Connections | None] | None = None) -> Selection:
     """Picks the best one-sided mover the node and this process can both use.
 
     Args:
@@ -56,6 +65,8 @@ def select(stub, call: Callable, timeout_s: float, requested: str) -> Selection:
         call: runs a stub call, mapping gRPC errors to CrescentError (with retries).
         timeout_s: deadline of each call.
         requested: ``auto``, ``shm``, ``rdma``, ``tcp`` or ``grpc``.
+        channel: opens connections to the node's data channel (None when it has
+            none); the grant calls then travel there instead of over gRPC.
     """
     if requested in ("tcp", "grpc"):
         one_sided_candidates(requested, set(), False, None, None)  # validates the name
@@ -86,8 +97,124 @@ def select(stub, call: Callable, timeout_s: float, requested: str) -> Selection:
         except (CrescentError, OSError) as exc:
             notes.append(f"{mover.value}: {exc}")
             continue
-        return Selection(DescriptorSession(stub, call, timeout_s, m, arena, requested), "; ".join(notes))
+        conns = channel() if channel is not None else None
+        control = ChannelControl(conns) if conns is not None else GrpcControl(stub, call, timeout_s)
+        session = DescriptorSession(stub, call, timeout_s, m, arena, requested, control, channel)
+        return Selection(session, "; ".join(notes))
     return Selection(None, "; ".join(notes))
+
+
+class GrpcControl:
+    """The grant calls as ``KVStore`` RPCs."""
+
+    lane = "grpc"
+
+    def __init__(self, stub, call: Callable, timeout_s: float) -> None:
+        self._stub, self._call, self.timeout_s = stub, call, timeout_s
+
+    def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
+        sent = time.monotonic()
+        r = self._call(lambda: self._stub.AcquireRead(pb.AcquireReadRequest(keys=keys, mover=mover.pb),
+                                                      timeout=self.timeout_s))
+        return Grant.from_pb(r, sent)
+
+    def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
+        headers = [pb.ValueHeader(key=k, size=n) for k, n in items]
+        sent = time.monotonic()
+        r = self._call(lambda: self._stub.ReserveWrite(pb.ReserveWriteRequest(values=headers, mover=mover.pb),
+                                                       timeout=self.timeout_s))
+        return Grant.from_pb(r, sent)
+
+    def release(self, lease_id: int) -> None:
+        self._call(lambda: self._stub.ReleaseRead(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
+
+    release_later = None  # a unary RPC is answered before the next: releases wait
+
+    def commit(self, lease_id: int) -> None:
+        self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
+
+    def abort(self, lease_id: int) -> int:
+        r = self._call(lambda: self._stub.AbortWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
+        return r.num_aborted
+
+    def close(self) -> None:
+        pass
+
+
+_ITEM_STATUS = {Status.OK: ItemStatus.OK, Status.NOT_FOUND: ItemStatus.NOT_FOUND,
+                Status.ELSEWHERE: ItemStatus.ELSEWHERE, Status.EXHAUSTED: ItemStatus.EXHAUSTED}
+
+
+class ChannelControl:
+    """The grant calls on the node's data channel (one connection per thread)."""
+
+    lane = "tcp"
+
+    def __init__(self, conns: _Connections) -> None:
+        self._conns = conns
+
+    def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
+        sent = time.monotonic()
+        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)))
+
+    def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
+        keys, sizes = [k for k, _ in items], [n for _, n in items]
+        sent = time.monotonic()
+        return self._grant(sent, self._run(lambda c: c.grant(Op.RESERVE, keys, sizes, mover.pb)))
+
+    def release(self, lease_id: int) -> None:
+        self._end(Op.RELEASE, lease_id)
+
+    def release_later(self, lease_ids: Sequence[int], on_answer: Callable | None) -> None:
+        """Sends one release of every lease without waiting; ``on_answer(items, message)``
+        gets the node's answer once read."""
+        self._run(lambda c: c.end_later(Op.RELEASE, lease_ids, on_answer))
+
+    def commit(self, lease_id: int) -> None:
+        self._end(Op.COMMIT, lease_id)
+
+    def abort(self, lease_id: int) -> int:
+        return self._end(Op.ABORT, lease_id)
+
+    def close(self) -> None:
+        self._conns.close()
+
+    def _run(self, fn):
+        try:
+            return fn(self._conns.get())
+        except DataLossError:  # the connection closed itself; get() opens a new one
+            return fn(self._conns.get())
+
+    def _end(self, op: Op, lease_id: int) -> int:
+        status, size, msg = self._run(lambda c: c.end(op, lease_id))
+        _raise_for(status, msg)
+        return size
+
+    @staticmethod
+    def _grant(sent: float, reply) -> Grant:
+        items, msg, g = reply
+        if g is None:
+            if items:
+                _raise_for(items[0][0], msg)
+            return Grant(0, sent, "", (), msg, sent)
+        lease_id, ttl_s, arena, slots, gens = g
+        out = []
+        for i, ((status, size), ss, gs) in enumerate(zip(items, slots, gens)):
+            st = _ITEM_STATUS.get(status)
+            if st is None:
+                raise DataLossError(f"data channel: unexpected item status {status.name} in a grant")
+            out.append(SlotDescriptor(i, st, size, Tier.DRAM if st is ItemStatus.OK else None, tuple(ss), tuple(gs)))
+        return Grant(lease_id, sent + ttl_s, arena, tuple(out), msg, sent)
+
+
+def _raise_for(status: Status, msg: str) -> None:
+    if status is Status.OK:
+        return
+    if status is Status.INVALID:
+        raise InvalidArgumentError(msg)
+    if status is Status.FAILED_PRECONDITION:
+        raise FailedPreconditionError(msg)
+    raise DataLossError(f"data channel: unexpected status {status.name}: {msg}")
 
 
 def _open_mover(mover: Mover, arena: ArenaRef, stub, call, timeout_s: float):
@@ -118,12 +245,18 @@ def value_nbytes(part) -> int:
 
 @dataclass(eq=False)
 class _Handle:
-    """A mover and the arena it reaches; closed once retired (the node's arena changed) and idle."""
+    """A mover, the arena it reaches and the grant calls' lane; closed once retired
+    (the node's arena or data channel changed) and idle."""
 
     mover: object
     arena: ArenaRef
+    control: GrpcControl | ChannelControl
     users: int = 0
     retired: bool = False
+
+    def close(self) -> None:
+        self.mover.close()
+        self.control.close()
 
 
 class DescriptorSession:
@@ -135,14 +268,19 @@ class DescriptorSession:
     with other work.
     """
 
-    def __init__(self, stub, call: Callable, timeout_s: float, mover, arena: ArenaRef, requested: str) -> None:
+    def __init__(self, stub, call: Callable, timeout_s: float, mover, arena: ArenaRef, requested: str,
+                 control: GrpcControl | ChannelControl | None = None,
+                 channel: Callable[[], _Connections | None] | None = None) -> None:
         self._stub, self._call, self.timeout_s = stub, call, timeout_s
-        self._handle = _Handle(mover, arena)
+        self._handle = _Handle(mover, arena, control or GrpcControl(stub, call, timeout_s))
         self._requested = requested
+        self._channel = channel
         self._lock = threading.Lock()
         self._staging: CudaStaging | None = None
         self.num_invalid_reads = 0
-        """Batches whose lease had expired at release: their keys were reported as misses."""
+        """Batches whose lease ran out before their copy ended: their keys were reported as misses."""
+        self.num_late_release_failures = 0
+        """Releases sent after a copy that ended in time and then refused by the node (clock trouble)."""
 
     @property
     def mover(self) -> Mover:
@@ -151,6 +289,11 @@ class DescriptorSession:
     @property
     def arena(self) -> ArenaRef:
         return self._handle.arena
+
+    @property
+    def control_lane(self) -> str:
+        """Where the grant calls travel: ``tcp`` (the node's data channel) or ``grpc``."""
+        return self._handle.control.lane
 
     # ---- one batch, whole protocol ------------------------------------------------
 
@@ -170,20 +313,17 @@ class DescriptorSession:
         Raises:
             InvalidArgumentError: a value is larger than its buffer (nothing is reported read).
         """
-        request = lambda: self._stub.AcquireRead(  # noqa: E731
-            pb.AcquireReadRequest(keys=keys, mover=self.mover.pb), timeout=self.timeout_s)
-        with self._granted(request, read=True) as (h, r, sent):
+        with self._granted(lambda c: c.acquire(keys, self.mover), read=True) as (h, g):
             sizes: list[int | None] = [None] * len(keys)
-            elsewhere = [d.index for d in r.items if d.status == pb.ITEM_ELSEWHERE]
-            if not r.lease_id:
+            elsewhere = [d.index for d in g.items if d.status is ItemStatus.ELSEWHERE]
+            if not g.lease_id:
                 return sizes, elsewhere
-            expires_at = sent + r.expires_in_s
             sb = h.arena.slot_bytes
             ok, ops, bufs, keep, cuda = [], [], [], [], []
             copied = False
             try:
-                for d in r.items:
-                    if d.status != pb.ITEM_OK:
+                for d in g.items:
+                    if d.status is not ItemStatus.OK:
                         continue
                     i, size = d.index, d.size
                     dst = dst_for(i, size)
@@ -199,14 +339,20 @@ class DescriptorSession:
                         raise InvalidArgumentError(
                             f"value of key {bytes(keys[i]).hex()} ({size} bytes) exceeds its buffer of {cap}")
                     ok.append((i, size))
-                if time.monotonic() < expires_at:  # else the release fails anyway
+                if time.monotonic() < g.expires_at:  # else the lease is over: nothing to copy
                     h.mover.read(ops, bufs)
                     for dst, size, ext in cuda:
                         self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
-                    copied = True
+                    copied = time.monotonic() < _safe_end(g)
             finally:
-                valid = self._end_read(r.lease_id)
-        if copied and valid:
+                if copied and h.control.release_later is not None:
+                    h.control.release_later([g.lease_id], self._late_answer)
+                    valid = True
+                else:
+                    valid = self._end_read(h, g.lease_id) and copied
+                    if not copied:
+                        self.num_invalid_reads += 1
+        if valid:
             for i, size in ok:
                 sizes[i] = size
         return sizes, elsewhere
@@ -218,23 +364,19 @@ class DescriptorSession:
             Per key, whether it was stored, and the indices to store another
             way (the arena had no room now, or the reservation expired).
         """
-        sizes = [sum(value_nbytes(p) for p in parts) for parts in values]
-        headers = [pb.ValueHeader(key=k, size=s) for k, s in zip(keys, sizes)]
-        request = lambda: self._stub.ReserveWrite(  # noqa: E731
-            pb.ReserveWriteRequest(values=headers, mover=self.mover.pb), timeout=self.timeout_s)
-        with self._granted(request, read=False) as (h, r, sent):
+        items = [(k, sum(value_nbytes(p) for p in parts)) for k, parts in zip(keys, values)]
+        with self._granted(lambda c: c.reserve(items, self.mover), read=False) as (h, g):
             stored = [False] * len(keys)
-            other = [d.index for d in r.items if d.status == pb.ITEM_EXHAUSTED]
-            if not r.lease_id:
+            other = [d.index for d in g.items if d.status is ItemStatus.EXHAUSTED]
+            if not g.lease_id:
                 return stored, other
-            expires_at = sent + r.expires_in_s
             sb = h.arena.slot_bytes
-            ok = [d.index for d in r.items if d.status == pb.ITEM_OK]
+            ok = [d.index for d in g.items if d.status is ItemStatus.OK]
             committed = False
             try:
                 ops, bufs, keep, cuda = [], [], [], []
-                for d in r.items:
-                    if d.status != pb.ITEM_OK:
+                for d in g.items:
+                    if d.status is not ItemStatus.OK:
                         continue
                     parts = values[d.index]
                     if len(parts) == 1 and not is_cuda(parts[0]):  # the common case: one host buffer
@@ -255,12 +397,12 @@ class DescriptorSession:
                             keep.append(ka)
                         pos += n
                 for piece in _pieces(ops, WRITE_PIECE_BYTES):
-                    _check_deadline(expires_at)
+                    _check_deadline(g.expires_at)
                     h.mover.write(piece, bufs)
                 for part, n, ext in cuda:
-                    _check_deadline(expires_at)
+                    _check_deadline(g.expires_at)
                     self.staging().from_device(part, n, _filler(h.mover, ext, read=False))
-                self.commit(r.lease_id)
+                h.control.commit(g.lease_id)
                 committed = True
                 for i in ok:
                     stored[i] = True
@@ -269,17 +411,15 @@ class DescriptorSession:
                 other += ok
             finally:
                 if not committed:
-                    self._end_write(r.lease_id)
+                    self._end_write(h, g.lease_id)
         return stored, sorted(other)
 
     # ---- step by step ---------------------------------------------------------------
 
     def acquire(self, keys: Sequence[bytes]) -> Grant:
         """A read lease on ``keys``: their descriptors, under one lease id (0: nothing leased)."""
-        request = lambda: self._stub.AcquireRead(  # noqa: E731
-            pb.AcquireReadRequest(keys=keys, mover=self.mover.pb), timeout=self.timeout_s)
-        with self._granted(request, read=True) as (_, r, sent):
-            return Grant.from_pb(r, sent)
+        with self._granted(lambda c: c.acquire(keys, self.mover), read=True) as (_, g):
+            return g
 
     def read(self, desc: SlotDescriptor, dst) -> None:
         """Copies one granted value into a host buffer (no validity check: ``release`` decides)."""
@@ -294,15 +434,13 @@ class DescriptorSession:
 
     def release(self, lease_id: int) -> None:
         """Ends a read lease. Raises FailedPreconditionError when it had expired."""
-        self._call(lambda: self._stub.ReleaseRead(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
+        with self._use() as h:
+            h.control.release(lease_id)
 
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Grant:
         """A write reservation for ``(key, size)`` items (0: nothing reserved)."""
-        headers = [pb.ValueHeader(key=k, size=s) for k, s in items]
-        request = lambda: self._stub.ReserveWrite(  # noqa: E731
-            pb.ReserveWriteRequest(values=headers, mover=self.mover.pb), timeout=self.timeout_s)
-        with self._granted(request, read=False) as (_, r, sent):
-            return Grant.from_pb(r, sent)
+        with self._granted(lambda c: c.reserve(items, self.mover), read=False) as (_, g):
+            return g
 
     def write(self, desc: SlotDescriptor, src) -> None:
         """Copies one value's bytes into its reserved slots (no deadline check)."""
@@ -317,11 +455,12 @@ class DescriptorSession:
 
     def commit(self, lease_id: int) -> None:
         """Makes a reservation's values visible. Raises FailedPreconditionError when it expired."""
-        self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
+        with self._use() as h:
+            h.control.commit(lease_id)
 
     def abort(self, lease_id: int) -> int:
-        r = self._call(lambda: self._stub.AbortWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
-        return r.num_aborted
+        with self._use() as h:
+            return h.control.abort(lease_id)
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -348,39 +487,45 @@ class DescriptorSession:
                 h.users -= 1
                 idle = h.retired and h.users == 0
             if idle:
-                h.mover.close()
+                h.close()
 
     @contextmanager
     def _granted(self, request: Callable, read: bool):
-        """Sends a grant request with the current mover in use; yields (handle, response, send time).
+        """Runs ``request(control)`` with the current mover in use; yields (handle, Grant).
 
         A grant naming another arena (the node restarted) is ended, the new
-        arena mapped, and the request sent once more.
+        arena mapped, and the request sent once more; so is one that failed
+        because the data channel broke (a restarted node listens elsewhere).
         """
         for attempt in range(2):
             with self._use() as h:
-                sent = time.monotonic()
-                r = self._call(request)
-                if not r.lease_id or r.arena == h.arena.name:
-                    yield h, r, sent
-                    return
-                if read:
-                    self._end_read(r.lease_id)
-                else:
-                    self._end_write(r.lease_id)
+                try:
+                    g = request(h.control)
+                except (DataLossError, UnavailableError):
+                    if attempt or h.control.lane == "grpc":
+                        raise
+                    g = None
+                if g is not None:
+                    if not g.lease_id or g.arena == h.arena.name:
+                        yield h, g
+                        return
+                    if read:
+                        self._end_read(h, g.lease_id)
+                    else:
+                        self._end_write(h, g.lease_id)
             if attempt == 0:
                 self._reopen(h)
         raise UnavailableError("the node's arena keeps changing (restarting node?)")
 
     def _reopen(self, stale: _Handle) -> None:
-        sel = select(self._stub, self._call, self.timeout_s, self._requested)
+        sel = select(self._stub, self._call, self.timeout_s, self._requested, self._channel)
         if sel.session is None or sel.session.mover is not self.mover:
             raise UnavailableError(f"the node's arena changed and {self.mover.value} no longer works: {sel.notes}")
         with self._lock:
             if self._handle is not stale:  # another thread re-mapped first
                 sel.session.close()
                 return
-            self._handle = _Handle(sel.session._handle.mover, sel.session.arena)
+            self._handle = sel.session._handle
         self._retire(stale)
 
     def _retire(self, h: _Handle) -> None:
@@ -388,21 +533,27 @@ class DescriptorSession:
             h.retired = True
             idle = h.users == 0
         if idle:
-            h.mover.close()
+            h.close()
 
-    def _end_read(self, lease_id: int) -> bool:
-        """Releases a read lease; False when it had expired (its keys are misses)."""
+    def _end_read(self, h: _Handle, lease_id: int) -> bool:
+        """Releases a read lease and waits; False when it had expired."""
         try:
-            self.release(lease_id)
+            h.control.release(lease_id)
             return True
         except FailedPreconditionError as exc:
-            self.num_invalid_reads += 1
             log.info("read lease invalid at release (%s): its keys read as misses", exc)
             return False
 
-    def _end_write(self, lease_id: int) -> None:
+    def _late_answer(self, items: list, msg: str) -> None:
+        failed = sum(1 for status, _ in items if status is not Status.OK)
+        if failed:
+            self.num_late_release_failures += failed
+            log.warning("a read lease was refused at release after its copy ended in time (%s); "
+                        "are the two hosts' clocks drifting?", msg)
+
+    def _end_write(self, h: _Handle, lease_id: int) -> None:
         try:
-            self.abort(lease_id)
+            h.control.abort(lease_id)
         except CrescentError as exc:  # the reservation expires by itself
             log.info("abort of write reservation %#x failed: %s", lease_id, exc)
 
@@ -413,6 +564,21 @@ def _filler(mover, ext, read: bool):
         (mover.read if read else mover.write)(ops, [(addr, n)])
 
     return fill
+
+
+LEASE_MARGIN = 0.01
+"""Share of a lease's TTL that a reader leaves unused (clock-rate drift between hosts)."""
+
+
+def _safe_end(g: Grant) -> float:
+    """When this client stops trusting a read lease: a little before its deadline.
+
+    The deadline counts from when the request was sent, the node's from when it
+    arrived, so on one host (one monotonic clock) a copy that ended before it ran
+    under a live lease; across hosts only the clocks' rate difference matters.
+    """
+    ttl = g.expires_at - g.sent_at
+    return g.expires_at - LEASE_MARGIN * ttl
 
 
 def _check_deadline(expires_at: float) -> None:

@@ -231,11 +231,16 @@ def test_client_follows_a_restarted_node_to_its_new_arena(store):
     c = StoreClient(first.address, transport="shm")
     c.put(b"k", b"before")
     old_arena = c.descriptor_session().arena.name
+    old_data_port = c._limits.data_port
+    assert c.descriptor_session().control_lane == "tcp"
     first.stop()
     second = store("--dram", "8MiB", "--listen", f"127.0.0.1:{port}")
-    assert c.get(b"k") is None  # DRAM is volatile; the grant named the new arena: re-mapped
+    # DRAM is volatile; the grant calls' channel broke (the new node listens on another data
+    # port), so the session asked the node again and re-mapped its new arena
+    assert c.get(b"k") is None
     c.put(b"k", b"after")
     assert c.get(b"k") == b"after"
     assert c.transport == "shm" and c.descriptor_session().arena.name != old_arena
+    assert c.descriptor_session().control_lane == "tcp" and c._limits.data_port != old_data_port
     c.close()
     second.stop()

@@ -24,10 +24,12 @@ def node(make_node):
     return make_node()
 
 
-@pytest.fixture
-def client(node, mover):
-    c = StoreClient(node.address, transport=mover)
+@pytest.fixture(params=["tcp", "grpc"])
+def client(request, node, mover):
+    """A client of each mover, its grant calls on the data channel (tcp) or as RPCs (grpc)."""
+    c = StoreClient(node.address, transport=mover, data_channel=request.param == "tcp")
     assert c.transport == mover, c.transport_notes
+    assert c.descriptor_session().control_lane == request.param
     yield c
     c.close()
 

@@ -1,0 +1,145 @@
+"""The descriptor calls on the node's data channel: every answer and refusal at the wire,
+and releases sent without waiting. (A client following its restarted node to a new data
+port: tests/transport/test_processes.py.)"""
+
+import os
+import socket
+import struct
+
+from kvstore.client import StoreClient
+from kvstore.datachannel import (HELLO, Op, Status, decode_grant, encode_request, read_grant_response,
+                                 read_response)
+from kvstore.store import Tier
+from proto.crescent.v1 import kvstore_pb2 as pb
+from tests.helpers import wait_for
+
+SLOT = 64 << 10
+
+
+def _conn(node):
+    s = socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30)
+    s.sendall(HELLO + node.data_server.token)
+    return s
+
+
+def _end(op, *lease_ids):
+    body = b"".join(struct.pack("<Hq", 0, i) for i in lease_ids)
+    return struct.pack("<4sBBHII", b"CRRQ", op, 0, 0, len(lease_ids), len(body)) + body
+
+
+def _leases(node):
+    return node.transport.leases.stats()
+
+
+def test_grants_at_the_wire_match_the_rpcs(make_node):
+    node = make_node(dram=1 << 22)
+    c = StoreClient(node.address)
+    value = os.urandom(3 * SLOT + 5)
+    c.put(b"k", value)
+    s = _conn(node)
+    s.sendall(encode_request(Op.ACQUIRE, [b"k", b"missing"], [0, 0], pb.MOVER_SHM))
+    items, msg, blob = read_grant_response(s)
+    assert items == [(Status.OK, len(value)), (Status.NOT_FOUND, 0)] and msg == ""
+    lease_id, ttl_s, arena, slots, gens = decode_grant(blob, 2)
+    assert arena == node.store.dram.name and ttl_s == node.config.lease_ttl_s
+    assert len(slots[0]) == 4 and slots[1] == [] and len(gens[0]) == 4
+    sb = node.store.dram.slot_bytes
+    got = b"".join(bytes(node.store.dram.buf[x * sb:(x + 1) * sb]) for x in slots[0])[: len(value)]
+    assert got == value  # the descriptors name the value's bytes, in order
+    assert _leases(node)["num_remote_leases"] == 1
+    s.sendall(_end(Op.RELEASE, lease_id, 12345))  # one release, two ids: one good, one unknown
+    items, msg = read_response(s)
+    assert items == [(Status.OK, len(value)), (Status.FAILED_PRECONDITION, 0)] and "expired or unknown" in msg
+    assert _leases(node)["num_remote_leases"] == 0
+    # a write: reserve, fill through the node's own arena view, commit once
+    s.sendall(encode_request(Op.RESERVE, [b"w"], [SLOT + 1], pb.MOVER_SHM))
+    items, msg, blob = read_grant_response(s)
+    assert items == [(Status.OK, SLOT + 1)]
+    lease_id, _, _, slots, _ = decode_grant(blob, 1)
+    new = os.urandom(SLOT + 1)
+    for i, x in enumerate(slots[0]):
+        part = new[i * sb:(i + 1) * sb]
+        node.store.dram.buf[x * sb: x * sb + len(part)] = part
+    assert c.exists([b"w"]) == [False]  # invisible until the commit
+    s.sendall(_end(Op.COMMIT, lease_id))
+    assert read_response(s) == ([(Status.OK, SLOT + 1)], "")
+    assert c.get(b"w") == new
+    s.sendall(_end(Op.COMMIT, lease_id))
+    items, msg = read_response(s)
+    assert items == [(Status.FAILED_PRECONDITION, 0)] and "already ended" in msg
+    s.close()
+    c.close()
+
+
+def test_bad_descriptor_requests_get_precise_statuses_and_keep_the_connection(make_node):
+    node = make_node()
+    s = _conn(node)
+
+    def ask(req, n=1):
+        s.sendall(req)
+        items, msg, _ = read_grant_response(s)
+        assert len(items) == n
+        return items[0][0], msg
+
+    assert ask(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_TCP)) == (
+        Status.INVALID, "descriptors are for shm and rdma, not tcp")
+    status, msg = ask(encode_request(Op.ACQUIRE, [b"k"], [0], 99))
+    assert status is Status.INVALID and "unknown mover" in msg
+    status, msg = ask(encode_request(Op.ACQUIRE, [b"ok", b""], [0, 0], pb.MOVER_SHM), n=2)
+    assert status is Status.INVALID and "key" in msg
+    status, msg = ask(encode_request(Op.RESERVE, [b"k"], [1 << 40], pb.MOVER_SHM))
+    assert status is Status.INVALID and "exceeds the limit" in msg
+    status, msg = ask(encode_request(Op.RESERVE, [b"k"], [-1], pb.MOVER_SHM))
+    assert status is Status.INVALID
+    status, msg = ask(_end(Op.COMMIT, 777))
+    assert status is Status.FAILED_PRECONDITION
+    status, msg = ask(_end(Op.COMMIT, 1, 2), n=2)
+    assert status is Status.INVALID and "one lease id" in msg
+    assert ask(_end(Op.ABORT, 777)) == (Status.OK, "")  # idempotent: nothing to abort
+    # the connection still serves: a good grant after all the refusals
+    s.sendall(encode_request(Op.ACQUIRE, [b"nothing-here"], [0], pb.MOVER_SHM))
+    items, _, blob = read_grant_response(s)
+    assert items == [(Status.NOT_FOUND, 0)] and decode_grant(blob, 1)[0] == 0
+    assert _leases(node)["num_remote_leases"] == 0 and _leases(node)["num_remote_reservations"] == 0
+    s.close()
+    tcp_only = make_node(transport="tcp")
+    s = _conn(tcp_only)
+    s.sendall(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_SHM))
+    items, msg, _ = read_grant_response(s)
+    assert items == [(Status.FAILED_PRECONDITION, 0)] and "--transport tcp" in msg
+    s.close()
+
+
+def test_a_malformed_descriptor_request_closes_only_its_connection(make_node):
+    node = make_node()
+    for bad in (struct.pack("<4sBBHII", b"CRRQ", Op.ACQUIRE, pb.MOVER_SHM, 0, 3, 4) + b"\x01\x00ab",  # short body
+                encode_request(Op.ACQUIRE, [b"k" * 2000], [0], pb.MOVER_SHM),  # key over the limit
+                struct.pack("<4sBBHII", b"CRRQ", 99, 0, 0, 0, 0)):  # unknown op
+        s = _conn(node)
+        s.sendall(bad)
+        assert s.recv(100) == b""  # closed, no answer
+        s.close()
+    c = StoreClient(node.address)
+    c.put(b"k", b"v")
+    assert c.get(b"k") == b"v" and c.descriptor_session().control_lane == "tcp"
+    c.close()
+
+
+def test_reads_release_without_waiting_and_leave_nothing_leased(make_node):
+    node = make_node()
+    c = StoreClient(node.address)
+    session = c.descriptor_session()
+    assert session.control_lane == "tcp"
+    vals = {b"k%d" % i: os.urandom(SLOT * (i % 3) + i) for i in range(40)}
+    c.batch_put(list(vals.items()))
+    bufs = [bytearray(3 * SLOT) for _ in vals]
+    for _ in range(5):
+        assert c.batch_get_into(list(vals), bufs) == [len(v) for v in vals.values()]
+    assert all(bytes(b[: len(v)]) == v for b, v in zip(bufs, vals.values()))
+    # the last release was sent, not waited for: the node ends it on arrival all the same
+    wait_for(lambda: _leases(node)["num_remote_leases"] == 0, what="the deferred release")
+    c.delete([b"k0"])  # the next request reads (and checks) the deferred answers first
+    assert session.num_late_release_failures == 0 and session.num_invalid_reads == 0
+    assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] > 0
+    c.close()
+
