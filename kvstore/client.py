@@ -339,7 +339,9 @@ class StoreClient:
                 contiguous CPU tensor), each at least as large as its value.
 
         Returns:
-            Per key, the value's size (bytes written at the buffer's start), or None on a miss.
+            Per key, the value's size (bytes written at the buffer's start), or None on
+            a miss (the buffer's contents are then unspecified: a same-host read may
+            have copied into it before learning that the key is gone).
 
         Raises:
             InvalidArgumentError: a value is larger than its buffer.

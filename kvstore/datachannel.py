@@ -342,13 +342,25 @@ class DataChannelClient:
               ) -> tuple[list[tuple[Status, int]], str, tuple | None]:
         """ACQUIRE or RESERVE: the items, the message and the decoded grant (None when the
         node answered with an error for the whole batch)."""
+        self.send_grant(op, keys, args, mover)
+        return self.read_grant(len(keys))
+
+    def send_grant(self, op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int) -> None:
+        """The request half of ``grant``: read its answer with ``read_grant`` before any other request."""
         try:
             self.sock.sendall(encode_request(op, keys, args, mover))
+        except OSError as exc:
+            self.close()
+            raise DataLossError(f"data channel broke: {exc}") from exc
+
+    def read_grant(self, n: int) -> tuple[list[tuple[Status, int]], str, tuple | None]:
+        """The answer half of ``grant``, for a request of ``n`` keys."""
+        try:
             self._read_deferred()
             items, msg, blob = read_grant_response(self.sock)
-            if len(items) != len(keys):
+            if len(items) != n:
                 raise ProtocolError("response does not match the request")
-            return items, msg, (decode_grant(blob, len(keys)) if blob.nbytes else None)
+            return items, msg, (decode_grant(blob, n) if blob.nbytes else None)
         except (OSError, ProtocolError) as exc:
             self.close()
             raise DataLossError(f"data channel broke: {exc}") from exc

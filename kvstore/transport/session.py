@@ -29,7 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
@@ -45,6 +46,8 @@ from proto.crescent.v1 import kvstore_pb2 as pb
 log = logging.getLogger(__name__)
 
 WRITE_PIECE_BYTES = 64 << 20
+DESCRIPTOR_CACHE_KEYS = 1 << 14
+"""Keys whose last descriptors a session keeps (the values it copies while their grant is in flight)."""
 """A put batch is copied in pieces of this size, with a deadline check before each."""
 
 
@@ -130,6 +133,11 @@ class GrpcControl:
 
     release_later = None  # a unary RPC is answered before the next: releases wait
 
+    def acquire_begin(self, keys: Sequence[bytes], mover: Mover) -> Callable[[], Grant]:
+        """``acquire`` in two halves; an RPC is answered at once, so nothing overlaps it."""
+        g = self.acquire(keys, mover)
+        return lambda: g
+
     def commit(self, lease_id: int) -> None:
         self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
 
@@ -164,6 +172,18 @@ class ChannelControl:
 
     def release(self, lease_id: int) -> None:
         self._end(Op.RELEASE, lease_id)
+
+    def acquire_begin(self, keys: Sequence[bytes], mover: Mover) -> Callable[[], Grant]:
+        """Sends an ACQUIRE; the returned call reads its grant. Nothing else may use this
+        thread's connection in between."""
+        sent = time.monotonic()
+
+        def send(c):
+            c.send_grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)
+            return c
+
+        conn = self._run(send)
+        return lambda: self._grant(sent, conn.read_grant(len(keys)))
 
     def release_later(self, lease_ids: Sequence[int], on_answer: Callable | None) -> None:
         """Sends one release of every lease without waiting; ``on_answer(items, message)``
@@ -253,6 +273,8 @@ class _Handle:
     control: GrpcControl | ChannelControl
     users: int = 0
     retired: bool = False
+    known: OrderedDict = field(default_factory=OrderedDict)
+    """key → (size, slots, generations) of its last grant in this arena (the descriptor cache)."""
 
     def close(self) -> None:
         self.mover.close()
@@ -281,6 +303,10 @@ class DescriptorSession:
         """Batches whose lease ran out before their copy ended: their keys were reported as misses."""
         self.num_late_release_failures = 0
         """Releases sent after a copy that ended in time and then refused by the node (clock trouble)."""
+        self.num_early_copies = 0
+        """Values copied from cached descriptors while their grant was in flight, and confirmed by it."""
+        self.num_wasted_copies = 0
+        """Values copied from cached descriptors that their grant did not confirm (copied again or missed)."""
 
     @property
     def mover(self) -> Mover:
@@ -313,19 +339,45 @@ class DescriptorSession:
         Raises:
             InvalidArgumentError: a value is larger than its buffer (nothing is reported read).
         """
-        with self._granted(lambda c: c.acquire(keys, self.mover), read=True) as (h, g):
+        early: dict[int, tuple] = {}
+
+        def request(h: _Handle) -> Grant:
+            finish = h.control.acquire_begin(keys, self.mover)
+            try:
+                early.clear()
+                if h.known and h.control.release_later is not None and h.mover.mover is Mover.SHM:
+                    early.update(self._copy_early(h, keys, dst_for))
+            except BaseException:
+                g = finish()
+                if g.lease_id:
+                    h.control.release_later([g.lease_id], None)
+                raise
+            return finish()
+
+        with self._granted(request, read=True) as (h, g):
             sizes: list[int | None] = [None] * len(keys)
             elsewhere = [d.index for d in g.items if d.status is ItemStatus.ELSEWHERE]
+            self._remember(h, keys, g.items)
             if not g.lease_id:
+                self.num_wasted_copies += len(early)
                 return sizes, elsewhere
             sb = h.arena.slot_bytes
             ok, ops, bufs, keep, cuda = [], [], [], [], []
             copied = False
+            confirmed = 0
             try:
                 for d in g.items:
                     if d.status is not ItemStatus.OK:
                         continue
                     i, size = d.index, d.size
+                    e = early.get(i)
+                    if e is not None and e == (size, d.slots, d.generations):
+                        # copied while the grant was in flight: the slots' generations did not
+                        # move between the grant that cached them and this one, so they were
+                        # never freed, so they held this value throughout (see _copy_early)
+                        ok.append((i, size))
+                        confirmed += 1
+                        continue
                     dst = dst_for(i, size)
                     if is_cuda(dst):
                         cap = dst.numel() * dst.element_size()
@@ -345,6 +397,8 @@ class DescriptorSession:
                         self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
                     copied = time.monotonic() < _safe_end(g)
             finally:
+                self.num_early_copies += confirmed
+                self.num_wasted_copies += len(early) - confirmed
                 if copied and h.control.release_later is not None:
                     h.control.release_later([g.lease_id], self._late_answer)
                     valid = True
@@ -357,6 +411,53 @@ class DescriptorSession:
                 sizes[i] = size
         return sizes, elsewhere
 
+    def _copy_early(self, h: _Handle, keys: Sequence[bytes], dst_for: Callable) -> dict[int, tuple]:
+        """Copies the values whose descriptors this session remembers, while their grant is
+        in flight; returns ``{index: (size, slots, generations)}`` of what it copied.
+
+        Such a copy counts only if the grant names the same slots with the same
+        generations. A slot's generation grows each time it is freed, and a slot is
+        written only between its allocation and its value's commit; so equal
+        generations mean the slots were never freed between the earlier grant (when
+        they held the committed value) and this one, which leases them from then on:
+        the copy read the value, whole, provided it also ended before this grant's
+        deadline (checked with the rest of the batch).
+        """
+        with self._lock:
+            known = [(i, h.known.get(k)) for i, k in enumerate(keys)]
+        sb = h.arena.slot_bytes
+        ops, bufs, keep, out = [], [], [], {}
+        for i, e in known:
+            if e is None:
+                continue
+            dst = dst_for(i, e[0])
+            if is_cuda(dst):
+                continue
+            addr, cap, ka = local_buffer(dst)
+            if e[0] > cap:
+                continue
+            ops_for(addr, e[1], e[0], sb, ops)
+            bufs.append((addr, cap))
+            keep.append(ka)
+            out[i] = e
+        if ops:
+            h.mover.read(ops, bufs)
+        return out
+
+    def _remember(self, h: _Handle, keys: Sequence[bytes], items) -> None:
+        """Caches the descriptors of a grant's OK items (and forgets its other keys)."""
+        with self._lock:
+            known = h.known
+            for d in items:
+                key = keys[d.index]
+                if d.status is ItemStatus.OK:
+                    known[key] = (d.size, d.slots, d.generations)
+                    known.move_to_end(key)
+                else:
+                    known.pop(key, None)
+            while len(known) > DESCRIPTOR_CACHE_KEYS:
+                known.popitem(last=False)
+
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence]) -> tuple[list[bool], list[int]]:
         """Stores values (each a list of parts: host buffers, CPU or CUDA tensors).
 
@@ -365,7 +466,7 @@ class DescriptorSession:
             way (the arena had no room now, or the reservation expired).
         """
         items = [(k, sum(value_nbytes(p) for p in parts)) for k, parts in zip(keys, values)]
-        with self._granted(lambda c: c.reserve(items, self.mover), read=False) as (h, g):
+        with self._granted(lambda h: h.control.reserve(items, self.mover), read=False) as (h, g):
             stored = [False] * len(keys)
             other = [d.index for d in g.items if d.status is ItemStatus.EXHAUSTED]
             if not g.lease_id:
@@ -406,6 +507,7 @@ class DescriptorSession:
                 committed = True
                 for i in ok:
                     stored[i] = True
+                self._remember(h, keys, [d for d in g.items if d.status is ItemStatus.OK])
             except FailedPreconditionError as exc:  # expired: the caller stores these another way
                 log.info("write reservation not committed (%s); storing %d values another way", exc, len(ok))
                 other += ok
@@ -418,7 +520,7 @@ class DescriptorSession:
 
     def acquire(self, keys: Sequence[bytes]) -> Grant:
         """A read lease on ``keys``: their descriptors, under one lease id (0: nothing leased)."""
-        with self._granted(lambda c: c.acquire(keys, self.mover), read=True) as (_, g):
+        with self._granted(lambda h: h.control.acquire(keys, self.mover), read=True) as (_, g):
             return g
 
     def read(self, desc: SlotDescriptor, dst) -> None:
@@ -439,7 +541,7 @@ class DescriptorSession:
 
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Grant:
         """A write reservation for ``(key, size)`` items (0: nothing reserved)."""
-        with self._granted(lambda c: c.reserve(items, self.mover), read=False) as (_, g):
+        with self._granted(lambda h: h.control.reserve(items, self.mover), read=False) as (_, g):
             return g
 
     def write(self, desc: SlotDescriptor, src) -> None:
@@ -491,7 +593,7 @@ class DescriptorSession:
 
     @contextmanager
     def _granted(self, request: Callable, read: bool):
-        """Runs ``request(control)`` with the current mover in use; yields (handle, Grant).
+        """Runs ``request(handle)`` with the current mover in use; yields (handle, Grant).
 
         A grant naming another arena (the node restarted) is ended, the new
         arena mapped, and the request sent once more; so is one that failed
@@ -500,7 +602,7 @@ class DescriptorSession:
         for attempt in range(2):
             with self._use() as h:
                 try:
-                    g = request(h.control)
+                    g = request(h)
                 except (DataLossError, UnavailableError):
                     if attempt or h.control.lane == "grpc":
                         raise

@@ -143,3 +143,41 @@ def test_reads_release_without_waiting_and_leave_nothing_leased(make_node):
     assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] > 0
     c.close()
 
+
+
+def test_copies_ahead_of_the_grant_count_only_when_the_grant_confirms_them(make_node):
+    node = make_node()
+    c = StoreClient(node.address, transport="shm")
+    other = StoreClient(node.address, transport="shm")  # changes values behind c's back
+    session = c.descriptor_session()
+    keys = [b"a", b"b", b"c", b"d"]
+    first = {k: os.urandom(2 * SLOT + 9) for k in keys}
+    other.batch_put(list(first.items()))
+    bufs = [bytearray(4 * SLOT) for _ in keys]
+    assert c.batch_get_into(keys, bufs) == [2 * SLOT + 9] * 4  # c learns the descriptors
+    assert session.num_early_copies == 0
+    assert c.batch_get_into(keys, bufs) == [2 * SLOT + 9] * 4
+    assert session.num_early_copies == 4 and session.num_wasted_copies == 0  # copied while granted
+    assert [bytes(b[: len(first[k])]) for b, k in zip(bufs, keys)] == [first[k] for k in keys]
+
+    def slots_of(key):
+        g = other.descriptor_session().acquire([key])
+        other.descriptor_session().release(g.lease_id)
+        return g.items[0].slots, g.items[0].generations
+
+    new_a = os.urandom(2 * SLOT + 9)
+    other.put(b"a", new_a)  # replaced: new slots
+    old_b = slots_of(b"b")
+    other.delete([b"b"])
+    new_b = os.urandom(2 * SLOT + 9)
+    other.put(b"b", new_b)  # the same slots again (freed slots come back in order), new generations
+    assert slots_of(b"b")[0] == old_b[0] and slots_of(b"b")[1] != old_b[1]
+    other.delete([b"c"])
+    sizes = c.batch_get_into(keys, bufs)
+    assert sizes == [len(new_a), len(new_b), None, 2 * SLOT + 9]
+    assert bytes(bufs[0][: len(new_a)]) == new_a and bytes(bufs[1][: len(new_b)]) == new_b
+    assert bytes(bufs[3][: len(first[b"d"])]) == first[b"d"]
+    assert session.num_early_copies == 5 and session.num_wasted_copies == 3  # a, b redone; c a miss
+    assert c.get(b"b") == new_b and c.get(b"c") is None
+    c.close()
+    other.close()
