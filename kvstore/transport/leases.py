@@ -12,17 +12,16 @@ what passes it:
   list, so a writer that was mid-copy at the deadline has a whole extra TTL to
   stop before its slots can belong to anyone else.
 
-The read guarantee, precisely: ``release`` succeeds only if the lease was in
-this table and its deadline had not passed when the release was processed.
-The table, the sweeper and ``release`` serialise on one lock, and a store
-lease keeps its slots allocated and unchanged (never evicted, moved or freed)
-until it is released; so a successful release proves that the slots held the
-granted value, whole, for the whole time between the grant and the client's
-release call, in particular while the client was copying (the client copies
-before it sends the release). A failed release says nothing about the copied
-bytes: they may be torn or another key's, and the client reports the keys as
-misses. As a second check, release and commit compare every slot's generation
-(it grows on each free) with the one granted.
+The read guarantee, precisely: a lease ends only by its release or by the
+sweeper once its deadline (``ttl_s`` after the request arrived) has passed,
+and a store lease keeps its slots allocated and unchanged (never evicted,
+moved or freed) until it ends. The client's deadline for the same lease counts
+from when it sent the request, so it comes first: a copy that ended before it
+ran under a live lease and read the granted value whole; the client reports
+only such copies as hits (kvstore/transport/session.py) and need not wait for
+the release's answer. ``release`` still fails, and says so, when the lease had
+expired or a slot's generation (it grows on each free) moved on, and commit
+makes the same checks before anything becomes visible.
 """
 
 from __future__ import annotations

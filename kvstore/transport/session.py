@@ -11,10 +11,16 @@ millisecond each in Python); a broken channel is re-resolved once (the node
 may have restarted on a new data port).
 
 Read guarantee (see kvstore/transport/leases.py for the node's half): a key
-is reported as a hit only when the node confirmed the release of its lease,
-which proves the slots held the value, whole, while they were copied. A lease
-that expired first makes every key of that batch a miss, and the bytes left
-in those buffers are unspecified.
+is reported as a hit only when its copy ended before the client's deadline for
+the lease (the TTL counted from when the request was *sent*, less a 1% margin
+for clock-rate drift between hosts), which comes before the node's: the node
+never frees leased slots before that, so the copy read the value whole. The
+release therefore needs no answer on the critical path; on the data channel it
+is sent and its answer checked just before the next request's. A lease that
+ran out first makes every key of that batch a miss, and the bytes left in
+those buffers are unspecified. Values whose descriptors the session remembers
+are copied while their grant is in flight and kept only if the grant confirms
+the same slots and generations (``DescriptorSession._copy_early``).
 
 Write safety: a client copies into reserved slots only before its deadline
 (``expires_in_s`` counted from when it sent the request, so earlier than the
@@ -27,9 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvstore.datachannel import Op, Status, _Connections
