@@ -430,7 +430,7 @@ class DescriptorSession:
         deadline (checked with the rest of the batch).
         """
         with self._lock:
-            known = [(i, h.known.get(k)) for i, k in enumerate(keys)]
+            known = [(i, h.known.get(bytes(k))) for i, k in enumerate(keys)]
         sb = h.arena.slot_bytes
         ops, bufs, keep, out = [], [], [], {}
         for i, e in known:
@@ -455,7 +455,7 @@ class DescriptorSession:
         with self._lock:
             known = h.known
             for d in items:
-                key = keys[d.index]
+                key = bytes(keys[d.index])
                 if d.status is ItemStatus.OK:
                     known[key] = (d.size, d.slots, d.generations)
                     known.move_to_end(key)
