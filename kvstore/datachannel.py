@@ -66,7 +66,7 @@ _ARG = struct.Struct("<q")
 _GRANT = struct.Struct("<QdHI")
 MAX_BATCH = 1 << 16
 MAX_BODY = MAX_BATCH * (2 + MAX_KEY_BYTES + 8)
-MAX_TAIL = 64 << 20
+MAX_TAIL = 1 << 30  # a sanity bound: a grant lists at most every slot of the arena
 _IOV_MAX = 512
 _SOCK_BUF = 4 << 20
 

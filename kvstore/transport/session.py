@@ -369,7 +369,7 @@ class DescriptorSession:
                 return sizes, elsewhere
             sb = h.arena.slot_bytes
             ok, ops, bufs, keep, cuda = [], [], [], [], []
-            copied = False
+            copied = late = False
             confirmed = 0
             try:
                 for d in g.items:
@@ -402,6 +402,7 @@ class DescriptorSession:
                     for dst, size, ext in cuda:
                         self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
                     copied = time.monotonic() < _safe_end(g)
+                late = not copied
             finally:
                 self.num_early_copies += confirmed
                 self.num_wasted_copies += len(early) - confirmed
@@ -410,7 +411,7 @@ class DescriptorSession:
                     valid = True
                 else:
                     valid = self._end_read(h, g.lease_id) and copied
-                    if not copied:
+                    if late:
                         self.num_invalid_reads += 1
         if valid:
             for i, size in ok:
