@@ -181,3 +181,45 @@ def test_copies_ahead_of_the_grant_count_only_when_the_grant_confirms_them(make_
     assert c.get(b"b") == new_b and c.get(b"c") is None
     c.close()
     other.close()
+
+
+def test_remembered_descriptors_never_return_a_stale_or_foreign_value(make_node):
+    """Random puts, replaces and deletes (often re-created at once) by one client, reads by
+    another that copies ahead of its grants; a 16-slot arena keeps evicting and handing the
+    slots to other keys. (A copy racing a rewrite of its slots needs real concurrency:
+    test_processes.py; the same-slots-new-generation case: the test above.)"""
+    import random
+
+    node = make_node(dram=16 * SLOT)
+    reader = StoreClient(node.address, transport="shm")
+    writer = StoreClient(node.address, transport="shm")
+    rng = random.Random(8)
+    keys = [b"key%d" % i for i in range(8)]
+    latest: dict[bytes, bytes] = {}
+    bufs = [bytearray(4 * SLOT) for _ in keys]
+    hits = 0
+    for step in range(300):
+        op = rng.random()
+        k = rng.choice(keys)
+        if op < 0.35:
+            v = bytes([step % 251]) * rng.choice([SLOT, 2 * SLOT, 2 * SLOT + 7, 3 * SLOT])
+            writer.put(k, v)
+            latest[k] = v
+        elif op < 0.5:  # a delete, often re-created at once: freed slots come back to the same key
+            writer.delete([k])
+            latest.pop(k, None)
+            if rng.random() < 0.5:
+                v = bytes([step % 251]) * (2 * SLOT)
+                writer.put(k, v)
+                latest[k] = v
+        else:
+            want = rng.sample(keys, 6)
+            for key, buf, n in zip(want, bufs, reader.batch_get_into(want, bufs[:6])):
+                if n is not None:  # evicted values may miss; a hit is always the latest value
+                    assert key in latest and bytes(buf[:n]) == latest[key], (step, key)
+                    hits += 1
+    session = reader.descriptor_session()
+    assert hits > 100 and session.num_early_copies > 0 and session.num_wasted_copies > 0
+    assert node.store.stats()["tiers"][Tier.DRAM]["evictions"] > 0
+    reader.close()
+    writer.close()
