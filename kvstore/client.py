@@ -150,9 +150,13 @@ class StoreClient:
             if not self._limits.data_port:
                 self._want_dc = False
                 return None
-            host = self.address.rpartition(":")[0].strip("[]")
-            self._dc = _Connections(host, self._limits.data_port, self._limits.data_token)
+            self._dc = _Connections(self._host, self._limits.data_port, self._limits.data_token)
         return self._dc
+
+    @property
+    def _host(self) -> str:
+        """The node's host (its data channel listens there too)."""
+        return self.address.rpartition(":")[0].strip("[]")
 
     def _control_channel(self) -> _Connections | None:
         """Fresh connections to the node's data channel for a descriptor session's grant
@@ -163,7 +167,7 @@ class StoreClient:
         h = self._limits
         if not h.data_port:
             return None
-        return _Connections(self.address.rpartition(":")[0].strip("[]"), h.data_port, h.data_token)
+        return _Connections(self._host, h.data_port, h.data_token)
 
     def _dc_call(self, fn):
         """Runs fn(conn) on this thread's data connection; a broken one is reopened once."""

@@ -50,6 +50,7 @@ import sys
 import threading
 from array import array
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from itertools import chain
 
 from kvstore.config import MAX_KEY_BYTES
@@ -268,15 +269,29 @@ class DataChannelClient:
     def close(self) -> None:
         self.sock.close()
 
+    @contextmanager
+    def _guard(self):
+        """A connection that breaks mid-exchange closes itself and surfaces as DataLossError."""
+        try:
+            yield
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise DataLossError(f"data channel broke: {exc}") from exc
+
+    def _answer(self, n: int) -> tuple[list[tuple[Status, int]], str, memoryview]:
+        """The next answer (after those of earlier ``end_later`` requests), of ``n`` items."""
+        self._read_deferred()
+        items, msg, tail = read_grant_response(self.sock)
+        if len(items) != n:
+            raise ProtocolError("response does not match the request")
+        return items, msg, tail
+
     def end_later(self, op: Op, lease_ids: Sequence[int],
                   on_answer: Callable[[list[tuple[Status, int]], str], None] | None = None) -> None:
         """Sends RELEASE (any number of grants) or ABORT (one) without waiting; the
         answer goes to ``on_answer(items, message)`` once read."""
-        try:
+        with self._guard():
             self.sock.sendall(_end_request(op, lease_ids))
-        except OSError as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
         self._deferred.append((len(lease_ids), on_answer))
 
     def _read_deferred(self) -> None:
@@ -291,27 +306,20 @@ class DataChannelClient:
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[tuple[Status, int]]:
         """Reads values straight into ``buffers`` (one per key, each at least the value's size)."""
-        try:
+        with self._guard():
             self.sock.sendall(encode_request(Op.GET, keys, [b.nbytes for b in buffers]))
-            self._read_deferred()
-            items, _ = read_response(self.sock)
-            if len(items) != len(keys):
-                raise ProtocolError("response does not match the request")
+            items, _, _ = self._answer(len(keys))
             for (status, size), buf in zip(items, buffers):
                 if status is Status.OK:
                     if size > buf.nbytes:
                         raise ProtocolError("node sent more bytes than the buffer holds")
                     recv_exact_into(self.sock, buf[:size])
             return items
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
 
     def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        try:
+        with self._guard():
             self.sock.sendall(encode_request(Op.GET, keys, [-1] * len(keys)))
-            self._read_deferred()
-            items, _ = read_response(self.sock)
+            items, _, _ = self._answer(len(keys))
             out: list[bytearray | None] = []
             for status, size in items:
                 if status is Status.OK:
@@ -321,22 +329,16 @@ class DataChannelClient:
                 else:
                     out.append(None)
             return out
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview | bytes]]
             ) -> tuple[list[tuple[Status, int]], str]:
         """Writes values, each given as a list of parts sent back to back."""
         sizes = [sum(memoryview(p).nbytes for p in parts) for parts in values]
-        try:
+        with self._guard():
             self.sock.sendall(encode_request(Op.PUT, keys, sizes))
             send_views(self.sock, [p for parts in values for p in parts])
-            self._read_deferred()
-            return read_response(self.sock)
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
+            items, msg, _ = self._answer(len(keys))
+            return items, msg
 
     def grant(self, op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int
               ) -> tuple[list[tuple[Status, int]], str, tuple | None]:
@@ -347,36 +349,21 @@ class DataChannelClient:
 
     def send_grant(self, op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int) -> None:
         """The request half of ``grant``: read its answer with ``read_grant`` before any other request."""
-        try:
+        with self._guard():
             self.sock.sendall(encode_request(op, keys, args, mover))
-        except OSError as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
 
     def read_grant(self, n: int) -> tuple[list[tuple[Status, int]], str, tuple | None]:
         """The answer half of ``grant``, for a request of ``n`` keys."""
-        try:
-            self._read_deferred()
-            items, msg, blob = read_grant_response(self.sock)
-            if len(items) != n:
-                raise ProtocolError("response does not match the request")
+        with self._guard():
+            items, msg, blob = self._answer(n)
             return items, msg, (decode_grant(blob, n) if blob.nbytes else None)
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
 
     def end(self, op: Op, lease_id: int) -> tuple[Status, int, str]:
         """RELEASE, COMMIT or ABORT of a grant: ``(status, size, message)``."""
-        try:
+        with self._guard():
             self.sock.sendall(_end_request(op, [lease_id]))
-            self._read_deferred()
-            items, msg = read_response(self.sock)
-            if len(items) != 1:
-                raise ProtocolError("response does not match the request")
+            items, msg, _ = self._answer(1)
             return items[0][0], items[0][1], msg
-        except (OSError, ProtocolError) as exc:
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
 
 
 def _end_request(op: Op, lease_ids: Sequence[int]) -> bytes:

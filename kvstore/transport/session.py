@@ -168,8 +168,7 @@ class ChannelControl:
         self._conns = conns
 
     def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
-        sent = time.monotonic()
-        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)))
+        return self.acquire_begin(keys, mover)()
 
     def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
         keys, sizes = [k for k, _ in items], [n for _, n in items]
