@@ -70,6 +70,7 @@ MAX_BODY = MAX_BATCH * (2 + MAX_KEY_BYTES + 8)
 MAX_TAIL = 1 << 30  # a sanity bound: a grant lists at most every slot of the arena
 _IOV_MAX = 512
 _SOCK_BUF = 4 << 20
+CLOSE_WAIT_S = 5.0  # how long close() waits for the answers of deferred releases
 
 
 class Op(enum.IntEnum):
@@ -267,6 +268,14 @@ class DataChannelClient:
         self._deferred: list[tuple[int, Callable | None]] = []
 
     def close(self) -> None:
+        """Closes the connection once the node has answered every deferred release,
+        so a closed client holds no lease and its ``on_answer`` checks have run."""
+        if self._deferred and self.sock.fileno() >= 0:
+            try:
+                self.sock.settimeout(CLOSE_WAIT_S)
+                self._read_deferred()
+            except (OSError, ProtocolError):
+                pass  # the node ends the leases by their deadline anyway
         self.sock.close()
 
     @contextmanager
@@ -275,6 +284,7 @@ class DataChannelClient:
         try:
             yield
         except (OSError, ProtocolError) as exc:
+            self._deferred.clear()  # the stream is out of step: nothing more to read
             self.close()
             raise DataLossError(f"data channel broke: {exc}") from exc
 

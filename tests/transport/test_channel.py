@@ -10,6 +10,7 @@ from kvstore.client import StoreClient
 from kvstore.datachannel import (HELLO, Op, Status, decode_grant, encode_request, read_grant_response,
                                  read_response)
 from kvstore.store import Tier
+from kvstore.transport import Mover
 from proto.crescent.v1 import kvstore_pb2 as pb
 from tests.helpers import wait_for
 
@@ -142,6 +143,20 @@ def test_reads_release_without_waiting_and_leave_nothing_leased(make_node):
     assert session.num_late_release_failures == 0 and session.num_invalid_reads == 0
     assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] > 0
     c.close()
+
+
+def test_closing_a_client_waits_for_its_deferred_releases(make_node):
+    node = make_node()
+    c = StoreClient(node.address)
+    c.put(b"k", b"v" * 1000)
+    for _ in range(3):
+        assert c.get(b"k") == b"v" * 1000
+    answered = []
+    c.descriptor_session()._handle.control.release_later([424242], lambda items, msg: answered.append(items))
+    c.close()  # no wait_for: the node has ended every lease by the time close returns
+    assert _leases(node)["num_remote_leases"] == 0
+    assert answered == [[(Status.FAILED_PRECONDITION, 0)]]  # the unknown lease's refusal was read
+    assert node.transport.mover_counts()[Mover.SHM][0] == 3
 
 
 
