@@ -5,7 +5,15 @@ Free slots form an intrusive singly linked list: the link of slot ``i`` is
 ``next_free[i]`` in a flat int array, so alloc and free allocate no Python
 objects per slot and never scan. Each slot carries a generation that grows on
 every free, so a descriptor naming (slot, generation) goes stale the moment the
-slot is reused.
+slot is reused. A slot's generation also grows when its value leaves the index
+while still leased (``retire``: replaced or deleted under a reader), so equal
+generations mean the slot has held the same *live* value throughout.
+
+The host arena keeps its generations, and one "touched" byte per slot, in the
+same shared file, after the slots: a same-host client that remembers a value's
+(slots, generations) reads it with no call to the node (generations checked
+before and after its copy, a seqlock) and marks it touched so that eviction
+treats it as recently used (``TieredStore``: a second chance).
 """
 
 from __future__ import annotations
@@ -47,6 +55,20 @@ def reap_stale_segments() -> list[str]:
     return removed
 
 
+def table_bytes(num_slots: int) -> int:
+    """Bytes of the slot tables after a host arena's slots: u64 generations, then u8 touched."""
+    return 9 * num_slots
+
+
+def slot_tables(buf, offset: int, num_slots: int) -> tuple[memoryview, memoryview]:
+    """``(generations, touched)`` views of the slot tables at ``offset`` of a mapped arena file."""
+    m = memoryview(buf)
+    gens = m[offset : offset + 8 * num_slots].cast("Q")
+    touched = m[offset + 8 * num_slots : offset + 9 * num_slots]
+    m.release()
+    return gens, touched
+
+
 class SlotAllocator:
     """Slot bookkeeping shared by the host and device arenas."""
 
@@ -75,6 +97,13 @@ class SlotAllocator:
         self._free_head = head
         self.num_free -= num
         return out
+
+    def retire(self, slots: list[int]) -> None:
+        """Bumps the generation of slots whose value left the index but stays leased
+        (it is freed, and bumped again, at the last release)."""
+        gen = self.generation
+        for s in slots:
+            gen[s] += 1
 
     def free(self, slots: list[int]) -> None:
         """Returns slots; pushed in reverse so that the next ``alloc`` of as many takes them
@@ -110,17 +139,25 @@ class HostArena(SlotAllocator):
         super().__init__(num_slots, slot_bytes)
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
+        self.table_offset = num_slots * slot_bytes
+        self.file_bytes = self.table_offset + table_bytes(num_slots)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, num_slots * slot_bytes)
-            self._mmap = mmap.mmap(fd, num_slots * slot_bytes, mmap.MAP_SHARED,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, self.file_bytes)
+            self._mmap = mmap.mmap(fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(self.path)
             raise
         finally:
             os.close(fd)
-        self.buf = memoryview(self._mmap)
+        self.buf = memoryview(self._mmap)[: self.table_offset]
+        self.generation, self.touched = slot_tables(self._mmap, self.table_offset, num_slots)
+
+    def free(self, slots: list[int]) -> None:
+        touched = self.touched
+        for s in slots:
+            touched[s] = 0
+        super().free(slots)
 
     def views(self, slots: list[int], nbytes: int) -> list[memoryview]:
         """Writable views covering the first ``nbytes`` of ``slots``, in order."""
@@ -135,7 +172,8 @@ class HostArena(SlotAllocator):
 
     def close(self) -> None:
         try:
-            self.buf.release()
+            for v in (self.buf, self.generation, self.touched):
+                v.release()
             self._mmap.close()
         except BufferError:
             pass  # a view is still exported (a reader mid-copy at shutdown): the OS frees it at exit

@@ -112,10 +112,14 @@ class StoreClient:
             channel, else gRPC), or ``shm``, ``rdma``, ``tcp``, ``grpc``. A
             one-sided mover that cannot work here falls back, with a warning
             that says why (``transport_notes``).
+        local_reads: shm only: read values whose descriptors this client remembers
+            (from its earlier reads and writes) with no call to the node, checked
+            against the node's slot generation table. False sends every read
+            through a grant, so that the node sees (and counts) each one.
     """
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, retry: Retry = Retry(),
-                 data_channel: bool = True, transport: str = "auto") -> None:
+                 data_channel: bool = True, transport: str = "auto", local_reads: bool = True) -> None:
         if transport not in REQUESTS:
             raise InvalidArgumentError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
         self.address = address
@@ -127,6 +131,7 @@ class StoreClient:
         self._dc: _Connections | None = None
         self._limits: pb.HealthResponse | None = None
         self._transport_req = transport
+        self._local_reads = local_reads
         self._selection = None  # kvstore.transport.session.Selection, resolved on first use
 
     # ---- plumbing -----------------------------------------------------------
@@ -192,6 +197,8 @@ class StoreClient:
             if sel.session is None and self._transport_req in ("shm", "rdma"):
                 log.warning("transport %s to %s unavailable, falling back: %s",
                             self._transport_req, self.address, sel.notes)
+            if sel.session is not None:
+                sel.session.local_reads = self._local_reads
             self._selection = sel
         return self._selection.session
 

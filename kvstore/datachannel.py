@@ -354,19 +354,10 @@ class DataChannelClient:
               ) -> tuple[list[tuple[Status, int]], str, tuple | None]:
         """ACQUIRE or RESERVE: the items, the message and the decoded grant (None when the
         node answered with an error for the whole batch)."""
-        self.send_grant(op, keys, args, mover)
-        return self.read_grant(len(keys))
-
-    def send_grant(self, op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int) -> None:
-        """The request half of ``grant``: read its answer with ``read_grant`` before any other request."""
         with self._guard():
             self.sock.sendall(encode_request(op, keys, args, mover))
-
-    def read_grant(self, n: int) -> tuple[list[tuple[Status, int]], str, tuple | None]:
-        """The answer half of ``grant``, for a request of ``n`` keys."""
-        with self._guard():
-            items, msg, blob = self._answer(n)
-            return items, msg, (decode_grant(blob, n) if blob.nbytes else None)
+            items, msg, blob = self._answer(len(keys))
+            return items, msg, (decode_grant(blob, len(keys)) if blob.nbytes else None)
 
     def end(self, op: Op, lease_id: int) -> tuple[Status, int, str]:
         """RELEASE, COMMIT or ABORT of a grant: ``(status, size, message)``."""

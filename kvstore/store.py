@@ -449,8 +449,8 @@ class TieredStore:
             del self._lru[old.tier][old.key]
         self._index[e.key] = e
         self._lru[e.tier][e.key] = e
-        if old is not None and old.leases == 0:
-            self._free_storage(old)
+        if old is not None:
+            self._unlinked(old)
         self._emit("stored", e.key, e.tier)
 
     def _remove(self, e: _Entry, reason: str) -> None:
@@ -459,8 +459,14 @@ class TieredStore:
         del self._index[e.key]
         del self._lru[e.tier][e.key]
         self._emit("removed", e.key, e.tier, reason)
+        self._unlinked(e)
+
+    def _unlinked(self, e: _Entry) -> None:
+        """Frees an entry that left the index, or (leased) retires its slots until the last release."""
         if e.leases == 0:
             self._free_storage(e)
+        elif e.tier is not Tier.DISK:
+            self._arena(e.tier).retire(e.slots)
 
     def _free_storage(self, e: _Entry) -> None:
         if e.tier is Tier.DISK:
@@ -486,16 +492,35 @@ class TieredStore:
         r.buffer = None
 
     def _victims(self, tier: Tier, enough: Callable[[int], bool], cost: Callable[[_Entry], int]) -> list[_Entry]:
-        """Least recently used evictable entries of ``tier`` until ``enough(freed)``."""
+        """Least recently used evictable entries of ``tier`` until ``enough(freed)``.
+
+        A DRAM entry a same-host client marked touched (it read the value with no
+        call to the node) gets a second chance: its mark is cleared and it moves to
+        the recent end, counted as a hit. A second pass takes it if nothing else will do.
+        """
         now = time.monotonic()
-        out, freed = [], 0
-        for e in self._lru[tier].values():
-            if enough(freed):
+        lru = self._lru[tier]
+        touched = getattr(self._arena(tier), "touched", None) if tier is not Tier.DISK else None
+        out, freed, chosen = [], 0, set()
+        for _ in range(2):
+            again = []
+            for e in lru.values():
+                if enough(freed):
+                    break
+                if e.leases or e.pinned_until > now or e.key in chosen:
+                    continue
+                if touched is not None and touched[e.slots[0]]:
+                    again.append(e)
+                    continue
+                out.append(e)
+                chosen.add(e.key)
+                freed += cost(e)
+            for e in again:
+                touched[e.slots[0]] = 0
+                lru.move_to_end(e.key)
+                self.counters["hits"][tier] += 1
+            if enough(freed) or not again:
                 break
-            if e.leases or e.pinned_until > now:
-                continue
-            out.append(e)
-            freed += cost(e)
         return out
 
     def _make_room(self, pos: int, num_slots: int) -> bool:

@@ -69,10 +69,13 @@ class ArenaRef:
     file_ino: int
     rdma_addr: int = 0
     rdma_rkey: int = 0
+    table_offset: int = 0
+    """Where the slot tables (generations, touched marks) start in the file; 0: none."""
 
     @classmethod
     def from_pb(cls, a: pb.ArenaInfo) -> ArenaRef:
-        return cls(a.name, a.size, a.slot_bytes, a.file_dev, a.file_ino, a.rdma_addr, a.rdma_rkey)
+        return cls(a.name, a.size, a.slot_bytes, a.file_dev, a.file_ino, a.rdma_addr, a.rdma_rkey,
+                   a.table_offset)
 
 
 class SlotDescriptor(NamedTuple):

@@ -20,8 +20,8 @@ from when it sent the request, so it comes first: a copy that ended before it
 ran under a live lease and read the granted value whole; the client reports
 only such copies as hits (kvstore/transport/session.py) and need not wait for
 the release's answer. ``release`` still fails, and says so, when the lease had
-expired or a slot's generation (it grows on each free) moved on, and commit
-makes the same checks before anything becomes visible.
+expired; commit fails when the reservation expired or a slot's generation (it
+grows on each free) moved on, before anything becomes visible.
 """
 
 from __future__ import annotations
@@ -141,15 +141,13 @@ class LeaseTable:
                 raise FailedPreconditionError(
                     f"read lease {lease_id:#x} expired or unknown: treat its keys as misses")
             expired = time.monotonic() > g.expires_at
-            stale = not self._generations_match(g)
+            # no generation check: leased slots are never freed, and a generation that
+            # moved on means only that the value was replaced or deleted under this read
             self.store.release_many(g.leases)
             if expired:
                 self.num_expired_reads += 1
                 raise FailedPreconditionError(
                     f"read lease {lease_id:#x} expired before its release: treat its keys as misses")
-            if stale:
-                raise FailedPreconditionError(
-                    f"read lease {lease_id:#x}: a slot was reused (stale generation): treat its keys as misses")
         if self._on_done is not None:
             self._on_done(g.mover, "read", g.nbytes)
         return len(g.leases), g.nbytes

@@ -64,7 +64,8 @@ class NodeTransport:
         self.arena = pb.ArenaInfo(name=store.dram.name, size=store.dram.capacity_bytes,
                                   slot_bytes=store.dram.slot_bytes, file_dev=st.st_dev, file_ino=st.st_ino,
                                   rdma_addr=self.rdma.addr if self.rdma else 0,
-                                  rdma_rkey=self.rdma.rkey if self.rdma else 0)
+                                  rdma_rkey=self.rdma.rkey if self.rdma else 0,
+                                  table_offset=store.dram.table_offset)
         if metrics is not None:
             metrics.registry.register(MoverCollector(self))
 

@@ -18,9 +18,12 @@ never frees leased slots before that, so the copy read the value whole. The
 release therefore needs no answer on the critical path; on the data channel it
 is sent and its answer checked just before the next request's. A lease that
 ran out first makes every key of that batch a miss, and the bytes left in
-those buffers are unspecified. Values whose descriptors the session remembers
-are copied while their grant is in flight and kept only if the grant confirms
-the same slots and generations (``DescriptorSession._copy_early``).
+those buffers are unspecified.
+
+Local reads: values whose descriptors the session remembers (from earlier
+grants) are read with no call to the node at all, checked against the node's
+slot generation table, which the shm mover maps with the arena: equal before
+and after the copy, the copy is the value (``DescriptorSession._read_local``).
 
 Write safety: a client copies into reserved slots only before its deadline
 (``expires_in_s`` counted from when it sent the request, so earlier than the
@@ -42,7 +45,7 @@ from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
 from kvstore.store import Tier
-from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
+from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, gather, ops_for,
                                            value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
@@ -139,11 +142,6 @@ class GrpcControl:
 
     release_later = None  # a unary RPC is answered before the next: releases wait
 
-    def acquire_begin(self, keys: Sequence[bytes], mover: Mover) -> Callable[[], Grant]:
-        """``acquire`` in two halves; an RPC is answered at once, so nothing overlaps it."""
-        g = self.acquire(keys, mover)
-        return lambda: g
-
     def commit(self, lease_id: int) -> None:
         self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
 
@@ -168,7 +166,8 @@ class ChannelControl:
         self._conns = conns
 
     def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
-        return self.acquire_begin(keys, mover)()
+        sent = time.monotonic()
+        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)))
 
     def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
         keys, sizes = [k for k, _ in items], [n for _, n in items]
@@ -177,18 +176,6 @@ class ChannelControl:
 
     def release(self, lease_id: int) -> None:
         self._end(Op.RELEASE, lease_id)
-
-    def acquire_begin(self, keys: Sequence[bytes], mover: Mover) -> Callable[[], Grant]:
-        """Sends an ACQUIRE; the returned call reads its grant. Nothing else may use this
-        thread's connection in between."""
-        sent = time.monotonic()
-
-        def send(c):
-            c.send_grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)
-            return c
-
-        conn = self._run(send)
-        return lambda: self._grant(sent, conn.read_grant(len(keys)))
 
     def release_later(self, lease_ids: Sequence[int], on_answer: Callable | None) -> None:
         """Sends one release of every lease without waiting; ``on_answer(items, message)``
@@ -308,10 +295,12 @@ class DescriptorSession:
         """Batches whose lease ran out before their copy ended: their keys were reported as misses."""
         self.num_late_release_failures = 0
         """Releases sent after a copy that ended in time and then refused by the node (clock trouble)."""
-        self.num_early_copies = 0
-        """Values copied from cached descriptors while their grant was in flight, and confirmed by it."""
-        self.num_wasted_copies = 0
-        """Values copied from cached descriptors that their grant did not confirm (copied again or missed)."""
+        self.local_reads = True
+        """Read remembered values with no call to the node (``_read_local``); False: always a grant."""
+        self.num_local_reads = 0
+        """Values read with no call to the node: remembered descriptors the generation table confirmed."""
+        self.num_local_misses = 0
+        """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
 
     @property
     def mover(self) -> Mover:
@@ -332,6 +321,10 @@ class DescriptorSession:
                  ) -> tuple[list[int | None], list[int]]:
         """Reads values into caller buffers.
 
+        Values whose descriptors this session remembers are read with no call to
+        the node when the node's generation table confirms them (``_read_local``);
+        the rest through a grant.
+
         Args:
             keys: keys to read.
             dst_for: ``dst_for(index, size)`` returns the destination of key ``index``
@@ -344,45 +337,93 @@ class DescriptorSession:
         Raises:
             InvalidArgumentError: a value is larger than its buffer (nothing is reported read).
         """
-        early: dict[int, tuple] = {}
+        with self._use() as h:
+            local = (self._read_local(h, keys, dst_for)
+                     if self.local_reads and h.known and h.mover.mover is Mover.SHM else {})
+        if not local:
+            return self._get_granted(keys, dst_for)
+        sizes: list[int | None] = [None] * len(keys)
+        for i, size in local.items():
+            sizes[i] = size
+        rest = [i for i in range(len(keys)) if i not in local]
+        if not rest:
+            return sizes, []
+        got, elsewhere = self._get_granted([keys[i] for i in rest], lambda j, size: dst_for(rest[j], size))
+        for j, size in enumerate(got):
+            sizes[rest[j]] = size
+        return sizes, [rest[j] for j in elsewhere]
 
-        def request(h: _Handle) -> Grant:
-            finish = h.control.acquire_begin(keys, self.mover)
-            try:
-                early.clear()
-                if h.known and h.control.release_later is not None and h.mover.mover is Mover.SHM:
-                    early.update(self._copy_early(h, keys, dst_for))
-            except BaseException:
-                g = finish()
-                if g.lease_id:
-                    h.control.release_later([g.lease_id], None)
-                raise
-            return finish()
+    def _read_local(self, h: _Handle, keys: Sequence[bytes], dst_for: Callable) -> dict[int, int]:
+        """Reads the values whose descriptors this session remembers, checking them against
+        the node's generation table instead of asking for a grant (a seqlock); returns
+        ``{index: size}`` of the values read.
 
-        with self._granted(request, read=True) as (h, g):
+        A slot's generation grows when it is freed and when its value leaves the
+        index while leased (kvstore/arena.py), and both happen to all of a value's
+        slots at once; so its first slot's generation stands for the value's. Equal
+        to the one in the grant that cached the descriptors, it means the key still
+        maps to that value, in those slots; equal again after the copy, it means no
+        slot was freed (hence none rewritten) while it ran: the copy is the value,
+        read as of the first check. The checks and the copy are loads in program order, which x86-64
+        keeps in order; the node bumps a generation before the slot can be
+        rewritten. Each value read marks its first slot touched, which the node's
+        eviction counts as a use. A value that fails either check is read through
+        a grant instead; so is every value once the arena file is unlinked (the
+        node stopped, or a restarted one reaped it: ``ShmMover.current``). CUDA
+        destinations always go through a grant.
+        """
+        table, touched = h.mover.generations, h.mover.touched
+        if table is None or not h.mover.current():
+            return {}  # an old node, or its arena is gone (the grant path finds the new one)
+        with self._lock:
+            known = [(i, h.known.get(bytes(k))) for i, k in enumerate(keys)]
+        sb = h.arena.slot_bytes
+        ops, bufs, keep, cand = [], [], [], []
+        for i, e in known:
+            if e is None:
+                continue
+            size, slots, gens = e
+            if table[slots[0]] != gens[0]:
+                continue  # freed or replaced since: ask the node
+            dst = dst_for(i, size)
+            if is_cuda(dst):
+                continue
+            addr, cap, ka = local_buffer(dst)
+            if size > cap:
+                continue  # the granted path says why
+            ops_for(addr, slots, size, sb, ops)
+            bufs.append((addr, cap))
+            keep.append(ka)
+            cand.append((i, size, slots, gens))
+        if not cand:
+            return {}
+        h.mover.read(ops, bufs)
+        out = {}
+        for i, size, slots, gens in cand:
+            if table[slots[0]] == gens[0]:
+                out[i] = size
+                touched[slots[0]] = 1
+        self.num_local_reads += len(out)
+        self.num_local_misses += len(cand) - len(out)
+        return out
+
+    def _get_granted(self, keys: Sequence[bytes], dst_for: Callable[[int, int], object]
+                     ) -> tuple[list[int | None], list[int]]:
+        """``get_into`` through a read lease: acquire, copy, release."""
+        with self._granted(lambda h: h.control.acquire(keys, self.mover), read=True) as (h, g):
             sizes: list[int | None] = [None] * len(keys)
             elsewhere = [d.index for d in g.items if d.status is ItemStatus.ELSEWHERE]
             self._remember(h, keys, g.items)
             if not g.lease_id:
-                self.num_wasted_copies += len(early)
                 return sizes, elsewhere
             sb = h.arena.slot_bytes
             ok, ops, bufs, keep, cuda = [], [], [], [], []
             copied = late = False
-            confirmed = 0
             try:
                 for d in g.items:
                     if d.status is not ItemStatus.OK:
                         continue
                     i, size = d.index, d.size
-                    e = early.get(i)
-                    if e is not None and e == (size, d.slots, d.generations):
-                        # copied while the grant was in flight: the slots' generations did not
-                        # move between the grant that cached them and this one, so they were
-                        # never freed, so they held this value throughout (see _copy_early)
-                        ok.append((i, size))
-                        confirmed += 1
-                        continue
                     dst = dst_for(i, size)
                     if is_cuda(dst):
                         cap = dst.numel() * dst.element_size()
@@ -403,8 +444,6 @@ class DescriptorSession:
                     copied = time.monotonic() < _safe_end(g)
                 late = not copied
             finally:
-                self.num_early_copies += confirmed
-                self.num_wasted_copies += len(early) - confirmed
                 if copied and h.control.release_later is not None:
                     h.control.release_later([g.lease_id], self._late_answer)
                     valid = True
@@ -416,39 +455,6 @@ class DescriptorSession:
             for i, size in ok:
                 sizes[i] = size
         return sizes, elsewhere
-
-    def _copy_early(self, h: _Handle, keys: Sequence[bytes], dst_for: Callable) -> dict[int, tuple]:
-        """Copies the values whose descriptors this session remembers, while their grant is
-        in flight; returns ``{index: (size, slots, generations)}`` of what it copied.
-
-        Such a copy counts only if the grant names the same slots with the same
-        generations. A slot's generation grows each time it is freed, and a slot is
-        written only between its allocation and its value's commit; so equal
-        generations mean the slots were never freed between the earlier grant (when
-        they held the committed value) and this one, which leases them from then on:
-        the copy read the value, whole, provided it also ended before this grant's
-        deadline (checked with the rest of the batch).
-        """
-        with self._lock:
-            known = [(i, h.known.get(bytes(k))) for i, k in enumerate(keys)]
-        sb = h.arena.slot_bytes
-        ops, bufs, keep, out = [], [], [], {}
-        for i, e in known:
-            if e is None:
-                continue
-            dst = dst_for(i, e[0])
-            if is_cuda(dst):
-                continue
-            addr, cap, ka = local_buffer(dst)
-            if e[0] > cap:
-                continue
-            ops_for(addr, e[1], e[0], sb, ops)
-            bufs.append((addr, cap))
-            keep.append(ka)
-            out[i] = e
-        if ops:
-            h.mover.read(ops, bufs)
-        return out
 
     def _remember(self, h: _Handle, keys: Sequence[bytes], items) -> None:
         """Caches the descriptors of a grant's OK items (and forgets its other keys)."""

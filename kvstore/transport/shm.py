@@ -17,7 +17,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from kvstore.arena import SHM_DIR
+from kvstore.arena import SHM_DIR, slot_tables, table_bytes
 from kvstore.errors import DataLossError, FailedPreconditionError
 from kvstore.transport.descriptors import ArenaRef, Mover
 from kvstore.transport.memcopy import DEFAULT_THREADS, CopyEngine, Op, buffer_address
@@ -53,14 +53,32 @@ class ShmMover:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (arena.file_dev, arena.file_ino):
                 raise ShmUnavailableError(f"{path} is not the node's arena file (another /dev/shm?)")
-            if st.st_size < arena.size:
-                raise ShmUnavailableError(f"{path} holds {st.st_size} bytes, not {arena.size}")
-            self._mmap = mmap.mmap(fd, arena.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            num_slots = arena.size // arena.slot_bytes
+            length = arena.table_offset + table_bytes(num_slots) if arena.table_offset else arena.size
+            if arena.table_offset and arena.table_offset < arena.size:
+                raise ShmUnavailableError(f"slot tables at {arena.table_offset} overlap the slots")
+            if st.st_size < length:
+                raise ShmUnavailableError(f"{path} holds {st.st_size} bytes, not {length}")
+            self._mmap = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # kept: ``current`` asks it whether the node still links the file
         self.arena = arena
         self.base = buffer_address(self._mmap)
+        self.generations = self.touched = None
+        """The node's slot tables (``kvstore/arena.py``), when it shares them: read-mostly views."""
+        if arena.table_offset:
+            self.generations, self.touched = slot_tables(self._mmap, arena.table_offset, num_slots)
         self._engine = CopyEngine(threads)
+
+    def current(self) -> bool:
+        """Whether the node still serves this arena: a node that stops unlinks its file,
+        and so does the next node to start after one that died (``reap_stale_segments``)."""
+        try:
+            return os.fstat(self._fd).st_nlink > 0
+        except OSError:
+            return False
 
     def read(self, ops: Sequence[Op], buffers=()) -> None:
         """Copies arena bytes to local memory: ``ops`` are ``(local addr, arena offset, length)``."""
@@ -76,7 +94,11 @@ class ShmMover:
 
     def close(self) -> None:
         self._engine.close()
+        for v in (self.generations, self.touched):
+            if v is not None:
+                v.release()
         self._mmap.close()
+        os.close(self._fd)
 
     def _check(self, ops: Sequence[Op]) -> None:
         size = self.arena.size

@@ -117,7 +117,7 @@ def test_expired_lease_fails_release_even_after_the_slots_hold_another_key(make_
 @pytest.mark.parametrize("lane", ["tcp", "grpc"])
 def test_get_reports_a_miss_when_its_lease_expired_during_the_copy(make_node, lane):
     node = make_node(lease_ttl_s=0.2)
-    c = StoreClient(node.address, data_channel=lane == "tcp")
+    c = StoreClient(node.address, data_channel=lane == "tcp", local_reads=False)
     assert c.descriptor_session().control_lane == lane
     c.put(b"k", os.urandom(SLOT))
     session = c.descriptor_session()

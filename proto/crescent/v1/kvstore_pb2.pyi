@@ -221,7 +221,7 @@ class HostIdentity(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
-    __slots__ = ("name", "size", "slot_bytes", "file_dev", "file_ino", "rdma_addr", "rdma_rkey")
+    __slots__ = ("name", "size", "slot_bytes", "file_dev", "file_ino", "rdma_addr", "rdma_rkey", "table_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class ArenaInfo(_message.Message):
     FILE_INO_FIELD_NUMBER: _ClassVar[int]
     RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
     RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
+    TABLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     slot_bytes: int
@@ -236,7 +237,8 @@ class ArenaInfo(_message.Message):
     file_ino: int
     rdma_addr: int
     rdma_rkey: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file_dev: _Optional[int] = ..., file_ino: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ...) -> None: ...
+    table_offset: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file_dev: _Optional[int] = ..., file_ino: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., table_offset: _Optional[int] = ...) -> None: ...
 
 class RdmaEndpoint(_message.Message):
     __slots__ = ("available", "reason", "device", "port")
