@@ -86,7 +86,11 @@ class SlotAllocator:
         return max(1, -(-nbytes // self.slot_bytes))
 
     def alloc(self, num: int) -> list[int] | None:
-        """Takes ``num`` free slots, or None (and takes nothing) when fewer are free."""
+        """Takes ``num`` free slots, or None (and takes nothing) when fewer are free.
+
+        Returned in ascending order: slots freed one by one (small values) sit on the
+        free list in reverse, and sorted they are again one run (one copy, not ``num``).
+        """
         if num > self.num_free:
             return None
         out = []
@@ -96,6 +100,8 @@ class SlotAllocator:
             head = nxt[head]
         self._free_head = head
         self.num_free -= num
+        if num > 1:
+            out.sort()
         return out
 
     def retire(self, slots: list[int]) -> None:

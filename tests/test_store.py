@@ -114,6 +114,10 @@ def test_freed_slots_come_back_as_one_ascending_run():
     assert [a.generation[s] for s in first] == [g + 1 for g in gens]  # every freed slot goes stale
     assert a.alloc(16) == first  # the same run, ascending: one copy for the movers, not 16
     assert a.num_free == 48
+    singles = [a.alloc(1) for _ in range(16)]  # one-slot values, freed one by one in order:
+    for one in singles:                         # the free list now holds their run descending
+        a.free(one)
+    assert a.alloc(16) == sorted(s for one in singles for s in one)  # handed out ascending
 
 
 def test_two_phase_put():
