@@ -2,12 +2,14 @@
 
 For 64 KiB, 1 MiB and 4 MiB values: put, get and batch_get_into against a real
 `crescent store` process (``--transport auto``), through the same-host shm
-mover (the client maps the node's arena; its grant calls on the data channel,
-and once more as gRPC calls), over the raw TCP data channel and
+mover (the client maps the node's arena; reads of values it knows checked
+against the node's generation table; every read through a grant on the data
+channel; the grant calls as gRPC calls), over the raw TCP data channel and
 over gRPC alone; beside them, in the same run, the raw TCP loopback ceiling
 (one process sendall()s, another recv_into()s a preallocated buffer),
 single-thread memcpy (one cache-hot source; and distinct sources, as a store
-copying distinct values has), and Redis (redis-server + redis-py) when it is
+copying distinct values has), the shm mover's copy engine on distinct sources
+with no protocol (the shm path's ceiling), and Redis (redis-server + redis-py) when it is
 installed.
 
     python bench/store_bench.py [--quick] [--write-docs]
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import OUT, ROOT, median, pct, table, write_docs_section  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
-from kvstore.transport.memcopy import DEFAULT_THREADS  # noqa: E402
+from kvstore.transport.memcopy import DEFAULT_THREADS, CopyEngine, buffer_address  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, MiB, 4 * MiB]
@@ -101,17 +103,28 @@ def warm_up(fn) -> None:
         fn()
 
 
-def memcpy_gbps(total: int, block: int, distinct_sources: bool = False) -> float:
-    """One thread copies ``total`` bytes in ``block`` pieces into cycling destinations,
-    from one cache-hot source (the ceiling) or from as many distinct sources."""
-    num = max(1, min(64, (256 * MiB) // block))
+def memcpy_gbps(total: int, block: int, distinct_sources: bool = False, threads: int = 1,
+                num: int | None = None) -> float:
+    """Copies ``total`` bytes in ``block`` pieces into ``num`` cycling destinations, from
+    one cache-hot source (the ceiling) or from as many distinct sources; ``threads`` > 1
+    runs the shm mover's copy engine on the same moves (its ceiling, no protocol)."""
+    num = num or max(1, min(64, (256 * MiB) // block))
     dsts = [memoryview(bytearray(block)) for _ in range(num)]
     srcs = [memoryview(bytearray(os.urandom(block))) for _ in range(num if distinct_sources else 1)]
     n = total // block
+    if threads > 1:
+        engine = CopyEngine(threads)
+        addrs = [buffer_address(b) for b in dsts], [buffer_address(b) for b in srcs]
+        batch = [(addrs[0][i], addrs[1][i % len(srcs)], block) for i in range(num)]
+        batches = [batch] * (n // num) + ([batch[: n % num]] if n % num else [])
 
-    def run() -> None:
-        for i in range(n):
-            dsts[i % num][:] = srcs[i % len(srcs)]
+        def run() -> None:
+            for b in batches:  # one engine run per batch of ``num`` values, as a batch get does
+                engine.run(b)
+    else:
+        def run() -> None:
+            for i in range(n):
+                dsts[i % num][:] = srcs[i % len(srcs)]
 
     warm_up(run)  # also faults the pages in
     t0 = time.perf_counter()
@@ -137,10 +150,11 @@ class Server:
 
 
 def bench_crescent(address: str, size: int, batch_bytes: int, reps: int, transport: str,
-                   grpc_control: bool = False) -> dict:
+                   grpc_control: bool = False, local_reads: bool = True) -> dict:
     """put / get / batch_get_into through one transport; ``grpc_control``: shm with its
-    grant calls as gRPC RPCs instead of on the data channel (the data channel off)."""
-    c = StoreClient(address, transport=transport, data_channel=not grpc_control)
+    grant calls as gRPC RPCs instead of on the data channel (the data channel off);
+    ``local_reads=False``: every shm read through a grant."""
+    c = StoreClient(address, transport=transport, data_channel=not grpc_control, local_reads=local_reads)
     assert c.transport == transport, c.transport_notes
     n = max(4, batch_bytes // size)
     tag = transport.encode()
@@ -272,8 +286,11 @@ def plot(results: dict, path: str) -> None:
     labels = [human(s) for s in SIZES]
     series = [("raw TCP ceiling", [results[s]["raw_tcp_gbps"] for s in SIZES]),
               ("memcpy (1 thread)", [results[s]["memcpy_gbps"] for s in SIZES]),
+              (f"copy engine ({DEFAULT_THREADS} threads, no protocol)", [results[s]["memcpy_par_gbps"] for s in SIZES]),
               ("Crescent batch_get_into (shm, same host)",
                [results[s]["crescent_shm"]["batch_get_into"]["gbps"] for s in SIZES]),
+              ("Crescent batch_get_into (shm, every read granted)",
+               [results[s]["crescent_shm_granted"]["batch_get_into"]["gbps"] for s in SIZES]),
               ("Crescent batch_get_into (shm, grants over gRPC)",
                [results[s]["crescent_shm_grpc"]["batch_get_into"]["gbps"] for s in SIZES]),
               ("Crescent batch_get_into (TCP channel)", [results[s]["crescent_tcp"]["batch_get_into"]["gbps"] for s in SIZES]),
@@ -310,12 +327,18 @@ def main() -> None:
                                              for _ in range(3)])
             log(f"{human(size)}: memcpy ceiling")
             r["memcpy_gbps"] = median([memcpy_gbps(256 * MiB, size) for _ in range(3)])
-            r["memcpy_cold_gbps"] = median([memcpy_gbps(256 * MiB, size, True) for _ in range(3)])
+            values = max(1, batch_bytes // size)  # the working set of one batch get
+            r["memcpy_cold_gbps"] = median([memcpy_gbps(256 * MiB, size, True, num=values) for _ in range(3)])
+            r["memcpy_par_gbps"] = median([memcpy_gbps(256 * MiB, size, True, DEFAULT_THREADS, values)
+                                           for _ in range(3)])
             log(f"{human(size)}: Crescent through shm (same host)")
             r["crescent_shm"] = bench_crescent(server.address, size, batch_bytes, reps, "shm")
+            log(f"{human(size)}: Crescent through shm, every read granted")
+            r["crescent_shm_granted"] = bench_crescent(server.address, size, batch_bytes, reps, "shm",
+                                                       local_reads=False)
             log(f"{human(size)}: Crescent through shm, grant calls over gRPC")
             r["crescent_shm_grpc"] = bench_crescent(server.address, size, batch_bytes, reps, "shm",
-                                                    grpc_control=True)
+                                                    grpc_control=True, local_reads=False)
             log(f"{human(size)}: Crescent over the TCP data channel")
             r["crescent_tcp"] = bench_crescent(server.address, size, batch_bytes, reps, "tcp")
             log(f"{human(size)}: Crescent over gRPC only")
@@ -337,7 +360,11 @@ def main() -> None:
                      "", ""])
         rows.append([human(size), "memcpy (1 thread, distinct sources)", "-", f"{r['memcpy_cold_gbps']:.2f}",
                      f"{r['memcpy_cold_gbps'] / tcp:.2f}", f"{r['memcpy_cold_gbps'] / mc:.2f}", "", ""])
+        rows.append([human(size), f"copy engine ({DEFAULT_THREADS} threads, distinct sources)", "-",
+                     f"{r['memcpy_par_gbps']:.2f}", f"{r['memcpy_par_gbps'] / tcp:.2f}",
+                     f"{r['memcpy_par_gbps'] / mc:.2f}", "", ""])
         for name, key in (("Crescent (shm, same host)", "crescent_shm"),
+                          ("Crescent (shm, every read granted)", "crescent_shm_granted"),
                           ("Crescent (shm, grants over gRPC)", "crescent_shm_grpc"),
                           ("Crescent (TCP channel)", "crescent_tcp"),
                           ("Crescent (gRPC only)", "crescent_grpc"), ("Redis", "redis")):
@@ -354,10 +381,15 @@ def main() -> None:
                f"{results[MiB]['crescent_grpc']['batch_get_into']['gbps'] / results[MiB]['raw_tcp_gbps']:.2f}×")
     shm = results[MiB]["crescent_shm"]["batch_get_into"]["gbps"]
     shm_grpc = results[MiB]["crescent_shm_grpc"]["batch_get_into"]["gbps"]
-    summary += (f"; same-host shm batch_get_into of 1 MiB values: {shm / results[MiB]['memcpy_gbps']:.2f}× the "
+    shm_granted = results[MiB]["crescent_shm_granted"]["batch_get_into"]["gbps"]
+    m = results[MiB]
+    summary += (f"; same-host shm batch_get_into of 1 MiB values: {shm / m['memcpy_gbps']:.2f}× the "
                 f"same run's single-thread memcpy (target ≥ 1.00×), "
-                f"{shm / results[MiB]['memcpy_cold_gbps']:.2f}× memcpy from distinct sources "
-                f"({shm_grpc / results[MiB]['memcpy_gbps']:.2f}× with the grant calls over gRPC)")
+                f"{shm / m['memcpy_cold_gbps']:.2f}× memcpy from distinct sources, "
+                f"{shm / m['memcpy_par_gbps']:.2f}× the {DEFAULT_THREADS}-thread copy engine with no protocol "
+                f"(which itself reaches {m['memcpy_par_gbps'] / m['memcpy_gbps']:.2f}× memcpy: the ceiling here); "
+                f"{shm_granted / m['memcpy_gbps']:.2f}× memcpy with every read granted, "
+                f"{shm_grpc / m['memcpy_gbps']:.2f}× with the grant calls over gRPC")
     if not results[MiB].get("redis"):
         summary += "; Redis not installed, no Redis rows"
     print()
@@ -376,9 +408,11 @@ def main() -> None:
                 "`put` = batch_put throughput, single-put latency; `get` = single get; "
                 "`batch_get_into` = one batch into preallocated buffers (Redis: pipelined MGET). "
                 "shm rows: the client maps the node's arena and copies slots itself "
-                f"({DEFAULT_THREADS} copy threads); its grant calls go on the data channel (a read: one "
-                "round trip, the release is not awaited; a write: reserve and commit), or as gRPC calls in "
-                "the `grants over gRPC` rows; "
+                f"({DEFAULT_THREADS} copy threads); values it wrote or read before it reads with no call "
+                "to the node (checked against the node's slot generation table), the `every read granted` "
+                "rows ask for a grant on the data channel for every read (one round trip, the release is "
+                "not awaited), the `grants over gRPC` rows make the grant calls gRPC calls; a write is "
+                "reserve and commit; "
                 "`× memcpy` is against the single-thread, one-hot-source memcpy of the same run. "
                 f"Every timed series follows {WARMUP_S} s of the same operation, untimed.\n\n"
                 f"{md}\n\n**{summary}.**\n\n![store bench](store_bench.png)\n")
