@@ -81,6 +81,7 @@ class Op(enum.IntEnum):
     RESERVE = 5
     COMMIT = 6
     ABORT = 7
+    REPORT = 8  # reads a same-host client made with no call (values, bytes, batches): the node counts them
 
 
 class Status(enum.IntEnum):
@@ -298,8 +299,8 @@ class DataChannelClient:
 
     def end_later(self, op: Op, lease_ids: Sequence[int],
                   on_answer: Callable[[list[tuple[Status, int]], str], None] | None = None) -> None:
-        """Sends RELEASE (any number of grants) or ABORT (one) without waiting; the
-        answer goes to ``on_answer(items, message)`` once read."""
+        """Sends RELEASE (any number of grants), ABORT (one) or REPORT (its three
+        counts) without waiting; the answer goes to ``on_answer(items, message)`` once read."""
         with self._guard():
             self.sock.sendall(_end_request(op, lease_ids))
         self._deferred.append((len(lease_ids), on_answer))

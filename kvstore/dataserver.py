@@ -188,6 +188,11 @@ class DataChannelServer:
                 grant = encode_grant(g.lease_id, g.ttl_s, t.arena.name, [d.slots for d in g.items],
                                      [d.generations for d in g.items])
                 return encode_response(items, g.message, grant)
+            if op is Op.REPORT:
+                if len(args) != 3 or min(args) < 0 or args[2] > args[0]:
+                    raise InvalidArgumentError("REPORT takes (values >= batches >= 0, bytes >= 0)")
+                t.local_reads(*args)
+                return encode_response([(Status.OK, 0)] * 3)
             if op is Op.RELEASE:
                 items, msg = [], ""
                 for lease_id in args:

@@ -30,7 +30,7 @@ from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve": "reserve_write",
-                "commit": "commit_write", "abort": "abort_write"}
+                "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads"}
 VERSION = "0.1.0"
 FRAME_BYTES = 4 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),

@@ -342,6 +342,12 @@ class TieredStore:
                 return None
             return list(e.slots)
 
+    def note_hits(self, tier: Tier, values: int, nbytes: int) -> None:
+        """Counts reads served without this store seeing them (a same-host client's local reads)."""
+        with self._lock:
+            self.counters["hits"][tier] += values
+            self.counters["bytes_out"] += nbytes
+
     def get(self, key: bytes) -> bytes | None:
         lease = self.acquire(key)
         if lease is None:

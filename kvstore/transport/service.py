@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.config import StoreConfig
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError
-from kvstore.store import TieredStore
+from kvstore.store import Tier, TieredStore
 from kvstore.transport.descriptors import Mover, descriptor_pb
 from kvstore.transport.identity import host_identity
 from kvstore.transport.leases import GrantResult, LeaseTable
@@ -77,12 +77,19 @@ class NodeTransport:
         if self.rdma is not None:
             self.rdma.close()
 
-    def count(self, mover: Mover, op: str, nbytes: int | None = None) -> None:
-        """Counts one batch moved by ``mover`` (``op`` is ``read`` or ``write``)."""
+    def count(self, mover: Mover, op: str, nbytes: int | None = None, batches: int = 1) -> None:
+        """Counts ``batches`` moved by ``mover`` (``op`` is ``read`` or ``write``)."""
         with self._lock:
             c = self._counts[mover]
-            c[0 if op == "read" else 1] += 1
+            c[0 if op == "read" else 1] += batches
             c[2 if op == "read" else 3] += nbytes or 0
+
+    def local_reads(self, values: int, nbytes: int, batches: int) -> None:
+        """Counts reads a same-host client made with no call to this node (its REPORT):
+        DRAM hits and bytes out in the store's counters, shm reads in the mover counts."""
+        self.store.note_hits(Tier.DRAM, values, nbytes)
+        if batches:
+            self.count(Mover.SHM, "read", nbytes, batches)
 
     def mover_counts(self) -> dict[Mover, list[int]]:
         with self._lock:

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 WRITE_PIECE_BYTES = 64 << 20
 DESCRIPTOR_CACHE_KEYS = 1 << 14
+REPORT_EVERY_S = 1.0
+"""How often (at most) a session tells the node how many values it read locally."""
 """Keys whose last descriptors a session keeps (the values it copies while their grant is in flight)."""
 """A put batch is copied in pieces of this size, with a deadline check before each."""
 
@@ -141,6 +143,7 @@ class GrpcControl:
         self._call(lambda: self._stub.ReleaseRead(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
 
     release_later = None  # a unary RPC is answered before the next: releases wait
+    report_later = None  # no RPC for it: local reads stay out of the node's counters
 
     def commit(self, lease_id: int) -> None:
         self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
@@ -181,6 +184,10 @@ class ChannelControl:
         """Sends one release of every lease without waiting; ``on_answer(items, message)``
         gets the node's answer once read."""
         self._run(lambda c: c.end_later(Op.RELEASE, lease_ids, on_answer))
+
+    def report_later(self, values: int, nbytes: int, batches: int) -> None:
+        """Tells the node about local reads (it counts them as hits), without waiting."""
+        self._run(lambda c: c.end_later(Op.REPORT, [values, nbytes, batches], None))
 
     def commit(self, lease_id: int) -> None:
         self._end(Op.COMMIT, lease_id)
@@ -301,6 +308,8 @@ class DescriptorSession:
         """Values read with no call to the node: remembered descriptors the generation table confirmed."""
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
+        self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
+        self._reported_at = time.monotonic()
 
     @property
     def mover(self) -> Mover:
@@ -405,7 +414,27 @@ class DescriptorSession:
                 touched[slots[0]] = 1
         self.num_local_reads += len(out)
         self.num_local_misses += len(cand) - len(out)
+        if out:
+            with self._lock:
+                u = self._unreported
+                u[0] += len(out)
+                u[1] += sum(out.values())
+                u[2] += 1
+            if time.monotonic() - self._reported_at >= REPORT_EVERY_S:
+                self._report(h)
         return out
+
+    def _report(self, h: _Handle) -> None:
+        """Sends the local reads not yet reported (the node's hit counters and metrics)."""
+        with self._lock:
+            values, nbytes, batches = self._unreported
+            self._unreported = [0, 0, 0]
+            self._reported_at = time.monotonic()
+        if values and h.control.report_later is not None:
+            try:
+                h.control.report_later(values, nbytes, batches)
+            except CrescentError as exc:  # statistics only: never fails a read
+                log.debug("could not report local reads: %s", exc)
 
     def _get_granted(self, keys: Sequence[bytes], dst_for: Callable[[int, int], object]
                      ) -> tuple[list[int | None], list[int]]:
@@ -585,7 +614,8 @@ class DescriptorSession:
             return self._staging
 
     def close(self) -> None:
-        """Closes the mover once no copy uses it any more."""
+        """Reports the last local reads, and closes the mover once no copy uses it any more."""
+        self._report(self._handle)
         self._retire(self._handle)
 
     @contextmanager

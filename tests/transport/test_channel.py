@@ -157,7 +157,7 @@ def test_closing_a_client_waits_for_its_deferred_releases(make_node):
     c.close()  # no wait_for: the node has ended every lease by the time close returns
     assert _leases(node)["num_remote_leases"] == 0
     assert answered == [[(Status.FAILED_PRECONDITION, 0)]]  # the unknown lease's refusal was read
-    assert node.transport.mover_counts()[Mover.SHM][0] == 1
+    assert node.transport.mover_counts()[Mover.SHM][0] == 3  # the grant's read, and two local ones reported
 
 
 
@@ -210,6 +210,27 @@ def test_remembered_values_are_read_locally_only_while_the_generation_table_conf
     assert session.num_local_reads == 6
     c.close()
     other.close()
+
+
+def test_local_reads_are_reported_to_the_node(make_node):
+    node = make_node()
+    c = StoreClient(node.address, transport="shm")
+    c.put(b"k", b"v" * 1000)
+    dram = lambda: node.store.stats()["tiers"][Tier.DRAM]["hits"]  # noqa: E731
+    hits, out = dram(), node.store.stats()["bytes_out"]
+    for _ in range(5):
+        assert c.get(b"k") == b"v" * 1000
+    assert c.descriptor_session().num_local_reads == 5
+    c.close()  # reports what the periodic report has not, and waits for the node's answer
+    assert dram() == hits + 5 and node.store.stats()["bytes_out"] == out + 5000
+    assert node.transport.mover_counts()[Mover.SHM][0::2] == [5, 5000]  # batches, bytes
+    s = _conn(node)
+    for args in ([1, 2], [1, 10, 2], [-1, 0, 0]):  # wrong count; more batches than values; negative
+        s.sendall(_end(Op.REPORT, *args))
+        items, msg = read_response(s)
+        assert items == [(Status.INVALID, 0)] * len(args) and "REPORT takes" in msg
+    assert dram() == hits + 5
+    s.close()
 
 
 def test_a_local_read_whose_slots_are_rewritten_mid_copy_is_refused(make_node):
