@@ -55,11 +55,11 @@ from proto.crescent.v1 import kvstore_pb2 as pb
 log = logging.getLogger(__name__)
 
 WRITE_PIECE_BYTES = 64 << 20
+"""A put batch is copied in pieces of this size, with a deadline check before each."""
 DESCRIPTOR_CACHE_KEYS = 1 << 14
+"""Keys whose last descriptors a session keeps (the values it may read locally, ``_read_local``)."""
 REPORT_EVERY_S = 1.0
 """How often (at most) a session tells the node how many values it read locally."""
-"""Keys whose last descriptors a session keeps (the values it copies while their grant is in flight)."""
-"""A put batch is copied in pieces of this size, with a deadline check before each."""
 
 
 @dataclass(frozen=True, slots=True)
