@@ -45,7 +45,7 @@ from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
 from kvstore.store import Tier
-from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, gather, ops_for,
+from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
                                            value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
@@ -373,10 +373,10 @@ class DescriptorSession:
         to the one in the grant that cached the descriptors, it means the key still
         maps to that value, in those slots; equal again after the copy, it means no
         slot was freed (hence none rewritten) while it ran: the copy is the value,
-        read as of the first check. The checks and the copy are loads in program order, which x86-64
-        keeps in order; the node bumps a generation before the slot can be
-        rewritten. Each value read marks its first slot touched, which the node's
-        eviction counts as a use. A value that fails either check is read through
+        read as of the first check. The checks and the copy are loads in program
+        order, which x86-64 keeps in order; the node bumps a generation before the
+        slot can be rewritten. Each value read marks its first slot touched, which
+        the node's eviction counts as a use. A value that fails either check is read through
         a grant instead; so is every value once the arena file is unlinked (the
         node stopped, or a restarted one reaped it: ``ShmMover.current``). CUDA
         destinations always go through a grant.
