@@ -146,11 +146,11 @@ class HostArena(SlotAllocator):
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.table_offset = num_slots * slot_bytes
-        self.file_bytes = self.table_offset + table_bytes(num_slots)
+        file_bytes = self.table_offset + table_bytes(num_slots)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, self.file_bytes)
-            self._mmap = mmap.mmap(fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, file_bytes)
+            self._mmap = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(self.path)
             raise

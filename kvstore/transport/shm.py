@@ -94,11 +94,11 @@ class ShmMover:
 
     def close(self) -> None:
         self._engine.close()
+        os.close(self._fd)
         for v in (self.generations, self.touched):
             if v is not None:
                 v.release()
         self._mmap.close()
-        os.close(self._fd)
 
     def _check(self, ops: Sequence[Op]) -> None:
         size = self.arena.size
