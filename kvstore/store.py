@@ -502,7 +502,8 @@ class TieredStore:
 
         A DRAM entry a same-host client marked touched (it read the value with no
         call to the node) gets a second chance: its mark is cleared and it moves to
-        the recent end, counted as a hit. A second pass takes it if nothing else will do.
+        the recent end (not counted as a hit: the client reports its reads). A second
+        pass takes it if nothing else will do.
         """
         now = time.monotonic()
         lru = self._lru[tier]
@@ -524,7 +525,6 @@ class TieredStore:
             for e in again:
                 touched[e.slots[0]] = 0
                 lru.move_to_end(e.key)
-                self.counters["hits"][tier] += 1
             if enough(freed) or not again:
                 break
         return out

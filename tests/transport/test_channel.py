@@ -272,7 +272,7 @@ def test_a_value_read_locally_gets_a_second_chance_at_eviction(make_node):
     w.put(b"k6", b"x" * (2 * SLOT))
     w.put(b"k7", b"x" * (2 * SLOT))  # past the high watermark: eviction down to the low one
     assert w.exists([b"k0", b"k1"]) == [True, False]  # k0 survived, the oldest untouched went
-    assert node.store.stats()["tiers"][Tier.DRAM]["hits"] == hits + 1  # the second chance, counted
+    assert node.store.stats()["tiers"][Tier.DRAM]["hits"] == hits  # r reports its read itself, at close
     r.close()
     w.close()
 
