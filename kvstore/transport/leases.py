@@ -74,12 +74,17 @@ class LeaseTable:
         ttl_s: lifetime of every grant.
         on_done: ``callback(mover, "read" | "write", nbytes)`` after a successful
             release or commit (mover statistics).
+        clock: the clock of every deadline (``time.monotonic``). The attribute
+            ``clock`` may be replaced on a running table (tests advance one by
+            hand); it must never go backwards, and should start where the old one is.
     """
 
     def __init__(self, store: TieredStore, ttl_s: float,
-                 on_done: Callable[[Mover, str, int], None] | None = None) -> None:
+                 on_done: Callable[[Mover, str, int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self.clock = clock
         self._on_done = on_done
         self._lock = threading.Lock()
         self._reads: dict[int, _Grant] = {}
@@ -140,7 +145,7 @@ class LeaseTable:
             if g is None:
                 raise FailedPreconditionError(
                     f"read lease {lease_id:#x} expired or unknown: treat its keys as misses")
-            expired = time.monotonic() > g.expires_at
+            expired = self.clock() > g.expires_at
             # no generation check: leased slots are never freed, and a generation that
             # moved on means only that the value was replaced or deleted under this read
             self.store.release_many(g.leases)
@@ -206,9 +211,9 @@ class LeaseTable:
             if g is None:
                 raise FailedPreconditionError(
                     f"write reservation {lease_id:#x} expired, unknown or already ended: nothing was stored")
-            if time.monotonic() > g.expires_at:
+            if self.clock() > g.expires_at:
                 self.num_expired_writes += 1
-                self._quarantine.append((time.monotonic() + self.ttl_s, g))
+                self._quarantine.append((self.clock() + self.ttl_s, g))
                 raise FailedPreconditionError(
                     f"write reservation {lease_id:#x} expired before its commit: nothing was stored")
             if not self._generations_match(g):
@@ -235,7 +240,7 @@ class LeaseTable:
 
     def sweep(self) -> None:
         """Ends every grant past its deadline, and returns quarantined slots whose time came."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             for lease_id in [i for i, g in self._reads.items() if now > g.expires_at]:
                 g = self._reads.pop(lease_id)
@@ -296,7 +301,7 @@ class LeaseTable:
             while lease_id in self._reads or lease_id in self._writes:
                 lease_id = secrets.randbits(63) | 1
             g.lease_id = lease_id
-            g.expires_at = time.monotonic() + self.ttl_s
+            g.expires_at = self.clock() + self.ttl_s
             table[lease_id] = g
 
     def _generations_match(self, g: _Grant) -> bool:
