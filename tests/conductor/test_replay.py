@@ -1,5 +1,6 @@
 """Trace replay: the trace reader, the acceptance figures on the synthetic trace, the CLI."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,13 +13,22 @@ from kvstore.conductor.trace import infinite_cache_hit_rate, load_trace
 from tests.conductor.procs import run_cli
 from tests.helpers import ROOT
 
-TRACE = os.path.join(os.path.dirname(ROOT), "shared", "traces", "synthetic_trace.jsonl")
-needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"{TRACE} is not present")
+# Mooncake's public synthetic trace, kept in the repository (tests/data/SOURCES.md) so no test here skips.
+TRACE = os.path.join(ROOT, "tests", "data", "synthetic_trace.jsonl")
+TRACE_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
 
 
 def _ctl(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "kvstore.cli", "ctl", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def test_the_bundled_trace_is_mooncakes_synthetic_trace():
+    """The copy is intact (tests/data/SOURCES.md): the acceptance figures below are about this exact file."""
+    with open(TRACE, "rb") as f:
+        data = f.read()
+    assert hashlib.sha256(data).hexdigest() == TRACE_SHA256
+    assert (len(data), data.count(b"\n")) == (1_136_313, 3993)
 
 
 def test_trace_errors_name_the_line(tmp_path):
@@ -62,7 +72,6 @@ def test_replay_config_errors():
         ReplayConfig(slo_ttft=0)
 
 
-@needs_trace
 def test_synthetic_trace_acceptance():
     """Ample capacity: cache-aware reaches the infinite-cache hit rate; TTFT and goodput order as in Fig. 5."""
     reqs = load_trace(TRACE)
@@ -82,7 +91,6 @@ def test_synthetic_trace_acceptance():
     assert good["cache-aware"] >= good["load"] > max(good["round-robin"], good["random"])
 
 
-@needs_trace
 def test_ctl_replay_compare_writes_table_and_plot(tmp_path):
     r = _ctl("replay", TRACE, "--limit", "300", "--compare", "--out", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
@@ -94,7 +102,6 @@ def test_ctl_replay_compare_writes_table_and_plot(tmp_path):
     assert "cache-aware" in r.stderr and "300/300" in r.stderr  # the progress bar
 
 
-@needs_trace
 def test_ctl_replay_table(capsys):
     rc, out, err = run_cli(capsys, "ctl", "replay", TRACE, "--limit", "200", "--policy", "load", "--prefill", "3",
                            "--no-progress")
@@ -114,7 +121,6 @@ def test_ctl_replay_bad_input_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and "Traceback" not in err
 
 
-@needs_trace
 def test_replay_fits_measured_prefill_samples(tmp_path, capsys):
     # A machine twice as slow as the profile: the fitted model makes every TTFT longer.
     c0, c1, c2 = 0.06, 7e-5, 1.3e-9
