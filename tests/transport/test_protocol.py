@@ -128,24 +128,43 @@ def test_get_reports_a_miss_when_its_lease_expired_during_the_copy(make_node, la
         slow(ops, bufs)
 
     session._handle.mover.read = read_slowly  # a stalled copier (the real mover, delayed)
+    # the node ended the lease before the copy began, so the client's own deadline (earlier
+    # than the node's) had passed too: no race, whatever the machine's load
     assert c.batch_get_into([b"k"], [bytearray(SLOT)]) == [None]
     assert session.num_invalid_reads == 1
     session._handle.mover.read = slow
+    # the session still reads once copies are fast again; the next grant gets a TTL that no
+    # loaded machine outlasts (a 0.2 s one could run out during this healthy read, too)
+    node.transport.leases.ttl_s = 3600.0
     assert c.batch_get_into([b"k"], [bytearray(SLOT)]) == [SLOT]
+    assert session.num_invalid_reads == 1
     c.close()
 
 
-def test_expired_reservation_cannot_commit_and_its_slots_return_after_quarantine(make_node, mover):
-    node = make_node(lease_ttl_s=0.3)
+def test_expired_reservation_cannot_commit_and_its_slots_return_after_quarantine(make_node, mover, node_clock):
+    ttl = 0.3  # the node's sweeper runs every ttl/4 s of real time; its deadlines move only with `clock`
+    node = make_node(lease_ttl_s=ttl)
+    clock = node_clock(node)
+    leases = node.transport.leases
     c = StoreClient(node.address, transport=mover)
     session = c.descriptor_session()
     grant = session.reserve([(b"late", 2 * SLOT)])
     assert _dram_used(node) == 2 * SLOT
-    wait_for(lambda: node.transport.leases.stats()["num_expired_reservations"] == 1, what="expiry")
+    clock.advance(ttl)  # at the deadline, not past it: still live
+    leases.sweep()
+    assert leases.stats()["num_expired_reservations"] == 0 and leases.stats()["num_remote_reservations"] == 1
+    clock.advance(0.01)
+    wait_for(lambda: leases.stats()["num_expired_reservations"] == 1, what="the sweeper to expire it")
+    assert leases.stats()["num_remote_reservations"] == 0 and leases.stats()["num_quarantined"] == 1
     assert _dram_used(node) == 2 * SLOT  # quarantined: a stalled writer may still be copying
     with pytest.raises(FailedPreconditionError):
         session.commit(grant.lease_id)
+    clock.advance(ttl / 2)  # half the quarantine: the slots stay out of use
+    leases.sweep()
+    assert _dram_used(node) == 2 * SLOT and leases.stats()["num_quarantined"] == 1
+    clock.advance(ttl / 2 + 0.01)  # (past the end: two halves need not add up to ttl exactly)
     wait_for(lambda: _dram_used(node) == 0, what="the quarantined slots to return")
+    assert leases.stats()["num_quarantined"] == 0
     assert c.exists([b"late"]) == [False]
     c.close()
 
@@ -163,6 +182,7 @@ def test_put_whose_reservation_expires_is_stored_another_way(make_node):
     session._handle.mover.write = write_late
     value = os.urandom(SLOT + 1)
     assert c.batch_put([(b"k", value)]) == [True]  # the commit failed; the TCP path stored it
+    node.transport.leases.ttl_s = 3600.0  # the read below must not race a 0.2 s lease
     assert c.get(b"k") == value
     assert c.stats()["movers"]["tcp"]["num_writes"] == 1
     c.close()
