@@ -138,10 +138,15 @@ def test_schedule_goes_where_the_prefix_is(make_node, engines, cc):
     r = cc.schedule(KEYS, num_tokens=6 * 256 + 7)
     assert (r.accepted, r.prefill, r.source_node, r.source_address) == (True, "pb", "b", b.address)
     assert (r.num_cached_chunks, r.num_cached_tokens, r.decode, r.policy) == (4, 1024, None, "cache-aware")
-    # Cache-blind policies ignore it; the stats count what Schedule reused.
-    assert cc.schedule(KEYS, 6 * 256, policy="round-robin").num_cached_chunks in (0, 4)
+    # Cache-blind policies ignore the index: round-robin takes the engines in id order (pa, then pb), and
+    # each reuses only what its own node holds: nothing on a, all 4 chunks on b.
+    rr = [cc.schedule(KEYS, 6 * 256, policy="round-robin") for _ in range(3)]
+    assert [(r.prefill, r.num_cached_chunks, r.num_cached_tokens, r.source_node) for r in rr] == [
+        ("pa", 0, 0, None), ("pb", 4, 1024, "b"), ("pa", 0, 0, None)]
+    # The stats count what Schedule reused: 4 chunks (cache-aware) + 0 + 4 + 0, of 4 × 6 scheduled.
     st = cc.stats()["schedule"]
-    assert st["num_scheduled"] == 2 and st["num_scheduled_chunks"] == 12
+    assert (st["num_scheduled"], st["num_scheduled_chunks"], st["num_cached_chunks"]) == (4, 24, 8)
+    assert (st["num_rejected"], st["num_replications"]) == (0, 0)
 
 
 def test_drain_excludes_an_engine(make_node, engines, cc):
