@@ -11,6 +11,7 @@ from kvstore.datachannel import (HELLO, Op, Status, decode_grant, encode_request
                                  read_response)
 from kvstore.store import Tier
 from kvstore.transport import Mover
+from kvstore.transport import session as session_module
 from proto.crescent.v1 import kvstore_pb2 as pb
 from tests.helpers import wait_for
 
@@ -165,7 +166,15 @@ def _shm_reads(node):
     return node.transport.mover_counts()[Mover.SHM][0]
 
 
-def test_remembered_values_are_read_locally_only_while_the_generation_table_confirms_them(make_node):
+def _round_trip(session):
+    """One answered request on the session's data-channel connection: by its answer the node
+    has handled everything the session sent there without waiting (releases, REPORTs)."""
+    assert session.control_lane == "tcp"
+    assert session.abort(0) == 0  # no such reservation: nothing happens but the round trip
+
+
+def test_remembered_values_are_read_locally_only_while_the_generation_table_confirms_them(make_node,
+                                                                                           reports_only_at_close):
     node = make_node()
     c = StoreClient(node.address, transport="shm")
     other = StoreClient(node.address, transport="shm")  # changes values behind c's back
@@ -178,7 +187,8 @@ def test_remembered_values_are_read_locally_only_while_the_generation_table_conf
     assert session.num_local_reads == 0
     wait_for(lambda: _shm_reads(node) == 1, what="the node to count the read (its release is not awaited)")
     assert c.batch_get_into(keys, bufs) == [2 * SLOT + 9] * 4
-    assert session.num_local_reads == 4 and _shm_reads(node) == 1  # no call to the node
+    _round_trip(session)
+    assert session.num_local_reads == 4 and _shm_reads(node) == 1  # no call to the node (no REPORT: the fixture)
     assert [bytes(b[: len(first[k])]) for b, k in zip(bufs, keys)] == [first[k] for k in keys]
 
     def slots_of(key):
@@ -212,7 +222,7 @@ def test_remembered_values_are_read_locally_only_while_the_generation_table_conf
     other.close()
 
 
-def test_local_reads_are_reported_to_the_node(make_node):
+def test_local_reads_are_reported_to_the_node(make_node, reports_only_at_close):
     node = make_node()
     c = StoreClient(node.address, transport="shm")
     c.put(b"k", b"v" * 1000)
@@ -221,6 +231,8 @@ def test_local_reads_are_reported_to_the_node(make_node):
     for _ in range(5):
         assert c.get(b"k") == b"v" * 1000
     assert c.descriptor_session().num_local_reads == 5
+    _round_trip(c.descriptor_session())
+    assert dram() == hits and _shm_reads(node) == 0  # not told yet (the fixture)
     c.close()  # reports what the periodic report has not, and waits for the node's answer
     assert dram() == hits + 5 and node.store.stats()["bytes_out"] == out + 5000
     assert node.transport.mover_counts()[Mover.SHM][0::2] == [5, 5000]  # batches, bytes
@@ -231,6 +243,23 @@ def test_local_reads_are_reported_to_the_node(make_node):
         assert items == [(Status.INVALID, 0)] * len(args) and "REPORT takes" in msg
     assert dram() == hits + 5
     s.close()
+
+
+def test_local_reads_are_reported_while_the_session_runs(make_node, monkeypatch):
+    monkeypatch.setattr(session_module, "REPORT_EVERY_S", 0.0)  # the timer is always due: each batch reports
+    node = make_node()
+    c = StoreClient(node.address, transport="shm")
+    c.put(b"k", b"v" * 1000)
+    dram = lambda: node.store.stats()["tiers"][Tier.DRAM]["hits"]  # noqa: E731
+    hits = dram()
+    for i in range(1, 4):
+        assert c.get(b"k") == b"v" * 1000
+        # sent without waiting for the answer: the node counts it on arrival
+        wait_for(lambda: dram() == hits + i and _shm_reads(node) == i, what=f"the report of local read {i}")
+    assert c.descriptor_session().num_local_reads == 3
+    assert node.transport.mover_counts()[Mover.SHM][0::2] == [3, 3000]  # batches, bytes
+    c.close()  # nothing left to report
+    assert dram() == hits + 3
 
 
 def test_a_local_read_whose_slots_are_rewritten_mid_copy_is_refused(make_node):
@@ -258,7 +287,7 @@ def test_a_local_read_whose_slots_are_rewritten_mid_copy_is_refused(make_node):
     w.close()
 
 
-def test_a_value_read_locally_gets_a_second_chance_at_eviction(make_node):
+def test_a_value_read_locally_gets_a_second_chance_at_eviction(make_node, reports_only_at_close):
     node = make_node(dram=16 * SLOT)
     w = StoreClient(node.address, transport="shm", local_reads=False)  # every read through the node
     r = StoreClient(node.address, transport="shm")
@@ -272,8 +301,10 @@ def test_a_value_read_locally_gets_a_second_chance_at_eviction(make_node):
     w.put(b"k6", b"x" * (2 * SLOT))
     w.put(b"k7", b"x" * (2 * SLOT))  # past the high watermark: eviction down to the low one
     assert w.exists([b"k0", b"k1"]) == [True, False]  # k0 survived, the oldest untouched went
+    _round_trip(r.descriptor_session())
     assert node.store.stats()["tiers"][Tier.DRAM]["hits"] == hits  # r reports its read itself, at close
     r.close()
+    assert node.store.stats()["tiers"][Tier.DRAM]["hits"] == hits + 1  # ...and once: eviction did not count it
     w.close()
 
 
