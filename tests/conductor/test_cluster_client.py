@@ -1,13 +1,25 @@
 """ClusterClient over in-process store nodes found through an in-process conductor."""
 
 import pytest
+import xxhash
 
 from kvstore.client import ClusterClient, Retry, StoreClient
+from kvstore.conductor.client import ConductorClient
 from kvstore.cluster import rendezvous_rank
 from kvstore.errors import UnavailableError
 from tests.helpers import wait_for
 
 KEYS = [b"key-%03d" % i for i in range(24)]
+
+
+def score(node: str, key: bytes) -> int:
+    """The documented rendezvous score (docs/conductor.md, "ClusterClient"): xxh3_64(node id ‖ 0 ‖ key)."""
+    return xxhash.xxh3_64_intdigest(node.encode() + b"\0" + key)
+
+
+def ranked(key: bytes, nodes) -> list[str]:
+    """The key's nodes, best first, computed here from the documented hash (not with rendezvous_rank)."""
+    return sorted(nodes, key=lambda n: score(n, key), reverse=True)
 
 
 @pytest.fixture
@@ -18,11 +30,30 @@ def three(make_node, conductor):
     return nodes
 
 
+def test_rendezvous_ranking_is_the_documented_hash():
+    # Pinned by hand from the xxh3_64 scores (hex) of node ‖ 0 ‖ key:
+    #   key-000: a 188b6676c0877ef2, b 1f08dbd4f141a48e, c 1821a5ca750b6c56, d 422d0b22cdd56a38 → b a c; d first
+    #   key-001: a 1e232a7bf9a2974b, b bb1d5ba55c4e11f7, c ce3de1985bfa576f, d cca50673042a83ba → c b a; c d b a
+    #   key-002: a 3e5b44b42081bff1, b 3aae01c58a68f7d2, c 2921fa8041d74d16, d d02f2afb9580b24b → a b c; d first
+    assert score("a", b"key-000") == 0x188B6676C0877EF2
+    assert rendezvous_rank(b"key-000", ["a", "b", "c"]) == ["b", "a", "c"]
+    assert rendezvous_rank(b"key-000", ["a", "b", "c", "d"]) == ["d", "b", "a", "c"]
+    assert rendezvous_rank(b"key-001", ["a", "b", "c"]) == ["c", "b", "a"]
+    assert rendezvous_rank(b"key-001", ["a", "b", "c", "d"]) == ["c", "d", "b", "a"]
+    assert rendezvous_rank(b"key-002", ["c", "b", "a"]) == ["a", "b", "c"]
+    for k in KEYS:
+        assert rendezvous_rank(k, ["a", "b", "c", "d"]) == ranked(k, ["a", "b", "c", "d"])
+
+
 def test_rendezvous_moves_only_keys_the_new_node_wins():
-    before = {k: rendezvous_rank(k, ["a", "b", "c"])[0] for k in KEYS * 1}
+    before = {k: rendezvous_rank(k, ["a", "b", "c"])[0] for k in KEYS}
     after = {k: rendezvous_rank(k, ["a", "b", "c", "d"])[0] for k in KEYS}
-    assert all(after[k] in (before[k], "d") for k in KEYS)
+    # A key moves exactly when d outscores all three old nodes, and then only to d.
+    for k in KEYS:
+        wins = score("d", k) > max(score(n, k) for n in "abc")
+        assert after[k] == ("d" if wins else before[k]), k
     assert len(set(before.values())) == 3
+    assert 0 < sum(after[k] == "d" for k in KEYS) < len(KEYS)
     assert rendezvous_rank(b"x", ["b", "a"]) == rendezvous_rank(b"x", ["a", "b"])
 
 
@@ -30,7 +61,7 @@ def test_puts_go_home_and_reads_find_them(three, conductor):
     with ClusterClient(conductor.address) as c:
         assert c.batch_put([(k, k * 3) for k in KEYS]) == [True] * len(KEYS)
         for k in KEYS:
-            home = rendezvous_rank(k, ["a", "b", "c"])[0]
+            home = ranked(k, "abc")[0]
             assert [n for n, node in three.items() if node.store.exists([k])[0]] == [home]
         assert c.batch_get(KEYS) == [bytearray(k * 3) for k in KEYS]  # own writes, before the index has them
     with ClusterClient(conductor.address) as fresh:  # a new client reads through the index
@@ -47,12 +78,16 @@ def test_puts_go_home_and_reads_find_them(three, conductor):
 def test_replicas_and_local_node(three, conductor):
     with ClusterClient(conductor.address, replicas=2) as c:
         c.batch_put([(k, b"v") for k in KEYS[:6]])
-        for k in KEYS[:6]:
-            assert sum(node.store.exists([k])[0] for node in three.values()) == 2
+        for k in KEYS[:6]:  # the two best-ranked nodes, exactly
+            assert {n for n, node in three.items() if node.store.exists([k])[0]} == set(ranked(k, "abc")[:2]), k
     with ClusterClient(conductor.address, local=three["c"].address, replicas=1) as c:
         c.batch_put([(k, b"w") for k in KEYS[6:12]])
         assert all(three["c"].store.exists(KEYS[6:12]))
         assert not any(three["a"].store.exists(KEYS[6:12]) + three["b"].store.exists(KEYS[6:12]))
+    with ClusterClient(conductor.address, local=three["c"].address, replicas=2) as c:
+        c.batch_put([(k, b"x") for k in KEYS[12:18]])
+        for k in KEYS[12:18]:  # the local node, then the best of the others
+            assert {n for n, node in three.items() if node.store.exists([k])[0]} == {"c", ranked(k, "ab")[0]}, k
 
 
 def test_reads_prefer_the_local_copy(three, conductor):
@@ -84,8 +119,39 @@ def test_an_unreachable_node_is_skipped_for_the_next(three, conductor):
         c.health()  # caches the member list with all three nodes
         three["a"].stop(0)
         assert c.batch_put([(k, b"v") for k in KEYS]) == [True] * len(KEYS)
-        assert not any(three["b"].store.exists([k])[0] and three["c"].store.exists([k])[0] for k in KEYS)
-        assert sum(three["b"].store.exists(KEYS)) + sum(three["c"].store.exists(KEYS)) == len(KEYS)
+        # Each key is on its first reachable node in the ranking: its home, or the runner-up where a was home.
+        expected = [next(n for n in ranked(k, "abc") if n != "a") for k in KEYS]
+        assert "a" in [ranked(k, "abc")[0] for k in KEYS]  # some keys really had to move
+        assert three["b"].store.exists(KEYS) == [n == "b" for n in expected]
+        assert three["c"].store.exists(KEYS) == [n == "c" for n in expected]
+
+
+def test_draining_nodes_get_no_puts_but_still_serve_reads(three, conductor):
+    old = [b"old-%03d" % i for i in range(24)]
+    with ClusterClient(conductor.address) as c:
+        c.batch_put([(k, k) for k in old])
+    assert any(ranked(k, "abc")[0] == "b" for k in old)  # b holds some of them
+    with ConductorClient(conductor.address) as cc:
+        assert cc.drain("b") == "draining"
+        with ClusterClient(conductor.address) as c:
+            assert c.batch_put([(k, b"n") for k in KEYS]) == [True] * len(KEYS)
+            for k in KEYS:  # b is left out of the ranking; everything else is as before
+                assert [n for n, node in three.items() if node.store.exists([k])[0]] == [ranked(k, "ac")[0]], k
+            assert "b" in [ranked(k, "abc")[0] for k in KEYS]  # some keys would have gone to b
+            # Reads still reach the draining node.
+            wait_for(lambda: c.lookup(old) == len(old), what="the old keys indexed")
+            assert c.batch_get(old) == [bytearray(k) for k in old]
+        # Not even as the caller's local node, nor as an extra replica.
+        with ClusterClient(conductor.address, local=three["b"].address, replicas=3) as c:
+            more = [b"more-%03d" % i for i in range(8)]
+            assert c.batch_put([(k, b"m") for k in more]) == [True] * len(more)
+            assert three["b"].store.exists(more) == [False] * len(more)
+            assert all(three["a"].store.exists(more)) and all(three["c"].store.exists(more))
+        assert cc.drain("b", undo=True) == "alive"
+        with ClusterClient(conductor.address) as c:
+            back = [b"back-%03d" % i for i in range(24)]
+            c.batch_put([(k, b"b") for k in back])
+            assert three["b"].store.exists(back) == [ranked(k, "abc")[0] == "b" for k in back]
 
 
 def test_no_store_node(conductor):
