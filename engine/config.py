@@ -154,6 +154,9 @@ class EngineConfig:
     """Save newly computed full chunks to the store."""
     load_from_store: bool = True
     """Load hit prefixes from the store."""
+    store_transport: str = "auto"
+    """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
+    both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
 
     def __post_init__(self) -> None:
         from kvstore.config import parse_size
@@ -165,6 +168,10 @@ class EngineConfig:
             raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        from kvstore.transport.identity import REQUESTS
+
+        if self.store_transport not in REQUESTS:
+            raise ValueError(f"store_transport must be one of {', '.join(REQUESTS)}, got {self.store_transport!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

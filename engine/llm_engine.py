@@ -77,11 +77,11 @@ class LLMEngine:
             if client is None and cfg.conductor:
                 from kvstore.cluster import ClusterClient
 
-                client = ClusterClient(cfg.conductor, local=cfg.store, timeout_s=30)
+                client = ClusterClient(cfg.conductor, local=cfg.store, timeout_s=30, transport=cfg.store_transport)
             elif client is None:
                 from kvstore.client import StoreClient
 
-                client = StoreClient(cfg.store, timeout_s=30)
+                client = StoreClient(cfg.store, timeout_s=30, transport=cfg.store_transport)
             self.connector = StoreConnector(self.runner, client, self.fingerprint,
                                             save=cfg.save_to_store, load=cfg.load_from_store)
         self.eos = set(mc.eos_token_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,13 +33,19 @@ log = logging.getLogger(__name__)
 
 FRAME_BYTES = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
-            ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20))]
+            ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20)),
+            # a node that was down a while is found again within ~2 s of its return
+            # (gRPC's defaults back off up to 120 s between attempts to reconnect)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
 
 Buffer = Union[bytes, bytearray, memoryview, "torch.Tensor"]  # noqa: F821
 Value = Union[Buffer, Sequence[Buffer]]
 """A value: one buffer, or a list of parts stored back to back (e.g. a chunk's header and payload)."""
 
 T = TypeVar("T")
+_NO_CHANNEL = object()  # _dc_call: the node (maybe a restarted one) offers no data channel
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ class StoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._want_dc = data_channel and transport != "grpc"
         self._dc: _Connections | None = None
+        self._dc_lock = threading.Lock()
         self._limits: pb.HealthResponse | None = None
         self._transport_req = transport
         self._local_reads = local_reads
@@ -140,23 +148,41 @@ class StoreClient:
         return call_grpc(fn, self.retry)
 
     def health(self) -> dict:
-        h = self._call(lambda: self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s))
-        self._limits = h
+        h = self._read_health(self.retry)
         return {"serving": h.serving, "node_id": h.node_id, "version": h.version,
                 "max_key_bytes": h.max_key_bytes, "max_value_bytes": h.max_value_bytes,
                 "data_port": h.data_port}
 
-    def _data_channel(self) -> _Connections | None:
+    def _read_health(self, retry: Retry | None) -> pb.HealthResponse:
+        """Health, remembered as the node's limits, data port and token."""
+        h = call_grpc(lambda: self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s), retry)
+        self._limits = h
+        return h
+
+    def _data_channel(self, retry: bool = True) -> _Connections | None:
+        """The node's data channel (None: it has none, or ``data_channel=False``).
+
+        Opened from the node's last Health; ``_drop_data_channel`` forgets both, so the
+        next use asks the node again (a restarted node listens on a new port, with a new token).
+        """
         if not self._want_dc:
             return None
-        if self._dc is None:
-            if self._limits is None:
-                self.health()
-            if not self._limits.data_port:
-                self._want_dc = False
-                return None
-            self._dc = _Connections(self._host, self._limits.data_port, self._limits.data_token)
-        return self._dc
+        with self._dc_lock:
+            if self._dc is None:
+                h = self._limits if self._limits is not None else self._read_health(self.retry if retry else None)
+                if not h.data_port:
+                    self._want_dc = False
+                    return None
+                self._dc = _Connections(self._host, h.data_port, h.data_token)
+            return self._dc
+
+    def _drop_data_channel(self, stale: _Connections) -> None:
+        with self._dc_lock:
+            if self._dc is not stale:
+                return  # another thread dropped it first (and maybe reconnected)
+            self._dc = None
+            self._limits = None
+        stale.close()
 
     @property
     def _host(self) -> str:
@@ -168,21 +194,35 @@ class StoreClient:
         calls (None: the node has none, or ``data_channel=False``: they go over gRPC)."""
         if not self._want_dc:
             return None
-        self.health()  # re-read: a restarted node listens on a new data port
-        h = self._limits
+        h = self._read_health(self.retry)  # re-read: a restarted node listens on a new data port
         if not h.data_port:
             return None
         return _Connections(self._host, h.data_port, h.data_token)
 
-    def _dc_call(self, fn):
-        """Runs fn(conn) on this thread's data connection; a broken one is reopened once."""
-        dc = self._data_channel()
-        try:
-            return fn(dc.get())
-        except DataLossError:
-            return fn(dc.get())  # the failed connection closed itself; get() reconnects
-        except OSError as exc:
-            raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+    def _dc_call(self, fn: Callable, fallback: Callable[[], T]) -> T:
+        """Runs fn(conn) on this thread's data connection, or ``fallback()`` when the node
+        has no data channel.
+
+        A connection that broke is reopened at once (same port). One that cannot be
+        opened, or breaks again, means the node went away: the channel is dropped and
+        the call retried under the client's ``Retry``, each attempt re-reading the
+        node's data port and token (Health) first, so a client follows a restarted node.
+        """
+        def once():
+            dc = self._data_channel(retry=False)  # this loop retries
+            if dc is None:
+                return _NO_CHANNEL
+            try:
+                try:
+                    return fn(dc.get())
+                except DataLossError:
+                    return fn(dc.get())  # the failed connection closed itself; get() reconnects
+            except (DataLossError, UnavailableError, OSError) as exc:
+                self._drop_data_channel(dc)
+                raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+
+        out = self.retry.call(once)
+        return fallback() if out is _NO_CHANNEL else out
 
     def descriptor_session(self):
         """The shm/rdma ``DescriptorSession`` with this node, or None (resolved once, on first use).
@@ -236,9 +276,7 @@ class StoreClient:
         """
         keys = _check_keys([k for k, _ in items])
         values = [_parts(v) for _, v in items]
-        if self._limits is None:
-            self.health()
-        limit = self._limits.max_value_bytes
+        limit = (self._limits or self._read_health(self.retry)).max_value_bytes
         for k, parts in zip(keys, values):
             size = sum(_nbytes(p) for p in parts)
             if size > limit:
@@ -257,17 +295,18 @@ class StoreClient:
 
     def _streamed_put(self, keys: list[bytes], values: list[list], _raise: bool) -> list[bool]:
         values = [_host_parts(parts) for parts in values]
-        if self._data_channel() is not None:
-            results, msg = self._dc_call(lambda c: c.put(keys, values))
-            out = []
-            for status, _ in results:
-                if status is Status.INVALID:
-                    raise InvalidArgumentError(msg)
-                if status is Status.EXHAUSTED and _raise:
-                    raise ResourceExhaustedError(msg)
-                out.append(status is Status.OK)
-            return out
-        return self._grpc_put(keys, values, _raise)
+        reply = self._dc_call(lambda c: c.put(keys, values), lambda: None)
+        if reply is None:
+            return self._grpc_put(keys, values, _raise)
+        results, msg = reply
+        out = []
+        for status, _ in results:
+            if status is Status.INVALID:
+                raise InvalidArgumentError(msg)
+            if status is Status.EXHAUSTED and _raise:
+                raise ResourceExhaustedError(msg)
+            out.append(status is Status.OK)
+        return out
 
     def _grpc_put(self, keys, values, _raise) -> list[bool]:
         def frames():
@@ -315,9 +354,7 @@ class StoreClient:
         return result
 
     def _streamed_get(self, keys: list[bytes]) -> list[bytearray | None]:
-        if self._data_channel() is not None:
-            return self._dc_call(lambda c: c.get(keys))
-        return self._call(lambda: self._grpc_get(keys))
+        return self._dc_call(lambda c: c.get(keys), lambda: self._call(lambda: self._grpc_get(keys)))
 
     def _grpc_get(self, keys) -> list[bytearray | None]:
         out: list[bytearray | None] = [None] * len(keys)
@@ -390,7 +427,8 @@ class StoreClient:
                         dst[: len(v)] = v
                 sizes.append(len(v) if v is not None else None)
             return sizes
-        if self._data_channel() is None:
+        items = self._dc_call(lambda c: c.get_into(keys, views), lambda: None)
+        if items is None:  # no data channel: gRPC frames, then a copy into each buffer
             vals = self._streamed_get(keys)
             sizes = []
             for k, v, buf in zip(keys, vals, views):
@@ -400,7 +438,6 @@ class StoreClient:
                     buf[: len(v)] = v
                 sizes.append(len(v) if v is not None else None)
             return sizes
-        items = self._dc_call(lambda c: c.get_into(keys, views))
         out: list[int | None] = []
         for k, (status, size), buf in zip(keys, items, views):
             if status is Status.TOO_LARGE:
