@@ -92,6 +92,34 @@ def test_silent_member_is_dead_after_the_timeout(make_node, cc, conductor):
     assert cc.stats()["num_dead"] == 1
 
 
+def test_a_superseded_agent_registers_again_and_resyncs_keeping_its_drain(make_node, cc, conductor):
+    """A registration under a node's id (what a restarted process sends) supersedes the running agent: the
+    agent's next heartbeat, of the old incarnation, is refused, so it registers again and resends its chunks."""
+    a = make_node("a")
+    with StoreClient(a.address) as s:
+        s.batch_put([(k, b"v") for k in KEYS[:3]])
+    wait_for(lambda: cc.locate(KEYS).num_prefix == 3, what="a's chunks indexed")
+    assert cc.drain("a") == "draining"
+    channel = grpc.insecure_channel(conductor.address)
+    stub = cpb_grpc.ConductorStub(channel)
+
+    def incarnation():
+        return next((m.incarnation for m in stub.ListMembers(cpb.ListMembersRequest(), timeout=10).members
+                     if m.member_id == "a"), None)
+
+    first = incarnation()
+    taken = stub.Register(cpb.RegisterRequest(member_id="a", kind=cpb.MEMBER_KIND_STORE, address=a.address),
+                          timeout=10).incarnation
+    assert taken != first
+    wait_for(lambda: incarnation() not in (None, first, taken), what="the agent registered again")
+    assert not stub.Heartbeat(cpb.HeartbeatRequest(member_id="a", incarnation=taken), timeout=10).known
+    wait_for(lambda: cc.locate(KEYS).num_prefix == 3, what="a's chunks resent by its new incarnation")
+    assert holders(cc, KEYS[:3]) == [{"a": Tier.DRAM}] * 3
+    assert next(m for m in cc.members() if m.member_id == "a").state == "draining"
+    wait_for(lambda: a.agent.draining, what="the agent told it is draining")
+    channel.close()
+
+
 def test_conductor_restart_resyncs_members_and_chunks(make_node, conductor):
     a = make_node("a")
     with StoreClient(a.address) as s:
