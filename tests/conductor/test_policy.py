@@ -196,7 +196,8 @@ def test_cost_model_by_hand():
     # On disk, local or remote, the disk's 6 GB/s is the cap: 1 ms + 167,772,160/6e9 = 1 ms + 27.962026666… ms
     assert COST.transfer_s(512, K, True) == pytest.approx(0.028962026666666667, rel=EXACT)
     assert COST.transfer_s(512, K, False) == pytest.approx(0.028962026666666667, rel=EXACT)
-    assert COST.transfer_s(512, D, True, kv_bytes_per_token=1000) == pytest.approx(0.0010064, rel=EXACT)  # 1 ms + 512,000/80e9
+    # An engine's own KV size replaces the profile's: 1 ms + 512 × 1000 B / 80e9 = 1 ms + 0.0064 ms
+    assert COST.transfer_s(512, D, True, kv_bytes_per_token=1000) == pytest.approx(0.0010064, rel=EXACT)
     # queue(1000 queued tokens, 2 waiting) = 2 × 0.03 + 1000 × 3.5e-5 = 0.06 + 0.035
     assert COST.queue_s(1000, 2) == pytest.approx(0.095, rel=EXACT)
     # tbt(3 seqs, 10,000 context) = 0.0075 + 3 × 3.5e-5 + 10,000 × 1.75e-8 = 0.0075 + 0.000105 + 0.000175
