@@ -79,8 +79,12 @@ class HardwareProfile:
         profile = cls(**data)
         for f in dataclasses.fields(cls):
             v = getattr(profile, f.name)
-            if f.name != "name" and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            if f.name == "name":
+                continue
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"profile field {f.name} must be a finite number >= 0, got {v!r}")
+            if f.name.endswith("_bandwidth") and v == 0:  # transfer_s divides by it
+                raise ValueError(f"profile field {f.name} must be > 0, got {v!r}")
         return profile
 
 

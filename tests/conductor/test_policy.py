@@ -68,6 +68,23 @@ def test_profile_load_rejects_unknown_and_bad_fields(tmp_path):
         HardwareProfile.load(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.parametrize("field", ["local_bandwidth", "network_bandwidth", "disk_bandwidth"])
+def test_profile_load_rejects_a_zero_bandwidth(tmp_path, field):
+    # A transfer divides by the bandwidth: 0 used to load fine and crash every Schedule / replay later.
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({field: 0}))
+    with pytest.raises(ValueError, match=f"profile field {field} must be > 0, got 0"):
+        HardwareProfile.load(str(p))
+
+
+@pytest.mark.parametrize("value", [True, "1e9", None, [1], float("nan")])
+def test_profile_load_rejects_values_that_are_not_numbers(tmp_path, value):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"transfer_latency_s": value}))
+    with pytest.raises(ValueError, match="profile field transfer_latency_s must be a finite number >= 0"):
+        HardwareProfile.load(str(p))
+
+
 def test_prefix_match_local_prefix():
     m = PrefixMatch([{"a": D, "b": D}, {"a": D}, {"b": K}])
     assert m.num_global == 3

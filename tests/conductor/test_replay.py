@@ -111,7 +111,9 @@ def test_ctl_replay_table(capsys):
 
 
 def test_ctl_replay_bad_input_is_one_line(tmp_path, capsys):
-    for args, msg in [((str(tmp_path / "missing.jsonl"),), "cannot read the trace"),
+    (tmp_path / "zero.json").write_text('{"network_bandwidth": 0}')
+    for args, msg in [((TRACE, "--profile", str(tmp_path / "zero.json")), "network_bandwidth must be > 0"),
+                      ((str(tmp_path / "missing.jsonl"),), "cannot read the trace"),
                       ((TRACE, "--prefill", "0"), "--prefill and --decode must be at least 1"),
                       ((TRACE, "--profile", str(tmp_path / "nope.json")), "cannot read the profile"),
                       ((TRACE, "--limit", "0"), "--limit must be >= 1")]:

@@ -247,6 +247,14 @@ def test_bad_requests_get_precise_statuses(conductor, engines, cc):
     assert not stub.Heartbeat(cpb.HeartbeatRequest(member_id="ghost", incarnation=1), timeout=10).known
 
 
+def test_a_profile_with_a_zero_bandwidth_is_refused_at_start(tmp_path):
+    # It used to start, then fail every Schedule that moves KV with UNKNOWN (a ZeroDivisionError).
+    p = tmp_path / "zero.json"
+    p.write_text('{"local_bandwidth": 0}')
+    with pytest.raises(ValueError, match="profile field local_bandwidth must be > 0"):
+        Conductor(ConductorConfig(listen="127.0.0.1:0", profile=str(p)))
+
+
 def test_pin_and_evict_reach_every_holder(make_node, cc):
     a, b = make_node("a"), make_node("b")
     for n in (a, b):
