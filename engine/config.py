@@ -8,6 +8,7 @@ engine's own knobs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -104,15 +105,53 @@ PRESETS: dict[str, dict] = {
     # prefix-reuse benchmark's baseline), with Llama-3-like GQA and head_dim 128.
     "medium": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=2, head_dim=128),
+    # Real models' shapes (their config.json), random weights: GPU benchmarks of the data
+    # path at the KV sizes people serve. Cut depth with hf_overrides={"num_hidden_layers": N}.
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                      max_position_embeddings=8192),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                     rope_theta=1000000.0, max_position_embeddings=32768, attention_bias=True),
 }
 BYTE_BOS, BYTE_EOS = 256, 257
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_config(name: str, overrides: dict | None = None) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset random:{name} (choose from {', '.join('random:' + p for p in PRESETS)})")
-    return ModelConfig(model_type="llama", rope_theta=500000.0, bos_token_id=BYTE_BOS,
-                       eos_token_id=(BYTE_EOS,), name=f"random:{name}", **PRESETS[name])
+    base = dict(model_type="llama", rope_theta=500000.0, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+                name=f"random:{name}")
+    return apply_overrides(ModelConfig(**{**base, **PRESETS[name]}), overrides)
+
+
+def apply_overrides(mc: ModelConfig, overrides: dict | None) -> ModelConfig:
+    """``mc`` with fields replaced, vLLM's ``hf_overrides`` convention (e.g. ``{"num_hidden_layers": 8}``).
+
+    The overrides become part of the model's name, hence of its chunk keys' namespace:
+    a cut model never reads a full one's KV.
+
+    Raises:
+        ValueError: an unknown field, or a value of the wrong type.
+    """
+    if not overrides:
+        return mc
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "model_type"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"hf_overrides: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    overrides = {k: tuple(v) if k == "eos_token_id" and isinstance(v, list) else v for k, v in overrides.items()}
+    for k, v in overrides.items():
+        want = type(getattr(mc, k))
+        if want in (int, float, bool, str) and not (isinstance(v, want) or (want is float and type(v) is int)) \
+                or (want is int and isinstance(v, bool)):
+            raise ValueError(f"hf_overrides: {k} must be {want.__name__}, got {v!r}")
+        if want is int and k != "bos_token_id" and v <= 0:
+            raise ValueError(f"hf_overrides: {k} must be positive, got {v}")
+    tag = json.dumps(overrides, sort_keys=True, separators=(",", ":"))
+    return dataclasses.replace(mc, **overrides, name=f"{mc.name}{tag}")
 
 
 @dataclass
@@ -120,7 +159,10 @@ class EngineConfig:
     """Knobs of one engine (``LLM(...)`` and ``crescent engine``)."""
 
     model: str = "random:tiny"
-    """A Hugging Face checkpoint folder, or ``random:tiny|small|medium``."""
+    """A Hugging Face checkpoint folder, or a random preset: ``random:tiny|small|medium``, or
+    ``random:llama3-8b|qwen2-7b`` (real shapes)."""
+    hf_overrides: dict | None = None
+    """Model config fields to replace, as JSON (vLLM's convention), e.g. ``{"num_hidden_layers": 8}``."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weights/KV dtype; auto is float32 on CPU, bfloat16 on CUDA."""
     device: str = "auto"
@@ -154,7 +196,7 @@ class EngineConfig:
     """Save newly computed full chunks to the store."""
     load_from_store: bool = True
     """Load hit prefixes from the store."""
-    store_transport: str = "auto"
+    store_transport: Literal["auto", "shm", "rdma", "tcp", "grpc"] = "auto"
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
 

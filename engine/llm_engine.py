@@ -55,7 +55,7 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, client=None) -> None:
         self.cfg = cfg
-        self.model_config = load_model_config(cfg.model)
+        self.model_config = load_model_config(cfg.model, cfg.hf_overrides)
         self.runner = ModelRunner(cfg, self.model_config)
         self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.blocks, chunk_size=cfg.chunk_size,

@@ -181,19 +181,41 @@ class CausalLM(nn.Module):
 
 
 def random_model(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """A seeded random model: the same seed gives the same weights on every host."""
-    gen = torch.Generator().manual_seed(seed)
-    model = CausalLM(cfg)
+    """A seeded random model: the same seed gives the same weights on every host with the
+    same kind of device.
+
+    On CPU the weights are drawn in float32 by one CPU generator, parameter by parameter
+    (the small presets' exact weights). On a GPU they are drawn there, in the model's
+    dtype, by a generator of that device: a Llama-3-8B-shaped model is ready in seconds
+    instead of minutes of CPU sampling and a host copy.
+    """
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    on_cpu = device.type == "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
+            t = torch.empty(p.shape, dtype=torch.float32 if on_cpu else dtype, device=device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                t.fill_(1.0)
             else:
                 # NOTE: std 0.05 rather than HF's 0.02: greedy output of a random
                 # model then varies token to token instead of settling into a
                 # loop, which makes exactness tests sharper.
-                p.normal_(0.0, 0.05, generator=gen)
-    return model.to(device=device, dtype=dtype).eval()
+                t.normal_(0.0, 0.05, generator=gen)
+            state[name] = t.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)  # a tied lm_head is the embedding's
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg)
+    return model.to(device=device).eval()
+
+
+def _layer_index(name: str) -> int:
+    """i of a ``model.layers.{i}.…`` tensor name; -1 for the others."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -216,6 +238,8 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
             for name in sf.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
+                if _layer_index(name) >= cfg.num_hidden_layers:
+                    continue  # a model cut by hf_overrides={"num_hidden_layers": N} keeps the first N
                 if name not in params:
                     if cfg.tie_word_embeddings and name == "lm_head.weight":
                         continue

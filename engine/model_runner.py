@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.config import EngineConfig, ModelConfig, preset_config
+from engine.config import EngineConfig, ModelConfig, apply_overrides, preset_config
 from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
 from engine.scheduler import ScheduledSeq
 
 
-def load_model_config(model: str) -> ModelConfig:
+def load_model_config(model: str, hf_overrides: dict | None = None) -> ModelConfig:
     if model.startswith("random:"):
-        return preset_config(model.split(":", 1)[1])
-    return ModelConfig.from_folder(model)
+        return preset_config(model.split(":", 1)[1], hf_overrides)
+    return apply_overrides(ModelConfig.from_folder(model), hf_overrides)
 
 
 class ModelRunner:

@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import logging
 import sys
 import textwrap
@@ -37,6 +38,16 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def json_object_arg(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return v
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
     """One flag per dataclass field: ``--field-name``, typed, with the field's docstring as help."""
     docs = attr_docs(cls)
@@ -58,6 +69,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
         else:
             args = [a for a in typing.get_args(hint) if a is not type(None)]
             typ = args[0] if args else hint
+            if typ is dict:
+                typ, help_text = json_object_arg, help_text + " (a JSON object)"
             shown = f" (default: {default})" if default not in (None, "") else ""
             parser.add_argument(flag, type=typ, default=default, help=help_text + shown)
 

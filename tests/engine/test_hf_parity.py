@@ -5,14 +5,14 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model import AttnMetadata
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, load_model_config
 
 transformers = pytest.importorskip("transformers")
 
 
-def _all_logits(folder: str, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    cfg = EngineConfig(model=folder, dtype="float32", device="cpu", num_pages=64)
-    runner = ModelRunner(cfg, ModelConfig.from_folder(folder))
+def _all_logits(folder: str, ids: list[int], chunk: int | None = None, hf_overrides=None) -> torch.Tensor:
+    cfg = EngineConfig(model=folder, dtype="float32", device="cpu", num_pages=64, hf_overrides=hf_overrides)
+    runner = ModelRunner(cfg, load_model_config(folder, hf_overrides))
     n = len(ids)
     pages = list(range(-(-n // cfg.page_size)))
     table = torch.tensor([pages], dtype=torch.int32)
@@ -73,3 +73,18 @@ def test_logits_match_transformers(tmp_path, case):
     # chunked prefill over the paged history gives the same logits
     chunked = _all_logits(str(tmp_path), ids, chunk=48)
     assert (chunked - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_a_checkpoint_cut_by_hf_overrides_matches_transformers_cut_the_same_way(tmp_path):
+    """hf_overrides={"num_hidden_layers": 1} keeps the first layer of a 2-layer checkpoint,
+    as transformers does when told the same at load time."""
+    _save(transformers.LlamaForCausalLM, transformers.LlamaConfig, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, num_hidden_layers=1).eval()
+    assert len(hf.model.layers) == 1
+    ids = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    ours = _all_logits(str(tmp_path), ids, hf_overrides={"num_hidden_layers": 1})
+    assert (ours - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    full = _all_logits(str(tmp_path), ids)
+    assert (full - ours).abs().max().item() > 1e-2  # the second layer was really dropped
