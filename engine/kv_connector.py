@@ -34,6 +34,8 @@ class ConnectorStats:
     bytes_loaded: int = 0
     chunks_saved: int = 0
     bytes_saved: int = 0
+    load_s: float = 0.0
+    """Wall time spent in ``load`` (fetch, verify, scatter): bytes_loaded / load_s is the load rate."""
     load_failures: int = 0
     """Chunks that were reported present but failed to load or verify."""
     save_failures: int = 0
@@ -139,6 +141,13 @@ class StoreConnector:
         Loading stops at the first chunk that is missing, fails verification or
         errors: the engine recomputes from there.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._load(tokens, salt, pages, first, num, seq_id, replicate)
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+
+    def _load(self, tokens, salt, pages, first, num, seq_id, replicate) -> int:
         all_keys = self.keys(tokens, salt)
         keys = all_keys[first : first + num]
         ns = self.namespace(salt)
