@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm test demo bench proto clean rdma-setup
+.PHONY: setup setup-vllm test demo bench proto clean rdma-setup gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,3 +64,12 @@ proto: setup
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+
+# Wheels the GPU machine lacks (Python 3.12 there): this project's grpcio/protobuf pins, lmdb,
+# and the test tools. `run` carries .whl/ (kept out of git); bench/gpu_check.sh installs them.
+gpu-wheels: setup
+	grep -qx '.whl/' .git/info/exclude 2>/dev/null || echo '.whl/' >> .git/info/exclude
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+	  lmdb grpcio==1.85.1 "protobuf==$$($(PY) -c 'import google.protobuf as p; print(p.__version__)')" \
+	  "hypothesis==$$($(PY) -c 'import hypothesis as h; print(h.__version__)')" sortedcontainers attrs pytest-timeout

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One run on a bare GPU machine (an H200 lent for a few minutes): the GPU tests and every GPU
+# figure of issues 3/12, printed, with the raw figures left under $OUT. Prepare on the CPU
+# machine with `make gpu-wheels` (the wheels that machine lacks), then run there, carrying .whl:
+#     bash bench/gpu_check.sh            # ~6 minutes; each step has its own time limit
+# Python 3.12 + torch/CUDA + triton come with the machine; nothing is downloaded.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+SITE=/tmp/site
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tail -n +1
+python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+
+step "carried wheels -> $SITE"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target "$SITE" .whl/*.whl 2>&1 | tail -3
+else
+  echo "no .whl/ here: run 'make gpu-wheels' on the CPU machine and carry .whl"
+fi
+export PYTHONPATH="$SITE:$PWD"
+python3 -c 'import grpc, google.protobuf, lmdb, xxhash; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
+
+step "pytest -m gpu (CUDA movers, device tier, kernels on sm_90)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests -x 2>&1 | tail -25
+
+step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt, store node on this host"
+timeout 200 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --prompt-tokens 8000 --chunk-size 2048 --reps 3 --dram 4GiB --kv-cache-memory 8GiB \
+  --json "$OUT/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
+cp bench/out/prefix_reuse_gpu.png "$OUT/" 2>/dev/null
+
+step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins"
+timeout 150 python3 bench/kernels_bench.py --out "$OUT" 2>&1 | tail -40
+
+step "done"
+ls -la "$OUT"
