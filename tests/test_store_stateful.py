@@ -68,22 +68,34 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ---- the model's reading of the store's events ---------------------------------
 
-    def _drain(self, reading: bytes | None = None) -> None:
-        """Checks and applies the events of the last call; ``reading`` is leased by the call itself."""
+    def _drain(self, reading: bytes | None = None, size: int | None = None) -> None:
+        """Checks and applies the events of the last call.
+
+        ``reading``: the key the call read (leased by the call itself); ``size``:
+        the value it reserved room for or promoted (what the DRAM tier, or for a
+        put the disk, had to make room for).
+        """
         evs, self.events[:] = list(self.events), []
-        i = 0
-        while i < len(evs):
-            ev = evs[i]
+        parts = []  # (source tier or None, events): eviction rounds are consecutive victims of one tier
+        for ev in evs:
             src = self._victim_source(ev)
+            if src is not None and parts and parts[-1][0] is src:
+                parts[-1][1].append(ev)
+            else:
+                parts.append((src, [ev]))
+        for n, (src, part) in enumerate(parts):
             if src is None:
-                self._apply_other(ev)
-                i += 1
+                for ev in part:
+                    self._apply_other(ev)
                 continue
-            j = i + 1  # one eviction round: consecutive victims of one tier
-            while j < len(evs) and self._victim_source(evs[j]) is src:
-                j += 1
-            self._check_round(src, evs[i:j], reading)
-            i = j
+            assert size is not None, f"{src.name} evicted {part} in a call that makes no room"
+            if src is Tier.DRAM:
+                want = -(-size // SLOT) or 1
+            elif n + 1 < len(parts) and parts[n + 1][0] is Tier.DRAM:  # room for those DRAM victims
+                want = sum(disk_cost(len(self.model[ev.key].value)) for ev in parts[n + 1][1])
+            else:
+                want = disk_cost(size)
+            self._check_round(src, part, reading, want)
 
     def _victim_source(self, ev) -> Tier | None:
         """The tier an event evicted from, or None when it is no eviction."""
@@ -100,8 +112,26 @@ class StoreMachine(RuleBasedStateMachine):
         e = self.model[key]
         return not e.pinned and e.leases == 0 and key != reading
 
-    def _check_round(self, tier: Tier, round_evs, reading) -> None:
+    def _used(self, tier: Tier) -> int:
+        """DRAM slots or disk bytes in use: live values and those held by a lease after delete/replace."""
+        es = [self.model[k] for k in self.lru[tier]] + [e for e in self.retired.values() if e.tier is tier]
+        return sum(self._cost(tier, e) for e in es)
+
+    @staticmethod
+    def _cost(tier: Tier, e: Entry) -> int:
+        return max(1, -(-len(e.value) // SLOT)) if tier is Tier.DRAM else disk_cost(len(e.value))
+
+    def _check_round(self, tier: Tier, round_evs, reading, want: int) -> None:
         victims = [ev.key for ev in round_evs]
+        # how much: a round starts when ``want`` more would pass the high watermark, and takes
+        # victims until the tier is down to its low watermark (and ``want`` fits at all)
+        used = self._used(tier)
+        cap = 6 if tier is Tier.DRAM else self.store.disk.capacity_bytes
+        high, low = (int(0.9 * cap), int(0.6 * cap)) if tier is Tier.DRAM else (0.9 * cap, 0.6 * cap)
+        assert used + want > high, f"{tier.name} evicted {victims} with {used} + {want} under its high watermark"
+        need = max(want - (cap - used), used + want - low)
+        freed = [self._cost(tier, self.model[k]) for k in victims]
+        assert sum(freed[:-1]) < need, f"{tier.name} evicted {victims} ({freed}) past its low watermark: {need}"
         for k in victims:
             e = self.model.get(k)
             assert e is not None and e.tier is tier, f"{k!r} evicted from {tier.name}, model has {e}"
@@ -111,6 +141,8 @@ class StoreMachine(RuleBasedStateMachine):
         cand = [k for k in lru if self._evictable(k, reading)]
         untouched = [k for k in cand if not self.model[k].touched]
         touched = [k for k in cand if self.model[k].touched]
+        assert sum(freed) >= need or len(victims) == len(cand), (
+            f"{tier.name} evicted only {victims} ({freed} of {need}) with {cand} evictable")
         skipped_pinned = any(self.model[k].pinned for k in lru[: lru.index(victims[-1])])
         if not any(self.model[k].touched for k in victims):
             # one pass: the least recently used untouched evictable entries, in order;
@@ -196,13 +228,13 @@ class StoreMachine(RuleBasedStateMachine):
         except ResourceExhaustedError:
             # no room anywhere: the old value (if any) stays, as the model has it
             assert not [ev for ev in self.events if ev.kind == "stored"]
-            self._drain()
+            self._drain(size=size)
             _tally("exhausted")
             return
         stored = [ev for ev in self.events if ev.kind == "stored"]
         assert stored == [stored[-1]] and stored[-1].key == key and stored[-1].tier is tier
         self.events.remove(stored[0])
-        self._drain()  # evictions made room before the value was installed
+        self._drain(size=size)  # evictions made room before the value was installed
         if key in self.model:  # replaced: the old value's pin and touch mark go with it
             self._unlink(key)
         e = Entry(value, tier, self._next())
@@ -217,7 +249,7 @@ class StoreMachine(RuleBasedStateMachine):
         if key in self.model:
             self._touch(key)
         assert self.store.get(key) == expected
-        self._drain(reading=key)
+        self._drain(reading=key, size=len(self.model[key].value) if key in self.model else None)
 
     @rule(key=st.sampled_from(KEYS))
     def delete(self, key):
@@ -234,7 +266,7 @@ class StoreMachine(RuleBasedStateMachine):
         if key in self.model:
             self._touch(key)
         lease = self.store.acquire(key)
-        self._drain(reading=key)
+        self._drain(reading=key, size=len(self.model[key].value) if key in self.model else None)
         assert (lease is None) == (key not in self.model)
         if lease is not None:
             e = self.model[key]
@@ -267,7 +299,7 @@ class StoreMachine(RuleBasedStateMachine):
         if key in self.model:
             self._touch(key)
         [got] = self.store.acquire_in_place([key])
-        self._drain(reading=key)
+        self._drain(reading=key, size=len(self.model[key].value) if key in self.model else None)
         assert (got is None) == (key not in self.model)
         if got is None:
             return
@@ -392,6 +424,13 @@ def test_eviction_paths_deterministically():
     assert [tiers[k] for k in (a, b, c, d, e, f)] == [DRAM, DRAM, DRAM, DISK, DISK, DRAM]
     assert TALLY["demotions"] == 3 and TALLY["second_chance"] == 1 and TALLY["passed_over_pinned"] == 1
     assert TALLY["promotions"] == 1
+    # a second chance moves the entry to the recent end: the next round takes e before a
+    TALLY.clear()
+    tiers = _scripted([("put", a, SLOT), ("remember", a), ("local_read", _Draw(a))]
+                      + [("put", k, SLOT) for k in (b, c, d, e, f)]  # f: b c d go, a is passed over
+                      + [("put", k, SLOT) for k in (g, h, i)])  # i: e, then a, then f go
+    assert [tiers[k] for k in (a, e, f, g, h, i)] == [DISK, DISK, DISK, DRAM, DRAM, DRAM]
+    assert TALLY["second_chance"] == 1 and TALLY["demotions"] == 6
     # the second pass: every untouched entry is not enough, so touched ones go after them
     TALLY.clear()
     tiers = _scripted([("put", k, SLOT) for k in (a, b, c, d)]
@@ -399,6 +438,12 @@ def test_eviction_paths_deterministically():
                       + [("put", e, SLOT), ("put", f, SLOT)])  # victims: e, then a and b
     assert [tiers[k] for k in (a, b, c, d, e, f)] == [DISK, DISK, DRAM, DRAM, DISK, DRAM]
     assert TALLY["second_pass"] == 1
+    # demoted values join the disk's LRU at its recent end: the disk drops the two older big ones
+    TALLY.clear()
+    tiers = _scripted([("put", g, 7 * SLOT), ("put", h, 7 * SLOT)]
+                      + [("put", k, SLOT) for k in KEYS[:6]] + [("put", k, 2 * SLOT + 7) for k in KEYS[8:12]])
+    assert tiers[g] is tiers[h] is None and all(tiers[k] is DISK for k in KEYS[:6])
+    assert TALLY["drops"] == 2 and TALLY["demotions"] == 9
     # drops: the disk tier (139264 B admitted, 32 KiB a value here) evicts its LRU for a fourth value
     TALLY.clear()
     tiers = _scripted([("put", k, 7 * SLOT) for k in (g, h, i, j)])
