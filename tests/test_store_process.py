@@ -1,6 +1,8 @@
 """`crescent store` as a real process: kill -9 and restart, start-up errors, graceful stop."""
 
+import ast
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -98,16 +100,71 @@ def test_sigterm_stops_gracefully_and_frees_the_arena():
     assert not os.path.exists(f"/dev/shm/{segs[0]}")
 
 
+def _help_options(text: str) -> dict[str, str]:
+    """``--help`` output's options section: each option string (``--disk``, ``--no-promote``) → its help text."""
+    section = re.split(r"^options:$", text, flags=re.M)[1]
+    opts, names = {}, []
+    for line in section.splitlines()[1:]:
+        if not line.strip():
+            break  # the end of the section
+        m = re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if m:  # "  --flag METAVAR   help", "  --x, --no-x": a new entry
+            names = [part.split(" ")[0] for part in m.group(1).split(", ")]
+            for n in names:
+                opts[n] = m.group(2) or ""
+        else:  # a continuation of the last entry's help
+            for n in names:
+                opts[n] = (opts[n] + " " + line.strip()).strip()
+    return opts
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each ``StoreConfig`` field, read from kvstore/config.py (not via kvstore.cli)."""
+    tree = ast.parse(open(os.path.join(ROOT, "kvstore", "config.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StoreConfig")
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(cls.body, cls.body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def _squash(text: str) -> str:
+    """Without whitespace: argparse wraps lines at spaces and after hyphens ("same-" / "host")."""
+    return re.sub(r"\s+", "", text)
+
+
 def test_help_documents_every_flag():
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "store", "--help"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
     import dataclasses
 
     from kvstore.config import StoreConfig
-    docs = open(os.path.join(ROOT, "docs", "cli.md")).read()
-    for f in dataclasses.fields(StoreConfig):
+
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "store", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    opts = _help_options(r.stdout)
+    docs = _field_docs()
+    rows = {}  # docs/cli.md's flag table: each flag → its "meaning" cell
+    for line in open(os.path.join(ROOT, "docs", "cli.md")):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `--") and len(cells) >= 3:
+            for flag in re.findall(r"`(--[a-z0-9-]+)`", cells[0]):
+                rows[flag] = cells[-1]
+    fields = dataclasses.fields(StoreConfig)
+    expected = {"-h", "--help"}
+    for f in fields:
         flag = "--" + f.name.replace("_", "-")
-        assert flag in r.stdout
-        assert f"`{flag}" in docs, f"{flag} is missing from docs/cli.md"
-        line = r.stdout.split(flag, 1)[1][:200]
-        assert len(line.strip()) > 10, f"{flag} has no help"
+        expected.add(flag)
+        assert flag in opts, f"{flag} is not an option of `crescent store --help`"
+        doc = docs.get(f.name, "")
+        assert len(doc.split()) >= 3, f"StoreConfig.{f.name} has no docstring to use as help"
+        assert _squash(opts[flag]).startswith(_squash(doc)), (
+            f"help of {flag} is {opts[flag]!r}, not its field's docstring {doc!r}")
+        if f.type in ("bool", bool):
+            no = "--no-" + flag[2:]
+            expected.add(no)
+            assert opts.get(no) == opts[flag], f"{no} is missing or described differently"
+        elif f.metadata.get("size"):
+            assert "(default: " in opts[flag], f"help of {flag} does not give its default"
+        assert flag in rows, f"{flag} is missing from docs/cli.md's flag table"
+        assert len(rows[flag].split()) >= 3, f"docs/cli.md says nothing about {flag}: {rows[flag]!r}"
+    assert set(opts) == expected, f"options that are no StoreConfig field, or missing: {set(opts) ^ expected}"
+    for choice in ("auto", "shm", "rdma", "tcp"):
+        assert choice in r.stdout.split("--transport {", 1)[1].split("}", 1)[0]
