@@ -34,7 +34,10 @@ def node(make_node):
 @pytest.fixture(params=["tcp", "grpc", "shm"])
 def client(request, node):
     c = StoreClient(node.address, transport=request.param)
+    # a mover that cannot work falls back with only a warning: make sure each case runs its own
+    assert c.transport == request.param, f"asked for {request.param}, got {c.transport}: {c.transport_notes}"
     yield c
+    assert c.transport == request.param  # and it did not fall back during the test
     c.close()
 
 
@@ -114,6 +117,8 @@ def test_eight_threads_mixing_ops_never_tear(make_node, path):
     def worker(tid):
         c = StoreClient(node.address, transport=path)
         try:
+            if c.transport != path:
+                errors.append(f"asked for {path}, got {c.transport}: {c.transport_notes}")
             for i in range(60):
                 k = keys[(tid + i) % len(keys)]
                 op = (tid * 7 + i) % 5
