@@ -30,6 +30,8 @@ from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_BODY = 8 << 20
+MAX_DISCARD = 64 << 20
+"""An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
 
 
 class Engines:
@@ -163,8 +165,12 @@ class _Detok:
                 self.stopped = True
                 text = text[:i]
         end = len(text)
-        if not self.stopped and not final and text.endswith("\ufffd"):
-            end = len(text.rstrip("\ufffd"))
+        if not self.stopped and not final:
+            if text.endswith("\ufffd"):
+                end = len(text.rstrip("\ufffd"))
+            # hold back a tail that may begin a stop string: the next tokens may complete it
+            end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
+                        if text.endswith(s[:n], 0, end)), default=0)
         out = text[self.sent:end]
         self.sent = max(self.sent, end)
         return out
@@ -186,8 +192,16 @@ def make_handler(gw: Gateway):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+
+        def _discard(self, length: int) -> None:
+            self.close_connection = True  # what is left of the body must never be parsed as a request
+            left = min(length, MAX_DISCARD)
+            while left > 0 and (piece := self.rfile.read1(min(left, 1 << 20))):
+                left -= len(piece)
 
         def _error(self, status: int, message: str, etype: str = "invalid_request_error", **kw) -> None:
             self._json(status, {"error": {"message": message, "type": etype, "param": kw.get("param"),
@@ -218,6 +232,8 @@ def make_handler(gw: Gateway):
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > MAX_BODY:
+                    # NOTE: read first: a client still sending its body would not see an early answer
+                    self._discard(length)
                     raise BadRequest(f"request body over {MAX_BODY} bytes")
                 try:
                     body = json.loads(self.rfile.read(length) or b"null")
