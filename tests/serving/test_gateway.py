@@ -1,0 +1,297 @@
+"""The gateway over real engines (in-process gRPC servers on loopback) and a real store node:
+stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no route."""
+
+import http.client
+import json
+import urllib.parse
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import EngineConfig
+from engine.serve.engine_server import EngineNode
+from engine.serve.gateway import MAX_BODY, Gateway, GatewayServer
+from kvstore.conductor.config import ConductorConfig
+from kvstore.conductor.service import Conductor
+from kvstore.config import StoreConfig
+from kvstore.server import StoreNode
+from proto.crescent.v1 import engine_pb2 as epb
+from proto.crescent.v1 import engine_pb2_grpc as epb_grpc
+
+MODEL = "random:tiny"
+# Prompts (token ids) whose greedy outputs from random:tiny have the shape a test needs;
+# each test first checks that they still do.
+STOP_PROMPT = [61, 194, 204, 210, 194, 43, 49, 66, 64, 21, 13, 220]  # → "g^??<|274|>)^..."
+UTF8_PROMPT = [146, 63, 227, 129, 150, 235, 241, 178, 230, 184, 15, 103]  # → bytes d5 80 ("Հ"), then <|454|>
+
+
+def engine_cfg(store: str | None = None) -> EngineConfig:
+    return EngineConfig(model=MODEL, dtype="float32", chunk_tokens=64, kv_cache_memory="16MiB", store=store)
+
+
+class Setup:
+    """Engines (and optionally a store node) plus a gateway serving on 127.0.0.1:0; ``close`` stops all."""
+
+    def __init__(self, with_store: bool, prefill: bool = True) -> None:
+        self.parts = []
+        self.store = None
+        if with_store:
+            self.store = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=64 << 20)).start()
+            self.parts.append(lambda: self.store.stop(grace=0))
+        addr = self.store.address if self.store else None
+        self.prefill = EngineNode("prefill", engine_cfg(addr)).start() if prefill else None
+        if self.prefill:
+            self.parts.append(self.prefill.stop)
+        self.decode = EngineNode("decode", engine_cfg(addr)).start()
+        self.parts.append(self.decode.stop)
+        self.gw = Gateway(MODEL, [self.prefill.address] if self.prefill else [], [self.decode.address],
+                          timeout_s=300)
+        self.server = GatewayServer(self.gw, "127.0.0.1:0").start()
+        self.parts.append(self.server.stop)
+        self.url = self.server.url
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def close(self) -> None:
+        for stop in reversed(self.parts):
+            stop()
+
+
+@pytest.fixture(scope="module")
+def disagg():
+    s = Setup(with_store=True)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fresh():
+    """A store-less prefill + decode pair of its own, for tests that stop an engine."""
+    s = Setup(with_store=False)
+    yield s
+    s.close()
+
+
+def request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    status, data = request(url, "GET", "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(data.decode()) for s in fam.samples}
+
+
+def completion(c: openai.OpenAI, prompt, stream: bool, **kw):
+    """(text, finish reason, per-chunk texts) of one completion."""
+    kw = {"model": MODEL, "prompt": prompt, "temperature": 0, "extra_body": {"ignore_eos": True}, **kw}
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason, None
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+    reasons = [ch.finish_reason for ch in chunks if ch.finish_reason]
+    assert len(reasons) == 1 and chunks[-1].finish_reason == reasons[0]
+    return "".join(ch.text for ch in chunks), reasons[0], [ch.text for ch in chunks]
+
+
+# ---- stop strings and incremental detokenization ----------------------------------------
+
+
+def test_stop_strings_cut_the_text_streamed_and_not(disagg):
+    c = disagg.client()
+    full, reason, _ = completion(c, STOP_PROMPT, False, max_tokens=12)
+    assert full.startswith("g^??<|274|>") and reason == "length"
+    # "??<" spans three tokens ("?", "?", "<|274|>"): none of it may be sent, not even the "?"s
+    for stream in (False, True):
+        text, reason, _ = completion(c, STOP_PROMPT, stream, max_tokens=12, stop=["zzzz", "??<"])
+        assert (text, reason) == ("g^", "stop"), stream
+    # a stop string that never occurs changes nothing
+    for stream in (False, True):
+        text, reason, _ = completion(c, STOP_PROMPT, stream, max_tokens=12, stop="zzzz")
+        assert (text, reason) == (full, "length"), stream
+
+
+def test_chat_stop_string_streamed_and_not(disagg):
+    c = disagg.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = c.chat.completions.create(**kw).choices[0].message.content
+    assert len(full) >= 4
+    stop = full[2:4]  # two characters from two tokens (or one token's text)
+    want = full[: full.find(stop)]
+    r = c.chat.completions.create(stop=[stop], **kw)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(stop=[stop], stream=True, **kw) if ch.choices]
+    assert "".join(ch.delta.content or "" for ch in chunks) == want
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_a_character_split_across_tokens_is_never_sent_half(disagg):
+    c = disagg.client()
+    # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
+    # the gateway sees them in two separate messages
+    text, reason, _ = completion(c, UTF8_PROMPT, False, max_tokens=3)
+    assert (text, reason) == ("\u0540<|454|>", "length")
+    text, reason, pieces = completion(c, UTF8_PROMPT, True, max_tokens=3)
+    assert (text, reason) == ("\u0540<|454|>", "length")
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert "\u0540" in [p[:1] for p in pieces if p]
+
+
+# ---- errors: 404, body limit ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/nope"), ("GET", "/v1/models/other"), ("GET", "/v1"),
+                                         ("POST", "/v1/nope"), ("POST", "/v1/completions/x"),
+                                         ("POST", "/health")])
+def test_unknown_paths_are_404_with_an_openai_error(disagg, method, path):
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode() if method == "POST" else None
+    status, data = request(disagg.url, method, path, body, {"Content-Type": "application/json"})
+    assert status == 404
+    err = json.loads(data)["error"]
+    assert err["code"] == "not_found" and path in err["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_unknown_model_is_an_invalid_request_naming_the_served_model(disagg, chat):
+    body = {"model": "gpt-17", **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+    status, data = request(disagg.url, "POST", "/v1/chat/completions" if chat else "/v1/completions",
+                           json.dumps(body).encode(), {"Content-Type": "application/json"})
+    assert status == 400
+    err = json.loads(data)["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and MODEL in err["message"]
+
+
+def test_bodies_over_8_mib_get_400_and_8_mib_is_served(disagg):
+    # a client sending the whole body still gets the answer (the body is read, then dropped)
+    u = urllib.parse.urlparse(disagg.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", body=b" " * (MAX_BODY + 1),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        assert r.status == 400 and r.getheader("Connection") == "close"
+    finally:
+        conn.close()
+    err = json.loads(data)["error"]
+    assert err["type"] == "invalid_request_error" and str(MAX_BODY) in err["message"]
+    with pytest.raises(openai.BadRequestError, match=str(MAX_BODY)):
+        disagg.client().completions.create(model=MODEL, prompt="x" * (MAX_BODY + 10), max_tokens=2)
+    # exactly the limit: read and served
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    body += b" " * (MAX_BODY - len(body))
+    assert len(body) == MAX_BODY
+    status, data = request(disagg.url, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+
+
+# ---- metrics ----------------------------------------------------------------------------
+
+
+def test_metrics_count_what_the_requests_did(disagg):
+    c = disagg.client()
+    before = metrics(disagg.url)
+    n_tokens = 0
+    for i in range(3):
+        r = c.completions.create(model=MODEL, prompt=f"metrics {i}", max_tokens=4 + i, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        n_tokens += r.usage.completion_tokens
+    text, _, _ = completion(c, "metrics streamed", True, max_tokens=5)
+    n_tokens += 5
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    after = metrics(disagg.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("crescent_gateway_requests_total", endpoint="completions", status="200") == 4
+    assert delta("crescent_gateway_requests_total", endpoint="completions", status="400") == 1
+    assert delta("crescent_gateway_ttft_seconds_count") == 4
+    assert delta("crescent_gateway_tokens_total", kind="completion") == n_tokens
+    assert delta("crescent_gateway_itl_seconds_count") >= 4  # at least one gap per request after the first token
+    assert delta("crescent_gateway_prefill_fallbacks_total") == 0
+
+
+# ---- engines down: /health, prefill fallback, no route --------------------------------
+
+
+def engine_stats(address: str) -> epb.EngineStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return epb_grpc.EngineStub(ch).Stats(epb.EngineStatsRequest(), timeout=60)
+
+
+def test_prefill_engine_down_health_is_503_and_the_decode_engine_prefills(fresh):
+    c = fresh.client()
+    status, data = request(fresh.url, "GET", "/health")
+    assert status == 200 and json.loads(data) == {"status": "ok", "engines": {fresh.prefill.address: True,
+                                                                                fresh.decode.address: True}}
+    prompt = STOP_PROMPT + list(range(40, 140))
+    want, _, _ = completion(c, prompt, False, max_tokens=8)
+    assert engine_stats(fresh.decode.address).num_local_prefills == 0
+    fresh.prefill.stop()
+    status, data = request(fresh.url, "GET", "/health")
+    assert status == 503 and json.loads(data) == {"status": "degraded",
+                                                  "engines": {fresh.prefill.address: False,
+                                                              fresh.decode.address: True}}
+    for stream in (False, True):
+        text, reason, _ = completion(c, prompt, stream, max_tokens=8)
+        assert (text, reason) == (want, "length"), stream
+    assert engine_stats(fresh.decode.address).num_local_prefills == 2
+    m = metrics(fresh.url)
+    assert m[("crescent_gateway_prefill_fallbacks_total", ())] == 2
+    assert m[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200")))] == 3
+
+
+def test_decode_engine_down_is_503_not_a_hang(fresh):
+    c = fresh.client()
+    fresh.decode.stop()
+    status, data = request(fresh.url, "GET", "/health")
+    assert status == 503 and json.loads(data)["engines"][fresh.decode.address] is False
+    with pytest.raises(openai.InternalServerError, match="engine unavailable") as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert e.value.status_code == 503
+
+
+def test_no_route_is_503_and_health_says_why():
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0")).start()
+    stopped = False
+    gw = Gateway(MODEL, [], [], conductor=conductor.address, timeout_s=60)
+    server = GatewayServer(gw, "127.0.0.1:0").start()
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        # a conductor with no engine registered
+        status, data = request(server.url, "GET", "/health")
+        assert status == 503 and json.loads(data) == {"status": "degraded", "engines": {}}
+        with pytest.raises(openai.InternalServerError, match="no live prefill engine") as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert e.value.status_code == 503
+        # no conductor at all
+        conductor.stop(grace=0)
+        stopped = True
+        status, data = request(server.url, "GET", "/health")
+        body = json.loads(data)
+        assert status == 503 and body["status"] == "degraded" and body["conductor"].startswith("unreachable")
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError, match="the conductor cannot schedule") as e:
+                c.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=stream)
+            assert e.value.status_code == 503
+        m = metrics(server.url)
+        assert m[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "503")))] == 3
+    finally:
+        server.stop()
+        if not stopped:
+            conductor.stop(grace=0)
