@@ -4,7 +4,6 @@ import http.client
 import json
 import os
 import signal
-import time
 import urllib.parse
 
 import grpc
@@ -181,12 +180,46 @@ def test_second_up_on_the_same_data_is_a_clear_error(cluster):
     assert r.returncode == 2 and "in use" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_metrics(cluster):
+def _scrape(cluster) -> dict:
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(cluster.state["gateway"] + "/metrics", timeout=30).read().decode()
-    assert "crescent_gateway_ttft_seconds_bucket" in text and "crescent_gateway_requests_total" in text
-    time.sleep(0)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics(cluster):
+    # NOTE: a fresh histogram prints zero buckets and a labelled counter its HELP line before
+    # any request: only values that requests produce prove that requests are counted
+    before = _scrape(cluster)
+    c = client(cluster)
+    completion_tokens = 0
+    for i in range(3):
+        r = c.completions.create(model=MODEL, prompt=_ids(200 + i, 30), max_tokens=3 + i, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        completion_tokens += r.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    completion_tokens += chunks[-1].usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    after = _scrape(cluster)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("crescent_gateway_requests_total", endpoint="completions", status="200") == 3
+    assert delta("crescent_gateway_requests_total", endpoint="chat", status="200") == 1
+    assert delta("crescent_gateway_requests_total", endpoint="completions", status="400") == 1
+    assert delta("crescent_gateway_ttft_seconds_count") == 4
+    assert delta("crescent_gateway_ttft_seconds_bucket", le="+Inf") == 4
+    assert delta("crescent_gateway_tokens_total", kind="completion") == completion_tokens == 3 + 4 + 5 + 4
+    assert delta("crescent_gateway_tokens_total", kind="prompt") >= 3 * 30
+    assert after[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200")))] >= 3
 
 
 def _ctl(cluster, *args):
