@@ -12,7 +12,8 @@ slot arena) and DISK (LMDB). Each key lives in exactly one tier.
   under a read lease or a live pin are skipped. Eviction starts when a
   reservation would lift a tier above its high watermark and stops at its low
   watermark. An evicted value is demoted to the next tier (write-back), or
-  dropped from the last one.
+  dropped from the last one. The disk also evicts (least recently used first,
+  as much as the write needs) when LMDB refuses a write below that watermark.
 - A read in a slower tier promotes the value to the fastest arena with room
   (``promote=True``).
 - A read lease keeps its value in place: it is neither evicted nor freed while
@@ -199,7 +200,8 @@ class TieredStore:
             to_disk = [r for r in reservations if r.tier is Tier.DISK]
             if to_disk:
                 try:
-                    self.disk.put_many([(r.key, r.buffer) for r in to_disk])
+                    self._disk_put([(r.key, r.buffer) for r in to_disk],
+                                   sum(disk_cost(r.size) for r in to_disk))
                 except ResourceExhaustedError:
                     for r in reservations:
                         self._abort_locked(r)
@@ -551,6 +553,25 @@ class TieredStore:
             self._evicted(e)
         return self._disk_used + cost <= cap
 
+    def _disk_put(self, items: list, cost: int) -> None:
+        """Writes ``items`` to disk; when LMDB finds its map full below the admitted
+        capacity (its own pages and fragmentation can take more than the headroom),
+        evicts the disk's LRU values worth ``cost`` and retries, while any is evictable.
+
+        Raises:
+            ResourceExhaustedError: still full with nothing left to evict.
+        """
+        while True:
+            try:
+                self.disk.put_many(items)
+                return
+            except ResourceExhaustedError:
+                victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
+                if not victims:
+                    raise
+                for e in victims:
+                    self._evicted(e)
+
     def _evicted(self, e: _Entry) -> None:
         self.counters["evictions"][e.tier] += 1
         self.counters["drops"] += 1
@@ -581,7 +602,7 @@ class TieredStore:
             costs = sum(disk_cost(e.size) for e in victims)
             if self._make_disk_room(costs):
                 try:
-                    self.disk.put_many([(e.key, arena.views(e.slots, e.size)) for e in victims])
+                    self._disk_put([(e.key, arena.views(e.slots, e.size)) for e in victims], costs)
                 except ResourceExhaustedError:
                     pass
                 else:

@@ -7,7 +7,7 @@ import lmdb
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.disk import DiskTierError
+from kvstore.disk import DiskTierError, disk_cost
 from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import StoreEvent, Tier, TieredStore
 
@@ -257,16 +257,43 @@ def test_corrupt_lmdb_file_is_a_clear_startup_error(tmp_path):
 def test_disk_full_is_exhausted_and_the_store_keeps_serving(tmp_path):
     s = make(tmp_path, slots=1, disk=True, disk_size=256 << 10)
     s.put(b"a", val(1))
-    lease = s.acquire(b"a")  # DRAM is full and leased: puts go to disk
-    stored = []
+    lease_a = s.acquire(b"a")  # DRAM is full and leased: puts go to disk
+    held = []  # a lease on every disk value: nothing there is evictable
     with pytest.raises(ResourceExhaustedError):
         for i in range(200):
-            for held in [s.acquire(k) for k in stored]:  # lease everything: nothing evictable
-                s.release(held) if held is None else None
-            s.put(b"d%d" % i, val(i, 30_000))
-            stored.append(b"d%d" % i)
-    assert stored, "some values fit before the disk filled up"
-    s.release(lease)
+            assert s.put(b"d%d" % i, val(i, 30_000)) is Tier.DISK
+            held.append(s.acquire(b"d%d" % i))
+    assert held, "some values fit before the disk filled up"
+    keys = [b"d%d" % i for i in range(len(held))]
+    failed = b"d%d" % len(held)
+
+    def check_accounting(leases):
+        st = s.stats()
+        disk = st["tiers"][Tier.DISK]
+        on_disk = [k for k in keys + [failed] if s.tier_of(k) is Tier.DISK]
+        assert disk["num_entries"] == len(on_disk) and len(s) == len(on_disk) + 1  # + a in DRAM
+        assert disk["used_bytes"] == len(on_disk) * disk_cost(30_000)
+        assert st["tiers"][Tier.DRAM]["used_bytes"] == SLOT
+        assert st["num_leases"] == leases
+        return st
+
+    # the failed put left nothing behind: no value, no bytes charged, no lease, nothing evicted
+    st = check_accounting(len(held) + 1)
+    assert s.exists([failed]) == [False] and st["drops"] == 0
+    with pytest.raises(ResourceExhaustedError):  # still full: a retry fails the same way
+        s.put(failed, val(99, 30_000))
+    check_accounting(len(held) + 1)
+    for i, lease in enumerate(held):
+        assert b"".join(lease.views) == val(i, 30_000)
+    s.release_many(held)
+    s.release(lease_a)
+    check_accounting(0)
+    # with the leases gone a put succeeds again: the disk drops its least recently used value
+    assert s.put(failed, val(99, 30_000)) is Tier.DISK
+    assert s.get(failed) == val(99, 30_000)
+    assert s.exists([keys[0]]) == [False] and s.get(keys[-1]) == val(len(held) - 1, 30_000)
+    st = check_accounting(0)
+    assert st["drops"] == st["tiers"][Tier.DISK]["evictions"] >= 1
     assert s.get(b"a") == val(1)
 
 
