@@ -196,6 +196,9 @@ class EngineConfig:
     """Save newly computed full chunks to the store."""
     load_from_store: bool = True
     """Load hit prefixes from the store."""
+    store_load_batch: int = 8
+    """Chunks fetched per batch of a pipelined load (the next batch is fetched while this one
+    lands); the staging pool, allocated at start, holds two batches (pinned on CUDA)."""
     store_transport: Literal["auto", "shm", "rdma", "tcp", "grpc"] = "auto"
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
@@ -210,6 +213,8 @@ class EngineConfig:
             raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.store_load_batch <= 0:
+            raise ValueError("store_load_batch must be positive")
         from kvstore.transport.identity import REQUESTS
 
         if self.store_transport not in REQUESTS:

@@ -1,8 +1,10 @@
 """The engine's store connector: look up, load and save KV chunks by content hash.
 
 Before prefill the engine asks the store how many leading chunks of the prompt
-it holds (``lookup``), loads them into the sequence's pages (``load``:
-batch_get_into → verify → scatter) and computes only the rest. After each step,
+it holds (``lookup``), loads them into the sequence's pages (``load``: batches
+fetched with batch_get_into into a staging pool made at start, the next batch
+fetched while this one is verified and lands in its pages; see kv_transfer)
+and computes only the rest. After each step,
 every newly completed chunk is gathered from the pages (a copy, so the pages
 may be reused at once) and handed to a background thread that encodes and
 stores it, so the transfer of chunk k overlaps the compute of chunk k+1.
@@ -19,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 
+from engine.kv_transfer import StagingPool, pipelined_load
 from engine.model_runner import ModelRunner
-from kvstore.chunk import decode_chunk, encode_chunk, encoded_size
+from kvstore.chunk import encode_chunk, encoded_size, verify_chunk
 from kvstore.client import StoreClient
 from kvstore.errors import CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
@@ -45,7 +48,7 @@ class ConnectorStats:
 
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True) -> None:
+                 load: bool = True, load_batch: int = 8) -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -59,6 +62,15 @@ class StoreConnector:
         self._cv = threading.Condition()
         self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
         self._saver.start()
+        self.chunk_bytes = encoded_size(runner.chunk_shape, runner.dtype, self.chunk_tokens)
+        self.load_batch = load_batch
+        # NOTE: made at start, with the store session (arena mapped, channels open), so that
+        # the first load of a process costs what the others do
+        self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=runner.device.type == "cuda")
+        try:
+            getattr(client, "transport", None)
+        except CrescentError as exc:  # the store is down now: loads recompute until it is back
+            self._error("connect", exc)
 
     def namespace(self, salt: str | None) -> Namespace:
         ns = self._namespaces.get(salt)
@@ -151,49 +163,59 @@ class StoreConnector:
         all_keys = self.keys(tokens, salt)
         keys = all_keys[first : first + num]
         ns = self.namespace(salt)
-        dtype = self.runner.dtype
-        shape = self.runner.chunk_shape
-        size = encoded_size(shape, dtype, self.chunk_tokens)
-        mine = self._staged.pop(seq_id, {})
-        staged = [mine.get(k) for k in keys]
-        bufs = [b if b is not None else bytearray(size) for b in staged]
-        sizes: list[int | None] = [len(b) if b is not None else None for b in staged]
-        missing = [i for i, b in enumerate(staged) if b is None]
-        if missing:
-            try:
-                fetched = self.client.batch_get_into([keys[i] for i in missing], [bufs[i] for i in missing])
-            except CrescentError as exc:
-                self._error("load", exc)
-                fetched = [None] * len(missing)
-            for i, n in zip(missing, fetched):
-                sizes[i] = n
+        dtype, shape = self.runner.dtype, self.runner.chunk_shape
+        staged = self._staged.pop(seq_id, {})
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
-        parent = bytes(ROOT_KEY) if first == 0 else all_keys[first - 1]
-        loaded = 0
-        for i, (key, buf, n) in enumerate(zip(keys, bufs, sizes)):
+        copies: list[tuple[bytes, bytes]] = []  # replicate: the verified bytes, out of the pool
+
+        def fetch(start: int, count: int, views: list[memoryview]) -> list[int | None]:
+            out: list[int | None] = [None] * count
+            need = []
+            for j in range(count):
+                b = staged.get(keys[start + j])
+                if b is None:
+                    need.append(j)
+                elif len(b) <= len(views[j]):  # prefetched: already in host memory
+                    views[j][: len(b)] = b
+                    out[j] = len(b)
+            if need:
+                got = self.client.batch_get_into([keys[start + j] for j in need], [views[j] for j in need])
+                for j, n in zip(need, got):
+                    out[j] = n
+            return out
+
+        def land(i: int, buf: int, size: int):
             c = first + i
-            if n is None:  # evicted since the lookup
-                self.stats.load_failures += 1
-                break
+            view = self.pool.view(buf)[:size]
             try:
-                kv = decode_chunk(memoryview(buf)[:n], key=key, namespace=ns, parent=parent,
-                                  tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
-                                  dtype=dtype, shape=shape)
+                hdr = verify_chunk(view, key=keys[i], namespace=ns,
+                                   parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
+                                   tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
+                                   dtype=dtype, shape=shape)
             except CrescentError as exc:
-                self.stats.load_failures += 1
                 self._error(f"chunk {c} failed verification", exc)
-                break
-            self.runner.scatter_chunk(kv, pages[c * per_chunk : (c + 1) * per_chunk])
-            parent = key
-            loaded += 1
+                return False, None
+            payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
+            ev = self.runner.land_chunk(payload.view(dtype).view(shape),
+                                        pages[c * per_chunk : (c + 1) * per_chunk])
+            if replicate:
+                copies.append((keys[i], bytes(view)))
             self.stats.chunks_loaded += 1
-            self.stats.bytes_loaded += n
-        if replicate and loaded and self.save_enabled:
+            self.stats.bytes_loaded += size
+            return True, ev
+
+        self.runner.begin_landing()
+        loaded = pipelined_load(self.pool, len(keys), self.load_batch, fetch, land,
+                                lambda exc: self._error("load", exc))
+        self.runner.end_landing()
+        if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error
+            self.stats.load_failures += 1
+        if replicate and copies and self.save_enabled:
             # NOTE: the verified bytes as they are: a put through the cluster client
             # lands on this engine's own node first.
             with self._cv:
                 self._pending += 1
-            self._queue.put((None, [(k, memoryview(b)[:n]) for k, b, n in zip(keys[:loaded], bufs, sizes)]))
+            self._queue.put((None, copies))
         return loaded
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
@@ -249,4 +271,5 @@ class StoreConnector:
         self.flush(timeout_s=60)
         self._queue.put(None)
         self._saver.join(timeout=10)
+        self.pool.close()
         self.client.close()

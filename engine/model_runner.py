@@ -33,6 +33,8 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches))
+        self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """Loads from the store land on this stream, beside the compute stream (None on CPU)."""
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -78,3 +80,27 @@ class ModelRunner:
         """Writes a ``chunk_shape`` tensor into ``pages`` of every layer."""
         ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
         kernels.scatter_kv_pages(chunk.to(self.device, non_blocking=True), self.k_caches, self.v_caches, ids)
+
+    def begin_landing(self) -> None:
+        """Before chunks land: the transfer stream waits for the compute already queued
+        (a page being filled may have been read by a step of another sequence)."""
+        if self.transfer_stream is not None:
+            self.transfer_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def land_chunk(self, chunk: torch.Tensor, pages: list[int]):
+        """``scatter_chunk`` for a load. On CUDA it runs on the transfer stream (an asynchronous
+        DMA when ``chunk`` is pinned host memory) and returns the event recorded after it;
+        on CPU it is done on return (None)."""
+        if self.transfer_stream is None:
+            self.scatter_chunk(chunk, pages)
+            return None
+        with torch.cuda.stream(self.transfer_stream):
+            self.scatter_chunk(chunk, pages)
+            ev = torch.cuda.Event()
+            ev.record(self.transfer_stream)
+        return ev
+
+    def end_landing(self) -> None:
+        """After chunks landed: the compute stream waits for them (no host synchronisation)."""
+        if self.transfer_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.transfer_stream)

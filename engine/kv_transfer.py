@@ -1,0 +1,154 @@
+"""Moving KV chunks between the store and the KV pages: a fixed staging pool and a pipelined load.
+
+``StagingPool`` holds host buffers allocated once, at engine start: a load
+never allocates (the old path made a fresh ``bytearray`` per chunk, zeroed by
+the allocator, then copied it pageable to the device). On CUDA the buffers are
+pinned, so their copy to the device is an asynchronous DMA at full bandwidth
+on a transfer stream.
+
+``pipelined_load`` runs a load in batches of chunks: while batch b is verified
+and started towards its pages on the caller's thread, batch b+1 is fetched
+into other buffers on the pool's fetch thread (the store's copies release the
+GIL). Chunks land in order; the first miss or failed verification stops the
+load, and nothing after it lands. A buffer goes back to the pool only once the
+copy that reads it has completed, on every path (miss, bad chunk, store error).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvstore.errors import CrescentError
+
+
+class StagingPool:
+    """``count`` host buffers of ``slot_bytes`` each, allocated once (pinned when ``pin``).
+
+    Args:
+        slot_bytes: bytes of one buffer (an encoded chunk).
+        count: buffers; a pipelined load of batches of ``b`` chunks needs ``2 * b``.
+        pin: page-lock them (needs CUDA): device copies from them are asynchronous DMA.
+    """
+
+    def __init__(self, slot_bytes: int, count: int, pin: bool = False) -> None:
+        if slot_bytes <= 0 or count <= 0:
+            raise ValueError("a staging pool needs a positive buffer size and count")
+        self.slot_bytes, self.count, self.pinned = slot_bytes, count, pin
+        self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+        self._views = [memoryview(b.numpy()) for b in self._bufs]
+        self._free = list(range(count))
+        self._cv = threading.Condition()
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
+
+    def take(self, n: int, timeout_s: float = 60.0) -> list[int]:
+        """``n`` free buffers' ids, waiting for copies in flight to give theirs back."""
+        if n > self.count:
+            raise ValueError(f"{n} buffers asked of a pool of {self.count}")
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self._free) >= n, timeout=timeout_s):
+                raise TimeoutError(f"no {n} free staging buffers in {timeout_s} s (a leak?)")
+            ids, self._free = self._free[:n], self._free[n:]
+            return ids
+
+    def give(self, ids: Sequence[int]) -> None:
+        with self._cv:
+            self._free.extend(ids)
+            self._cv.notify_all()
+
+    def view(self, i: int) -> memoryview:
+        """Buffer ``i`` as a writable byte view (what ``batch_get_into`` fills)."""
+        return self._views[i]
+
+    def tensor(self, i: int) -> torch.Tensor:
+        return self._bufs[i]
+
+    @property
+    def in_use(self) -> int:
+        with self._cv:
+            return self.count - len(self._free)
+
+    def close(self) -> None:
+        self.fetcher.shutdown(wait=True)
+
+
+Fetch = Callable[[int, int, list[memoryview]], list[int | None]]
+"""``fetch(first, count, views)``: fills ``views[j]`` with chunk ``first + j``; its size, or None (a miss)."""
+Land = Callable[[int, int, int], tuple[bool, object]]
+"""``land(i, buffer_id, size)``: verifies chunk ``i`` and starts its copy into the pages:
+``(ok, event)``; ``event.synchronize()`` waits for an asynchronous copy (None: it is done)."""
+
+
+def pipelined_load(pool: StagingPool, num: int, batch: int, fetch: Fetch, land: Land,
+                   on_error: Callable[[CrescentError], None]) -> int:
+    """Loads chunks ``0 .. num-1`` through ``pool``; returns how many landed (a prefix).
+
+    The fetch of the next batch overlaps the landing of this one. A store error
+    (``on_error`` gets it), a miss or a chunk ``land`` refuses stops the load
+    there. Returns once every copy it started has completed and every buffer is
+    back in the pool.
+    """
+    batch = max(1, min(batch, pool.count // 2 or 1))
+    spans = [(s, min(batch, num - s)) for s in range(0, num, batch)]
+    landed = 0
+    in_flight: list[tuple[list, list[int]]] = []  # (events, buffer ids) of copies started
+
+    def settle() -> None:
+        while in_flight:
+            events, ids = in_flight.pop(0)
+            for ev in events:
+                ev.synchronize()
+            pool.give(ids)
+
+    def start(k: int):
+        first, count = spans[k]
+        ids = pool.take(count)
+        return ids, pool.fetcher.submit(fetch, first, count, [pool.view(i) for i in ids])
+
+    nxt = start(0) if spans else None
+    try:
+        for k, (first, count) in enumerate(spans):
+            ids, fut = nxt
+            nxt = None
+            try:
+                sizes = fut.result()
+            except CrescentError as exc:
+                pool.give(ids)
+                on_error(exc)
+                break
+            except BaseException:
+                pool.give(ids)
+                raise
+            settle()  # the batch before this one has reached its pages: its buffers are free again
+            if k + 1 < len(spans) and all(s is not None for s in sizes):
+                nxt = start(k + 1)
+            events, stop = [], False
+            try:
+                for j, size in enumerate(sizes):
+                    if size is None:
+                        stop = True
+                        break
+                    ok, ev = land(first + j, ids[j], size)
+                    if ev is not None:
+                        events.append(ev)
+                    if not ok:
+                        stop = True
+                        break
+                    landed += 1
+            finally:
+                in_flight.append((events, ids))
+            if stop:
+                break
+    finally:
+        if nxt is not None:  # fetched ahead of a stop: wait for it, then return its buffers
+            ids, fut = nxt
+            try:
+                fut.result()
+            except BaseException:  # noqa: BLE001 - the load stopped before this batch anyway
+                pass
+            pool.give(ids)
+        settle()
+    return landed

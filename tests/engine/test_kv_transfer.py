@@ -1,0 +1,252 @@
+"""The pipelined load (engine/kv_transfer.py): order, overlap, stops, and a staging pool that
+gets every buffer back; then through the engine against real store nodes: a bad chunk in the
+middle of a pipelined load, a node killed mid-load, and a thousand loads without a leak."""
+
+import random
+import threading
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv_transfer import StagingPool, pipelined_load
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from kvstore.client import StoreClient
+from kvstore.errors import UnavailableError
+from tests.helpers import StoreProcess, store_nodes
+
+CHUNK = 32
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPT = [random.Random(5).randrange(0, 500) for _ in range(10 * CHUNK + 7)]  # 10 chunks and a tail
+
+
+class _Event:
+    """An asynchronous copy's completion, as land() hands it back (here: a log entry)."""
+
+    def __init__(self, log: list, i: int) -> None:
+        self.log, self.i = log, i
+
+    def synchronize(self) -> None:
+        self.log.append(("done", self.i))
+
+
+def _run(pool, num, batch, missing=(), bad=(), fail_fetch_at=None):
+    log = []
+
+    def fetch(first, count, views):
+        log.append(("fetch", first))
+        if fail_fetch_at is not None and first >= fail_fetch_at:
+            raise UnavailableError("planned")
+        for j, v in enumerate(views):
+            v[:4] = (first + j).to_bytes(4, "little")
+        return [None if first + j in missing else 4 for j in range(count)]
+
+    holder = {}  # buffer id -> the chunk last landed from it
+
+    def land(i, buf, size):
+        assert int.from_bytes(pool.view(buf)[:4], "little") == i  # the buffer holds chunk i
+        log.append(("land", i))
+        holder[buf] = i
+        return i not in bad, _Event(log, i)
+
+    def give(ids):  # the real pool's give, watched: a buffer is never free while its copy runs
+        for b in ids:
+            if b in holder:
+                assert ("done", holder.pop(b)) in log, f"buffer {b} given back before its copy completed"
+        StagingPool.give(pool, ids)
+
+    pool.give = give
+    errors = []
+    n = pipelined_load(pool, num, batch, fetch, land, errors.append)
+    return n, log, errors
+
+
+def test_chunks_land_in_order_and_every_buffer_comes_back():
+    pool = StagingPool(64, 4)
+    n, log, errors = _run(pool, 10, 2)
+    assert n == 10 and not errors and pool.in_use == 0
+    assert [i for what, i in log if what == "land"] == list(range(10))
+    assert [i for what, i in log if what == "fetch"] == [0, 2, 4, 6, 8]
+    # a batch's buffers are reused only after the copies that read them completed: the fetch
+    # of batch k+2 (same buffers as batch k) comes after every "done" of batch k
+    for k in range(3):
+        fetch_at = log.index(("fetch", 2 * (k + 2)))
+        assert log.index(("done", 2 * k)) < fetch_at and log.index(("done", 2 * k + 1)) < fetch_at
+
+
+def test_the_next_batch_is_fetched_while_this_one_lands():
+    pool = StagingPool(64, 4)
+    second_fetch = threading.Event()
+
+    def fetch(first, count, views):
+        if first == 2:
+            second_fetch.set()
+        return [1] * count
+
+    def land(i, buf, size):
+        if i == 0:  # batch 1's fetch runs while chunk 0 is still landing
+            assert second_fetch.wait(60), "batch 1 was not fetched during batch 0's landing"
+        return True, None
+
+    assert pipelined_load(pool, 4, 2, fetch, land, lambda exc: None) == 4 and pool.in_use == 0
+
+
+@pytest.mark.parametrize("stop", ["missing", "bad"])
+def test_a_stop_in_the_middle_lands_exactly_the_chunks_before_it(stop):
+    pool = StagingPool(64, 6)
+    n, log, errors = _run(pool, 12, 3, **{stop: {4}})
+    assert n == 4 and not errors and pool.in_use == 0
+    assert [i for what, i in log if what == "land"] == ([0, 1, 2, 3] if stop == "missing" else [0, 1, 2, 3, 4])
+
+
+def test_a_store_error_stops_the_load_and_is_reported():
+    pool = StagingPool(64, 4)
+    n, _, errors = _run(pool, 8, 2, fail_fetch_at=4)
+    assert n == 4 and len(errors) == 1 and isinstance(errors[0], UnavailableError)
+    assert pool.in_use == 0
+
+
+def test_an_exception_in_land_still_returns_every_buffer():
+    pool = StagingPool(64, 4)
+
+    def land(i, buf, size):
+        if i == 3:
+            raise RuntimeError("planned")
+        return True, None
+
+    with pytest.raises(RuntimeError, match="planned"):
+        pipelined_load(pool, 8, 2, lambda f, c, v: [1] * c, land, lambda exc: None)
+    assert pool.in_use == 0
+
+
+def test_the_pool_refuses_what_it_cannot_hold():
+    pool = StagingPool(64, 2)
+    with pytest.raises(ValueError):
+        pool.take(3)
+    ids = pool.take(2)
+    with pytest.raises(TimeoutError):
+        pool.take(1, timeout_s=0.01)
+    pool.give(ids)
+    assert pool.in_use == 0
+
+
+# ---- through the engine, real store nodes ---------------------------------------------------
+
+
+def make_engine(store=None, client=None, batch=2) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
+                                  kv_cache_memory="8MiB", enable_prefix_caching=False,
+                                  store_load_batch=batch), client=client)
+
+
+def run(engine: LLMEngine, prompt: list[int]):
+    seq = engine.add_request(prompt, PARAMS)
+    while not seq.is_finished:
+        engine.step()
+    return seq
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    eng = make_engine()
+    try:
+        return list(run(eng, PROMPT).output)
+    finally:
+        eng.close()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    yield from store_nodes(tmp_path, with_disk=False)
+
+
+def _seed(address: str, reference) -> list[bytes]:
+    eng = make_engine(address)
+    try:
+        seq = run(eng, PROMPT)
+        assert eng.connector.flush(timeout_s=120)
+        assert list(seq.output) == reference and eng.connector.stats.chunks_saved == 10
+        return [bytes(k) for k in eng.connector.keys(PROMPT, None)]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("bad", [0, 5, 9])
+def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad):
+    node = nodes()
+    keys = _seed(node.address, reference)
+    with StoreClient(node.address) as c:
+        raw = bytearray(c.get(keys[bad]))
+        raw[-1] ^= 0x40  # one payload bit
+        c.put(keys[bad], raw)
+    eng = make_engine(node.address, batch=2)  # chunk 5 is in the middle of batch 2, 9 ends the last one
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference
+        assert seq.num_store_tokens == bad * CHUNK and st.chunks_loaded == bad and st.load_failures == 1
+        assert eng.connector.pool.in_use == 0
+        assert eng.connector.flush(timeout_s=120)
+    finally:
+        eng.close()
+    eng = make_engine(node.address)  # the recompute replaced the bad chunk
+    try:
+        seq = run(eng, PROMPT)
+        assert list(seq.output) == reference and seq.num_store_tokens == 10 * CHUNK
+    finally:
+        eng.close()
+
+
+def test_a_node_killed_mid_load(reference):
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        _seed(node.address, reference)
+        client = StoreClient(node.address, transport="tcp")
+        real = client.batch_get_into
+        calls = []
+
+        def batch_get_into(keys, bufs):  # the real call; the node dies after the first batch
+            calls.append(len(keys))
+            if len(calls) == 2:
+                node.kill9()
+            return real(keys, bufs)
+
+        client.batch_get_into = batch_get_into
+        eng = make_engine(client=client, batch=3)
+        try:
+            seq = run(eng, PROMPT)
+            assert list(seq.output) == reference
+            assert seq.num_store_tokens == 3 * CHUNK  # batch 0 landed; batch 1's fetch met a dead node
+            assert eng.connector.stats.store_errors >= 1 and eng.connector.pool.in_use == 0
+        finally:
+            eng.close()
+    finally:
+        node.stop()
+
+
+def test_a_thousand_loads_never_leak_a_buffer(nodes, reference):
+    node = nodes()
+    keys = _seed(node.address, reference)
+    with StoreClient(node.address) as c:
+        c.delete([keys[7]])  # a miss
+        raw = bytearray(c.get(keys[9]))
+        raw[200] ^= 1  # a header byte: fails verification
+        c.put(keys[9], raw)
+    eng = make_engine(node.address, batch=2)
+    conn = eng.connector
+    pool = conn.pool
+    ptrs = [pool.tensor(i).data_ptr() for i in range(pool.count)]
+    per_chunk = CHUNK // eng.cfg.page_size
+    pages = list(range(10 * per_chunk))
+    rng = random.Random(3)
+    try:
+        want = {0: 7, 6: 1, 8: 1}  # first chunk -> chunks it loads before the miss (7) or the bad one (9)
+        for i in range(1000):
+            first = rng.choice(list(want))
+            num = 10 - first
+            got = conn.load(PROMPT, None, pages, first, num)
+            assert got == min(want[first], num), (i, first, got)
+            assert pool.in_use == 0
+        assert [pool.tensor(i).data_ptr() for i in range(pool.count)] == ptrs  # the same buffers throughout
+    finally:
+        eng.close()
