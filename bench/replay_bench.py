@@ -27,7 +27,7 @@ from kvstore.conductor.report import plot, summarize  # noqa: E402
 from kvstore.conductor.simulator import ReplayConfig, replay  # noqa: E402
 from kvstore.conductor.trace import infinite_cache_hit_rate, load_trace  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(ROOT), "shared", "traces", "synthetic_trace.jsonl")
+TRACE = os.path.join(ROOT, "tests", "data", "synthetic_trace.jsonl")  # public Mooncake data, see its SOURCES.md
 AMPLE = 50_000
 SLO_TTFT, SLO_TBT = 5.0, 0.1
 FIG5 = {"random": 19.65, "load": 5.27, "cache-local": 3.58, "cache-aware": 3.07}

@@ -7,7 +7,7 @@
   longer has the key (a stale index) is skipped for the next one, and a key
   no holder has reads as a miss.
 - Writes go to the caller's ``local`` node when given, else to the node chosen
-  by rendezvous hashing (highest ``xxh3_64(node id ‖ key)`` among live,
+  by rendezvous hashing (highest ``xxh3_64(node id ‖ 0 ‖ key)`` among live,
   non-draining store nodes); ``replicas`` > 1 adds the next-ranked nodes. A
   node that cannot be reached is replaced by the next one in the ranking.
 - The index is eventually consistent (store nodes batch their events), so a
@@ -34,7 +34,7 @@ _MAX_CACHED_KEYS = 1 << 18
 
 
 def rendezvous_rank(key: bytes, node_ids: Sequence[str]) -> list[str]:
-    """``node_ids`` by decreasing ``xxh3_64(node id ‖ key)``: the first is the key's home."""
+    """``node_ids`` by decreasing ``xxh3_64(node id ‖ 0 ‖ key)``: the first is the key's home."""
     return sorted(node_ids, key=lambda n: (-xxhash.xxh3_64_intdigest(n.encode() + b"\0" + key), n))
 
 

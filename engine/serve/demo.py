@@ -1,6 +1,6 @@
 """`make demo`: `crescent up`, a multi-tenant workload with shared prefixes, a table and a plot.
 
-The workload comes from the Mooncake FAST'25 synthetic trace (../shared/traces):
+The workload comes from the Mooncake FAST'25 synthetic trace (tests/data, with its source):
 requests whose prompts share long prefixes (the same document, the next turn
 of a conversation), 4 per prefix, spread over four tenants so the store's
 cross-tenant reuse shows. Each 512-token trace block becomes ``--block-tokens``

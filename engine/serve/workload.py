@@ -10,7 +10,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+TRACE = os.path.join(ROOT, "tests", "data", "synthetic_trace.jsonl")  # public Mooncake data, see its SOURCES.md
 TENANTS = ["acme", "globex", "initech", "umbrella"]
 
 

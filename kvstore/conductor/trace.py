@@ -3,7 +3,7 @@
 One JSON object per line: ``timestamp`` (ms since the trace's start),
 ``input_length`` and ``output_length`` (tokens) and ``hash_ids``: prefix-chained
 ids of the prompt's 512-token blocks (equal ids mean a reusable prefix; the
-last block may be partial). See /work/shared/traces/SOURCES.md.
+last block may be partial). See tests/data/SOURCES.md.
 """
 
 from __future__ import annotations
