@@ -142,7 +142,7 @@ def test_fetch_as_they_arrive_waits_for_a_producer_and_gives_up_after_the_timeou
     producer.start()
     try:
         started.set()
-        got = eng.connector.fetch_as_they_arrive(keys, timeout_s=3.0)
+        got = eng.connector.fetch_as_they_arrive(keys, timeout_s=15.0)
         producer.join(timeout=300)
         assert not errors, errors
         assert list(got) == keys[:3]
