@@ -199,6 +199,9 @@ class EngineConfig:
     store_load_batch: int = 8
     """Chunks fetched per batch of a pipelined load (the next batch is fetched while this one
     lands); the staging pool, allocated at start, holds two batches (pinned on CUDA)."""
+    store_save_buffers: int = 16
+    """Chunks on their way to the store at once (host buffers made at start, pinned on CUDA);
+    when all are taken for 5 s, the engine skips saving rather than wait."""
     store_transport: Literal["auto", "shm", "rdma", "tcp", "grpc"] = "auto"
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
@@ -213,8 +216,8 @@ class EngineConfig:
             raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
-        if self.store_load_batch <= 0:
-            raise ValueError("store_load_batch must be positive")
+        if self.store_load_batch <= 0 or self.store_save_buffers <= 0:
+            raise ValueError("store_load_batch and store_save_buffers must be positive")
         from kvstore.transport.identity import REQUESTS
 
         if self.store_transport not in REQUESTS:

@@ -5,9 +5,10 @@ it holds (``lookup``), loads them into the sequence's pages (``load``: batches
 fetched with batch_get_into into a staging pool made at start, the next batch
 fetched while this one is verified and lands in its pages; see kv_transfer)
 and computes only the rest. After each step,
-every newly completed chunk is gathered from the pages (a copy, so the pages
-may be reused at once) and handed to a background thread that encodes and
-stores it, so the transfer of chunk k overlaps the compute of chunk k+1.
+every newly completed chunk is gathered from the pages into a save buffer (a
+copy, so the pages may be reused at once; on CUDA an asynchronous copy on the
+save stream) and handed to a background thread that encodes and stores it, so
+the transfer of chunk k overlaps the compute of chunk k+1.
 
 A verification failure or a store error is a miss: the engine recomputes.
 """
@@ -20,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 
 from engine.kv_transfer import StagingPool, pipelined_load
 from engine.model_runner import ModelRunner
@@ -29,6 +31,9 @@ from kvstore.errors import CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
 
 log = logging.getLogger(__name__)
+
+SAVE_WAIT_S = 5.0
+"""How long ``save`` waits for a free save buffer before it gives up on the rest of its chunks."""
 
 
 @dataclass
@@ -48,7 +53,7 @@ class ConnectorStats:
 
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True, load_batch: int = 8) -> None:
+                 load: bool = True, load_batch: int = 8, save_buffers: int = 16) -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -66,7 +71,11 @@ class StoreConnector:
         self.load_batch = load_batch
         # NOTE: made at start, with the store session (arena mapped, channels open), so that
         # the first load of a process costs what the others do
-        self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=runner.device.type == "cuda")
+        pin = runner.device.type == "cuda"
+        self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin)
+        self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
+        self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin)
+        """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         try:
             getattr(client, "transport", None)
         except CrescentError as exc:  # the store is down now: loads recompute until it is back
@@ -213,25 +222,48 @@ class StoreConnector:
         if replicate and copies and self.save_enabled:
             # NOTE: the verified bytes as they are: a put through the cluster client
             # lands on this engine's own node first.
-            with self._cv:
-                self._pending += 1
-            self._queue.put((None, copies))
+            self._enqueue(None, copies)
         return loaded
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
-        """Gathers chunks ``first .. first+num-1`` now and stores them in the background."""
+        """Gathers chunks ``first .. first+num-1`` into save buffers now; stores them in the background.
+
+        The engine thread only queues the gather and its copy; the saver waits for the copy,
+        encodes and puts. When every save buffer is taken for ``SAVE_WAIT_S`` (the store is
+        slower than the engine, or hung), the rest of the chunks are not saved (counted in
+        ``save_failures``): a slow store costs reuse, never compute.
+        """
         if not self.save_enabled or num <= 0:
             return
         keys = self.keys(tokens[: (first + num) * self.chunk_tokens], salt)
+        ns = self.namespace(salt)
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
+        group = max(1, self.save_pool.count // 2)
         items = []
         for c in range(first, first + num):
-            kv = self.runner.gather_chunk(pages[c * per_chunk : (c + 1) * per_chunk])
+            try:
+                (buf,) = self.save_pool.take(1, timeout_s=SAVE_WAIT_S)
+            except TimeoutError:
+                self.stats.save_failures += first + num - c
+                self._error("save", f"no free save buffer in {SAVE_WAIT_S} s: {first + num - c} chunks not saved")
+                break
+            ev = self.runner.gather_chunk_into(pages[c * per_chunk : (c + 1) * per_chunk], self._saved(buf))
             parent = bytes(ROOT_KEY) if c == 0 else keys[c - 1]
-            items.append((keys[c], parent, tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], kv))
+            items.append((keys[c], parent, tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], buf, ev))
+            if len(items) == group:  # the saver can start (and give buffers back) while we gather more
+                self._enqueue(ns, items)
+                items = []
+        if items:
+            self._enqueue(ns, items)
+
+    def _saved(self, buf: int) -> torch.Tensor:
+        """Save buffer ``buf`` as a ``chunk_shape`` tensor."""
+        return self.save_pool.tensor(buf)[: self.payload_bytes].view(self.runner.dtype).view(self.runner.chunk_shape)
+
+    def _enqueue(self, ns: Namespace | None, items: list) -> None:
         with self._cv:
             self._pending += 1
-        self._queue.put((self.namespace(salt), items))
+        self._queue.put((ns, items))
 
     def _save_loop(self) -> None:
         while True:
@@ -243,7 +275,11 @@ class StoreConnector:
                 if ns is None:  # already-encoded chunks (replication)
                     batch = [(key, [raw]) for key, raw in items]
                 else:
-                    batch = [(key, encode_chunk(kv, ns, parent, toks)) for key, parent, toks, kv in items]
+                    for *_, ev in items:
+                        if ev is not None:
+                            ev.synchronize()  # the chunk has reached its save buffer
+                    batch = [(key, encode_chunk(self._saved(buf), ns, parent, toks))
+                             for key, parent, toks, buf, _ in items]
                 stored = self.client.batch_put(batch)
                 for ok, (_, parts) in zip(stored, batch):
                     if ok:
@@ -258,6 +294,8 @@ class StoreConnector:
                 self.stats.save_failures += len(items)
                 self._error("save (unexpected)", exc)
             finally:
+                if ns is not None:
+                    self.save_pool.give([it[3] for it in items])
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
@@ -272,4 +310,5 @@ class StoreConnector:
         self._queue.put(None)
         self._saver.join(timeout=10)
         self.pool.close()
+        self.save_pool.close()
         self.client.close()

@@ -33,8 +33,11 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches))
-        self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.transfer_stream = torch.cuda.Stream(self.device) if cuda else None
         """Loads from the store land on this stream, beside the compute stream (None on CPU)."""
+        self.save_stream = torch.cuda.Stream(self.device) if cuda else None
+        """Chunks on their way to the store leave on this one (the other copy direction)."""
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -71,10 +74,26 @@ class ModelRunner:
         last = torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1
         return self.model.logits(hidden[last])
 
-    def gather_chunk(self, pages: list[int]) -> torch.Tensor:
-        """One chunk's pages of every layer as a contiguous CPU ``chunk_shape`` tensor (a copy)."""
+    def gather_chunk_into(self, pages: list[int], out: torch.Tensor):
+        """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor.
+
+        On CPU it is done on return (None). On CUDA the gather runs on the compute stream
+        (after the step that wrote the pages) and the copy to ``out`` (pinned: an asynchronous
+        DMA) on the save stream; returns the event recorded after it: ``out`` holds the chunk
+        once it has completed, and the engine thread never waits for it.
+        """
         ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
-        return kernels.gather_kv_pages(self.k_caches, self.v_caches, ids).cpu()
+        if self.save_stream is None:
+            kernels.gather_kv_pages(self.k_caches, self.v_caches, ids, out=out)
+            return None
+        dev = kernels.gather_kv_pages(self.k_caches, self.v_caches, ids)
+        self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.save_stream):
+            out.copy_(dev, non_blocking=True)
+            dev.record_stream(self.save_stream)  # the allocator keeps it until the copy is done
+            ev = torch.cuda.Event()
+            ev.record(self.save_stream)
+        return ev
 
     def scatter_chunk(self, chunk: torch.Tensor, pages: list[int]) -> None:
         """Writes a ``chunk_shape`` tensor into ``pages`` of every layer."""

@@ -250,3 +250,33 @@ def test_a_thousand_loads_never_leak_a_buffer(nodes, reference):
         assert [pool.tensor(i).data_ptr() for i in range(pool.count)] == ptrs  # the same buffers throughout
     finally:
         eng.close()
+
+
+def test_saves_never_make_the_engine_wait_on_a_hung_store(reference):
+    """Two save buffers and a frozen store: the engine computes on, skips (and counts) the
+    chunks it has no buffer for, and every buffer comes back once the store answers."""
+    import os
+    import signal
+
+    node = StoreProcess("--dram", "16MiB")
+    eng = None
+    try:
+        eng = LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=node.address,
+                                     kv_cache_memory="8MiB", enable_prefix_caching=False, load_from_store=False,
+                                     store_save_buffers=2))
+        conn = eng.connector
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            seq = run(eng, PROMPT)
+            assert list(seq.output) == reference
+            assert conn.stats.save_failures == 8 and conn.save_pool.in_use == 2  # two wait for the store
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert conn.flush(timeout_s=120)
+        assert conn.stats.chunks_saved == 2 and conn.save_pool.in_use == 0
+        with StoreClient(node.address) as c:
+            assert c.exists([bytes(k) for k in conn.keys(PROMPT, None)[:2]]) == [True, True]
+    finally:
+        if eng is not None:
+            eng.close()
+        node.stop()
