@@ -202,6 +202,10 @@ class EngineConfig:
     store_save_buffers: int = 16
     """Chunks on their way to the store at once (host buffers made at start, pinned on CUDA);
     when all are taken for 5 s, the engine skips saving rather than wait."""
+    chunk_check: Literal["auto", "xxh3", "wsum"] = "auto"
+    """Payload check of the chunks this engine saves (docs/keys.md): wsum computes on the GPU
+    beside its copies, xxh3 is fastest on a CPU; auto picks wsum on CUDA, xxh3 on CPU.
+    Loads check whatever a chunk carries."""
     store_transport: Literal["auto", "shm", "rdma", "tcp", "grpc"] = "auto"
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""

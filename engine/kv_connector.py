@@ -25,7 +25,7 @@ import torch
 
 from engine.kv_transfer import StagingPool, pipelined_load
 from engine.model_runner import ModelRunner
-from kvstore.chunk import encode_chunk, encoded_size, verify_chunk
+from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, encode_chunk, encoded_size, verify_chunk
 from kvstore.client import StoreClient
 from kvstore.errors import CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
@@ -53,7 +53,7 @@ class ConnectorStats:
 
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True, load_batch: int = 8, save_buffers: int = 16) -> None:
+                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto") -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -76,6 +76,9 @@ class StoreConnector:
         self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
         self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
+        wsum = check == "wsum" or (check == "auto" and pin)
+        self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
+        """The payload check of saved chunks (docs/keys.md)."""
         try:
             getattr(client, "transport", None)
         except CrescentError as exc:  # the store is down now: loads recompute until it is back
@@ -175,7 +178,9 @@ class StoreConnector:
         dtype, shape = self.runner.dtype, self.runner.chunk_shape
         staged = self._staged.pop(seq_id, {})
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
-        copies: list[tuple[bytes, bytes]] = []  # replicate: the verified bytes, out of the pool
+        sizes: list[int] = []  # of the chunks landed, in order
+        copies: list[bytes] = []  # replicate: their verified bytes, out of the pool
+        device_checks: list[tuple[int, torch.Tensor, int]] = []  # (chunk, wsum where it landed, header's)
 
         def fetch(start: int, count: int, views: list[memoryview]) -> list[int | None]:
             out: list[int | None] = [None] * count
@@ -196,33 +201,41 @@ class StoreConnector:
         def land(i: int, buf: int, size: int):
             c = first + i
             view = self.pool.view(buf)[:size]
-            try:
+            try:  # a wsum64 payload is checked where it lands (on the GPU), after the copy
                 hdr = verify_chunk(view, key=keys[i], namespace=ns,
                                    parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
                                    tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
-                                   dtype=dtype, shape=shape)
+                                   dtype=dtype, shape=shape, payload=False)
             except CrescentError as exc:
                 self._error(f"chunk {c} failed verification", exc)
                 return False, None
             payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
-            ev = self.runner.land_chunk(payload.view(dtype).view(shape),
-                                        pages[c * per_chunk : (c + 1) * per_chunk])
+            ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape),
+                                              pages[c * per_chunk : (c + 1) * per_chunk],
+                                              checksum=hdr.check == CHECK_WSUM)
+            if dsum is not None:
+                device_checks.append((i, dsum, hdr.payload_hash))
+            sizes.append(size)
             if replicate:
-                copies.append((keys[i], bytes(view)))
-            self.stats.chunks_loaded += 1
-            self.stats.bytes_loaded += size
+                copies.append(bytes(view))
             return True, ev
 
         self.runner.begin_landing()
         loaded = pipelined_load(self.pool, len(keys), self.load_batch, fetch, land,
                                 lambda exc: self._error("load", exc))
         self.runner.end_landing()
+        bad = _first_mismatch(device_checks)
+        if bad is not None and bad < loaded:  # its KV (and what followed) is recomputed over
+            self._error(f"chunk {first + bad} failed verification", "payload checksum mismatch where it landed")
+            loaded = bad
         if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error
             self.stats.load_failures += 1
-        if replicate and copies and self.save_enabled:
+        self.stats.chunks_loaded += loaded
+        self.stats.bytes_loaded += sum(sizes[:loaded])
+        if replicate and loaded and self.save_enabled:
             # NOTE: the verified bytes as they are: a put through the cluster client
             # lands on this engine's own node first.
-            self._enqueue(None, copies)
+            self._enqueue(None, list(zip(keys[:loaded], copies[:loaded])))
         return loaded
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
@@ -247,9 +260,11 @@ class StoreConnector:
                 self.stats.save_failures += first + num - c
                 self._error("save", f"no free save buffer in {SAVE_WAIT_S} s: {first + num - c} chunks not saved")
                 break
-            ev = self.runner.gather_chunk_into(pages[c * per_chunk : (c + 1) * per_chunk], self._saved(buf))
+            ev, dsum = self.runner.gather_chunk_into(pages[c * per_chunk : (c + 1) * per_chunk], self._saved(buf),
+                                                     checksum=self.check == CHECK_WSUM)
             parent = bytes(ROOT_KEY) if c == 0 else keys[c - 1]
-            items.append((keys[c], parent, tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], buf, ev))
+            items.append((keys[c], parent, tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], buf,
+                          ev, dsum))
             if len(items) == group:  # the saver can start (and give buffers back) while we gather more
                 self._enqueue(ns, items)
                 items = []
@@ -275,11 +290,12 @@ class StoreConnector:
                 if ns is None:  # already-encoded chunks (replication)
                     batch = [(key, [raw]) for key, raw in items]
                 else:
-                    for *_, ev in items:
+                    batch = []
+                    for key, parent, toks, buf, ev, dsum in items:
                         if ev is not None:
                             ev.synchronize()  # the chunk has reached its save buffer
-                    batch = [(key, encode_chunk(self._saved(buf), ns, parent, toks))
-                             for key, parent, toks, buf, _ in items]
+                        batch.append((key, encode_chunk(self._saved(buf), ns, parent, toks, check=self.check,
+                                                        payload_hash=None if dsum is None else int(dsum))))
                 stored = self.client.batch_put(batch)
                 for ok, (_, parts) in zip(stored, batch):
                     if ok:
@@ -312,3 +328,15 @@ class StoreConnector:
         self.pool.close()
         self.save_pool.close()
         self.client.close()
+
+
+def _first_mismatch(checks: list[tuple[int, torch.Tensor, int]]) -> int | None:
+    """The first chunk whose wsum64 where it landed differs from its header's (one
+    synchronisation for the whole load), or None."""
+    if not checks:
+        return None
+    got = torch.stack([d for _, d, _ in checks])
+    want = torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for _, _, h in checks], dtype=torch.int64,
+                        device=got.device)
+    bad = (got != want).nonzero()
+    return checks[int(bad[0])][0] if bad.numel() else None

@@ -85,7 +85,7 @@ class LLMEngine:
             self.connector = StoreConnector(self.runner, client, self.fingerprint,
                                             save=cfg.save_to_store, load=cfg.load_from_store,
                                             load_batch=cfg.store_load_batch,
-                                            save_buffers=cfg.store_save_buffers)
+                                            save_buffers=cfg.store_save_buffers, check=cfg.chunk_check)
         self.eos = set(mc.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos.add(self.tokenizer.eos_token_id)

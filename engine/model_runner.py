@@ -8,6 +8,7 @@ import kernels
 from engine.config import EngineConfig, ModelConfig, apply_overrides, preset_config
 from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
 from engine.scheduler import ScheduledSeq
+from kvstore.chunk import wsum64
 
 
 def load_model_config(model: str, hf_overrides: dict | None = None) -> ModelConfig:
@@ -74,26 +75,29 @@ class ModelRunner:
         last = torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1
         return self.model.logits(hidden[last])
 
-    def gather_chunk_into(self, pages: list[int], out: torch.Tensor):
-        """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor.
+    def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
+        """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor:
+        ``(event, wsum)``.
 
-        On CPU it is done on return (None). On CUDA the gather runs on the compute stream
-        (after the step that wrote the pages) and the copy to ``out`` (pinned: an asynchronous
-        DMA) on the save stream; returns the event recorded after it: ``out`` holds the chunk
-        once it has completed, and the engine thread never waits for it.
+        On CPU it is done on return (``(None, None)``). On CUDA the gather runs on the compute
+        stream (after the step that wrote the pages) and the copy to ``out`` (pinned: an
+        asynchronous DMA) on the save stream; ``event`` marks its end (``out`` holds the chunk
+        then; the engine thread never waits for it). With ``checksum``, ``wsum`` is the chunk's
+        wsum64 computed on the device beside the copy (so no host pass hashes it).
         """
         ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
         if self.save_stream is None:
             kernels.gather_kv_pages(self.k_caches, self.v_caches, ids, out=out)
-            return None
+            return None, None
         dev = kernels.gather_kv_pages(self.k_caches, self.v_caches, ids)
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.save_stream):
             out.copy_(dev, non_blocking=True)
+            dsum = wsum64(dev) if checksum else None
             dev.record_stream(self.save_stream)  # the allocator keeps it until the copy is done
             ev = torch.cuda.Event()
             ev.record(self.save_stream)
-        return ev
+        return ev, dsum
 
     def scatter_chunk(self, chunk: torch.Tensor, pages: list[int]) -> None:
         """Writes a ``chunk_shape`` tensor into ``pages`` of every layer."""
@@ -106,18 +110,25 @@ class ModelRunner:
         if self.transfer_stream is not None:
             self.transfer_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def land_chunk(self, chunk: torch.Tensor, pages: list[int]):
-        """``scatter_chunk`` for a load. On CUDA it runs on the transfer stream (an asynchronous
-        DMA when ``chunk`` is pinned host memory) and returns the event recorded after it;
-        on CPU it is done on return (None)."""
+    def land_chunk(self, chunk: torch.Tensor, pages: list[int], checksum: bool = False):
+        """``scatter_chunk`` for a load: ``(event, wsum)``.
+
+        On CUDA it runs on the transfer stream (an asynchronous DMA when ``chunk`` is pinned
+        host memory); ``event`` marks its end. On CPU it is done on return (event None).
+        With ``checksum``, ``wsum`` is the wsum64 of the bytes as they arrived on the device
+        (a 0-dim tensor there, computed after the copy: the caller compares it later), else None.
+        """
         if self.transfer_stream is None:
+            dsum = wsum64(chunk) if checksum else None
             self.scatter_chunk(chunk, pages)
-            return None
+            return None, dsum
         with torch.cuda.stream(self.transfer_stream):
-            self.scatter_chunk(chunk, pages)
+            dev = chunk.to(self.device, non_blocking=True)
+            dsum = wsum64(dev) if checksum else None
+            self.scatter_chunk(dev, pages)
             ev = torch.cuda.Event()
             ev.record(self.transfer_stream)
-        return ev
+        return ev, dsum
 
     def end_landing(self) -> None:
         """After chunks landed: the compute stream waits for them (no host synchronisation)."""

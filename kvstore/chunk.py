@@ -10,16 +10,24 @@ Layout of an encoded chunk (all integers little-endian)::
     8       16    namespace
     24      16    parent key
     40      4     num_tokens
-    44      4     reserved (0)
+    44      4     payload check: 0 xxh3_64 (version 1), 1 wsum64 (version 2)
     48      8     payload bytes
-    56      8     xxh3_64 of the payload
+    56      8     the payload's checksum
     64      4*ndim     shape
     ...     4*num_tokens token ids (int32)
     ...     8     xxh3_64 of every header byte before this field
     ...     pad with zeros to a multiple of 64
     ...     payload: [layers, 2 (K,V), kv_heads, chunk_tokens, head_dim], C order
 
-The payload starts 64-byte aligned so a reader can view it in place. The chunk's
+The payload starts 64-byte aligned so a reader can view it in place.
+
+Two payload checks: xxh3_64, fast on a CPU (8 GB/s on one core) but serial and
+holding the GIL; and wsum64, ``sum_i w_i * ((2i + 1) * K) mod 2^64`` over the
+payload's little-endian u64 words ``w_i`` with ``K = 0x9E3779B97F4A7C15``: a
+product and a sum, so a GPU computes it over the bytes it has just copied in
+microseconds (and a CPU with torch at about 1 GB/s). Every multiplier is odd, so
+any error confined to one word is always caught. Engines on a GPU write wsum64
+and check it on the device after the copy; CPU engines write xxh3_64. The chunk's
 own key is not stored: a reader recomputes ``chunk_key(parent, namespace,
 tokens)`` and compares it with the key it asked for, which catches collisions
 and mislabelled values as well as corruption.
@@ -28,6 +36,7 @@ and mislabelled values as well as corruption.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +48,10 @@ from kvstore.errors import ChunkVerificationError
 from kvstore.keys import KEY_BYTES, ChunkKey, Namespace, chunk_key, tokens_to_bytes
 
 MAGIC = b"CRKV"
-VERSION = 1
+VERSION = 1  # xxh3_64 payload check; 2: wsum64
+CHECK_XXH3, CHECK_WSUM = 0, 1
+_VERSION_OF = {CHECK_XXH3: 1, CHECK_WSUM: 2}
+WSUM_K = 0x9E3779B97F4A7C15
 ALIGN = 64
 _FIXED = struct.Struct("<4sHBB16s16sII QQ".replace(" ", ""))
 assert _FIXED.size == 64
@@ -67,17 +79,65 @@ class ChunkHeader:
     payload_offset: int
     payload_bytes: int
     payload_hash: int
+    check: int = CHECK_XXH3
+    """How ``payload_hash`` was computed: CHECK_XXH3 or CHECK_WSUM."""
+
+
+_MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _multipliers(n: int, device: torch.device) -> torch.Tensor:
+    """``(2i + 1) * K mod 2^64`` for i < n, as int64 (two's complement), cached per length and device."""
+    key = (n, str(device))
+    m = _MULTIPLIERS.get(key)
+    if m is None:
+        if len(_MULTIPLIERS) >= 8:
+            _MULTIPLIERS.clear()
+        k = WSUM_K - (1 << 64)  # the same 64 bits as a signed integer
+        m = _MULTIPLIERS[key] = (torch.arange(n, dtype=torch.int64, device=device) * 2 + 1) * k
+    return m
+
+
+def wsum64(payload: torch.Tensor) -> torch.Tensor:
+    """The wsum64 of a payload's bytes, on the tensor's device, as a 0-dim int64 tensor.
+
+    Args:
+        payload: any contiguous tensor (its bytes, a multiple of 8, are the payload), on
+            any device; integer arithmetic wraps mod 2^64 on every device alike.
+    """
+    w = payload.reshape(-1).view(torch.uint8).view(torch.int64)
+    return (w * _multipliers(w.numel(), w.device)).sum()
+
+
+def _unsigned(x: int) -> int:
+    return x & ((1 << 64) - 1)
+
+
+def payload_checksum(payload: torch.Tensor | memoryview, check: int) -> int:
+    """The payload's checksum of kind ``check``, as the header stores it (unsigned)."""
+    if check == CHECK_WSUM:
+        if not isinstance(payload, torch.Tensor):
+            with warnings.catch_warnings():  # read-only bytes: wsum64 only reads them
+                warnings.simplefilter("ignore", UserWarning)
+                payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0)
+        return _unsigned(int(wsum64(payload)))
+    if isinstance(payload, torch.Tensor):
+        payload = tensor_bytes(payload)
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def _header_bytes(namespace: bytes, parent: bytes, tokens_le: bytes, dtype: torch.dtype,
-                  shape: Sequence[int], payload: memoryview) -> bytes:
+                  shape: Sequence[int], payload: memoryview, check: int = CHECK_XXH3,
+                  payload_hash: int | None = None) -> bytes:
     if dtype not in _CODES:
         raise ValueError(f"unsupported KV dtype {dtype}")
     if len(namespace) != KEY_BYTES or len(parent) != KEY_BYTES:
         raise ValueError("namespace and parent key must be 16 bytes each")
     num_tokens = len(tokens_le) // 4
-    head = _FIXED.pack(MAGIC, VERSION, _CODES[dtype], len(shape), bytes(namespace), bytes(parent),
-                       num_tokens, 0, payload.nbytes, xxhash.xxh3_64_intdigest(payload))
+    if payload_hash is None:
+        payload_hash = payload_checksum(payload, check)
+    head = _FIXED.pack(MAGIC, _VERSION_OF[check], _CODES[dtype], len(shape), bytes(namespace), bytes(parent),
+                       num_tokens, check, payload.nbytes, _unsigned(payload_hash))
     head += struct.pack(f"<{len(shape)}I", *shape) + tokens_le
     head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
     return head + bytes(-len(head) % ALIGN)
@@ -93,7 +153,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
-                 tokens: Sequence[int] | np.ndarray) -> list[bytes | memoryview]:
+                 tokens: Sequence[int] | np.ndarray, check: int = CHECK_XXH3,
+                 payload_hash: int | None = None) -> list[bytes | memoryview]:
     """Encodes one chunk as ``[header, payload]`` segments, without copying the payload.
 
     Args:
@@ -101,6 +162,9 @@ def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
         namespace: the chunk's namespace.
         parent: key of the previous chunk (``ROOT_KEY`` for the first).
         tokens: ``[chunk_tokens]`` token ids of this chunk.
+        check: the payload check, CHECK_XXH3 or CHECK_WSUM (needs a payload of whole u64 words).
+        payload_hash: the payload's checksum when the caller has it already (e.g. a
+            wsum64 computed on the GPU before the copy to host); else computed here.
 
     Returns:
         The header (bytes) and a view of ``kv``'s memory. Send them in order (a
@@ -113,7 +177,13 @@ def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
     if len(tokens_le) // 4 != kv.shape[3]:
         raise ValueError(f"{len(tokens_le) // 4} token ids for a chunk of {kv.shape[3]} tokens")
     payload = tensor_bytes(kv)
-    return [_header_bytes(namespace, parent, tokens_le, kv.dtype, kv.shape, payload), payload]
+    if check not in _VERSION_OF:
+        raise ValueError(f"unknown payload check {check}")
+    if check == CHECK_WSUM and payload.nbytes % 8:
+        raise ValueError(f"wsum64 needs whole u64 words; the payload has {payload.nbytes} bytes")
+    if payload_hash is None and check == CHECK_WSUM:
+        payload_hash = payload_checksum(kv, check)
+    return [_header_bytes(namespace, parent, tokens_le, kv.dtype, kv.shape, payload, check, payload_hash), payload]
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
@@ -121,10 +191,10 @@ def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     mv = memoryview(buf).cast("B")
     if mv.nbytes < _FIXED.size + 8:
         raise ChunkVerificationError(f"chunk of {mv.nbytes} bytes is shorter than a header")
-    magic, version, code, ndim, ns, parent, num_tokens, _, payload_bytes, payload_hash = \
+    magic, version, code, ndim, ns, parent, num_tokens, check, payload_bytes, payload_hash = \
         _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC or version != VERSION:
-        raise ChunkVerificationError("not a Crescent KV chunk (bad magic or version)")
+    if magic != MAGIC or _VERSION_OF.get(check) != version:
+        raise ChunkVerificationError("not a Crescent KV chunk (bad magic, version or payload check)")
     if code not in _DTYPES:
         raise ChunkVerificationError(f"unknown dtype code {code}")
     end = _FIXED.size + 4 * ndim + 4 * num_tokens
@@ -137,18 +207,21 @@ def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     tokens = np.frombuffer(mv, dtype="<i4", count=num_tokens, offset=_FIXED.size + 4 * ndim).copy()
     offset = end + 8 + (-(end + 8) % ALIGN)
     return ChunkHeader(Namespace(ns), ChunkKey(parent), tokens, _DTYPES[code], tuple(shape),
-                       offset, payload_bytes, payload_hash)
+                       offset, payload_bytes, payload_hash, check)
 
 
 def verify_chunk(buf: bytes | bytearray | memoryview, *, key: bytes, namespace: Namespace,
                  parent: bytes | None = None, tokens: Sequence[int] | np.ndarray | None = None,
-                 dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> ChunkHeader:
+                 dtype: torch.dtype | None = None, shape: Sequence[int] | None = None,
+                 payload: bool = True) -> ChunkHeader:
     """Checks everything a reader relies on; any mismatch raises ChunkVerificationError.
 
     Checks the header checksum, the namespace, the parent key and token ids
     (when given), that ``chunk_key(parent, namespace, tokens) == key`` (no
     collision, no mislabelled value), dtype and shape (when given), the payload
-    length and its xxh3_64.
+    length and its checksum. ``payload=False`` leaves a wsum64 payload's checksum
+    to the caller (who computes it where the bytes land, e.g. on the GPU, and
+    compares it with ``header.payload_hash``); an xxh3_64 payload is always checked here.
     """
     hdr = parse_header(buf)
     mv = memoryview(buf).cast("B")
@@ -170,7 +243,8 @@ def verify_chunk(buf: bytes | bytearray | memoryview, *, key: bytes, namespace: 
     if mv.nbytes != hdr.payload_offset + hdr.payload_bytes:
         raise ChunkVerificationError(
             f"chunk is {mv.nbytes} bytes, header promises {hdr.payload_offset + hdr.payload_bytes}")
-    if xxhash.xxh3_64_intdigest(mv[hdr.payload_offset:]) != hdr.payload_hash:
+    if (payload or hdr.check == CHECK_XXH3) and \
+            payload_checksum(mv[hdr.payload_offset:], hdr.check) != hdr.payload_hash:
         raise ChunkVerificationError("chunk payload checksum mismatch")
     return hdr
 

@@ -116,3 +116,78 @@ def test_bad_encode_input():
         encode_chunk(torch.zeros(SHAPE), NS, ROOT_KEY, TOKENS[:4])
     with pytest.raises(ValueError, match="contiguous"):
         encode_chunk(torch.zeros(2, 2, 2, 64, 8).transpose(3, 4), NS, ROOT_KEY, TOKENS)
+
+
+# ---- wsum64, the device-friendly payload check -----------------------------------------------
+
+from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, WSUM_K, payload_checksum, wsum64  # noqa: E402
+
+
+def _kv(dtype, seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _wsum_by_hand(b: bytes) -> int:
+    """The documented formula in plain integers: sum of w_i * ((2i+1) * K) mod 2^64."""
+    words = [int.from_bytes(b[i:i + 8], "little") for i in range(0, len(b), 8)]
+    return sum(w * ((2 * i + 1) * WSUM_K) for i, w in enumerate(words)) % (1 << 64)
+
+
+@pytest.mark.parametrize("nwords", [1, 2, 7, 1000, 65537])
+def test_wsum64_is_the_documented_formula(nwords):
+    g = torch.Generator().manual_seed(nwords)
+    t = torch.randint(0, 256, (8 * nwords,), dtype=torch.uint8, generator=g)
+    assert payload_checksum(t, CHECK_WSUM) == _wsum_by_hand(bytes(t.numpy()))
+    # hand-checked small case: words 1 and 2 -> 1*K + 2*3K = 7K mod 2^64
+    two = (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    assert payload_checksum(memoryview(two), CHECK_WSUM) == (7 * WSUM_K) % (1 << 64) == 0x538454127B096493
+    assert int(wsum64(torch.zeros(16, dtype=torch.uint8))) == 0
+
+
+def test_wsum_chunk_round_trip_and_every_single_byte_error_is_caught():
+    kv = _kv(torch.bfloat16, seed=3)
+    parts = encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=CHECK_WSUM)
+    buf = bytearray(b"".join(parts))
+    key = chunk_key(ROOT_KEY, NS, TOKENS)
+    hdr = verify_chunk(buf, key=key, namespace=NS, parent=ROOT_KEY, tokens=TOKENS)
+    assert hdr.check == CHECK_WSUM and int.from_bytes(buf[4:6], "little") == 2
+    assert torch.equal(decode_chunk(buf, key=key, namespace=NS), kv)
+    rng = torch.Generator().manual_seed(0)
+    for pos in torch.randint(hdr.payload_offset, len(buf), (64,), generator=rng).tolist():
+        bad = bytearray(buf)
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(ChunkVerificationError, match="payload checksum"):
+            verify_chunk(bad, key=key, namespace=NS)
+        # payload=False leaves the wsum64 to the caller (checked on the device after the copy)
+        assert verify_chunk(bad, key=key, namespace=NS, payload=False).payload_hash == hdr.payload_hash
+    # two words swapped: caught too
+    bad = bytearray(buf)
+    o = hdr.payload_offset
+    bad[o:o + 8], bad[o + 8:o + 16] = buf[o + 8:o + 16], buf[o:o + 8]
+    if bytes(bad) != bytes(buf):
+        with pytest.raises(ChunkVerificationError):
+            verify_chunk(bad, key=key, namespace=NS)
+
+
+def test_a_given_payload_hash_is_written_as_is_and_xxh3_chunks_keep_version_1():
+    kv = _kv(torch.float16, seed=4)
+    h = payload_checksum(kv, CHECK_WSUM)
+    assert encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=CHECK_WSUM, payload_hash=h - (1 << 64))[0] == \
+        encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=CHECK_WSUM)[0]  # a signed int64 from the GPU is the same
+    xx = b"".join(encode_chunk(kv, NS, ROOT_KEY, TOKENS))
+    assert int.from_bytes(xx[4:6], "little") == 1 and parse_header(xx).check == CHECK_XXH3
+    # xxh3 payloads are checked even when the caller says it checks the payload itself
+    bad = bytearray(xx)
+    bad[-1] ^= 1
+    with pytest.raises(ChunkVerificationError, match="payload checksum"):
+        verify_chunk(bad, key=chunk_key(ROOT_KEY, NS, TOKENS), namespace=NS, payload=False)
+
+
+def test_a_check_that_does_not_match_its_version_is_refused():
+    kv = _kv(torch.float32, seed=5)
+    buf = bytearray(b"".join(encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=CHECK_WSUM)))
+    buf[4:6] = (1).to_bytes(2, "little")  # wsum64 under version 1: an old reader's format
+    with pytest.raises(ChunkVerificationError, match="version"):
+        parse_header(buf)
+    with pytest.raises(ValueError, match="payload check"):
+        encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=7)

@@ -133,10 +133,10 @@ def test_the_pool_refuses_what_it_cannot_hold():
 # ---- through the engine, real store nodes ---------------------------------------------------
 
 
-def make_engine(store=None, client=None, batch=2) -> LLMEngine:
+def make_engine(store=None, client=None, batch=2, check="auto") -> LLMEngine:
     return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
                                   kv_cache_memory="8MiB", enable_prefix_caching=False,
-                                  store_load_batch=batch), client=client)
+                                  store_load_batch=batch, chunk_check=check), client=client)
 
 
 def run(engine: LLMEngine, prompt: list[int]):
@@ -160,8 +160,8 @@ def nodes(tmp_path):
     yield from store_nodes(tmp_path, with_disk=False)
 
 
-def _seed(address: str, reference) -> list[bytes]:
-    eng = make_engine(address)
+def _seed(address: str, reference, check="auto") -> list[bytes]:
+    eng = make_engine(address, check=check)
     try:
         seq = run(eng, PROMPT)
         assert eng.connector.flush(timeout_s=120)
@@ -171,12 +171,19 @@ def _seed(address: str, reference) -> list[bytes]:
         eng.close()
 
 
+@pytest.mark.parametrize("check", ["xxh3", "wsum"])
 @pytest.mark.parametrize("bad", [0, 5, 9])
-def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad):
+def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check):
+    """xxh3 payloads are checked before they land; wsum64 payloads where they landed, after the
+    whole load (the GPU's way; here on the CPU): the chunks after a bad one land too, and are
+    recomputed over."""
+    from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, parse_header
+
     node = nodes()
-    keys = _seed(node.address, reference)
+    keys = _seed(node.address, reference, check)
     with StoreClient(node.address) as c:
         raw = bytearray(c.get(keys[bad]))
+        assert parse_header(raw).check == {"xxh3": CHECK_XXH3, "wsum": CHECK_WSUM}[check]
         raw[-1] ^= 0x40  # one payload bit
         c.put(keys[bad], raw)
     eng = make_engine(node.address, batch=2)  # chunk 5 is in the middle of batch 2, 9 ends the last one
