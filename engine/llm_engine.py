@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,12 +27,16 @@ from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, make_namespace
 def model_identity(cfg: EngineConfig) -> str:
     """What distinguishes this model's weights, for chunk-key namespaces.
 
-    Random presets: name and seed. Folders: a digest of config.json and of each
+    Random presets: name, seed, and the kind of device when not the CPU (weights are
+    drawn where the model runs). Folders: a digest of config.json and of each
     safetensors file's name, size, header and first and last MiB, so two
     checkpoints with the same config but other weights never share chunks.
+    Either way, the ``hf_overrides`` (a cut or reshaped model is another model).
     """
+    extra = json.dumps(cfg.hf_overrides, sort_keys=True, separators=(",", ":")) if cfg.hf_overrides else ""
     if cfg.model.startswith("random:"):
-        return f"{cfg.model}:seed={cfg.seed}"
+        device = cfg.torch_device().type
+        return f"{cfg.model}:seed={cfg.seed}{'' if device == 'cpu' else '@' + device}{extra}"
     h = hashlib.blake2b(digest_size=16)
     with open(os.path.join(cfg.model, "config.json"), "rb") as f:
         h.update(f.read())
@@ -42,7 +47,7 @@ def model_identity(cfg: EngineConfig) -> str:
             h.update(f.read(1 << 20))
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read(1 << 20))
-    return f"{os.path.basename(os.path.normpath(cfg.model))}:{h.hexdigest()}"
+    return f"{os.path.basename(os.path.normpath(cfg.model))}:{h.hexdigest()}{extra}"
 
 
 @dataclass

@@ -72,3 +72,13 @@ def test_hf_overrides_on_the_command_line():
     for bad in ("{nope", "[8]"):
         with pytest.raises(argparse.ArgumentError, match="JSON"):
             p.parse_args(["--hf-overrides", bad])
+
+
+def test_an_override_that_keeps_the_kv_shape_still_changes_the_namespace():
+    from engine.config import EngineConfig
+    from engine.llm_engine import model_identity
+
+    base = EngineConfig(model="random:tiny", device="cpu")
+    wider = EngineConfig(model="random:tiny", device="cpu", hf_overrides={"intermediate_size": 352})
+    assert model_identity(base) == "random:tiny:seed=0"
+    assert model_identity(wider) == 'random:tiny:seed=0{"intermediate_size":352}'

@@ -1,0 +1,106 @@
+"""The engine's GPU data path (runs on a CUDA machine: ``pytest -m gpu``): pinned pools, the
+transfer and save streams, wsum64 computed and checked on the device, exact tokens."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none")]
+
+CHUNK = 64
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("nbytes", [8, 4096, 8 << 20])
+def test_wsum64_on_the_gpu_equals_the_cpu(nbytes):
+    from kvstore.chunk import wsum64
+
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    assert int(wsum64(t.cuda())) == int(wsum64(t))
+
+
+@pytest.fixture
+def node(tmp_path):
+    from tests.helpers import store_nodes
+
+    gen = store_nodes(tmp_path, with_disk=False)
+    make = next(gen)
+    yield make(dram=256 << 20)
+    gen.close()
+
+
+def _engine(address, **kw):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    # NOTE: float32, as on the CPU: exactness against recompute is about the data path, and
+    # bfloat16 sums in another order could flip a greedy token of a random model
+    return LLMEngine(EngineConfig(model="random:small", device="cuda", dtype="float32", chunk_tokens=CHUNK,
+                                  store=address, kv_cache_memory="256MiB", enable_prefix_caching=False,
+                                  store_load_batch=2, **kw))
+
+
+def _run(eng, prompt):
+    from engine.sampling import SamplingParams
+
+    seq = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while not seq.is_finished:
+        eng.step()
+    return seq
+
+
+def test_store_reuse_on_the_gpu_gives_the_tokens_of_recompute(node):
+    from kvstore.chunk import CHECK_WSUM, parse_header
+    from kvstore.client import StoreClient
+
+    prompt = _prompt(9 * CHUNK + 5)
+    ref = _engine(None)
+    want = list(_run(ref, prompt).output)
+    ref.close()
+    eng = _engine(node.address)
+    try:
+        assert eng.connector.pool.pinned and eng.connector.save_pool.pinned
+        assert eng.connector.check == CHECK_WSUM
+        first = _run(eng, prompt)
+        assert list(first.output) == want and first.num_store_tokens == 0
+        assert eng.connector.flush(timeout_s=120) and eng.connector.stats.chunks_saved == 9
+        again = _run(eng, prompt)
+        assert list(again.output) == want and again.num_store_tokens == 9 * CHUNK
+        assert eng.connector.pool.in_use == 0 and eng.connector.save_pool.in_use == 0
+        keys = [bytes(k) for k in eng.connector.keys(prompt, None)]
+    finally:
+        eng.close()
+    with StoreClient(node.address) as c:
+        raw = bytearray(c.get(keys[4]))
+        assert parse_header(raw).check == CHECK_WSUM  # summed on the device at save
+        raw[-3] ^= 0x10
+        c.put(keys[4], raw)
+    eng = _engine(node.address)
+    try:
+        seq = _run(eng, prompt)  # the device check finds chunk 4: recomputed from there
+        assert list(seq.output) == want and seq.num_store_tokens == 4 * CHUNK
+        assert eng.connector.stats.load_failures == 1
+    finally:
+        eng.close()
+
+
+def test_random_weights_drawn_on_the_gpu_never_share_chunks_with_the_cpus(node):
+    """A random preset's weights are drawn where the model runs, so a GPU engine's chunks are
+    not a CPU engine's: their namespaces differ (a real checkpoint's do not)."""
+    gpu = _engine(node.address)
+    try:
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        cpu = LLMEngine(EngineConfig(model="random:small", device="cpu", dtype="bfloat16", chunk_tokens=CHUNK))
+        try:
+            assert gpu.fingerprint.model_id == "random:small:seed=0@cuda"
+            assert cpu.fingerprint.model_id == "random:small:seed=0"
+        finally:
+            cpu.close()
+    finally:
+        gpu.close()
