@@ -3,11 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.testing import dense_kv, make_paged_kv
+
+hypothesis = pytest.importorskip("hypothesis")  # a dev dependency: the module skips without it
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:

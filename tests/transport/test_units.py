@@ -4,12 +4,14 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvstore.transport.descriptors import Mover, ops_for, value_extents
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
 from kvstore.transport.memcopy import PIECE_BYTES, CopyEngine, _pieces, local_buffer, plan, slice_extents
+
+hypothesis = pytest.importorskip("hypothesis")  # a dev dependency: the module skips without it
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 def test_value_extents_merge_adjacent_slots_and_cut_the_tail():
