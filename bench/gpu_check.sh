@@ -2,7 +2,7 @@
 # One run on a bare GPU machine (an H200 lent for a few minutes): the GPU tests and every GPU
 # figure of issues 3/12, printed, with the raw figures left under $OUT. Prepare on the CPU
 # machine with `make gpu-wheels` (the wheels that machine lacks), then run there, carrying .whl:
-#     bash bench/gpu_check.sh            # ~6 minutes; each step has its own time limit
+#     bash bench/gpu_check.sh            # under 8 minutes: each step has its own time limit
 # Python 3.12 + torch/CUDA + triton come with the machine; nothing is downloaded.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,17 +24,17 @@ fi
 export PYTHONPATH="$SITE:$PWD"
 python3 -c 'import grpc, google.protobuf, lmdb, xxhash; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
 
-step "pytest -m gpu (CUDA movers, device tier, kernels on sm_90)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests -x 2>&1 | tail -25
-
 step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt, store node on this host"
 timeout 200 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --prompt-tokens 8000 --chunk-size 2048 --reps 3 --dram 4GiB --kv-cache-memory 8GiB \
   --json "$OUT/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu.png "$OUT/" 2>/dev/null
 
-step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins"
-timeout 150 python3 bench/kernels_bench.py --out "$OUT" 2>&1 | tail -40
+step "pytest -m gpu (engine data path, CUDA movers, device tier, kernels on sm_90)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
+
+step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid"
+timeout 100 python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | tail -30
 
 step "done"
 ls -la "$OUT"
