@@ -24,9 +24,9 @@ fi
 export PYTHONPATH="$SITE:$PWD"
 python3 -c 'import grpc, google.protobuf, lmdb, xxhash; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
 
-step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt, store node on this host"
+step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt (one prefill step), store node on this host"
 timeout 200 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
-  --prompt-tokens 8000 --chunk-size 2048 --reps 3 --dram 4GiB --kv-cache-memory 8GiB \
+  --prompt-tokens 8000 --chunk-size 8192 --reps 3 --dram 4GiB --kv-cache-memory 8GiB \
   --json "$OUT/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu.png "$OUT/" 2>/dev/null
 
