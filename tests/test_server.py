@@ -14,6 +14,7 @@ import xxhash
 from kvstore.client import Retry, StoreClient
 from kvstore.datachannel import HELLO, Op, encode_request, read_response
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.server import GRPC_OPTIONS
 from kvstore.store import Tier
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
@@ -369,3 +370,109 @@ def test_metrics_endpoint(make_node):
     assert "crescent_store_misses_total 1.0" in text
     assert 'crescent_store_op_seconds_count{op="get",path="tcp"}' in text
     assert 'crescent_store_capacity_bytes{tier="disk"}' in text
+
+
+# ---- stopping: in-flight streams end cleanly, with a precise status, never a hang ----
+
+def _refused(node) -> bool:
+    """True once the node's gRPC server takes no new call (its grace period has begun)."""
+    ch = grpc.insecure_channel(node.address)
+    try:
+        pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=5)
+        return False
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        return True
+    finally:
+        ch.close()
+
+
+def _stop_in_background(node, grace):
+    t = threading.Thread(target=node.stop, kwargs={"grace": grace}, daemon=True)
+    t.start()
+    wait_for(lambda: _refused(node), what="the grace period")
+    return t
+
+
+def test_health_says_serving_false_once_the_node_is_stopping(make_node):
+    """``serving`` is true while the node is up and false once ``stop()`` has begun.
+
+    stop() sets ``stopping`` first; the node still answers while it leaves the
+    conductor and closes its data channel, then gRPC refuses new calls for the
+    grace period. That window cannot be held open here, so the test sets the
+    flag as stop() does, then stops the node for real.
+    """
+    node = make_node(with_disk=False)
+    ch = grpc.insecure_channel(node.address)
+    s = pb_grpc.KVStoreStub(ch)
+    assert s.Health(pb.HealthRequest(), timeout=30).serving is True
+    node.stopping = True
+    h = s.Health(pb.HealthRequest(), timeout=30)
+    assert h.serving is False and h.node_id == node.node_id
+    ch.close()
+    node.stop(grace=1)
+    assert _refused(node)  # and once stopped, a probe gets a clear UNAVAILABLE, never serving=true
+
+
+def test_get_stream_in_flight_at_stop_completes_within_the_grace(make_node):
+    node = make_node(with_disk=False, dram=64 * MiB)
+    value = os.urandom(40 * MiB)  # ten frames
+    node.store.put(b"big", value)
+    ch = grpc.insecure_channel(node.address, options=GRPC_OPTIONS)
+    it = pb_grpc.KVStoreStub(ch).Get(pb.GetRequest(keys=[b"big"]), timeout=120)
+    first = next(it)
+    assert first.header.found and first.header.size == len(value)
+    stopper = _stop_in_background(node, grace=120)  # new calls refused, this one goes on
+    assert b"".join(f.data for f in it) == value  # whole, and the status is OK
+    stopper.join(60)
+    assert not stopper.is_alive(), "stop() hangs after its last call ended"
+    assert node.store.stats()["num_leases"] == 0
+    ch.close()
+
+
+def test_stalled_get_stream_at_stop_is_unavailable_and_releases_its_lease(make_node):
+    node = make_node(with_disk=False, dram=64 * MiB)
+    node.store.put(b"big", os.urandom(40 * MiB))
+    ch = grpc.insecure_channel(node.address, options=GRPC_OPTIONS)
+    it = pb_grpc.KVStoreStub(ch).Get(pb.GetRequest(keys=[b"big"]), timeout=120)
+    assert next(it).header.found  # then the reader stalls: flow control holds the server
+    stopper = _stop_in_background(node, grace=1)
+    stopper.join(60)
+    assert not stopper.is_alive(), "stop() hangs on a stalled stream"
+    with pytest.raises(grpc.RpcError) as ei:
+        for _ in it:
+            pass
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable: the client goes elsewhere
+    wait_for(lambda: node.store.stats()["num_leases"] == 0, what="the lease release")
+    ch.close()
+
+
+def test_put_stream_in_flight_at_stop_is_unavailable_and_leaves_nothing(make_node):
+    node = make_node(with_disk=False)
+    ch = grpc.insecure_channel(node.address, options=GRPC_OPTIONS)
+    sent, hold = threading.Event(), threading.Event()
+
+    def frames():
+        yield pb.PutFrame(header=pb.ValueHeader(key=b"ok", size=3))
+        yield pb.PutFrame(data=b"abc")
+        yield pb.PutFrame(header=pb.ValueHeader(key=b"k", size=4 * MiB))
+        yield pb.PutFrame(data=b"x" * MiB)
+        sent.set()
+        hold.wait(120)  # the rest never comes
+
+    fut = pb_grpc.KVStoreStub(ch).Put.future(frames(), timeout=120)
+    assert sent.wait(60)
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] >= 4 * MiB, what="the reservations")
+    try:
+        stopper = _stop_in_background(node, grace=1)
+        with pytest.raises(grpc.RpcError) as ei:
+            fut.result(timeout=60)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        stopper.join(60)
+        assert not stopper.is_alive(), "stop() hangs on a half-sent put"
+    finally:
+        hold.set()
+    # neither value of the cut stream is visible, and both reservations were returned
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="the aborts")
+    assert node.store.exists([b"ok", b"k"]) == [False, False]
+    ch.close()

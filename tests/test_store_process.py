@@ -168,3 +168,35 @@ def test_help_documents_every_flag():
     assert set(opts) == expected, f"options that are no StoreConfig field, or missing: {set(opts) ^ expected}"
     for choice in ("auto", "shm", "rdma", "tcp"):
         assert choice in r.stdout.split("--transport {", 1)[1].split("}", 1)[0]
+
+
+def _segments(pid: int) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{pid}-")]
+
+
+def test_a_new_node_reaps_the_arena_file_of_a_node_killed_by_sigkill():
+    alive = StoreProcess("--dram", "1MiB")
+    try:
+        [alive_seg] = _segments(alive.pid)
+        dead = StoreProcess("--dram", "1MiB")
+        try:
+            [dead_seg] = _segments(dead.pid)
+            dead.kill9()
+        finally:
+            dead.stop()
+        assert os.path.exists(f"/dev/shm/{dead_seg}"), "kill -9 ran no cleanup: the file must still be there"
+        new = StoreProcess("--dram", "1MiB")
+        try:
+            assert not os.path.exists(f"/dev/shm/{dead_seg}"), "the new node left the dead node's arena file"
+            assert len(_segments(new.pid)) == 1
+            assert os.path.exists(f"/dev/shm/{alive_seg}"), "the new node removed a live node's arena file"
+            c = StoreClient(alive.address, transport="shm")  # and the live node still serves through it
+            assert c.transport == "shm", c.transport_notes
+            c.put(b"k", b"v" * 1000)
+            assert c.get(b"k") == b"v" * 1000
+            c.close()
+        finally:
+            assert new.stop() == 0
+    finally:
+        assert alive.stop() == 0
+
