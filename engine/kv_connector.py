@@ -25,10 +25,14 @@ import torch
 
 from engine.kv_transfer import StagingPool, pipelined_load
 from engine.model_runner import ModelRunner
-from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, encode_chunk, encoded_size, verify_chunk
+from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
+                           verify_chunk, verify_header)
 from kvstore.client import StoreClient
-from kvstore.errors import CrescentError
+from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
+from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
+from kvstore.transport.memcopy import local_buffer, plan, slice_extents
+from kvstore.transport.session import safe_end
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class ConnectorStats:
     bytes_saved: int = 0
     load_s: float = 0.0
     """Wall time spent in ``load`` (fetch, verify, scatter): bytes_loaded / load_s is the load rate."""
+    chunks_loaded_in_place: int = 0
+    """Of chunks_loaded: read where the node keeps them (same host), not through the pool."""
     load_failures: int = 0
     """Chunks that were reported present but failed to load or verify."""
     save_failures: int = 0
@@ -53,7 +59,8 @@ class ConnectorStats:
 
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto") -> None:
+                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto",
+                 in_place: bool = True) -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -79,8 +86,17 @@ class StoreConnector:
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
         """The payload check of saved chunks (docs/keys.md)."""
+        self.in_place_loads = in_place
+        """Same host (shm): loads read leased chunks where the node keeps them (no copy into
+        the pool; on CUDA a DMA from the registered arena). Else through the pool."""
         try:
             getattr(client, "transport", None)
+            session = self._in_place_session()
+            if session is not None and pin:
+                why = session.register_cuda()  # once, at start
+                if why:
+                    log.warning("the store's arena stays pageable for the GPU (%s): loads stage through "
+                                "the driver", why)
         except CrescentError as exc:  # the store is down now: loads recompute until it is back
             self._error("connect", exc)
 
@@ -220,9 +236,41 @@ class StoreConnector:
                 copies.append(bytes(view))
             return True, ev
 
+        def land_in_place(i: int, head: memoryview, payload: torch.Tensor, size: int):
+            """Chunk ``first + i`` from the store's own memory: its header copied out, its
+            payload where the node keeps it (leased)."""
+            c = first + i
+            try:
+                hdr = verify_header(head, size, key=keys[i], namespace=ns,
+                                    parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
+                                    tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
+                                    dtype=dtype, shape=shape)
+                if hdr.payload_offset != len(head) or hdr.payload_bytes != payload.numel():
+                    raise ChunkVerificationError("chunk layout differs from this engine's")
+                if hdr.check == CHECK_XXH3:
+                    check_payload(hdr, payload)  # read in place
+            except CrescentError as exc:
+                self._error(f"chunk {c} failed verification", exc)
+                return False, None
+            ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape),
+                                              pages[c * per_chunk : (c + 1) * per_chunk],
+                                              checksum=hdr.check == CHECK_WSUM)
+            if dsum is not None:
+                device_checks.append((i, dsum, hdr.payload_hash))
+            sizes.append(size)
+            if replicate:
+                copies.append(bytes(head) + bytes(tensor_bytes(payload)))
+            return True, ev
+
         self.runner.begin_landing()
-        loaded = pipelined_load(self.pool, len(keys), self.load_batch, fetch, land,
-                                lambda exc: self._error("load", exc))
+        session = self._in_place_session() if not staged else None
+        if session is not None:
+            loaded = self._load_in_place(session, keys, land_in_place)
+            in_place = True
+        else:
+            in_place = False
+            loaded = pipelined_load(self.pool, len(keys), self.load_batch, fetch, land,
+                                    lambda exc: self._error("load", exc))
         self.runner.end_landing()
         bad = _first_mismatch(device_checks)
         if bad is not None and bad < loaded:  # its KV (and what followed) is recomputed over
@@ -231,12 +279,92 @@ class StoreConnector:
         if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error
             self.stats.load_failures += 1
         self.stats.chunks_loaded += loaded
+        if in_place:
+            self.stats.chunks_loaded_in_place += loaded
         self.stats.bytes_loaded += sum(sizes[:loaded])
         if replicate and loaded and self.save_enabled:
             # NOTE: the verified bytes as they are: a put through the cluster client
             # lands on this engine's own node first.
             self._enqueue(None, list(zip(keys[:loaded], copies[:loaded])))
         return loaded
+
+    def _in_place_session(self):
+        """The client's shm session when loads can use leased bytes where the node keeps
+        them (``in_place_loads``), else None (the pool path)."""
+        if not self.in_place_loads:
+            return None
+        get = getattr(self.client, "descriptor_session", None)
+        try:
+            session = get() if get is not None else None
+        except CrescentError:
+            return None
+        return session if session is not None and session.mover is Mover.SHM else None
+
+    def _load_in_place(self, session, keys: list[bytes], land) -> int:
+        """Loads ``keys`` in batches, each under one read lease, from the node's arena as mapped
+        here: a chunk's header is copied out, its payload lands from the leased slots (on CUDA a
+        DMA from the registered mapping). The lease ends once every copy that read it has
+        completed; copies that ended after the lease's safe end make the batch a miss."""
+        H = self.chunk_bytes - self.payload_bytes
+        loaded = 0
+        for start in range(0, len(keys), self.load_batch):
+            batch = keys[start : start + self.load_batch]
+            try:
+                g = session.acquire(batch)
+            except CrescentError as exc:
+                self._error("load", exc)
+                return loaded
+            if not g.lease_id:
+                return loaded  # nothing of the batch in the arena (missing, or on disk)
+            landed, stop, events, in_time = 0, False, [], False
+            try:
+                with session.in_place(g) as mover:
+                    if mover is None:  # the node restarted between grant and read
+                        return loaded
+                    sb = session.arena.slot_bytes
+                    for j, d in enumerate(g.items):
+                        if d.status is not ItemStatus.OK or d.size != self.chunk_bytes:
+                            stop = True  # a miss (or a value no chunk of ours): recompute from here
+                            break
+                        ext = value_extents(d.slots, d.size, sb)
+                        head = bytearray(H)
+                        addr, _, ka = local_buffer(head)
+                        mover.read(plan([(addr, H)], slice_extents(ext, 0, H)))
+                        del ka
+                        pext = slice_extents(ext, H, self.payload_bytes)
+                        if len(pext) == 1:
+                            payload = mover.tensor(*pext[0])
+                        else:  # slots not in one run: gathered into a pool buffer
+                            payload = self._gather_extents(mover, pext)
+                        ok, ev = land(start + j, memoryview(head), payload, d.size)
+                        if ev is not None:
+                            events.append(ev)
+                        if not ok:
+                            stop = True
+                            break
+                        landed += 1
+                    for ev in events:
+                        ev.synchronize()  # the lease holds until the copies reading it are done
+                    in_time = time.monotonic() < safe_end(g)
+            finally:
+                try:
+                    session.release(g.lease_id)
+                except CrescentError as exc:  # expired, or the node went away: not trusted
+                    in_time = False
+                    self._error("load", exc)
+            if not in_time:
+                self._error("load", "a read lease ran out before its copies ended")
+                return loaded
+            loaded += landed
+            if stop:
+                return loaded
+        return loaded
+
+    @staticmethod
+    def _gather_extents(mover, extents) -> torch.Tensor:
+        """A payload whose slots are not one run, as one host tensor (a copy; rare: the node
+        hands out ascending runs)."""
+        return torch.cat([mover.tensor(off, n) for off, n in extents])
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
         """Gathers chunks ``first .. first+num-1`` into save buffers now; stores them in the background.

@@ -223,8 +223,21 @@ def verify_chunk(buf: bytes | bytearray | memoryview, *, key: bytes, namespace: 
     to the caller (who computes it where the bytes land, e.g. on the GPU, and
     compares it with ``header.payload_hash``); an xxh3_64 payload is always checked here.
     """
-    hdr = parse_header(buf)
     mv = memoryview(buf).cast("B")
+    hdr = verify_header(mv, mv.nbytes, key=key, namespace=namespace, parent=parent, tokens=tokens,
+                        dtype=dtype, shape=shape)
+    if payload or hdr.check == CHECK_XXH3:
+        check_payload(hdr, mv[hdr.payload_offset:])
+    return hdr
+
+
+def verify_header(buf: bytes | bytearray | memoryview, total_bytes: int, *, key: bytes, namespace: Namespace,
+                  parent: bytes | None = None, tokens: Sequence[int] | np.ndarray | None = None,
+                  dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> ChunkHeader:
+    """``verify_chunk`` but for the payload's checksum, from the chunk's first bytes (at least
+    its header) and its whole length: for readers whose payload is elsewhere (still in the
+    store's memory, or on its way to a GPU). Follow with ``check_payload`` or a device check."""
+    hdr = parse_header(buf)
     if hdr.namespace != bytes(namespace):
         raise ChunkVerificationError("chunk namespace differs (another model or tenant)")
     if parent is not None and hdr.parent != bytes(parent):
@@ -240,13 +253,16 @@ def verify_chunk(buf: bytes | bytearray | memoryview, *, key: bytes, namespace: 
     elem = torch.empty((), dtype=hdr.dtype).element_size()
     if hdr.payload_bytes != elem * int(np.prod(hdr.shape, dtype=np.int64)):
         raise ChunkVerificationError("chunk payload length does not match its shape")
-    if mv.nbytes != hdr.payload_offset + hdr.payload_bytes:
+    if total_bytes != hdr.payload_offset + hdr.payload_bytes:
         raise ChunkVerificationError(
-            f"chunk is {mv.nbytes} bytes, header promises {hdr.payload_offset + hdr.payload_bytes}")
-    if (payload or hdr.check == CHECK_XXH3) and \
-            payload_checksum(mv[hdr.payload_offset:], hdr.check) != hdr.payload_hash:
-        raise ChunkVerificationError("chunk payload checksum mismatch")
+            f"chunk is {total_bytes} bytes, header promises {hdr.payload_offset + hdr.payload_bytes}")
     return hdr
+
+
+def check_payload(hdr: ChunkHeader, payload: memoryview | torch.Tensor) -> None:
+    """Raises ChunkVerificationError unless ``payload`` (host bytes) has the header's checksum."""
+    if payload_checksum(payload, hdr.check) != hdr.payload_hash:
+        raise ChunkVerificationError("chunk payload checksum mismatch")
 
 
 def decode_chunk(buf: bytearray | memoryview | bytes, *, key: bytes, namespace: Namespace,

@@ -308,6 +308,7 @@ class DescriptorSession:
         """Values read with no call to the node: remembered descriptors the generation table confirmed."""
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
+        self._cuda_registered = False
         self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
         self._reported_at = time.monotonic()
 
@@ -605,6 +606,24 @@ class DescriptorSession:
         with self._use() as h:
             return h.control.abort(lease_id)
 
+    def register_cuda(self) -> str | None:
+        """Page-locks the mapped arena for CUDA DMA (``ShmMover.register_cuda``; kept across
+        re-maps); None when done, else why not."""
+        with self._use() as h:
+            if not hasattr(h.mover, "register_cuda"):
+                return f"{self.mover.value} maps no arena here"
+            why = h.mover.register_cuda()
+        self._cuda_registered = why is None
+        return why
+
+    @contextmanager
+    def in_place(self, g: Grant):
+        """The shm mover that maps ``g``'s arena, kept open in the block (for readers that
+        use the leased bytes where they are: ``ShmMover.tensor``); None when the session
+        maps another arena now (the node restarted) or does not use shm."""
+        with self._use() as h:
+            yield h.mover if (h.mover.mover is Mover.SHM and g.arena == h.arena.name) else None
+
     # ---- plumbing ---------------------------------------------------------------
 
     def staging(self) -> CudaStaging:
@@ -671,6 +690,8 @@ class DescriptorSession:
                 return
             self._handle = sel.session._handle
         self._retire(stale)
+        if self._cuda_registered:  # the new arena is DMA-able too
+            self.register_cuda()
 
     def _retire(self, h: _Handle) -> None:
         with self._lock:
@@ -712,6 +733,11 @@ def _filler(mover, ext, read: bool):
 
 LEASE_MARGIN = 0.01
 """Share of a lease's TTL that a reader leaves unused (clock-rate drift between hosts)."""
+
+
+def safe_end(g: Grant) -> float:
+    """When a reader of ``g``'s bytes stops trusting them (``_safe_end``)."""
+    return _safe_end(g)
 
 
 def _safe_end(g: Grant) -> float:

@@ -71,6 +71,8 @@ class ShmMover:
         if arena.table_offset:
             self.generations, self.touched = slot_tables(self._mmap, arena.table_offset, num_slots)
         self._engine = CopyEngine(threads)
+        self._tensor = None  # the whole arena as a CPU tensor, made on first use (tensor())
+        self._registered = False
 
     def current(self) -> bool:
         """Whether the node still serves this arena: a node that stops unlinks its file,
@@ -92,13 +94,52 @@ class ShmMover:
         base = self.base
         self._engine.run([(base + off, local, n) for local, off, n in ops])
 
+    def tensor(self, offset: int, n: int):
+        """Arena bytes ``[offset, offset + n)`` as a CPU uint8 tensor viewing the mapping (no
+        copy): valid while a lease holds them and this mover is open."""
+        if offset < 0 or n < 0 or offset + n > self.arena.size:
+            raise DataLossError(f"descriptor outside the arena: offset {offset} + {n} > {self.arena.size}")
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.arena.size)
+        return self._tensor[offset : offset + n]
+
+    def register_cuda(self) -> str | None:
+        """Page-locks the mapping for CUDA (``cudaHostRegister``; the pages stay the node's),
+        so that a device copy from arena bytes is a DMA straight from them. None when done
+        (or done before), else why not (copies then stage through the driver)."""
+        if self._registered:
+            return None
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return "torch sees no CUDA device"
+            err = torch.cuda.cudart().cudaHostRegister(self.base, self.arena.size, 0)
+            if int(err) != 0:
+                return f"cudaHostRegister failed: {err}"
+        except Exception as exc:  # noqa: BLE001 - an old torch, a driver without it: stage instead
+            return f"cudaHostRegister unavailable: {exc}"
+        self._registered = True
+        return None
+
     def close(self) -> None:
         self._engine.close()
         os.close(self._fd)
         for v in (self.generations, self.touched):
             if v is not None:
                 v.release()
-        self._mmap.close()
+        if self._registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self._registered = False
+        self._tensor = None
+        try:
+            self._mmap.close()
+        except BufferError:  # a tensor viewing it is still alive: the mapping goes with it
+            pass
 
     def _check(self, ops: Sequence[Op]) -> None:
         size = self.arena.size

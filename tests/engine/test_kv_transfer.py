@@ -287,3 +287,50 @@ def test_saves_never_make_the_engine_wait_on_a_hung_store(reference):
         if eng is not None:
             eng.close()
         node.stop()
+
+
+# ---- in place: leased chunks read where the node keeps them (same host) -------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transport):
+    node = nodes()
+    _seed(node.address, reference)
+    eng = make_engine(client=StoreClient(node.address, transport=transport), batch=3)
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference and seq.num_store_tokens == 10 * CHUNK
+        assert st.chunks_loaded_in_place == (10 if transport == "shm" else 0)
+        assert eng.connector.pool.in_use == 0
+        assert node.transport.leases.stats()["num_remote_leases"] == 0  # every lease ended
+    finally:
+        eng.close()
+
+
+def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference):
+    """The node may reuse a slot once the lease is over: a chunk whose copy ended after the
+    lease's safe end is not trusted, whatever it looked like."""
+    import time
+
+    node = nodes(lease_ttl_s=0.5)
+    _seed(node.address, reference)
+    eng = make_engine(node.address, batch=4)
+    real = eng.runner.land_chunk
+    slow = {"n": 0}
+
+    def land_chunk(chunk, pages, checksum=False):  # the engine's own copy, made slow once
+        slow["n"] += 1
+        if slow["n"] == 6:  # in the second batch: the first batch stays loaded
+            time.sleep(1.5)
+        return real(chunk, pages, checksum)
+
+    eng.runner.land_chunk = land_chunk
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference
+        assert seq.num_store_tokens == 4 * CHUNK and st.chunks_loaded_in_place == 4
+        assert any("ran out" in e or "expired" in e for e in st.errors), st.errors
+    finally:
+        eng.close()
