@@ -33,7 +33,7 @@ def node(tmp_path):
     gen.close()
 
 
-def _engine(address, **kw):
+def _engine(address, client=None, **kw):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -41,7 +41,7 @@ def _engine(address, **kw):
     # bfloat16 sums in another order could flip a greedy token of a random model
     return LLMEngine(EngineConfig(model="random:small", device="cuda", dtype="float32", chunk_tokens=CHUNK,
                                   store=address, kv_cache_memory="256MiB", enable_prefix_caching=False,
-                                  store_load_batch=2, **kw))
+                                  store_load_batch=2, **kw), client=client)
 
 
 def _run(eng, prompt):
@@ -70,6 +70,9 @@ def test_store_reuse_on_the_gpu_gives_the_tokens_of_recompute(node):
         assert eng.connector.flush(timeout_s=120) and eng.connector.stats.chunks_saved == 9
         again = _run(eng, prompt)
         assert list(again.output) == want and again.num_store_tokens == 9 * CHUNK
+        # same host: DMA from the node's arena, page-locked at start
+        assert eng.connector.stats.chunks_loaded_in_place == 9
+        assert eng.connector.client.descriptor_session()._cuda_registered
         assert eng.connector.pool.in_use == 0 and eng.connector.save_pool.in_use == 0
         keys = [bytes(k) for k in eng.connector.keys(prompt, None)]
     finally:
@@ -104,3 +107,22 @@ def test_random_weights_drawn_on_the_gpu_never_share_chunks_with_the_cpus(node):
             cpu.close()
     finally:
         gpu.close()
+
+
+
+def test_loads_over_tcp_land_through_the_pinned_pool(node):
+    from kvstore.client import StoreClient
+
+    prompt = _prompt(6 * CHUNK + 9, seed=3)
+    ref = _engine(None)
+    want = list(_run(ref, prompt).output)
+    ref.close()
+    eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
+    try:
+        _run(eng, prompt)
+        assert eng.connector.flush(timeout_s=120)
+        seq = _run(eng, prompt)
+        assert list(seq.output) == want and seq.num_store_tokens == 6 * CHUNK
+        assert eng.connector.stats.chunks_loaded_in_place == 0 and eng.connector.pool.in_use == 0
+    finally:
+        eng.close()
