@@ -228,8 +228,8 @@ class StoreNode:
         self.metrics = StoreMetrics(self.store)
         self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
-                                  options=GRPC_OPTIONS)
+        self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
+        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         host = config.listen.rpartition(":")[0]
         try:
@@ -275,6 +275,11 @@ class StoreNode:
         if self.data_server:
             self.data_server.stop()
         self.server.stop(grace).wait()
+        # NOTE: that fires once gRPC has cancelled the calls left, not once their handlers
+        # have returned their leases and reservations: wait for those before the store closes.
+        drain = threading.Thread(target=self._handlers.shutdown, name="grpc-drain", daemon=True)
+        drain.start()
+        drain.join(timeout=max(grace, 0.0) + 10.0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.transport.stop()

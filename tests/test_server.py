@@ -381,7 +381,8 @@ def _refused(node) -> bool:
         pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=5)
         return False
     except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        # UNAVAILABLE: refused; CANCELLED: a probe that arrived as gRPC stopped, cancelled with the rest
+        assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
         return True
     finally:
         ch.close()
@@ -443,7 +444,7 @@ def test_stalled_get_stream_at_stop_is_unavailable_and_releases_its_lease(make_n
         for _ in it:
             pass
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable: the client goes elsewhere
-    wait_for(lambda: node.store.stats()["num_leases"] == 0, what="the lease release")
+    assert node.store.stats()["num_leases"] == 0  # released before stop() returned
     ch.close()
 
 
@@ -472,7 +473,8 @@ def test_put_stream_in_flight_at_stop_is_unavailable_and_leaves_nothing(make_nod
         assert not stopper.is_alive(), "stop() hangs on a half-sent put"
     finally:
         hold.set()
-    # neither value of the cut stream is visible, and both reservations were returned
-    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="the aborts")
+    # neither value of the cut stream is visible, and both reservations were returned before
+    # stop() returned (not by a handler still running on a closed store)
+    assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0
     assert node.store.exists([b"ok", b"k"]) == [False, False]
     ch.close()
