@@ -15,9 +15,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
+import pytest
+
+pytest.importorskip("hypothesis")  # a dev tool: without it (e.g. a bare GPU machine) this module skips
+
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,  # noqa: E402
                                  run_state_machine_as_test)
 
 from kvstore.config import StoreConfig
