@@ -453,6 +453,7 @@ class TieredStore:
     def _install(self, e: _Entry) -> None:
         old = self._index.get(e.key)
         if old is not None:  # replaced: unlink first, free after the new entry is in place
+            e.pinned_until = max(e.pinned_until, old.pinned_until)  # a pin is the key's, not one value's
             old.live = False
             del self._lru[old.tier][old.key]
         self._index[e.key] = e

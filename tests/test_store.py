@@ -192,6 +192,17 @@ def test_pins_block_eviction_until_their_ttl():
         s.pin([b"e"], -1)
 
 
+def test_a_pin_is_the_keys_a_new_value_under_it_stays_pinned():
+    s = make(slots=2)
+    s.put(b"a", val(1))
+    assert s.pin([b"a"], 600) == 1
+    s.put(b"a", val(9))  # replaced (a chunk re-saved after a recompute, say)
+    s.put(b"b", val(2))
+    s.put(b"c", val(3))  # evicts b, the only unpinned value, not a
+    assert s.exists([b"a", b"b", b"c"]) == [True, False, True] and s.get(b"a") == val(9)
+    assert s.stats()["num_pinned"] == 1
+
+
 def test_bad_input():
     s = make(slots=2, max_value_size=3 * SLOT)
     with pytest.raises(InvalidArgumentError, match="empty key"):
