@@ -72,6 +72,9 @@ class StoreConfig:
     lease_ttl_s: float = 30.0
     """Lifetime of a read lease or write reservation handed to a client (shm/rdma);
     an expired one fails cleanly and its slots return."""
+    drain_s: float = 0.0
+    """On SIGTERM, how long Health says serving=false while every call is still served, before
+    the node stops taking calls (time for load balancers and readiness probes to look away)."""
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port; none disables it."""
     node_id: str = ""
@@ -92,6 +95,8 @@ class StoreConfig:
             raise ValueError("--max-value-size must be positive")
         if not 0.0 < self.lease_ttl_s <= 86400.0:  # also rejects NaN
             raise ValueError(f"--lease-ttl-s must be in (0, 86400] seconds, got {self.lease_ttl_s}")
+        if not 0.0 <= self.drain_s <= 3600.0:  # also rejects NaN
+            raise ValueError(f"--drain-s must be in [0, 3600] seconds, got {self.drain_s}")
         if self.transport not in ("auto", "shm", "rdma", "tcp"):
             raise ValueError(f"--transport must be auto, shm, rdma or tcp, got {self.transport!r}")
         host, _, port = self.listen.rpartition(":")

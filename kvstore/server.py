@@ -228,6 +228,7 @@ class StoreNode:
         self.metrics = StoreMetrics(self.store)
         self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
+        self._drained = threading.Event()  # set: cut a drain short (a second signal)
         self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
         self.server = grpc.server(self._handlers, options=GRPC_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
@@ -269,7 +270,9 @@ class StoreNode:
         return self
 
     def stop(self, grace: float = 2.0) -> None:
-        self.stopping = True
+        self.stopping = True  # Health says serving=false from here
+        if self.config.drain_s > 0:  # ... while every call is still served
+            self._drained.wait(self.config.drain_s)
         if self.agent is not None:
             self.agent.stop()  # deregisters: the conductor drops this node's chunks at once
         if self.data_server:
@@ -290,8 +293,14 @@ def serve(config: StoreConfig) -> None:
     """Runs a node until SIGTERM or SIGINT, then stops it gracefully."""
     node = StoreNode(config).start()
     done = threading.Event()
+
+    def on_signal(*_):
+        if done.is_set():
+            node._drained.set()  # a second signal: stop draining now
+        done.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     dc = f", data channel :{node.data_server.port}" if node.data_server else ""
     tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
     print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers})", flush=True)

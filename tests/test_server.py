@@ -395,23 +395,27 @@ def _stop_in_background(node, grace):
     return t
 
 
-def test_health_says_serving_false_once_the_node_is_stopping(make_node):
-    """``serving`` is true while the node is up and false once ``stop()`` has begun.
-
-    stop() sets ``stopping`` first; the node still answers while it leaves the
-    conductor and closes its data channel, then gRPC refuses new calls for the
-    grace period. That window cannot be held open here, so the test sets the
-    flag as stop() does, then stops the node for real.
-    """
-    node = make_node(with_disk=False)
+def test_health_says_serving_false_while_the_node_drains(make_node):
+    """With ``drain_s``, stop() first answers Health with serving=false while every call is
+    still served (what a readiness probe or load balancer needs to see), then stops."""
+    node = make_node(with_disk=False, drain_s=600.0)  # cut short below, once seen
     ch = grpc.insecure_channel(node.address)
     s = pb_grpc.KVStoreStub(ch)
     assert s.Health(pb.HealthRequest(), timeout=30).serving is True
-    node.stopping = True
-    h = s.Health(pb.HealthRequest(), timeout=30)
-    assert h.serving is False and h.node_id == node.node_id
+    c = StoreClient(node.address, transport="tcp")
+    c.put(b"k", b"v")
+    t = threading.Thread(target=node.stop, kwargs={"grace": 1}, daemon=True)
+    t.start()
+    h = wait_for(lambda: (r := s.Health(pb.HealthRequest(), timeout=30)).serving is False and r,
+                 what="Health to say serving=false")
+    assert h.node_id == node.node_id
+    assert c.get(b"k") == b"v" and c.lookup([b"k"]) == 1  # draining: still served
+    assert t.is_alive()
+    node._drained.set()  # what a second SIGTERM does
+    t.join(timeout=120)
+    assert not t.is_alive()
+    c.close()
     ch.close()
-    node.stop(grace=1)
     assert _refused(node)  # and once stopped, a probe gets a clear UNAVAILABLE, never serving=true
 
 

@@ -200,3 +200,32 @@ def test_a_new_node_reaps_the_arena_file_of_a_node_killed_by_sigkill():
     finally:
         assert alive.stop() == 0
 
+
+
+def test_sigterm_drains_then_a_second_sigterm_stops():
+    """``--drain-s``: after SIGTERM the node says serving=false and still serves; a second
+    SIGTERM ends the drain early and the process exits cleanly."""
+    import signal
+
+    from kvstore.errors import UnavailableError
+    from tests.helpers import wait_for
+
+    proc = StoreProcess("--dram", "8MiB", "--drain-s", "600")
+    c = StoreClient(proc.address, transport="tcp")
+    try:
+        c.put(b"k", b"v")
+        assert c.health()["serving"] is True
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_for(lambda: c.health()["serving"] is False, what="serving=false after SIGTERM")
+        assert c.get(b"k") == b"v"  # draining: still served
+        assert proc.proc.poll() is None
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.proc.wait(timeout=120) == 0
+        try:
+            c.health()
+            raise AssertionError("a stopped node answered")
+        except UnavailableError:
+            pass
+    finally:
+        c.close()
+        proc.stop()
