@@ -61,6 +61,11 @@ class StoreConfig:
     """Eviction stops once a tier's use is at or below this fraction."""
     promote: bool = True
     """Move a value hit in a slower tier up to the fastest tier with room."""
+    promote_after: int = 2
+    """Reads from disk that earn a value a place in a full DRAM tier (one that must demote
+    others to take it), counted among the last reads from disk; a value that fits without
+    demoting anything moves up on its first read. 1: every read promotes (a scan larger
+    than DRAM then writes to disk twice what it reads)."""
     max_value_size: int = field(default=256 << 20, metadata={"size": True})
     """Largest accepted value."""
     data_port: int = 0
@@ -91,6 +96,8 @@ class StoreConfig:
             raise ValueError(f"--dram ({self.dram} B) must hold at least one slot ({self.slot_size} B)")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError("watermarks need 0 < --low-watermark <= --high-watermark <= 1")
+        if self.promote_after < 1:
+            raise ValueError(f"--promote-after must be >= 1, got {self.promote_after}")
         if self.max_value_size <= 0:
             raise ValueError("--max-value-size must be positive")
         if not 0.0 < self.lease_ttl_s <= 86400.0:  # also rejects NaN

@@ -36,7 +36,10 @@ class StoreCollector:
                           ("promotions", "Values moved to a faster tier"),
                           ("drops", "Values evicted from the last tier"),
                           ("corrupt", "Stored values that failed verification"),
-                          ("bytes_in", "Value bytes committed"), ("bytes_out", "Value bytes read")):
+                          ("bytes_in", "Value bytes committed"), ("bytes_out", "Value bytes read"),
+                          ("disk_bytes_read", "Value bytes read from the disk tier"),
+                          ("disk_bytes_written", "Value bytes written to the disk tier (puts and demotions)"),
+                          ("promotions_deferred", "Disk reads that did not earn a place in a full faster tier")):
             yield CounterMetricFamily(f"crescent_store_{name}", doc, value=s[name])
         yield GaugeMetricFamily("crescent_store_leases", "Read leases held", value=s["num_leases"])
         yield GaugeMetricFamily("crescent_store_pinned", "Values pinned", value=s["num_pinned"])

@@ -15,7 +15,9 @@ slot arena) and DISK (LMDB). Each key lives in exactly one tier.
   dropped from the last one. The disk also evicts (least recently used first,
   as much as the write needs) when LMDB refuses a write below that watermark.
 - A read in a slower tier promotes the value to the fastest arena with room
-  (``promote=True``).
+  (``promote=True``); into a full one (demoting others) only on its
+  ``promote_after``-th read among the recent disk reads, so a scan does not
+  turn reads into writes.
 - A read lease keeps its value in place: it is neither evicted nor freed while
   leased; a delete or replace under a lease frees the old bytes on release.
 
@@ -130,7 +132,10 @@ class TieredStore:
         self._disk_used = 0  # committed and reserved disk cost
         self.counters = {"hits": {t: 0 for t in Tier}, "evictions": {t: 0 for t in Tier},
                          "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
-                         "corrupt": 0, "bytes_in": 0, "bytes_out": 0}
+                         "corrupt": 0, "bytes_in": 0, "bytes_out": 0,
+                         "disk_bytes_read": 0, "disk_bytes_written": 0, "promotions_deferred": 0}
+        self._disk_reads: OrderedDict[bytes, int] = OrderedDict()
+        """Keys recently read from disk and not promoted -> reads counted (``promote_after``)."""
         self._num_leases = 0
         if self.disk is not None:
             for key, size, _ in sorted(self.disk.scan(), key=lambda r: r[2]):
@@ -266,6 +271,9 @@ class TieredStore:
             data = self.disk.get(key)
         except DataLossError:
             data = None
+        if data is not None:
+            with self._lock:
+                self.counters["disk_bytes_read"] += len(data)
         lease = Lease(key, len(data) if data is not None else 0, tier,
                       [memoryview(data)] if data is not None else [], e)
         if data is None:
@@ -304,7 +312,8 @@ class TieredStore:
         copies their slots itself (the descriptor protocol), and the slots stay
         valid as ``arena_slots`` says. Other values go through ``acquire``
         (copied out, promoted when configured); their slots are None unless the
-        promotion put them in DRAM.
+        promotion put them in DRAM. A value that would not be promoted is not read:
+        its lease comes back already released, with slots None.
         """
         out: list[tuple[Lease, list[int] | None] | None] = []
         elsewhere = []
@@ -315,9 +324,12 @@ class TieredStore:
                 if e is None or e.tier is not Tier.DRAM:
                     if e is None:
                         c["misses"] += 1
-                    else:
+                        out.append(None)
+                    elif self._would_promote(e):
                         elsewhere.append(i)
-                    out.append(None)
+                        out.append(None)
+                    else:  # stays where it is: said so without reading it (the caller reads it its own way)
+                        out.append((Lease(key, e.size, e.tier, [], e, released=True), None))
                     continue
                 e.leases += 1
                 self._num_leases += 1
@@ -425,6 +437,8 @@ class TieredStore:
             return {"tiers": tiers, "misses": c["misses"], "demotions": c["demotions"],
                     "promotions": c["promotions"], "drops": c["drops"], "corrupt": c["corrupt"],
                     "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
+                    "disk_bytes_read": c["disk_bytes_read"], "disk_bytes_written": c["disk_bytes_written"],
+                    "promotions_deferred": c["promotions_deferred"],
                     "num_leases": self._num_leases,
                     "num_pinned": sum(e.pinned_until > now for e in self._index.values())}
 
@@ -565,6 +579,7 @@ class TieredStore:
         while True:
             try:
                 self.disk.put_many(items)
+                self.counters["disk_bytes_written"] += sum(_nbytes(parts) for _, parts in items)
                 return
             except ResourceExhaustedError:
                 victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
@@ -632,13 +647,22 @@ class TieredStore:
         self._emit("moved", e.key, tier)
 
     def _promote(self, e: _Entry, data: bytes) -> None:
-        """Moves a disk value just read into the fastest arena that has room."""
+        """Moves a disk value just read into the fastest arena: at once where it fits without
+        demoting anything; where it would push other values down, only on its
+        ``promote_after``-th read among the last reads from disk. A value read once (a scan
+        over more than DRAM holds) is served from disk and stays there: reads never turn
+        into twice their bytes of disk writes."""
         with self._lock:
             if not e.live or e.tier is not Tier.DISK:
                 return
+            reads = self._disk_reads.pop(e.key, 0) + 1
             for pos, (tier, arena) in enumerate(self._arenas):
                 n = arena.slots_for(e.size)
-                if n <= arena.num_slots and self._make_room(pos, n):
+                if n > arena.num_slots:
+                    continue
+                in_use = arena.num_slots - arena.num_free
+                fits = in_use + n <= int(self.config.high_watermark * arena.num_slots)
+                if (fits or reads >= self.config.promote_after) and self._make_room(pos, n):
                     slots = arena.alloc(n)
                     if isinstance(arena, HostArena):
                         for v, src in zip(arena.views(slots, e.size), _split(data, arena.slot_bytes)):
@@ -647,6 +671,36 @@ class TieredStore:
                         arena.write(slots, [memoryview(data)])
                     self._move(e, tier, slots)
                     return
+            self.counters["promotions_deferred"] += 1
+            self._disk_reads[e.key] = reads
+            while len(self._disk_reads) > self._disk_reads_window():
+                self._disk_reads.popitem(last=False)
+
+    def _would_promote(self, e: _Entry) -> bool:
+        """Whether a read of ``e`` (not in DRAM) now would move it up (``_promote``'s rule)."""
+        if not self.config.promote or e.tier is not Tier.DISK:
+            return e.tier is not Tier.DISK  # device-tier values are read (copied out) as before
+        reads = self._disk_reads.get(e.key, 0) + 1
+        for _, arena in self._arenas:
+            n = arena.slots_for(e.size)
+            if n > arena.num_slots:
+                continue
+            in_use = arena.num_slots - arena.num_free
+            if in_use + n <= int(self.config.high_watermark * arena.num_slots) or reads >= self.config.promote_after:
+                return True
+        return False
+
+    def _disk_reads_window(self) -> int:
+        """How many recent disk reads count towards ``promote_after``: as many as DRAM holds values
+        of one slot (at least 64), so a value read again before DRAM turns over has earned it."""
+        return max(64, sum(a.num_slots for _, a in self._arenas))
+
+
+def _nbytes(parts) -> int:
+    """Bytes of a value given as one buffer or a list of parts."""
+    if isinstance(parts, (list, tuple)):
+        return sum(memoryview(p).nbytes for p in parts)
+    return memoryview(parts).nbytes
 
 
 def _split(data, step: int) -> list[memoryview]:

@@ -372,6 +372,27 @@ def test_metrics_endpoint(make_node):
     assert 'crescent_store_capacity_bytes{tier="disk"}' in text
 
 
+def test_disk_traffic_metrics(make_node):
+    """Bytes written to and read from the disk tier, and deferred promotions, as a scan of
+    the disk-resident values causes them: reads, no writes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = make_node(metrics_port=port, dram=4 * MiB, slot_size=MiB, high_watermark=1.0, low_watermark=1.0)
+    c = StoreClient(node.address, transport="tcp")
+    for i in range(6):
+        c.put(b"k%d" % i, bytes([i]) * MiB)  # 4 fit in DRAM: k0 and k1 go to disk
+    assert c.get(b"k0") == bytes([0]) * MiB and c.get(b"k1") == bytes([1]) * MiB
+    c.close()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    got = {smp.name: smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    assert got["crescent_store_disk_bytes_written_total"] == 2 * MiB  # the two demotions
+    assert got["crescent_store_disk_bytes_read_total"] == 2 * MiB
+    assert got["crescent_store_promotions_deferred_total"] == 2 and got["crescent_store_promotions_total"] == 0
+
+
 # ---- stopping: in-flight streams end cleanly, with a precise status, never a hang ----
 
 def _refused(node) -> bool:

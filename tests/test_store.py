@@ -78,11 +78,45 @@ def test_demotion_to_disk_then_promotion_on_hit(tmp_path, events):
     assert s.tier_of(b"k0") is Tier.DISK
     assert events[-2] == StoreEvent("moved", b"k0", Tier.DISK)
     assert s.get(b"k0") == val(0)
-    assert s.tier_of(b"k0") is Tier.DRAM  # promoted
+    assert s.tier_of(b"k0") is Tier.DISK  # one read has not earned a place in a full DRAM tier
+    assert s.stats()["promotions_deferred"] == 1
+    assert s.get(b"k0") == val(0)
+    assert s.tier_of(b"k0") is Tier.DRAM  # the second read has: promoted
     assert s.tier_of(b"k1") is Tier.DISK  # the LRU made room for it
     st = s.stats()
     assert (st["demotions"], st["promotions"], st["drops"]) == (2, 1, 0)
-    assert st["tiers"][Tier.DISK]["hits"] == 1
+    assert st["tiers"][Tier.DISK]["hits"] == 2
+
+
+def test_a_scan_larger_than_dram_does_not_turn_reads_into_writes(tmp_path):
+    """Reading every disk value once: served from disk, nothing demoted, nothing written
+    (with promote_after=1, the old policy, each read wrote its bytes twice)."""
+    for promote_after, writes in ((2, 0), (1, None)):
+        s = make(tmp_path / f"p{promote_after}", slots=4, disk=True, promote_after=promote_after)
+        for i in range(12):
+            s.put(b"k%d" % i, val(i))
+        on_disk = [b"k%d" % i for i in range(12) if s.tier_of(b"k%d" % i) is Tier.DISK]
+        assert len(on_disk) == 8
+        before = s.stats()
+        for k in on_disk:
+            assert s.get(k) == val(int(k[1:]))
+        st = s.stats()
+        written = st["disk_bytes_written"] - before["disk_bytes_written"]
+        assert st["disk_bytes_read"] - before["disk_bytes_read"] == 8 * SLOT
+        if writes is not None:
+            assert written == writes and st["promotions"] == before["promotions"]
+            assert st["promotions_deferred"] - before["promotions_deferred"] == 8
+        else:
+            assert written >= 8 * SLOT  # every promotion into the full DRAM demoted a value
+
+
+def test_a_value_that_fits_is_promoted_on_its_first_read(tmp_path):
+    s = make(tmp_path, slots=4, disk=True)
+    for i in range(5):
+        s.put(b"k%d" % i, val(i))
+    s.delete([b"k2", b"k3"])  # DRAM has room again
+    assert s.get(b"k0") == val(0) and s.tier_of(b"k0") is Tier.DRAM
+    assert s.stats()["promotions_deferred"] == 0
 
 
 def test_no_promotion_when_disabled(tmp_path):

@@ -314,16 +314,21 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS))
     def remember(self, key):
         """A same-host client reads through a grant and remembers where the value lies."""
-        if key in self.model:
-            self._touch(key)
         [got] = self.store.acquire_in_place([key])
+        # a disk value that this read would not promote is not read at all: the node says
+        # "elsewhere" (a lease already released, no bytes) and the client reads it its own way
+        deferred = got is not None and got[1] is None and got[0].released
+        if key in self.model and not deferred:
+            self._touch(key)
         self._drain(reading=key, size=len(self.model[key].value) if key in self.model else None)
         assert (got is None) == (key not in self.model)
         if got is None:
             return
         lease, slots = got
         e = self.model[key]
-        if slots is None:  # on disk, not promoted: copied out
+        if deferred:
+            assert e.tier is Tier.DISK and lease.views == [] and lease.size == len(e.value)
+        elif slots is None:  # on disk, read and not promoted: copied out
             assert e.tier is Tier.DISK and b"".join(lease.views) == e.value
         else:
             assert e.tier is Tier.DRAM
@@ -411,8 +416,10 @@ SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None, der
 def test_store_matches_the_model_and_every_path_ran():
     TALLY.clear()
     run_state_machine_as_test(StoreMachine, settings=SETTINGS)
-    for what in ("evictions", "demotions", "promotions", "drops", "second_chance", "second_pass",
-                 "passed_over_pinned"):
+    # NOTE: the rare paths (a second chance, a second pass, a pinned value passed over) are
+    # each driven on purpose by test_eviction_paths_deterministically; whether a random
+    # run reaches them depends on the draw (and on the promotion policy)
+    for what in ("evictions", "demotions", "promotions", "drops"):
         assert TALLY.get(what, 0) > 0, f"no run exercised {what}: {TALLY}"
 
 
