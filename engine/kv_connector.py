@@ -214,18 +214,15 @@ class StoreConnector:
                     out[j] = n
             return out
 
-        def land(i: int, buf: int, size: int):
+        def expected(i: int) -> dict:
+            """What chunk ``first + i`` must be: its key, parent, tokens, dtype and shape."""
             c = first + i
-            view = self.pool.view(buf)[:size]
-            try:  # a wsum64 payload is checked where it lands (on the GPU), after the copy
-                hdr = verify_chunk(view, key=keys[i], namespace=ns,
-                                   parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
-                                   tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
-                                   dtype=dtype, shape=shape, payload=False)
-            except CrescentError as exc:
-                self._error(f"chunk {c} failed verification", exc)
-                return False, None
-            payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
+            return dict(key=keys[i], namespace=ns, parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
+                        tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], dtype=dtype, shape=shape)
+
+        def land_verified(i: int, hdr, payload: torch.Tensor, size: int, raw):
+            """Starts a checked chunk's copy into its pages (a wsum64 payload is checked where it lands)."""
+            c = first + i
             ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape),
                                               pages[c * per_chunk : (c + 1) * per_chunk],
                                               checksum=hdr.check == CHECK_WSUM)
@@ -233,34 +230,33 @@ class StoreConnector:
                 device_checks.append((i, dsum, hdr.payload_hash))
             sizes.append(size)
             if replicate:
-                copies.append(bytes(view))
+                copies.append(raw())
             return True, ev
+
+        def land(i: int, buf: int, size: int):
+            """Chunk ``first + i`` from pool buffer ``buf``."""
+            view = self.pool.view(buf)[:size]
+            try:
+                hdr = verify_chunk(view, **expected(i), payload=False)
+            except CrescentError as exc:
+                self._error(f"chunk {first + i} failed verification", exc)
+                return False, None
+            payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
+            return land_verified(i, hdr, payload, size, lambda: bytes(view))
 
         def land_in_place(i: int, head: memoryview, payload: torch.Tensor, size: int):
             """Chunk ``first + i`` from the store's own memory: its header copied out, its
             payload where the node keeps it (leased)."""
-            c = first + i
             try:
-                hdr = verify_header(head, size, key=keys[i], namespace=ns,
-                                    parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
-                                    tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens],
-                                    dtype=dtype, shape=shape)
+                hdr = verify_header(head, size, **expected(i))
                 if hdr.payload_offset != len(head) or hdr.payload_bytes != payload.numel():
                     raise ChunkVerificationError("chunk layout differs from this engine's")
                 if hdr.check == CHECK_XXH3:
                     check_payload(hdr, payload)  # read in place
             except CrescentError as exc:
-                self._error(f"chunk {c} failed verification", exc)
+                self._error(f"chunk {first + i} failed verification", exc)
                 return False, None
-            ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape),
-                                              pages[c * per_chunk : (c + 1) * per_chunk],
-                                              checksum=hdr.check == CHECK_WSUM)
-            if dsum is not None:
-                device_checks.append((i, dsum, hdr.payload_hash))
-            sizes.append(size)
-            if replicate:
-                copies.append(bytes(head) + bytes(tensor_bytes(payload)))
-            return True, ev
+            return land_verified(i, hdr, payload, size, lambda: bytes(head) + bytes(tensor_bytes(payload)))
 
         self.runner.begin_landing()
         session = self._in_place_session() if not staged else None
@@ -334,7 +330,7 @@ class StoreConnector:
                         pext = slice_extents(ext, H, self.payload_bytes)
                         if len(pext) == 1:
                             payload = mover.tensor(*pext[0])
-                        else:  # slots not in one run: gathered into a pool buffer
+                        else:  # slots not in one run: gathered into one tensor (a copy)
                             payload = self._gather_extents(mover, pext)
                         ok, ev = land(start + j, memoryview(head), payload, d.size)
                         if ev is not None:
