@@ -128,8 +128,8 @@ def preset_config(name: str, overrides: dict | None = None) -> ModelConfig:
 def apply_overrides(mc: ModelConfig, overrides: dict | None) -> ModelConfig:
     """``mc`` with fields replaced, vLLM's ``hf_overrides`` convention (e.g. ``{"num_hidden_layers": 8}``).
 
-    The overrides become part of the model's name, hence of its chunk keys' namespace:
-    a cut model never reads a full one's KV.
+    The overrides join the model's name; ``model_identity`` puts them in its chunk keys'
+    namespace, so a cut model never reads a full one's KV.
 
     Raises:
         ValueError: an unknown field, or a value of the wrong type.

@@ -59,8 +59,7 @@ class ConnectorStats:
 
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto",
-                 in_place: bool = True) -> None:
+                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto") -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -86,9 +85,6 @@ class StoreConnector:
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
         """The payload check of saved chunks (docs/keys.md)."""
-        self.in_place_loads = in_place
-        """Same host (shm): loads read leased chunks where the node keeps them (no copy into
-        the pool; on CUDA a DMA from the registered arena). Else through the pool."""
         try:
             getattr(client, "transport", None)
             session = self._in_place_session()
@@ -285,10 +281,8 @@ class StoreConnector:
         return loaded
 
     def _in_place_session(self):
-        """The client's shm session when loads can use leased bytes where the node keeps
-        them (``in_place_loads``), else None (the pool path)."""
-        if not self.in_place_loads:
-            return None
+        """The client's shm session, when loads can read leased chunks where the node keeps them
+        (no copy into the pool; on CUDA a DMA from the registered arena), else None (the pool path)."""
         get = getattr(self.client, "descriptor_session", None)
         try:
             session = get() if get is not None else None

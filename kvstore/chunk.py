@@ -48,9 +48,8 @@ from kvstore.errors import ChunkVerificationError
 from kvstore.keys import KEY_BYTES, ChunkKey, Namespace, chunk_key, tokens_to_bytes
 
 MAGIC = b"CRKV"
-VERSION = 1  # xxh3_64 payload check; 2: wsum64
 CHECK_XXH3, CHECK_WSUM = 0, 1
-_VERSION_OF = {CHECK_XXH3: 1, CHECK_WSUM: 2}
+_VERSION_OF = {CHECK_XXH3: 1, CHECK_WSUM: 2}  # the format version each payload check is written under
 WSUM_K = 0x9E3779B97F4A7C15
 ALIGN = 64
 _FIXED = struct.Struct("<4sHBB16s16sII QQ".replace(" ", ""))

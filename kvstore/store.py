@@ -549,9 +549,9 @@ class TieredStore:
     def _make_room(self, pos: int, num_slots: int) -> bool:
         """Evicts from arena ``pos`` so that ``num_slots`` more fit; True if they do."""
         tier, arena = self._arenas[pos]
-        in_use = arena.num_slots - arena.num_free
-        if in_use + num_slots <= int(self.config.high_watermark * arena.num_slots):
+        if self._fits(arena, num_slots):
             return True
+        in_use = arena.num_slots - arena.num_free
         low = int(self.config.low_watermark * arena.num_slots)
         need = max(num_slots - arena.num_free, in_use + num_slots - low)
         victims = self._victims(tier, lambda freed: freed >= need, lambda e: len(e.slots))
@@ -656,13 +656,8 @@ class TieredStore:
             if not e.live or e.tier is not Tier.DISK:
                 return
             reads = self._disk_reads.pop(e.key, 0) + 1
-            for pos, (tier, arena) in enumerate(self._arenas):
-                n = arena.slots_for(e.size)
-                if n > arena.num_slots:
-                    continue
-                in_use = arena.num_slots - arena.num_free
-                fits = in_use + n <= int(self.config.high_watermark * arena.num_slots)
-                if (fits or reads >= self.config.promote_after) and self._make_room(pos, n):
+            for pos, tier, arena, n in self._promotion_targets(e, reads):
+                if self._make_room(pos, n):
                     slots = arena.alloc(n)
                     if isinstance(arena, HostArena):
                         for v, src in zip(arena.views(slots, e.size), _split(data, arena.slot_bytes)):
@@ -678,17 +673,23 @@ class TieredStore:
 
     def _would_promote(self, e: _Entry) -> bool:
         """Whether a read of ``e`` (not in DRAM) now would move it up (``_promote``'s rule)."""
-        if not self.config.promote or e.tier is not Tier.DISK:
-            return e.tier is not Tier.DISK  # device-tier values are read (copied out) as before
+        if e.tier is not Tier.DISK:
+            return True  # device-tier values are read (copied out) as before
         reads = self._disk_reads.get(e.key, 0) + 1
-        for _, arena in self._arenas:
+        return self.config.promote and next(self._promotion_targets(e, reads), None) is not None
+
+    def _promotion_targets(self, e: _Entry, reads: int):
+        """``(pos, tier, arena, slots needed)`` of each arena, fastest first, that a disk read of
+        ``e`` (its ``reads``-th recent one) may move it into: one where it fits without
+        demoting anything, or any once it has earned it (``promote_after``)."""
+        for pos, (tier, arena) in enumerate(self._arenas):
             n = arena.slots_for(e.size)
-            if n > arena.num_slots:
-                continue
-            in_use = arena.num_slots - arena.num_free
-            if in_use + n <= int(self.config.high_watermark * arena.num_slots) or reads >= self.config.promote_after:
-                return True
-        return False
+            if n <= arena.num_slots and (self._fits(arena, n) or reads >= self.config.promote_after):
+                yield pos, tier, arena, n
+
+    def _fits(self, arena, num_slots: int) -> bool:
+        """Whether ``num_slots`` more fit in ``arena`` without evicting (under the high watermark)."""
+        return arena.num_slots - arena.num_free + num_slots <= int(self.config.high_watermark * arena.num_slots)
 
     def _disk_reads_window(self) -> int:
         """How many recent disk reads count towards ``promote_after``: as many as DRAM holds values

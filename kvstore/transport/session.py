@@ -471,7 +471,7 @@ class DescriptorSession:
                     h.mover.read(ops, bufs)
                     for dst, size, ext in cuda:
                         self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
-                    copied = time.monotonic() < _safe_end(g)
+                    copied = time.monotonic() < safe_end(g)
                 late = not copied
             finally:
                 if copied and h.control.release_later is not None:
@@ -736,11 +736,6 @@ LEASE_MARGIN = 0.01
 
 
 def safe_end(g: Grant) -> float:
-    """When a reader of ``g``'s bytes stops trusting them (``_safe_end``)."""
-    return _safe_end(g)
-
-
-def _safe_end(g: Grant) -> float:
     """When this client stops trusting a read lease: a little before its deadline.
 
     The deadline counts from when the request was sent, the node's from when it
