@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer import StagingPool, pipelined_load
+from engine.kv_transfer import StagingPool, land_in_order, pipelined_load
 from engine.model_runner import ModelRunner
 from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
                            verify_chunk, verify_header)
@@ -295,7 +295,6 @@ class StoreConnector:
         here: a chunk's header is copied out, its payload lands from the leased slots (on CUDA a
         DMA from the registered mapping). The lease ends once every copy that read it has
         completed; copies that ended after the lease's safe end make the batch a miss."""
-        H = self.chunk_bytes - self.payload_bytes
         loaded = 0
         for start in range(0, len(keys), self.load_batch):
             batch = keys[start : start + self.load_batch]
@@ -311,28 +310,8 @@ class StoreConnector:
                 with session.in_place(g) as mover:
                     if mover is None:  # the node restarted between grant and read
                         return loaded
-                    sb = session.arena.slot_bytes
-                    for j, d in enumerate(g.items):
-                        if d.status is not ItemStatus.OK or d.size != self.chunk_bytes:
-                            stop = True  # a miss (or a value no chunk of ours): recompute from here
-                            break
-                        ext = value_extents(d.slots, d.size, sb)
-                        head = bytearray(H)
-                        addr, _, ka = local_buffer(head)
-                        mover.read(plan([(addr, H)], slice_extents(ext, 0, H)))
-                        del ka
-                        pext = slice_extents(ext, H, self.payload_bytes)
-                        if len(pext) == 1:
-                            payload = mover.tensor(*pext[0])
-                        else:  # slots not in one run: gathered into one tensor (a copy)
-                            payload = self._gather_extents(mover, pext)
-                        ok, ev = land(start + j, memoryview(head), payload, d.size)
-                        if ev is not None:
-                            events.append(ev)
-                        if not ok:
-                            stop = True
-                            break
-                        landed += 1
+                    landed, stop = land_in_order(self._leased_chunks(mover, g, start, session.arena.slot_bytes),
+                                                 land, events)
                     for ev in events:
                         ev.synchronize()  # the lease holds until the copies reading it are done
                     in_time = time.monotonic() < safe_end(g)
@@ -349,6 +328,24 @@ class StoreConnector:
             if stop:
                 return loaded
         return loaded
+
+    def _leased_chunks(self, mover, g, start: int, slot_bytes: int):
+        """``(chunk index, header, payload, size)`` of each chunk ``g`` leased, in order: the
+        header copied out, the payload a view of the leased slots; None at the first miss (or
+        a value no chunk of ours)."""
+        H = self.chunk_bytes - self.payload_bytes
+        for j, d in enumerate(g.items):
+            if d.status is not ItemStatus.OK or d.size != self.chunk_bytes:
+                yield None
+                return
+            ext = value_extents(d.slots, d.size, slot_bytes)
+            head = bytearray(H)
+            addr, _, ka = local_buffer(head)
+            mover.read(plan([(addr, H)], slice_extents(ext, 0, H)))
+            del ka
+            pext = slice_extents(ext, H, self.payload_bytes)
+            payload = mover.tensor(*pext[0]) if len(pext) == 1 else self._gather_extents(mover, pext)
+            yield start + j, memoryview(head), payload, d.size
 
     @staticmethod
     def _gather_extents(mover, extents) -> torch.Tensor:

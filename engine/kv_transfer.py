@@ -82,6 +82,23 @@ Land = Callable[[int, int, int], tuple[bool, object]]
 ``(ok, event)``; ``event.synchronize()`` waits for an asynchronous copy (None: it is done)."""
 
 
+def land_in_order(steps, land: Callable, events: list) -> tuple[int, bool]:
+    """Calls ``land(*step)`` for each step in order (a step of None is a miss), keeping the
+    events of the copies started in ``events``; stops at the first miss or refusal.
+    Returns ``(chunks landed, stopped early)``."""
+    landed = 0
+    for step in steps:
+        if step is None:
+            return landed, True
+        ok, ev = land(*step)
+        if ev is not None:
+            events.append(ev)
+        if not ok:
+            return landed, True
+        landed += 1
+    return landed, False
+
+
 def pipelined_load(pool: StagingPool, num: int, batch: int, fetch: Fetch, land: Land,
                    on_error: Callable[[CrescentError], None]) -> int:
     """Loads chunks ``0 .. num-1`` through ``pool``; returns how many landed (a prefix).
@@ -125,19 +142,11 @@ def pipelined_load(pool: StagingPool, num: int, batch: int, fetch: Fetch, land: 
             settle()  # the batch before this one has reached its pages: its buffers are free again
             if k + 1 < len(spans) and all(s is not None for s in sizes):
                 nxt = start(k + 1)
-            events, stop = [], False
+            events: list = []
             try:
-                for j, size in enumerate(sizes):
-                    if size is None:
-                        stop = True
-                        break
-                    ok, ev = land(first + j, ids[j], size)
-                    if ev is not None:
-                        events.append(ev)
-                    if not ok:
-                        stop = True
-                        break
-                    landed += 1
+                n, stop = land_in_order(((first + j, ids[j], size) if size is not None else None
+                                         for j, size in enumerate(sizes)), land, events)
+                landed += n
             finally:
                 in_flight.append((events, ids))
             if stop:
