@@ -53,6 +53,8 @@ class StoreConfig:
     """Capacity of the disk tier (the LMDB map size)."""
     disk_sync: bool = False
     """fsync each disk transaction (survives power loss; kill -9 is safe either way)."""
+    disk_read_threads: int = 8
+    """Disk reads a batch keeps in flight (each one large direct read of a whole value)."""
     device: int = field(default=0, metadata={"size": True})
     """Capacity of the GPU HBM tier; 0 disables it (needs CUDA)."""
     high_watermark: float = 0.95
@@ -66,6 +68,10 @@ class StoreConfig:
     others to take it), counted among the last reads from disk; a value that fits without
     demoting anything moves up on its first read. 1: every read promotes (a scan larger
     than DRAM then writes to disk twice what it reads)."""
+    disk_copies: bool = True
+    """Keep the disk record of a value promoted from disk (inclusive tiering): demoting it
+    again writes nothing, so a working set larger than DRAM does not turn reads into writes.
+    The disk drops these copies first when it needs room."""
     max_value_size: int = field(default=256 << 20, metadata={"size": True})
     """Largest accepted value."""
     data_port: int = 0
@@ -98,6 +104,8 @@ class StoreConfig:
             raise ValueError("watermarks need 0 < --low-watermark <= --high-watermark <= 1")
         if self.promote_after < 1:
             raise ValueError(f"--promote-after must be >= 1, got {self.promote_after}")
+        if not 1 <= self.disk_read_threads <= 256:
+            raise ValueError(f"--disk-read-threads must be in [1, 256], got {self.disk_read_threads}")
         if self.max_value_size <= 0:
             raise ValueError("--max-value-size must be positive")
         if not 0.0 < self.lease_ttl_s <= 86400.0:  # also rejects NaN

@@ -12,7 +12,7 @@ from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status, 
                                  encode_grant, encode_response, read_request, recv_exact, recv_exact_into,
                                  send_views, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from kvstore.store import Lease, Reservation, TieredStore
+from kvstore.store import Lease, Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
@@ -105,30 +105,34 @@ class DataChannelServer:
             conn.close()
 
     def _get(self, conn: socket.socket, keys: list[bytes], capacities: list[int]) -> None:
-        leases: list[Lease] = []
         items: list[tuple[Status, int]] = []
         msg = ""
+        ok = []
+        for key in keys:
+            try:
+                check_key(key)
+                ok.append(True)
+            except CrescentError as exc:
+                ok.append(False)
+                msg = msg or str(exc)
+        got = iter(self.store.acquire_many([k for k, v in zip(keys, ok) if v]))  # disk reads in parallel
+        leases = [next(got) if v else None for v in ok]
+        sending: list[Lease] = []
         try:
-            for key, cap in zip(keys, capacities):
-                try:
-                    lease = self.store.acquire(key)
-                except CrescentError as exc:
+            for valid, lease, cap in zip(ok, leases, capacities):
+                if not valid:
                     items.append((Status.INVALID, 0))
-                    msg = msg or str(exc)
-                    continue
-                if lease is None:
+                elif lease is None:
                     items.append((Status.NOT_FOUND, 0))
                 elif 0 <= cap < lease.size:
-                    self.store.release(lease)
                     items.append((Status.TOO_LARGE, lease.size))
                     msg = msg or f"value of {lease.size} bytes does not fit a buffer of {cap}"
                 else:
-                    leases.append(lease)
+                    sending.append(lease)
                     items.append((Status.OK, lease.size))
-            send_views(conn, [encode_response(items, msg), *(v for ls in leases for v in ls.views)])
+            send_views(conn, [encode_response(items, msg), *(v for ls in sending for v in ls.views)])
         finally:
-            for lease in leases:
-                self.store.release(lease)
+            self.store.release_many(ls for ls in leases if ls is not None)
 
     def _put(self, conn: socket.socket, keys: list[bytes], sizes: list[int]) -> None:
         reservations: list[Reservation | None] = []

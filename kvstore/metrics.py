@@ -39,7 +39,10 @@ class StoreCollector:
                           ("bytes_in", "Value bytes committed"), ("bytes_out", "Value bytes read"),
                           ("disk_bytes_read", "Value bytes read from the disk tier"),
                           ("disk_bytes_written", "Value bytes written to the disk tier (puts and demotions)"),
-                          ("promotions_deferred", "Disk reads that did not earn a place in a full faster tier")):
+                          ("promotions_deferred", "Disk reads that did not earn a place in a full faster tier"),
+                          ("demotions_clean", "Demotions that wrote nothing (the value's disk record was kept)"),
+                          ("disk_full", "Disk writes refused for want of room (map or file system full)"),
+                          ("disk_errors", "Disk writes or deletes that failed otherwise")):
             yield CounterMetricFamily(f"crescent_store_{name}", doc, value=s[name])
         yield GaugeMetricFamily("crescent_store_leases", "Read leases held", value=s["num_leases"])
         yield GaugeMetricFamily("crescent_store_pinned", "Values pinned", value=s["num_pinned"])

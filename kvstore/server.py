@@ -29,6 +29,8 @@ from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+_GET_WINDOW = 16
+"""Values a streamed Get leases (and reads from disk, in parallel) ahead of sending them."""
 _CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve": "reserve_write",
                 "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads"}
 VERSION = "0.1.0"
@@ -132,19 +134,22 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         except CrescentError as exc:
             context.abort(exc.grpc_code, str(exc))
         nbytes = 0
-        for i, key in enumerate(request.keys):
-            lease = self.store.acquire(key)
-            if lease is None:
-                yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
-                continue
-            nbytes += lease.size
+        keys = list(request.keys)
+        for w in range(0, len(keys), _GET_WINDOW):  # a window's disk values are read in parallel
+            leases = self.store.acquire_many(keys[w : w + _GET_WINDOW])
             try:
-                yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
-                                                      tier=int(lease.tier)))
-                for frame in _frames(lease.views):
-                    yield pb.GetFrame(data=frame)
+                for i, lease in enumerate(leases, w):
+                    if lease is None:
+                        yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
+                        continue
+                    nbytes += lease.size
+                    yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
+                                                          tier=int(lease.tier)))
+                    for frame in _frames(lease.views):
+                        yield pb.GetFrame(data=frame)
+                    self.store.release(lease)
             finally:
-                self.store.release(lease)
+                self.store.release_many(ls for ls in leases if ls is not None)
         self.node.transport.count(Mover.GRPC, "read", nbytes)
         self.metrics.observe("get", time.perf_counter() - t0)
 

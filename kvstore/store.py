@@ -18,6 +18,11 @@ slot arena) and DISK (LMDB). Each key lives in exactly one tier.
   (``promote=True``); into a full one (demoting others) only on its
   ``promote_after``-th read among the recent disk reads, so a scan does not
   turn reads into writes.
+- A value promoted from disk keeps its disk record (the tiers are inclusive for
+  it): demoting it again writes nothing, so a read-mostly working set larger
+  than DRAM moves up and down without disk writes. Replacing or deleting the
+  key deletes the record; the disk drops such copies first when it needs room.
+- Disk reads of a batch run in parallel (``DiskTier.read_many``).
 - A read lease keeps its value in place: it is neither evicted nor freed while
   leased; a delete or replace under a lease frees the old bytes on release.
 
@@ -28,6 +33,7 @@ of DRAM slots happen outside it, protected by reservations and leases.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -37,9 +43,11 @@ from typing import Literal
 
 from kvstore.arena import DeviceArena, HostArena, SlotAllocator
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
-from kvstore.disk import DiskTier, disk_cost
+from kvstore.disk import DiskFullError, DiskTier, DiskWriteError, disk_cost
 from kvstore.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
                             ResourceExhaustedError)
+
+log = logging.getLogger(__name__)
 
 
 class Tier(enum.IntEnum):
@@ -59,6 +67,7 @@ class _Entry:
     leases: int = 0
     pinned_until: float = 0.0
     live: bool = True  # False once deleted or replaced; storage freed on last release
+    on_disk: bool = False  # an arena value whose disk record (it was promoted from) is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +131,8 @@ class TieredStore:
         self.dram = HostArena(config.dram, config.slot_size)
         self._arenas.append((Tier.DRAM, self.dram))
         try:
-            self.disk = DiskTier(config.disk, config.disk_size, config.disk_sync) if config.disk else None
+            self.disk = (DiskTier(config.disk, config.disk_size, config.disk_sync, config.disk_read_threads)
+                         if config.disk else None)
         except BaseException:
             for _, arena in self._arenas:  # no arena file outlives a failed start
                 arena.close()
@@ -133,9 +143,12 @@ class TieredStore:
         self.counters = {"hits": {t: 0 for t in Tier}, "evictions": {t: 0 for t in Tier},
                          "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
                          "corrupt": 0, "bytes_in": 0, "bytes_out": 0,
-                         "disk_bytes_read": 0, "disk_bytes_written": 0, "promotions_deferred": 0}
+                         "disk_bytes_read": 0, "disk_bytes_written": 0, "promotions_deferred": 0,
+                         "demotions_clean": 0, "disk_full": 0, "disk_errors": 0}
         self._disk_reads: OrderedDict[bytes, int] = OrderedDict()
         """Keys recently read from disk and not promoted -> reads counted (``promote_after``)."""
+        self._copies: OrderedDict[bytes, _Entry] = OrderedDict()
+        """Arena entries whose disk record is kept (``on_disk``), oldest promotion first."""
         self._num_leases = 0
         if self.disk is not None:
             for key, size, _ in sorted(self.disk.scan(), key=lambda r: r[2]):
@@ -207,7 +220,7 @@ class TieredStore:
                 try:
                     self._disk_put([(r.key, r.buffer) for r in to_disk],
                                    sum(disk_cost(r.size) for r in to_disk))
-                except ResourceExhaustedError:
+                except (ResourceExhaustedError, DiskWriteError):
                     for r in reservations:
                         self._abort_locked(r)
                     raise
@@ -250,42 +263,52 @@ class TieredStore:
         value is copied out (and promoted if configured).
         """
         check_key(key)
-        key = bytes(key)
+        return self.acquire_many([key])[0]
+
+    def acquire_many(self, keys: list[bytes]) -> list[Lease | None]:
+        """``acquire`` for a batch of checked keys: their disk values are read in parallel."""
+        out: list[Lease | None] = [None] * len(keys)
+        on_disk: list[tuple[int, _Entry]] = []
         with self._lock:
-            e = self._index.get(key)
-            if e is None:
-                self.counters["misses"] += 1
-                return None
-            e.leases += 1
-            self._num_leases += 1
-            self._lru[e.tier].move_to_end(key)
-            self.counters["hits"][e.tier] += 1
-            self.counters["bytes_out"] += e.size
-            tier = e.tier
-            if tier is Tier.DRAM:
-                return Lease(key, e.size, tier, self.dram.views(e.slots, e.size), e)
-            if tier is Tier.DEVICE:
-                data = self._arena(Tier.DEVICE).read(e.slots, e.size)
-                return Lease(key, e.size, tier, [memoryview(data)], e)
-        try:
-            data = self.disk.get(key)
-        except DataLossError:
-            data = None
-        if data is not None:
-            with self._lock:
-                self.counters["disk_bytes_read"] += len(data)
-        lease = Lease(key, len(data) if data is not None else 0, tier,
-                      [memoryview(data)] if data is not None else [], e)
-        if data is None:
-            with self._lock:
+            c = self.counters
+            for i, key in enumerate(keys):
+                key = bytes(key)
+                e = self._index.get(key)
+                if e is None:
+                    c["misses"] += 1
+                    continue
+                e.leases += 1
+                self._num_leases += 1
+                self._lru[e.tier].move_to_end(key)
+                c["hits"][e.tier] += 1
+                c["bytes_out"] += e.size
+                if e.tier is Tier.DRAM:
+                    out[i] = Lease(key, e.size, e.tier, self.dram.views(e.slots, e.size), e)
+                elif e.tier is Tier.DEVICE:
+                    out[i] = Lease(key, e.size, e.tier, [memoryview(self._arena(Tier.DEVICE).read(e.slots, e.size))], e)
+                else:
+                    on_disk.append((i, e))
+        if not on_disk:
+            return out
+        got = self.disk.read_many([e.key for _, e in on_disk])
+        read = []
+        with self._lock:
+            for (i, e), data in zip(on_disk, got):
+                if isinstance(data, memoryview):
+                    self.counters["disk_bytes_read"] += len(data)
+                    out[i] = Lease(e.key, len(data), Tier.DISK, [data], e)
+                    read.append((e, data))
+                    continue
+                # NOTE: a leased disk value's record stays until its last release, so a
+                # record that is gone or fails its checksum is corrupt.
                 self.counters["corrupt"] += 1
-                if e.live:
+                if e.live and e.tier is Tier.DISK:
                     self._remove(e, "corrupt")
-            self.release(lease)
-            return None
+                self._release_locked(Lease(e.key, 0, Tier.DISK, [], e))
         if self.config.promote and self._arenas:
-            self._promote(e, data)
-        return lease
+            for e, data in read:
+                self._promote(e, data)
+        return out
 
     def release(self, lease: Lease) -> None:
         """Ends a read lease. Idempotent."""
@@ -295,15 +318,18 @@ class TieredStore:
         """Ends read leases in one lock hold. Idempotent."""
         with self._lock:
             for lease in leases:
-                if lease.released:
-                    continue
-                lease.released = True
-                lease.views = []
-                e = lease._entry
-                e.leases -= 1
-                self._num_leases -= 1
-                if not e.live and e.leases == 0:
-                    self._free_storage(e)
+                self._release_locked(lease)
+
+    def _release_locked(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        lease.views = []
+        e = lease._entry
+        e.leases -= 1
+        self._num_leases -= 1
+        if not e.live and e.leases == 0:
+            self._free_storage(e)
 
     def acquire_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
         """Read leases for a batch of checked keys: per key None (a miss) or (lease, DRAM slots).
@@ -337,8 +363,7 @@ class TieredStore:
                 c["hits"][Tier.DRAM] += 1
                 c["bytes_out"] += e.size
                 out.append((Lease(key, e.size, Tier.DRAM, [], e), list(e.slots)))
-        for i in elsewhere:
-            lease = self.acquire(keys[i])
+        for i, lease in zip(elsewhere, self.acquire_many([keys[i] for i in elsewhere])):
             out[i] = None if lease is None else (lease, self.arena_slots(lease))
         return out
 
@@ -429,7 +454,8 @@ class TieredStore:
             if self.disk is not None:
                 tiers[Tier.DISK] = {"capacity_bytes": self.disk.capacity_bytes,
                                     "used_bytes": self._disk_used,
-                                    "num_entries": len(self._lru[Tier.DISK])}
+                                    "num_entries": len(self._lru[Tier.DISK]),
+                                    "num_copies": len(self._copies)}
             for tier, t in tiers.items():
                 t["hits"] = self.counters["hits"][tier]
                 t["evictions"] = self.counters["evictions"][tier]
@@ -439,6 +465,8 @@ class TieredStore:
                     "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
                     "disk_bytes_read": c["disk_bytes_read"], "disk_bytes_written": c["disk_bytes_written"],
                     "promotions_deferred": c["promotions_deferred"],
+                    "demotions_clean": c["demotions_clean"], "disk_full": c["disk_full"],
+                    "disk_errors": c["disk_errors"],
                     "num_leases": self._num_leases,
                     "num_pinned": sum(e.pinned_until > now for e in self._index.values())}
 
@@ -486,6 +514,8 @@ class TieredStore:
 
     def _unlinked(self, e: _Entry) -> None:
         """Frees an entry that left the index, or (leased) retires its slots until the last release."""
+        if e.on_disk:
+            self._drop_copy(e)
         if e.leases == 0:
             self._free_storage(e)
         elif e.tier is not Tier.DISK:
@@ -496,12 +526,32 @@ class TieredStore:
             self._disk_used -= disk_cost(e.size)
             # NOTE: a replaced disk value shares its LMDB key with the new one,
             # which may be on disk too: delete only if nothing live is there.
-            cur = self._index.get(e.key)
-            if cur is None or cur.tier is not Tier.DISK:
-                self.disk.delete_many([e.key])
+            if not self._record_in_use(e.key):
+                self._disk_delete([e.key])
         else:
             self._arena(e.tier).free(e.slots)
             e.slots = None
+
+    def _record_in_use(self, key: bytes) -> bool:
+        """Whether the live value of ``key`` is held by its disk record (in the disk tier, or a kept copy)."""
+        cur = self._index.get(key)
+        return cur is not None and (cur.tier is Tier.DISK or cur.on_disk)
+
+    def _drop_copy(self, e: _Entry) -> None:
+        """Forgets the disk record kept for arena entry ``e``; deletes it unless the key's live value is there."""
+        e.on_disk = False
+        if self._copies.get(e.key) is e:
+            del self._copies[e.key]
+        self._disk_used -= disk_cost(e.size)
+        if not self._record_in_use(e.key):
+            self._disk_delete([e.key])
+
+    def _disk_delete(self, keys: list[bytes]) -> None:
+        try:
+            self.disk.delete_many(keys)
+        except DiskWriteError as exc:  # the records linger until a restart finds them
+            self.counters["disk_errors"] += 1
+            log.warning("%s", exc)
 
     def _abort_locked(self, r: Reservation) -> None:
         if r.done:
@@ -563,10 +613,23 @@ class TieredStore:
         if self._disk_used + cost <= self.config.high_watermark * cap:
             return True
         need = max(self._disk_used + cost - cap, self._disk_used + cost - self.config.low_watermark * cap)
+        need -= self._drop_copies(need)
         victims = self._victims(Tier.DISK, lambda freed: freed >= need, lambda e: disk_cost(e.size))
         for e in victims:
             self._evicted(e)
         return self._disk_used + cost <= cap
+
+    def _drop_copies(self, need: float) -> int:
+        """Drops kept disk records, oldest first, until ``need`` bytes are freed; returns bytes freed."""
+        freed, keys = 0, []
+        while freed < need and self._copies:
+            _, e = self._copies.popitem(last=False)
+            e.on_disk = False
+            self._disk_used -= disk_cost(e.size)
+            freed += disk_cost(e.size)
+            keys.append(e.key)
+        self._disk_delete(keys)
+        return freed
 
     def _disk_put(self, items: list, cost: int) -> None:
         """Writes ``items`` to disk; when LMDB finds its map full below the admitted
@@ -581,12 +644,20 @@ class TieredStore:
                 self.disk.put_many(items)
                 self.counters["disk_bytes_written"] += sum(_nbytes(parts) for _, parts in items)
                 return
-            except ResourceExhaustedError:
+            except DiskFullError as exc:
+                self.counters["disk_full"] += 1
+                log.warning("%s; evicting from the disk tier", exc)
+                if self._drop_copies(cost):
+                    continue
                 victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
                 if not victims:
                     raise
                 for e in victims:
                     self._evicted(e)
+            except DiskWriteError as exc:
+                self.counters["disk_errors"] += 1
+                log.warning("%s", exc)
+                raise
 
     def _evicted(self, e: _Entry) -> None:
         self.counters["evictions"][e.tier] += 1
@@ -615,11 +686,17 @@ class TieredStore:
                     self._evicted(e)
             return
         if self.disk is not None:
+            for e in [e for e in victims if e.on_disk]:  # its record is still there: nothing to write
+                self.counters["demotions_clean"] += 1
+                self._move(e, Tier.DISK, None)
+            victims = [e for e in victims if e.tier is tier]
+            if not victims:
+                return
             costs = sum(disk_cost(e.size) for e in victims)
             if self._make_disk_room(costs):
                 try:
                     self._disk_put([(e.key, arena.views(e.slots, e.size)) for e in victims], costs)
-                except ResourceExhaustedError:
+                except (ResourceExhaustedError, DiskWriteError):
                     pass
                 else:
                     self._disk_used += costs
@@ -634,10 +711,17 @@ class TieredStore:
         old_tier = e.tier
         del self._lru[old_tier][e.key]
         if old_tier is Tier.DISK:
-            self._disk_used -= disk_cost(e.size)
-            self.disk.delete_many([e.key])
+            if self.config.disk_copies:  # promoted: its record is kept, still charged
+                e.on_disk = True
+                self._copies[e.key] = e
+            else:
+                self._disk_used -= disk_cost(e.size)
+                self._disk_delete([e.key])
         else:
             self._arena(old_tier).free(e.slots)
+            if tier is Tier.DISK and e.on_disk:
+                e.on_disk = False
+                del self._copies[e.key]
         e.tier, e.slots = tier, slots
         self._lru[tier][e.key] = e
         if tier > old_tier:

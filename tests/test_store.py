@@ -89,8 +89,10 @@ def test_demotion_to_disk_then_promotion_on_hit(tmp_path, events):
 
 
 def test_a_scan_larger_than_dram_does_not_turn_reads_into_writes(tmp_path):
-    """Reading every disk value once: served from disk, nothing demoted, nothing written
-    (with promote_after=1, the old policy, each read wrote its bytes twice)."""
+    """Reading every disk value once: served from disk, nothing demoted, nothing written.
+    With promote_after=1 each read promotes and demotes: only the four values first put in
+    DRAM are written (once); the promoted ones keep their disk records, so pushing them
+    down again writes nothing (before inclusive tiering every read wrote twice its bytes)."""
     for promote_after, writes in ((2, 0), (1, None)):
         s = make(tmp_path / f"p{promote_after}", slots=4, disk=True, promote_after=promote_after)
         for i in range(12):
@@ -107,7 +109,8 @@ def test_a_scan_larger_than_dram_does_not_turn_reads_into_writes(tmp_path):
             assert written == writes and st["promotions"] == before["promotions"]
             assert st["promotions_deferred"] - before["promotions_deferred"] == 8
         else:
-            assert written >= 8 * SLOT  # every promotion into the full DRAM demoted a value
+            assert written == 4 * SLOT and st["promotions"] - before["promotions"] == 8
+            assert st["demotions_clean"] - before["demotions_clean"] == 4
 
 
 def test_a_value_that_fits_is_promoted_on_its_first_read(tmp_path):
