@@ -1,28 +1,39 @@
-"""Disk tier: values in one LMDB environment, read with large direct I/O.
+"""Disk tier: value bytes in one data file, read and written with large direct I/O; LMDB holds the index.
 
-Each batch of writes is one LMDB write transaction, so a batch appears whole or
-not at all and a committed value survives kill -9 (and power loss with
-``sync=True``). Each stored value is prefixed by a 24-byte record header
-(xxh3_64 of the value, its size, and the time it was written), so a value that
-rots on disk reads as DATA_LOSS, never as wrong bytes, and the index rebuilt at
-start knows every size and the write order without reading the values.
+Layout of the tier's folder:
 
-Reads do not fault a value in through LMDB's map page by page (4 KiB at a time:
-the map is opened without readahead so that B-tree look-ups stay one page). A
-value larger than a page is an LMDB overflow run, contiguous in ``data.mdb``:
-the read transaction finds it (a zero-copy buffer into the map, whose address
-less the map's base is its offset in the file) and one ``preadv`` of the
-page-aligned range around it brings it in, with ``O_DIRECT`` where the file
-system allows (the DRAM tier is the cache; the page cache would hold the same
-bytes twice). The read happens while the transaction is open, so LMDB cannot
-reuse those pages under it, and the kernel writes back any dirty page of the
-range before a direct read, so the bytes are the committed ones. ``read_many``
-keeps several such reads in flight on threads (``preadv`` releases the GIL).
-See docs/architecture.md ("Disk tier") for the measurements behind this.
+- ``values.dat``: the value bytes, in 4 KiB blocks. A value occupies one extent
+  of whole blocks (a few when free space is fragmented). The file is as large
+  as the tier (sparse until written).
+- LMDB (``data.mdb``): one small record per value, ``key → size ‖ xxh3_64 ‖
+  write time ‖ extents``. It is the index: free space is what no record
+  covers, rebuilt at start from the records alone.
+
+A batch of writes puts its values into free extents, then commits their records
+in one LMDB transaction: a value exists once its record is committed, whole or
+not at all. A value that is replaced or deleted keeps its extents until the
+store frees them (after its last read lease), so a read never sees its blocks
+reused. A value whose bytes fail their checksum reads as DATA_LOSS, never as
+wrong bytes.
+
+Reads and writes use ``O_DIRECT`` where the file system takes it (the DRAM tier
+is the cache; the page cache would hold the same bytes twice), one ``preadv`` /
+``pwritev`` per extent through a page-aligned buffer; ``read_many`` keeps several
+reads in flight on threads (they release the GIL). Why not the values inside
+LMDB: py-lmdb touches every 4 KiB page of a value it returns (its ``preload``),
+so under LMDB's ``MADV_RANDOM`` map each read became one synchronous 4 KiB I/O
+per page (0.04 GB/s where ``fio`` reads 1 GB/s); docs/architecture.md has the
+measurements.
+
+Durability: ``kill -9`` loses nothing committed (data is written before its
+record commits; both are in the kernel once the calls return). Power loss:
+with ``sync=True`` the data file is fdatasync'ed before each index commit, and
+the commit is fsync'ed.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import mmap
@@ -30,31 +41,31 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import lmdb
-import numpy as np
-import xxhash
+from dataclasses import dataclass
 
 import grpc
+import lmdb
+import xxhash
 
 from kvstore.errors import CrescentError, DataLossError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 
-_REC = struct.Struct("<QQd")  # xxh3_64, size, unix time of the write
-PAGE = 4096
-ALIGN = 4096
-"""Alignment of direct reads (offset, length and buffer); a multiple of any logical block size."""
+BLOCK = 4096
+"""Allocation unit and direct-I/O alignment (offset, length and buffer address)."""
+DATA_FILE = "values.dat"
+_REC = struct.Struct("<QQdI")  # size, xxh3_64, unix time of the write, number of extents
+_EXT = struct.Struct("<QQ")  # offset, length (whole blocks)
 
 
 class DiskTierError(RuntimeError):
-    """The disk tier cannot start (unreadable, corrupt or locked LMDB file)."""
+    """The disk tier cannot start (unreadable, corrupt or locked files)."""
 
 
 class DiskFullError(ResourceExhaustedError):
-    """The disk tier cannot take a write: its map is full, or the file system is (ENOSPC)."""
+    """The disk tier cannot take a write: no free blocks, or the file system is full (ENOSPC)."""
 
 
 class DiskWriteError(CrescentError):
@@ -64,224 +75,382 @@ class DiskWriteError(CrescentError):
 
 
 def disk_cost(size: int) -> int:
-    """Bytes a value of ``size`` is charged on disk: its record rounded up to LMDB pages."""
-    return -(-(size + _REC.size + 64) // PAGE) * PAGE
+    """Bytes a value of ``size`` takes on disk: whole blocks, at least one."""
+    return max(1, -(-size // BLOCK)) * BLOCK
 
 
-def _map_base(path: str) -> int | None:
-    """Address where this process maps ``path`` from offset 0 (LMDB's map), from /proc/self/maps."""
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n") == real and int(parts[2], 16) == 0:
-                    return int(parts[0].split("-")[0], 16)
-    except OSError:
-        pass
-    return None
+@dataclass(frozen=True, slots=True)
+class Loc:
+    """Where a value's bytes are, and what they must hash to."""
+
+    extents: tuple[tuple[int, int], ...]
+    size: int
+    digest: int
+    written_at: float
+
+    def encode(self) -> bytes:
+        return _REC.pack(self.size, self.digest, self.written_at, len(self.extents)) + b"".join(
+            _EXT.pack(o, n) for o, n in self.extents)
+
+    @staticmethod
+    def decode(buf) -> Loc:
+        """Raises ValueError on a malformed record."""
+        if len(buf) < _REC.size:
+            raise ValueError("short record")
+        size, digest, ts, n = _REC.unpack_from(buf, 0)
+        if len(buf) != _REC.size + n * _EXT.size:
+            raise ValueError("record length does not match its extents")
+        ext = tuple(_EXT.unpack_from(buf, _REC.size + i * _EXT.size) for i in range(n))
+        if sum(ln for _, ln in ext) != (-(-size // BLOCK) * BLOCK if size else 0) or any(
+                o % BLOCK or ln % BLOCK or ln <= 0 for o, ln in ext):
+            raise ValueError("extents do not match the size")
+        return Loc(ext, size, digest, ts)
+
+
+class FreeSpace:
+    """Free extents of the data file: sorted, coalesced; first fit, else several pieces."""
+
+    def __init__(self, total: int, used: Sequence[tuple[int, int]] = ()) -> None:
+        self.starts: list[int] = []
+        self.lens: list[int] = []
+        pos = 0
+        for off, ln in sorted(used):
+            if off < pos or off + ln > total:
+                raise ValueError(f"extent {off}+{ln} overlaps another or ends past the file ({total} bytes)")
+            if off > pos:
+                self.starts.append(pos)
+                self.lens.append(off - pos)
+            pos = off + ln
+        if pos < total:
+            self.starts.append(pos)
+            self.lens.append(total - pos)
+        self.free_bytes = sum(self.lens)
+
+    def alloc(self, nbytes: int) -> tuple[tuple[int, int], ...] | None:
+        """Extents totalling ``nbytes`` (a multiple of BLOCK): one where one fits, else the
+        lowest pieces; None when not enough is free."""
+        if nbytes == 0:
+            return ()
+        if nbytes > self.free_bytes:
+            return None
+        for i, ln in enumerate(self.lens):
+            if ln >= nbytes:
+                off = self.starts[i]
+                self._cut(i, nbytes)
+                return ((off, nbytes),)
+        out, need = [], nbytes
+        while need:
+            take = min(self.lens[0], need)
+            out.append((self.starts[0], take))
+            self._cut(0, take)
+            need -= take
+        return tuple(out)
+
+    def _cut(self, i: int, n: int) -> None:
+        self.free_bytes -= n
+        if self.lens[i] == n:
+            del self.starts[i], self.lens[i]
+        else:
+            self.starts[i] += n
+            self.lens[i] -= n
+
+    def free(self, extents: Sequence[tuple[int, int]]) -> None:
+        for off, ln in extents:
+            i = bisect.bisect_left(self.starts, off)
+            assert i == len(self.starts) or off + ln <= self.starts[i], "freeing a free extent"
+            assert i == 0 or self.starts[i - 1] + self.lens[i - 1] <= off, "freeing a free extent"
+            self.free_bytes += ln
+            if i > 0 and self.starts[i - 1] + self.lens[i - 1] == off:  # merge with the one before
+                i -= 1
+                self.lens[i] += ln
+            else:
+                self.starts.insert(i, off)
+                self.lens.insert(i, ln)
+            if i + 1 < len(self.starts) and self.starts[i] + self.lens[i] == self.starts[i + 1]:
+                self.lens[i] += self.lens[i + 1]
+                del self.starts[i + 1], self.lens[i + 1]
 
 
 class DiskTier:
-    """LMDB-backed tier. Thread-safe: LMDB serialises writers, readers never block."""
+    """The disk tier of one node. Thread-safe."""
 
     def __init__(self, path: str, capacity_bytes: int, sync: bool = False,
-                 read_threads: int = 8, direct: bool = True, offset_reads: bool = True) -> None:
+                 read_threads: int = 8, direct: bool = True) -> None:
         """
         Args:
-            path: folder of the LMDB environment.
-            capacity_bytes: the map size (values are admitted up to 85% of it).
-            sync: fsync each commit (power-loss safe).
+            path: the tier's folder.
+            capacity_bytes: size of the data file (rounded down to blocks).
+            sync: fdatasync the data and fsync each index commit (power-loss safe).
             read_threads: reads ``read_many`` keeps in flight.
-            direct: read with O_DIRECT where the file system allows.
-            offset_reads: read values at their file offsets (False: through the map, page
-                fault by page fault, as before; kept for benchmarks and as the fallback).
+            direct: O_DIRECT reads and writes where the file system takes them.
+
+        Raises:
+            DiskTierError: the folder cannot be used (corrupt, locked, or an older format).
         """
         os.makedirs(path, exist_ok=True)
-        # NOTE: LMDB needs room for its B-tree and free pages beyond the values'
-        # own pages: the tier admits values up to 85% of the map size.
-        self.capacity_bytes = int(capacity_bytes * 0.85)
-        self.map_size = capacity_bytes
+        self.path = path
+        self.capacity_bytes = capacity_bytes // BLOCK * BLOCK
+        self.sync = sync
         try:
-            self.env = lmdb.open(path, map_size=capacity_bytes, subdir=True, max_dbs=1,
+            # NOTE: index records are ~50 bytes: 1/256 of the tier (64 MiB at least) holds far more
+            # records than the tier holds blocks.
+            self.env = lmdb.open(path, map_size=max(64 << 20, capacity_bytes // 256), subdir=True, max_dbs=2,
                                  sync=sync, metasync=sync, readahead=False, lock=True)
-            self.db = self.env.open_db(b"values")
+            try:
+                self.env.open_db(b"values", create=False)
+            except lmdb.NotFoundError:
+                pass
+            else:
+                self.env.close()
+                raise DiskTierError(f"{path} holds the older disk-tier format (values inside LMDB); "
+                                    "it is a cache: delete the folder or point --disk elsewhere")
+            self.db = self.env.open_db(b"extents")
         except lmdb.Error as exc:
             raise DiskTierError(f"cannot open the disk tier at {path}: {exc}") from exc
+        self._lock = threading.Lock()
+        try:
+            used = [ext for _, loc in self.scan() for ext in loc.extents]
+            self.space = FreeSpace(self.capacity_bytes, used)
+        except (DiskTierError, ValueError) as exc:
+            self.env.close()
+            raise DiskTierError(f"the disk tier at {path} cannot start: {exc} "
+                                "(a larger --disk-size than now, or a corrupt index)") from exc
+        data = os.path.join(path, DATA_FILE)
+        try:
+            fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(fd).st_size < self.capacity_bytes:
+                os.ftruncate(fd, self.capacity_bytes)  # sparse: blocks are taken as values land
+        except OSError as exc:
+            self.env.close()
+            raise DiskTierError(f"cannot open the disk tier's data file {data}: {exc}") from exc
+        self._fd = fd
+        self._dfd = self._open_direct(data) if direct else -1
+        self.direct = self._dfd >= 0
         self.read_threads = max(1, read_threads)
         self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-        self._fd, self.direct = -1, False
-        self._base = _map_base(os.path.join(path, "data.mdb")) if offset_reads else None
-        if self._base is not None:
-            self._open_reader(os.path.join(path, "data.mdb"), direct)
-        if self._fd < 0 and offset_reads:
-            log.warning("disk tier %s: reading values through the LMDB map (no file offsets)", path)
 
-    def _open_reader(self, path: str, direct: bool) -> None:
-        """Opens the file for offset reads: O_DIRECT where the file system takes it, else buffered."""
-        for flags in ((os.O_RDONLY | os.O_DIRECT,) if direct and hasattr(os, "O_DIRECT") else ()) + (os.O_RDONLY,):
-            try:
-                fd = os.open(path, flags)
-            except OSError:
-                continue
-            try:
-                buf = mmap.mmap(-1, ALIGN)
-                os.preadv(fd, [buf], 0)  # tmpfs and some others refuse direct reads here (EINVAL)
-            except OSError:
-                os.close(fd)
-                continue
-            self._fd, self.direct = fd, bool(flags & getattr(os, "O_DIRECT", 0))
-            return
+    def _open_direct(self, data: str) -> int:
+        """An O_DIRECT descriptor of the data file, or -1 where the file system refuses direct I/O."""
+        if not hasattr(os, "O_DIRECT"):
+            return -1
+        try:
+            fd = os.open(data, os.O_RDWR | os.O_DIRECT)
+        except OSError:
+            return -1
+        try:
+            os.preadv(fd, [mmap.mmap(-1, BLOCK)], 0)
+        except OSError:
+            os.close(fd)
+            return -1
+        return fd
 
-    def scan(self) -> Iterator[tuple[bytes, int, float]]:
-        """Yields ``(key, size, written_at)`` of every stored value (reads headers only).
+    # ---- index ------------------------------------------------------------------
+
+    def scan(self) -> Iterator[tuple[bytes, Loc]]:
+        """Yields ``(key, loc)`` of every stored value (reads the index only).
 
         Raises:
-            DiskTierError: the file is corrupt.
+            DiskTierError: a record is malformed.
         """
         try:
-            with self.env.begin(db=self.db, buffers=True) as txn:
-                for key, val in txn.cursor():
-                    if len(val) < _REC.size:
-                        raise DiskTierError(f"corrupt record under key {bytes(key).hex()}")
-                    _, size, ts = _REC.unpack_from(val, 0)
-                    if size != len(val) - _REC.size:
-                        raise DiskTierError(f"truncated record under key {bytes(key).hex()}")
-                    yield bytes(key), size, ts
+            with self.env.begin(db=self.db) as txn:
+                for key, rec in txn.cursor():
+                    try:
+                        yield key, Loc.decode(rec)
+                    except ValueError as exc:
+                        raise DiskTierError(f"corrupt index record under key {key.hex()}: {exc}") from exc
         except lmdb.Error as exc:
-            raise DiskTierError(f"the disk tier is corrupt: {exc}") from exc
+            raise DiskTierError(f"the disk tier's index is corrupt: {exc}") from exc
 
-    def put_many(self, items: list[tuple[bytes, list[memoryview] | bytes]]) -> None:
-        """Writes every ``(key, value parts)`` in one transaction.
+    def lookup(self, key: bytes) -> Loc | None:
+        """The committed location of ``key``'s value, or None."""
+        with self.env.begin(db=self.db) as txn:
+            rec = txn.get(key)
+        return None if rec is None else Loc.decode(rec)
+
+    # ---- writes -----------------------------------------------------------------
+
+    def put_many(self, items: list[tuple[bytes, list[memoryview] | bytes]]) -> list[Loc]:
+        """Writes each ``(key, value parts)`` into free blocks, then commits their records in one
+        transaction. A key already on disk now maps to the new value; its old blocks stay
+        taken until ``delete_many`` frees them.
 
         Raises:
-            DiskFullError: the LMDB map or the file system is full (nothing of the batch is written).
-            DiskWriteError: another write error (nothing of the batch is written).
+            DiskFullError: not enough free blocks, or the file system is full (nothing is written).
+            DiskWriteError: another write error (nothing is written).
         """
         now = time.time()
-        nbytes = 0
+        values = []
+        for key, parts in items:
+            if isinstance(parts, (bytes, bytearray, memoryview)):
+                parts = [parts]
+            parts = [memoryview(p).cast("B") for p in parts]
+            h = xxhash.xxh3_64()
+            for p in parts:
+                h.update(p)
+            values.append((key, parts, sum(p.nbytes for p in parts), h.intdigest()))
+        locs: list[Loc] = []
+        with self._lock:
+            for key, parts, size, digest in values:
+                ext = self.space.alloc(disk_cost(size) if size else 0)
+                if ext is None:
+                    for loc in locs:
+                        self.space.free(loc.extents)
+                    raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
+                locs.append(Loc(ext, size, digest, now))
         try:
+            for (_, parts, _, _), loc in zip(values, locs):
+                self._write(parts, loc)
+            if self.sync:
+                os.fdatasync(self._fd)
             with self.env.begin(db=self.db, write=True) as txn:
-                for key, parts in items:
-                    if isinstance(parts, (bytes, bytearray, memoryview)):
-                        parts = [parts]
-                    h = xxhash.xxh3_64()
-                    size = 0
-                    for p in parts:
-                        h.update(p)
-                        size += len(p)
-                    nbytes += disk_cost(size)
-                    txn.put(key, b"".join([_REC.pack(h.intdigest(), size, now), *parts]))
-        except lmdb.MapFullError as exc:
-            raise DiskFullError("the disk tier is full (its map size)") from exc
-        except lmdb.Error as exc:
-            # NOTE: LMDB reports a short write (what a full file system gives) as EIO:
-            # the file system's free space tells the two apart.
-            free = self._free_bytes()
-            if _errno(exc) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < nbytes + (1 << 20)):
-                raise DiskFullError(f"the disk tier's file system is full ({free} bytes free): {exc}") from exc
-            raise DiskWriteError(f"the disk tier failed a write: {exc}") from exc
+                for (key, *_), loc in zip(values, locs):
+                    txn.put(key, loc.encode())
+        except (OSError, lmdb.Error) as exc:
+            with self._lock:
+                for loc in locs:
+                    self.space.free(loc.extents)
+            raise self._write_error(exc) from exc
+        return locs
 
-    def get(self, key: bytes) -> memoryview | None:
-        """The value, verified against its checksum; None if absent.
-
-        Raises:
-            DataLossError: the stored record is corrupt.
-        """
-        return self._read(key)
-
-    def read_many(self, keys: list[bytes]) -> list[memoryview | None | DataLossError]:
-        """Reads values with several large reads in flight: per key its bytes, None (absent)
-        or the DataLossError of a corrupt record."""
-        if len(keys) <= 1 or self.read_threads == 1:
-            return [self._read_or_error(k) for k in keys]
-        return list(self._executor().map(self._read_or_error, keys))
-
-    def delete_many(self, keys: list[bytes]) -> None:
-        """Deletes records in one transaction.
-
-        Raises:
-            DiskWriteError: LMDB could not commit (e.g. a full file system); nothing is deleted.
-        """
-        if not keys:
+    def _write(self, parts: list[memoryview], loc: Loc) -> None:
+        if not loc.extents:
             return
+        if self._dfd >= 0:  # through an aligned buffer: the parts are not all aligned
+            buf = mmap.mmap(-1, sum(n for _, n in loc.extents))
+            pos = 0
+            for p in parts:
+                buf[pos : pos + p.nbytes] = p
+                pos += p.nbytes
+            fd, src = self._dfd, [memoryview(buf)]
+        else:
+            fd, src = self._fd, parts
+        pos = 0
+        for off, n in loc.extents:
+            n = n if fd == self._dfd else min(n, loc.size - pos)
+            views = _slice(src, pos, n)
+            done = 0
+            while done < n:  # a short write: write the rest (the next call reports the error)
+                wrote = os.pwritev(fd, _slice(views, done, n - done), off + done)
+                if wrote <= 0:
+                    raise OSError(errno.ENOSPC, "no progress writing the disk tier")
+                done += wrote
+            pos += n
+
+    def _write_error(self, exc: BaseException) -> CrescentError:
+        code = getattr(exc, "errno", None)
+        if isinstance(exc, lmdb.MapFullError):
+            return DiskFullError("the disk tier's index is full")
+        free = self._fs_free()
+        # NOTE: LMDB reports a short write (what a full file system gives) as EIO
+        if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc) or (
+                free is not None and free < (1 << 20)):
+            return DiskFullError(f"the disk tier's file system is full ({free} bytes free): {exc}")
+        return DiskWriteError(f"the disk tier failed a write: {exc}")
+
+    def _fs_free(self) -> int | None:
         try:
-            with self.env.begin(db=self.db, write=True) as txn:
-                for k in keys:
-                    txn.delete(k)
-        except lmdb.Error as exc:
-            raise DiskWriteError(f"the disk tier failed a delete: {exc}") from exc
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self.env.close()
-
-    # ---- internals ----------------------------------------------------------
-
-    def _free_bytes(self) -> int | None:
-        try:
-            st = os.statvfs(self.env.path())
+            st = os.statvfs(self.path)
         except OSError:
             return None
         return st.f_bavail * st.f_frsize
 
+    def delete_many(self, items: list[tuple[bytes, Loc]]) -> None:
+        """Frees values: deletes each key's record where it still maps to that ``loc`` (not to a
+        newer value), then returns the blocks.
+
+        Raises:
+            DiskWriteError: the index could not commit; nothing is freed.
+        """
+        if not items:
+            return
+        try:
+            with self.env.begin(db=self.db, write=True) as txn:
+                for key, loc in items:
+                    if txn.get(key) == loc.encode():
+                        txn.delete(key)
+        except lmdb.Error as exc:
+            raise DiskWriteError(f"the disk tier failed a delete: {exc}") from exc
+        with self._lock:
+            for _, loc in items:
+                self.space.free(loc.extents)
+
+    # ---- reads ------------------------------------------------------------------
+
+    def read(self, loc: Loc) -> memoryview:
+        """The value at ``loc``, verified against its checksum.
+
+        Raises:
+            DataLossError: the bytes do not match (or could not be read).
+        """
+        if not loc.extents:
+            data = memoryview(b"")
+        else:
+            buf = mmap.mmap(-1, sum(n for _, n in loc.extents))
+            view = memoryview(buf)
+            fd, pos = (self._dfd if self._dfd >= 0 else self._fd), 0
+            try:
+                for off, n in loc.extents:
+                    got = os.preadv(fd, [view[pos : pos + n]], off)
+                    if got < min(n, loc.size - pos):
+                        raise DataLossError(f"short read from the disk tier ({got} of {n} bytes at {off})")
+                    pos += n
+            except OSError as exc:
+                raise DataLossError(f"the disk tier failed a read: {exc}") from exc
+            data = view[: loc.size]
+        if xxhash.xxh3_64_intdigest(data) != loc.digest:
+            raise DataLossError("a disk value failed its checksum")
+        return data
+
+    def read_many(self, locs: list[Loc]) -> list[memoryview | DataLossError]:
+        """Reads values with several large reads in flight: per value its bytes or the error."""
+        if len(locs) <= 1 or self.read_threads == 1:
+            return [self._read_or_error(loc) for loc in locs]
+        return list(self._executor().map(self._read_or_error, locs))
+
+    def get(self, key: bytes) -> memoryview | None:
+        """``key``'s committed value, or None (a convenience for tools and tests).
+
+        Raises:
+            DataLossError: the value is corrupt.
+        """
+        loc = self.lookup(key)
+        return None if loc is None else self.read(loc)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for fd in (self._fd, self._dfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._dfd = -1
+        self.env.close()
+
     def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
+        with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="disk-read")
             return self._pool
 
-    def _read_or_error(self, key: bytes) -> memoryview | None | DataLossError:
+    def _read_or_error(self, loc: Loc) -> memoryview | DataLossError:
         try:
-            return self._read(key)
+            return self.read(loc)
         except DataLossError as exc:
             return exc
 
-    def _read(self, key: bytes) -> memoryview | None:
-        with self.env.begin(db=self.db, buffers=True) as txn:
-            val = txn.get(key)
-            if val is None:
-                return None
-            n = len(val)
-            if n < _REC.size:
-                raise DataLossError(f"corrupt disk record for key {key.hex()}")
-            off = self._offset(val)
-            rec = self._pread(off, n) if off is not None else memoryview(bytes(val))
-        digest, size, _ = _REC.unpack_from(rec, 0)
-        data = rec[_REC.size:]
-        if size != len(data) or xxhash.xxh3_64_intdigest(data) != digest:
-            raise DataLossError(f"disk record for key {key.hex()} failed its checksum")
-        return data
 
-    def _offset(self, val: memoryview) -> int | None:
-        """The file offset of a value LMDB handed out as a buffer into its map, when
-        offset reads are on and the value spans more than a page (smaller values are
-        copied from the map: they sit inside B-tree pages, one fault at most)."""
-        if self._fd < 0 or len(val) < PAGE:
-            return None
-        off = np.frombuffer(val, np.uint8).ctypes.data - self._base
-        return off if 0 <= off and off + len(val) <= self.map_size else None
-
-    def _pread(self, off: int, n: int) -> memoryview:
-        """``n`` bytes at ``off`` of the file in one aligned read, into a fresh page-aligned buffer."""
-        start = off - off % ALIGN
-        end = -(-(off + n) // ALIGN) * ALIGN
-        buf = mmap.mmap(-1, end - start)
-        got = os.preadv(self._fd, [buf], start)
-        if got < off + n - start:
-            raise DataLossError(f"short read from the disk tier ({got} of {end - start} bytes)")
-        return memoryview(buf)[off - start : off - start + n]
-
-
-def _errno(exc: lmdb.Error) -> int | None:
-    """The errno behind a py-lmdb error, from its message (py-lmdb keeps LMDB's text only)."""
-    text = str(exc)
-    for code in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-        if os.strerror(code) in text:
-            return code
-    return None
+def _slice(views: list[memoryview], start: int, n: int) -> list[memoryview]:
+    """The byte range ``[start, start + n)`` of the concatenation of ``views``, as views."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        if start >= v.nbytes:
+            start -= v.nbytes
+            continue
+        take = min(v.nbytes - start, n)
+        out.append(v[start : start + take])
+        n -= take
+        start = 0
+    return out

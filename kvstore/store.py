@@ -18,10 +18,10 @@ slot arena) and DISK (LMDB). Each key lives in exactly one tier.
   (``promote=True``); into a full one (demoting others) only on its
   ``promote_after``-th read among the recent disk reads, so a scan does not
   turn reads into writes.
-- A value promoted from disk keeps its disk record (the tiers are inclusive for
+- A value promoted from disk keeps its disk copy (the tiers are inclusive for
   it): demoting it again writes nothing, so a read-mostly working set larger
   than DRAM moves up and down without disk writes. Replacing or deleting the
-  key deletes the record; the disk drops such copies first when it needs room.
+  key frees the copy; the disk drops such copies first when it needs room.
 - Disk reads of a batch run in parallel (``DiskTier.read_many``).
 - A read lease keeps its value in place: it is neither evicted nor freed while
   leased; a delete or replace under a lease frees the old bytes on release.
@@ -43,7 +43,7 @@ from typing import Literal
 
 from kvstore.arena import DeviceArena, HostArena, SlotAllocator
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
-from kvstore.disk import DiskFullError, DiskTier, DiskWriteError, disk_cost
+from kvstore.disk import DiskFullError, DiskTier, DiskWriteError, Loc, disk_cost
 from kvstore.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
                             ResourceExhaustedError)
 
@@ -67,7 +67,8 @@ class _Entry:
     leases: int = 0
     pinned_until: float = 0.0
     live: bool = True  # False once deleted or replaced; storage freed on last release
-    on_disk: bool = False  # an arena value whose disk record (it was promoted from) is kept
+    on_disk: bool = False  # an arena value whose disk copy (it was promoted from) is kept
+    loc: Loc | None = None  # where its bytes are on disk: a disk value's, or an arena value's kept copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +152,11 @@ class TieredStore:
         """Arena entries whose disk record is kept (``on_disk``), oldest promotion first."""
         self._num_leases = 0
         if self.disk is not None:
-            for key, size, _ in sorted(self.disk.scan(), key=lambda r: r[2]):
-                e = _Entry(key, size, Tier.DISK, None)
+            for key, loc in sorted(self.disk.scan(), key=lambda r: r[1].written_at):
+                e = _Entry(key, loc.size, Tier.DISK, None, loc=loc)
                 self._index[key] = e
                 self._lru[Tier.DISK][key] = e
-                self._disk_used += disk_cost(size)
+                self._disk_used += disk_cost(loc.size)
 
     # ---- writes -------------------------------------------------------------
 
@@ -216,10 +217,11 @@ class TieredStore:
                 if r.done:
                     raise FailedPreconditionError("reservation already committed or aborted")
             to_disk = [r for r in reservations if r.tier is Tier.DISK]
+            locs = {}
             if to_disk:
                 try:
-                    self._disk_put([(r.key, r.buffer) for r in to_disk],
-                                   sum(disk_cost(r.size) for r in to_disk))
+                    locs = dict(zip(map(id, to_disk), self._disk_put(
+                        [(r.key, r.buffer) for r in to_disk], sum(disk_cost(r.size) for r in to_disk))))
                 except (ResourceExhaustedError, DiskWriteError):
                     for r in reservations:
                         self._abort_locked(r)
@@ -229,7 +231,7 @@ class TieredStore:
                 slots = r.slots
                 if r.tier is Tier.DEVICE:
                     self._arena(Tier.DEVICE).write(slots, r.views)
-                self._install(_Entry(r.key, r.size, r.tier, slots))
+                self._install(_Entry(r.key, r.size, r.tier, slots, loc=locs.get(id(r))))
                 self.counters["bytes_in"] += r.size
                 r.views = []
                 r.buffer = None
@@ -290,7 +292,7 @@ class TieredStore:
                     on_disk.append((i, e))
         if not on_disk:
             return out
-        got = self.disk.read_many([e.key for _, e in on_disk])
+        got = self.disk.read_many([e.loc for _, e in on_disk])
         read = []
         with self._lock:
             for (i, e), data in zip(on_disk, got):
@@ -299,9 +301,7 @@ class TieredStore:
                     out[i] = Lease(e.key, len(data), Tier.DISK, [data], e)
                     read.append((e, data))
                     continue
-                # NOTE: a leased disk value's record stays until its last release, so a
-                # record that is gone or fails its checksum is corrupt.
-                self.counters["corrupt"] += 1
+                self.counters["corrupt"] += 1  # its blocks are its own while leased: they rotted
                 if e.live and e.tier is Tier.DISK:
                     self._remove(e, "corrupt")
                 self._release_locked(Lease(e.key, 0, Tier.DISK, [], e))
@@ -524,32 +524,25 @@ class TieredStore:
     def _free_storage(self, e: _Entry) -> None:
         if e.tier is Tier.DISK:
             self._disk_used -= disk_cost(e.size)
-            # NOTE: a replaced disk value shares its LMDB key with the new one,
-            # which may be on disk too: delete only if nothing live is there.
-            if not self._record_in_use(e.key):
-                self._disk_delete([e.key])
+            self._disk_delete([(e.key, e.loc)])
         else:
             self._arena(e.tier).free(e.slots)
             e.slots = None
 
-    def _record_in_use(self, key: bytes) -> bool:
-        """Whether the live value of ``key`` is held by its disk record (in the disk tier, or a kept copy)."""
-        cur = self._index.get(key)
-        return cur is not None and (cur.tier is Tier.DISK or cur.on_disk)
-
     def _drop_copy(self, e: _Entry) -> None:
-        """Forgets the disk record kept for arena entry ``e``; deletes it unless the key's live value is there."""
+        """Frees the disk copy kept for arena entry ``e``."""
         e.on_disk = False
         if self._copies.get(e.key) is e:
             del self._copies[e.key]
         self._disk_used -= disk_cost(e.size)
-        if not self._record_in_use(e.key):
-            self._disk_delete([e.key])
+        self._disk_delete([(e.key, e.loc)])
+        e.loc = None
 
-    def _disk_delete(self, keys: list[bytes]) -> None:
+    def _disk_delete(self, items: list[tuple[bytes, Loc]]) -> None:
+        """Frees disk values (their records, unless the key now maps to a newer value, and blocks)."""
         try:
-            self.disk.delete_many(keys)
-        except DiskWriteError as exc:  # the records linger until a restart finds them
+            self.disk.delete_many(items)
+        except DiskWriteError as exc:  # records and blocks stay until a restart finds them
             self.counters["disk_errors"] += 1
             log.warning("%s", exc)
 
@@ -621,29 +614,31 @@ class TieredStore:
 
     def _drop_copies(self, need: float) -> int:
         """Drops kept disk records, oldest first, until ``need`` bytes are freed; returns bytes freed."""
-        freed, keys = 0, []
+        freed, items = 0, []
         while freed < need and self._copies:
             _, e = self._copies.popitem(last=False)
             e.on_disk = False
             self._disk_used -= disk_cost(e.size)
             freed += disk_cost(e.size)
-            keys.append(e.key)
-        self._disk_delete(keys)
+            items.append((e.key, e.loc))
+            e.loc = None
+        self._disk_delete(items)
         return freed
 
-    def _disk_put(self, items: list, cost: int) -> None:
-        """Writes ``items`` to disk; when LMDB finds its map full below the admitted
-        capacity (its own pages and fragmentation can take more than the headroom),
-        evicts the disk's LRU values worth ``cost`` and retries, while any is evictable.
+    def _disk_put(self, items: list, cost: int) -> list[Loc]:
+        """Writes ``items`` to disk, returning their locations; when the disk refuses for want of
+        room (the file system is full, or blocks still held by leased values), drops kept copies
+        or evicts the disk's LRU values worth ``cost`` and retries, while any is evictable.
 
         Raises:
             ResourceExhaustedError: still full with nothing left to evict.
+            DiskWriteError: another write error.
         """
         while True:
             try:
-                self.disk.put_many(items)
+                locs = self.disk.put_many(items)
                 self.counters["disk_bytes_written"] += sum(_nbytes(parts) for _, parts in items)
-                return
+                return locs
             except DiskFullError as exc:
                 self.counters["disk_full"] += 1
                 log.warning("%s; evicting from the disk tier", exc)
@@ -695,12 +690,13 @@ class TieredStore:
             costs = sum(disk_cost(e.size) for e in victims)
             if self._make_disk_room(costs):
                 try:
-                    self._disk_put([(e.key, arena.views(e.slots, e.size)) for e in victims], costs)
+                    locs = self._disk_put([(e.key, arena.views(e.slots, e.size)) for e in victims], costs)
                 except (ResourceExhaustedError, DiskWriteError):
                     pass
                 else:
                     self._disk_used += costs
-                    for e in victims:
+                    for e, loc in zip(victims, locs):
+                        e.loc = loc
                         self._move(e, Tier.DISK, None)
                     return
         for e in victims:
@@ -716,7 +712,8 @@ class TieredStore:
                 self._copies[e.key] = e
             else:
                 self._disk_used -= disk_cost(e.size)
-                self._disk_delete([e.key])
+                self._disk_delete([(e.key, e.loc)])
+                e.loc = None
         else:
             self._arena(old_tier).free(e.slots)
             if tier is Tier.DISK and e.on_disk:

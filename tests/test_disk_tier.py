@@ -9,9 +9,10 @@ import lmdb
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.disk import PAGE, DiskFullError, DiskTier, disk_cost
+from kvstore.disk import BLOCK, DATA_FILE, DiskFullError, DiskTier, DiskTierError, disk_cost
 from kvstore.errors import DataLossError, ResourceExhaustedError
 from kvstore.store import Tier, TieredStore
+from tests.test_store import flip_disk_byte
 
 SLOT = 4096
 _OPEN: list = []
@@ -40,51 +41,99 @@ def val(tag: int, size: int = SLOT) -> bytes:
     return (head * (size // len(head) + 1))[:size]
 
 
-# ---- DiskTier reads ------------------------------------------------------------------
+# ---- DiskTier: the data file and its index -------------------------------------------
 
 
-def test_values_are_read_at_their_file_offsets_in_parallel(tmp_path):
+def test_values_round_trip_through_aligned_extents_in_parallel(tmp_path):
     d = DiskTier(str(tmp_path / "d"), 64 << 20, read_threads=4)
     _OPEN.append(d)
-    sizes = [0, 1, 100, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 1 << 20, (1 << 20) + 5]
-    d.put_many([(b"k%d" % i, val(i, n)) for i, n in enumerate(sizes)])
-    assert d._fd >= 0, "offset reads are on (the map's base was found)"
-    keys = [b"k%d" % i for i in range(len(sizes))] + [b"absent"]
-    got = d.read_many(keys)
-    assert [bytes(g) for g in got[:-1]] == [val(i, n) for i, n in enumerate(sizes)]
-    assert got[-1] is None
-    assert bytes(d.get(b"k7")) == val(7, 1 << 20)
-    # the offset path is what served them: a planted wrong map base makes every large read fail
-    # its checksum (never return other bytes), while values inside a page still read from the map
-    d._base -= PAGE
-    bad = d.read_many(keys[:-1])
-    assert [isinstance(g, DataLossError) for g in bad] == [n + 24 >= PAGE for n in sizes]  # record: 24-byte header + value
-
-
-def test_the_map_path_reads_the_same_bytes(tmp_path):
-    path = str(tmp_path / "d")
-    d = DiskTier(path, 64 << 20)
-    d.put_many([(b"k%d" % i, val(i, 5 * PAGE + i)) for i in range(20)])
+    sizes = [0, 1, 100, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 1 << 20, (1 << 20) + 5]
+    locs = d.put_many([(b"k%d" % i, val(i, n)) for i, n in enumerate(sizes)])
+    for loc, n in zip(locs, sizes):
+        assert loc.size == n and all(o % BLOCK == 0 and ln % BLOCK == 0 for o, ln in loc.extents)
+        assert sum(ln for _, ln in loc.extents) == (disk_cost(n) if n else 0)
+    assert [bytes(v) for v in d.read_many(locs)] == [val(i, n) for i, n in enumerate(sizes)]
+    assert d.lookup(b"k7") == locs[7] and d.lookup(b"absent") is None
     d.close()
-    old = DiskTier(path, 64 << 20, offset_reads=False)
-    _OPEN.append(old)
-    assert old._fd < 0
-    assert [bytes(v) for v in old.read_many([b"k%d" % i for i in range(20)])] == [
-        val(i, 5 * PAGE + i) for i in range(20)]
+    d = DiskTier(str(tmp_path / "d"), 64 << 20)  # the index alone rebuilds where everything is
+    _OPEN.append(d)
+    assert dict(d.scan()) == {b"k%d" % i: loc for i, loc in enumerate(locs)}
+    assert d.space.free_bytes == d.capacity_bytes - sum(ln for loc in locs for _, ln in loc.extents)
 
 
-def test_a_corrupt_record_in_a_batch_is_a_counted_miss_and_the_rest_read(tmp_path):
+def test_free_space_first_fit_coalescing_and_fragmented_values(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 16 * BLOCK)
+    _OPEN.append(d)
+    locs = d.put_many([(b"k%d" % i, val(i, 2 * BLOCK)) for i in range(8)])  # the file is full
+    assert [loc.extents for loc in locs] == [((2 * BLOCK * i, 2 * BLOCK),) for i in range(8)]
+    with pytest.raises(DiskFullError):
+        d.put_many([(b"more", b"x")])
+    d.delete_many([(b"k1", locs[1]), (b"k3", locs[3]), (b"k4", locs[4])])  # 3+4 coalesce
+    assert list(zip(d.space.starts, d.space.lens)) == [(2 * BLOCK, 2 * BLOCK), (6 * BLOCK, 4 * BLOCK)]
+    (big,) = d.put_many([(b"big", val(9, 5 * BLOCK))])  # no hole of 5 blocks: it takes two pieces
+    assert big.extents == ((2 * BLOCK, 2 * BLOCK), (6 * BLOCK, 3 * BLOCK))
+    assert bytes(d.get(b"big")) == val(9, 5 * BLOCK)
+    assert d.space.free_bytes == BLOCK
+
+
+def test_replacing_a_key_keeps_the_old_blocks_until_they_are_freed(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 64 * BLOCK)
+    _OPEN.append(d)
+    (old,) = d.put_many([(b"k", val(1, 3 * BLOCK))])
+    (new,) = d.put_many([(b"k", val(2, 3 * BLOCK))])
+    assert new.extents != old.extents and d.lookup(b"k") == new
+    assert bytes(d.read(old)) == val(1, 3 * BLOCK)  # a reader of the old value still reads it
+    d.delete_many([(b"k", old)])  # frees the old blocks, keeps the record of the new value
+    assert d.lookup(b"k") == new and bytes(d.get(b"k")) == val(2, 3 * BLOCK)
+    d.delete_many([(b"k", new)])
+    assert d.lookup(b"k") is None and d.space.free_bytes == d.capacity_bytes
+
+
+def test_direct_io_where_the_file_system_takes_it(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 1 << 20)
+    _OPEN.append(d)
+    assert d.direct, "ext4 and tmpfs take O_DIRECT on this kernel"
+    (loc,) = d.put_many([(b"k", val(3, 70_000))])
+    assert bytes(d.read(loc)) == val(3, 70_000)
+    buffered = DiskTier(str(tmp_path / "b"), 1 << 20, direct=False)
+    _OPEN.append(buffered)
+    assert not buffered.direct
+    (loc,) = buffered.put_many([(b"k", [memoryview(val(3, 70_000))[:5], memoryview(val(3, 70_000))[5:]])])
+    assert bytes(buffered.read(loc)) == val(3, 70_000)
+
+
+def test_bit_rot_reads_as_data_loss_never_as_other_bytes(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 1 << 20)
+    _OPEN.append(d)
+    (loc,) = d.put_many([(b"k", val(4, 10_000))])
+    with open(tmp_path / "d" / DATA_FILE, "r+b") as f:
+        f.seek(loc.extents[0][0] + 5000)
+        f.write(b"\x00")
+    with pytest.raises(DataLossError, match="checksum"):
+        d.read(loc)
+    assert isinstance(d.read_many([loc, loc])[0], DataLossError)
+
+
+def test_an_older_format_folder_and_a_shrunk_tier_are_clear_startup_errors(tmp_path):
+    env = lmdb.open(str(tmp_path / "old"), max_dbs=1)
+    env.open_db(b"values")
+    env.close()
+    with pytest.raises(DiskTierError, match="older disk-tier format"):
+        DiskTier(str(tmp_path / "old"), 1 << 20)
+    d = DiskTier(str(tmp_path / "d"), 1 << 20)
+    d.put_many([(b"k%d" % i, val(i, 100_000)) for i in range(8)])
+    d.close()
+    with pytest.raises(DiskTierError, match="larger --disk-size"):
+        DiskTier(str(tmp_path / "d"), 256 << 10)
+
+
+def test_a_corrupt_value_in_a_batch_is_a_counted_miss_and_the_rest_read(tmp_path):
     s = make(tmp_path / "d", slots=1)
     for i in range(6):
         s.put(b"k%d" % i, val(i, 3 * SLOT + 10))  # 4 slots: each goes straight to disk
     assert all(s.tier_of(b"k%d" % i) is Tier.DISK for i in range(6))
     s.close()
-    env = lmdb.open(str(tmp_path / "d"), max_dbs=1)
-    with env.begin(db=env.open_db(b"values"), write=True) as txn:
-        rec = bytearray(txn.get(b"k2"))
-        rec[len(rec) // 2] ^= 0x01
-        txn.put(b"k2", bytes(rec))
-    env.close()
+    flip_disk_byte(tmp_path / "d", b"k2", 3 * SLOT)
     s = make(tmp_path / "d", slots=1)
     leases = s.acquire_many([b"k%d" % i for i in range(6)])
     assert leases[2] is None
@@ -93,6 +142,7 @@ def test_a_corrupt_record_in_a_batch_is_a_counted_miss_and_the_rest_read(tmp_pat
     s.release_many(ls for ls in leases if ls)
     st = s.stats()
     assert st["corrupt"] == 1 and s.exists([b"k2"]) == [False] and st["num_leases"] == 0
+    assert s.disk.lookup(b"k2") is None  # its record and blocks are gone too
 
 
 # ---- kept copies (inclusive tiering) ------------------------------------------------
@@ -237,7 +287,7 @@ def small_fs(tmp_path):
 
 
 def test_a_full_file_system_is_a_clear_error_and_nothing_committed_is_lost(small_fs):
-    d = DiskTier(str(small_fs / "d"), 64 << 20)  # the map is far larger than the file system
+    d = DiskTier(str(small_fs / "d"), 64 << 20)  # the tier is far larger than the file system
     _OPEN.append(d)
     written = []
     with pytest.raises(DiskFullError, match="file system is full"):
@@ -248,10 +298,8 @@ def test_a_full_file_system_is_a_clear_error_and_nothing_committed_is_lost(small
     for i in written:  # every committed value reads back
         assert bytes(d.get(b"k%d" % i)) == val(i, 256 << 10)
     assert d.get(b"k%d" % (written[-1] + 1)) is None  # the refused batch left nothing
-    # freed pages are reused (from the second transaction after the one that freed them:
-    # LMDB keeps the previous snapshot readable): a write fits again
-    d.delete_many([b"k%d" % written[0]])
-    d.delete_many([b"k%d" % written[1]])
+    # freed blocks are reused: a write fits again
+    d.delete_many([(b"k%d" % i, d.lookup(b"k%d" % i)) for i in written[:2]])
     d.put_many([(b"again", val(99, 200 << 10))])
     assert bytes(d.get(b"again")) == val(99, 200 << 10)
 

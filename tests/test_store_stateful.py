@@ -68,7 +68,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = TieredStore(
             # NOTE: exclusive tiers (no disk copies of promoted values): the model checks each
             # eviction round exactly; the kept copies have their own tests in test_store.py
-            StoreConfig(dram=6 * SLOT, slot_size=SLOT, disk=self.dir, disk_size=160 << 10,
+            StoreConfig(dram=6 * SLOT, slot_size=SLOT, disk=self.dir, disk_size=96 << 10,
                         high_watermark=0.9, low_watermark=0.6, disk_copies=False),
             listener=self.events.append)
 

@@ -288,7 +288,7 @@ class StoreAgent(MemberAgent):
         self.member_id = node.node_id
         self.address = node.address
         if node.store.disk is not None:
-            self.seed((key, Tier.DISK) for key, _, _ in node.store.disk.scan())
+            self.seed((key, Tier.DISK) for key, _ in node.store.disk.scan())
         return self.start()
 
     def _store_load(self) -> cpb.StoreLoad | None:
