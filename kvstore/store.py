@@ -107,6 +107,7 @@ class Lease:
     views: list[memoryview]
     _entry: _Entry
     released: bool = False
+    _hold: object = None  # a disk read's pooled buffer (kvstore.disk.Hold), returned at release
 
 
 def check_key(key: bytes) -> None:
@@ -292,19 +293,20 @@ class TieredStore:
                     on_disk.append((i, e))
         if not on_disk:
             return out
-        got = self.disk.read_many([e.loc for _, e in on_disk])
+        holds: list = []
+        got = self.disk.read_many([e.loc for _, e in on_disk], holds)
         read = []
         with self._lock:
-            for (i, e), data in zip(on_disk, got):
+            for (i, e), data, hold in zip(on_disk, got, holds):
                 if isinstance(data, memoryview):
                     self.counters["disk_bytes_read"] += len(data)
-                    out[i] = Lease(e.key, len(data), Tier.DISK, [data], e)
+                    out[i] = Lease(e.key, len(data), Tier.DISK, [data], e, _hold=hold)
                     read.append((e, data))
                     continue
                 self.counters["corrupt"] += 1  # its blocks are its own while leased: they rotted
                 if e.live and e.tier is Tier.DISK:
                     self._remove(e, "corrupt")
-                self._release_locked(Lease(e.key, 0, Tier.DISK, [], e))
+                self._release_locked(Lease(e.key, 0, Tier.DISK, [], e, _hold=hold))
         if self.config.promote and self._arenas:
             for e, data in read:
                 self._promote(e, data)
@@ -325,6 +327,9 @@ class TieredStore:
             return
         lease.released = True
         lease.views = []
+        if lease._hold is not None:
+            lease._hold.release()
+            lease._hold = None
         e = lease._entry
         e.leases -= 1
         self._num_leases -= 1

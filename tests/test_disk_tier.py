@@ -61,6 +61,29 @@ def test_values_round_trip_through_aligned_extents_in_parallel(tmp_path):
     assert d.space.free_bytes == d.capacity_bytes - sum(ln for loc in locs for _, ln in loc.extents)
 
 
+def test_a_batch_written_together_is_read_in_runs_into_reused_buffers(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 64 << 20, read_threads=4)
+    _OPEN.append(d)
+    locs = d.put_many([(b"k%d" % i, val(i, 70_000)) for i in range(40)])  # adjacent, first fit
+    assert all(b.extents[0][0] == a.extents[0][0] + a.extents[0][1] for a, b in zip(locs, locs[1:]))
+    order = list(range(40))
+    random.Random(3).shuffle(order)  # asked for in any order, with one key twice
+    asked = [locs[i] for i in order] + [locs[order[0]]]
+    holds: list = []
+    got = d.read_many(asked, holds)
+    assert [bytes(v) for v in got] == [val(i, 70_000) for i in order] + [val(order[0], 70_000)]
+    runs = {id(h) for h in holds}
+    assert len(runs) <= 4, "40 adjacent values of 72 KiB are read in runs of up to 8 MiB"
+    assert d._buffers._idle == {n: [] for n in d._buffers.SIZES}
+    for h in holds:
+        h.release()
+    idle = sum(len(v) for v in d._buffers._idle.values())
+    assert idle == len(runs), "every buffer went back once all its values were released"
+    again = d.read_many(asked[:5], [])
+    assert [bytes(v) for v in again] == [val(i, 70_000) for i in order[:5]]
+    assert sum(len(v) for v in d._buffers._idle.values()) == idle - 1  # one buffer reused
+
+
 def test_free_space_first_fit_coalescing_and_fragmented_values(tmp_path):
     d = DiskTier(str(tmp_path / "d"), 16 * BLOCK)
     _OPEN.append(d)
