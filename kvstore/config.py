@@ -48,11 +48,12 @@ class StoreConfig:
     slot_size: int = field(default=64 << 10, metadata={"size": True})
     """Size of one DRAM arena slot; a value occupies ceil(size/slot_size) slots."""
     disk: str | None = None
-    """Folder of the LMDB disk tier; none disables the tier."""
+    """Folder of the disk tier (a data file of values and its LMDB index); none disables the tier."""
     disk_size: int = field(default=16 << 30, metadata={"size": True})
-    """Capacity of the disk tier (the LMDB map size)."""
+    """Capacity of the disk tier (the size of its data file)."""
     disk_sync: bool = False
-    """fsync each disk transaction (survives power loss; kill -9 is safe either way)."""
+    """fdatasync the data and fsync the index at each disk commit (survives power loss; kill -9
+    is safe either way)."""
     disk_read_threads: int = 8
     """Disk reads a batch keeps in flight (each one large direct read of a whole value)."""
     device: int = field(default=0, metadata={"size": True})
