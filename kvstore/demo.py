@@ -1,6 +1,6 @@
 """`make demo`: a store node, a prefix-reuse workload across tenants, and tiering, in a minute.
 
-Starts `crescent store` as a real process (64 MiB of DRAM over an LMDB disk
+Starts `crescent store` as a real process (64 MiB of DRAM over a disk
 tier), then plays a stand-in engine: each request's prompt is split into
 chunk keys; the engine looks the prefix up, loads and verifies the hit chunks,
 "computes" the rest and stores them. Requests of three tenants share a system
