@@ -73,6 +73,10 @@ class StoreConfig:
     """Keep the disk record of a value promoted from disk (inclusive tiering): demoting it
     again writes nothing, so a working set larger than DRAM does not turn reads into writes.
     The disk drops these copies first when it needs room."""
+    write_behind: bool = True
+    """Write the coldest DRAM values to disk on a background thread before eviction needs
+    their room (they stay in DRAM, now with a disk copy), so that evicting them writes
+    nothing and puts rarely wait on the disk."""
     max_value_size: int = field(default=256 << 20, metadata={"size": True})
     """Largest accepted value."""
     data_port: int = 0

@@ -319,10 +319,11 @@ class DiskTier:
 
     # ---- writes -----------------------------------------------------------------
 
-    def put_many(self, items: list[tuple[bytes, list[memoryview] | bytes]]) -> list[Loc]:
+    def put_many(self, items: list[tuple[bytes, list[memoryview] | bytes]], only_new: bool = False) -> list[Loc]:
         """Writes each ``(key, value parts)`` into free blocks, then commits their records in one
         transaction. A key already on disk now maps to the new value; its old blocks stay
-        taken until ``delete_many`` frees them.
+        taken until ``delete_many`` frees them. With ``only_new``, a key that already has a
+        record keeps it: that item is not stored and its place in the result is None.
 
         Raises:
             DiskFullError: not enough free blocks, or the file system is full (nothing is written).
@@ -351,14 +352,21 @@ class DiskTier:
             self._write(values, locs)
             if self.sync:
                 os.fdatasync(self._fd)
+            stored = []
             with self.env.begin(db=self.db, write=True) as txn:
                 for (key, *_), loc in zip(values, locs):
-                    txn.put(key, loc.encode())
+                    stored.append(txn.put(key, loc.encode(), overwrite=not only_new))
         except (OSError, lmdb.Error) as exc:
             with self._lock:
                 for loc in locs:
                     self.space.free(loc.extents)
             raise self._write_error(exc) from exc
+        if not all(stored):
+            with self._lock:
+                for loc, ok in zip(locs, stored):
+                    if not ok:
+                        self.space.free(loc.extents)
+            locs = [loc if ok else None for loc, ok in zip(locs, stored)]
         return locs
 
     def _write(self, values: list, locs: list[Loc]) -> None:

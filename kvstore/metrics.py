@@ -42,7 +42,8 @@ class StoreCollector:
                           ("promotions_deferred", "Disk reads that did not earn a place in a full faster tier"),
                           ("demotions_clean", "Demotions that wrote nothing (the value's disk record was kept)"),
                           ("disk_full", "Disk writes refused for want of room (map or file system full)"),
-                          ("disk_errors", "Disk writes or deletes that failed otherwise")):
+                          ("disk_errors", "Disk writes or deletes that failed otherwise"),
+                          ("written_behind", "DRAM values written to disk in the background ahead of eviction")):
             yield CounterMetricFamily(f"crescent_store_{name}", doc, value=s[name])
         yield GaugeMetricFamily("crescent_store_leases", "Read leases held", value=s["num_leases"])
         yield GaugeMetricFamily("crescent_store_pinned", "Values pinned", value=s["num_pinned"])

@@ -69,6 +69,8 @@ class _Entry:
     live: bool = True  # False once deleted or replaced; storage freed on last release
     on_disk: bool = False  # an arena value whose disk copy (it was promoted from) is kept
     loc: Loc | None = None  # where its bytes are on disk: a disk value's, or an arena value's kept copy
+    flushing: bool = False  # being written to disk behind (held by one lease meanwhile)
+    no_flush: bool = False  # write-behind could not store it: left to eviction
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,18 +148,24 @@ class TieredStore:
                          "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
                          "corrupt": 0, "bytes_in": 0, "bytes_out": 0,
                          "disk_bytes_read": 0, "disk_bytes_written": 0, "promotions_deferred": 0,
-                         "demotions_clean": 0, "disk_full": 0, "disk_errors": 0}
+                         "demotions_clean": 0, "disk_full": 0, "disk_errors": 0, "written_behind": 0}
         self._disk_reads: OrderedDict[bytes, int] = OrderedDict()
         """Keys recently read from disk and not promoted -> reads counted (``promote_after``)."""
         self._copies: OrderedDict[bytes, _Entry] = OrderedDict()
         """Arena entries whose disk record is kept (``on_disk``), oldest promotion first."""
         self._num_leases = 0
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._flusher: threading.Thread | None = None
         if self.disk is not None:
             for key, loc in sorted(self.disk.scan(), key=lambda r: r[1].written_at):
                 e = _Entry(key, loc.size, Tier.DISK, None, loc=loc)
                 self._index[key] = e
                 self._lru[Tier.DISK][key] = e
                 self._disk_used += disk_cost(loc.size)
+        if self.disk is not None and config.write_behind:
+            self._flusher = threading.Thread(target=self._write_behind, name="crescent-write-behind", daemon=True)
+            self._flusher.start()
 
     # ---- writes -------------------------------------------------------------
 
@@ -236,6 +244,8 @@ class TieredStore:
                 self.counters["bytes_in"] += r.size
                 r.views = []
                 r.buffer = None
+            if self._flusher is not None:
+                self._wake.notify()
 
     def abort(self, res: Reservation) -> None:
         """Returns a reservation's room; its bytes are never visible. Idempotent."""
@@ -471,7 +481,7 @@ class TieredStore:
                     "disk_bytes_read": c["disk_bytes_read"], "disk_bytes_written": c["disk_bytes_written"],
                     "promotions_deferred": c["promotions_deferred"],
                     "demotions_clean": c["demotions_clean"], "disk_full": c["disk_full"],
-                    "disk_errors": c["disk_errors"],
+                    "disk_errors": c["disk_errors"], "written_behind": c["written_behind"],
                     "num_leases": self._num_leases,
                     "num_pinned": sum(e.pinned_until > now for e in self._index.values())}
 
@@ -479,6 +489,11 @@ class TieredStore:
         return len(self._index)
 
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._flusher is not None:
+            self._flusher.join()
         with self._lock:
             for _, arena in self._arenas:
                 arena.close()
@@ -533,6 +548,72 @@ class TieredStore:
         else:
             self._arena(e.tier).free(e.slots)
             e.slots = None
+
+    def _write_behind(self) -> None:
+        """The background writer: keeps the coldest DRAM values written to disk (as kept copies),
+        so that evicting them writes nothing. Works while DRAM is within two eviction rounds
+        of its high watermark, a batch of up to 8 MiB at a time, only into free disk room."""
+        while True:
+            with self._lock:
+                batch = self._flush_batch()
+                while not batch and not self._closing:
+                    self._wake.wait(timeout=0.5)
+                    batch = self._flush_batch()
+                if self._closing:
+                    for e in batch:
+                        self._flush_done(e, None)
+                    return
+                items = [(e.key, self.dram.views(e.slots, e.size)) for e in batch]
+            try:
+                locs = self.disk.put_many(items, only_new=True)
+            except (ResourceExhaustedError, DiskWriteError) as exc:
+                log.warning("write-behind: %s", exc)
+                locs = [None] * len(batch)
+            with self._lock:
+                for e, loc in zip(batch, locs):
+                    self._flush_done(e, loc)
+
+    def _flush_batch(self) -> list[_Entry]:
+        """Dirty DRAM values to write behind now (held, charged to the disk), coldest first."""
+        arena, cfg = self.dram, self.config
+        used = arena.num_slots - arena.num_free
+        if used < (2 * cfg.low_watermark - cfg.high_watermark) * arena.num_slots:
+            return []
+        window = max(1, int(2 * (cfg.high_watermark - cfg.low_watermark) * arena.num_slots))
+        room = cfg.high_watermark * self.disk.capacity_bytes - self._disk_used
+        now, seen, nbytes, batch = time.monotonic(), 0, 0, []
+        for e in self._lru[Tier.DRAM].values():
+            if seen >= window or nbytes >= _FLUSH_BYTES or len(batch) * 4 >= arena.num_slots:
+                break
+            seen += len(e.slots)
+            if e.on_disk or e.flushing or e.no_flush or e.leases or e.pinned_until > now:
+                continue
+            if nbytes + disk_cost(e.size) > room:
+                break
+            batch.append(e)
+            nbytes += disk_cost(e.size)
+        for e in batch:
+            e.flushing = True
+            e.leases += 1  # held: neither evicted nor freed while its slots are being written
+        self._disk_used += nbytes
+        return batch
+
+    def _flush_done(self, e: _Entry, loc: Loc | None) -> None:
+        e.flushing = False
+        e.leases -= 1
+        if loc is not None and e.live and e.tier is Tier.DRAM and not e.on_disk:
+            e.on_disk, e.loc = True, loc
+            self._copies[e.key] = e
+            self.counters["written_behind"] += 1
+            self.counters["disk_bytes_written"] += e.size
+        else:  # not stored, or the value changed meanwhile: its blocks (and record) go
+            self._disk_used -= disk_cost(e.size)
+            e.no_flush = loc is None
+            if loc is not None:
+                self.counters["disk_bytes_written"] += e.size
+                self._disk_delete([(e.key, loc)])
+        if not e.live and e.leases == 0:
+            self._free_storage(e)
 
     def _drop_copy(self, e: _Entry) -> None:
         """Frees the disk copy kept for arena entry ``e``."""
@@ -781,6 +862,10 @@ class TieredStore:
         """How many recent disk reads count towards ``promote_after``: as many as DRAM holds values
         of one slot (at least 64), so a value read again before DRAM turns over has earned it."""
         return max(64, sum(a.num_slots for _, a in self._arenas))
+
+
+_FLUSH_BYTES = 8 << 20
+"""Largest write-behind batch."""
 
 
 def _nbytes(parts) -> int:

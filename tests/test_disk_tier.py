@@ -3,6 +3,7 @@
 import os
 import random
 import subprocess
+import time
 import uuid
 
 import lmdb
@@ -29,6 +30,7 @@ def _close_all():
 
 
 def make(path, slots=4, **kw):
+    kw.setdefault("write_behind", False)  # deterministic unless a test asks for the background writer
     cfg = StoreConfig(dram=slots * SLOT, slot_size=SLOT, high_watermark=kw.pop("high", 1.0),
                       low_watermark=kw.pop("low", 1.0), disk=str(path), disk_size=kw.pop("disk_size", 8 << 20), **kw)
     s = TieredStore(cfg)
@@ -285,6 +287,48 @@ def test_a_read_mostly_zipf_stream_over_4x_dram_writes_little(tmp_path):
         ratios[copies] = (st["disk_bytes_written"] - base["disk_bytes_written"]) / read
     assert ratios[True] <= 0.1, ratios
     assert ratios[False] > 0.5, ratios  # the bound is the copies' doing
+
+
+# ---- write-behind ----------------------------------------------------------------------
+
+
+def _until(cond, what: str, deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_write_behind_keeps_the_coldest_values_on_disk_so_eviction_writes_nothing(tmp_path):
+    s = make(tmp_path / "d", slots=64, write_behind=True, high=0.95, low=0.85)
+    for i in range(58):  # 58 of 64 slots: within two eviction rounds of the high watermark
+        s.put(b"k%d" % i, val(i))
+    window = int(2 * (0.95 - 0.85) * 64)  # the coldest slots the writer keeps clean
+    _until(lambda: s.stats()["written_behind"] >= window, "the background writer")
+    time.sleep(0.2)
+    st = s.stats()
+    assert st["written_behind"] == window and st["tiers"][Tier.DISK]["num_copies"] == window
+    assert list(s._copies) == [b"k%d" % i for i in range(window)]  # the coldest, in order
+    assert st["disk_bytes_written"] == window * SLOT and st["demotions"] == 0
+    for i in range(58, 62):  # past the high watermark: one eviction round takes the coldest
+        s.put(b"k%d" % i, val(i))
+    st = s.stats()
+    assert st["demotions"] >= 1 and st["demotions_clean"] == st["demotions"], st
+    assert st["disk_bytes_written"] == st["written_behind"] * SLOT  # nothing written in the put's path
+    assert all(s.get(b"k%d" % i) == val(i) for i in range(62))
+    s.close()
+    s = make(tmp_path / "d", slots=64)  # restart: everything that reached disk is there
+    assert all(s.get(b"k%d" % i) == val(i) for i in range(st["demotions"]))
+
+
+def test_put_many_only_new_keeps_an_existing_record(tmp_path):
+    d = DiskTier(str(tmp_path / "d"), 1 << 20)
+    _OPEN.append(d)
+    (first,) = d.put_many([(b"k", val(1, 5000))])
+    got = d.put_many([(b"k", val(2, 5000)), (b"j", val(3, 5000))], only_new=True)
+    assert got[0] is None and got[1] is not None
+    assert d.lookup(b"k") == first and bytes(d.get(b"j")) == val(3, 5000)
+    assert d.space.free_bytes == d.capacity_bytes - 2 * disk_cost(5000)  # the refused one's blocks came back
 
 
 # ---- a full file system (ENOSPC) --------------------------------------------------

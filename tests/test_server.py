@@ -380,7 +380,8 @@ def test_disk_traffic_metrics(make_node):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    node = make_node(metrics_port=port, dram=4 * MiB, slot_size=MiB, high_watermark=1.0, low_watermark=1.0)
+    node = make_node(metrics_port=port, dram=4 * MiB, slot_size=MiB, high_watermark=1.0, low_watermark=1.0,
+                     write_behind=False)  # exact counts: only the demotions write
     c = StoreClient(node.address, transport="tcp")
     for i in range(6):
         c.put(b"k%d" % i, bytes([i]) * MiB)  # 4 fit in DRAM: k0 and k1 go to disk
@@ -393,6 +394,7 @@ def test_disk_traffic_metrics(make_node):
     assert got["crescent_store_disk_bytes_written_total"] == 2 * MiB  # the two demotions
     assert got["crescent_store_disk_bytes_read_total"] == 2 * MiB
     assert got["crescent_store_promotions_deferred_total"] == 2 and got["crescent_store_promotions_total"] == 0
+    assert got["crescent_store_written_behind_total"] == 0 and got["crescent_store_disk_full_total"] == 0
 
 
 # ---- stopping: in-flight streams end cleanly, with a precise status, never a hang ----

@@ -29,6 +29,7 @@ def _close_stores():
 
 
 def make(tmp_path=None, slots=4, disk=False, listener=None, **kw):
+    kw.setdefault("write_behind", False)  # exact, single-threaded eviction (write-behind: test_disk_tier.py)
     cfg = StoreConfig(dram=slots * SLOT, slot_size=SLOT, high_watermark=kw.pop("high", 1.0),
                       low_watermark=kw.pop("low", 1.0),
                       disk=str(tmp_path / "disk") if disk else None, disk_size=kw.pop("disk_size", 4 << 20), **kw)

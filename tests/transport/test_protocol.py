@@ -207,7 +207,7 @@ def test_store_acquire_in_place(tmp_path):
     from kvstore.store import TieredStore
 
     store = TieredStore(StoreConfig(dram=4 * SLOT, disk=str(tmp_path / "d"), disk_size=1 << 26,
-                                    high_watermark=1.0, low_watermark=0.5, promote=False))
+                                    high_watermark=1.0, low_watermark=0.5, promote=False, write_behind=False))
     try:
         store.put(b"old", b"o" * SLOT)
         store.put(b"a", b"a" * (2 * SLOT))
