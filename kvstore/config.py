@@ -73,10 +73,11 @@ class StoreConfig:
     """Keep the disk record of a value promoted from disk (inclusive tiering): demoting it
     again writes nothing, so a working set larger than DRAM does not turn reads into writes.
     The disk drops these copies first when it needs room."""
-    write_behind: bool = True
+    write_behind: bool = False
     """Write the coldest DRAM values to disk on a background thread before eviction needs
     their room (they stay in DRAM, now with a disk copy), so that evicting them writes
-    nothing and puts rarely wait on the disk."""
+    nothing. Off by default: on a 2-core machine the writer competes with the puts for
+    the cores and the GIL and made their p99 latency worse (bench/write_behind_bench.py)."""
     max_value_size: int = field(default=256 << 20, metadata={"size": True})
     """Largest accepted value."""
     data_port: int = 0

@@ -9,6 +9,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from kvstore.client import Retry, StoreClient
 from kvstore.errors import CrescentError
 from tests.helpers import StoreProcess
@@ -57,11 +59,13 @@ def _check_after_restart(disk: str, acked: set[int]) -> set[int]:
         assert proc.stop() == 0
 
 
-def test_kill9_during_demotions_loses_no_value_that_reached_disk(tmp_path):
+@pytest.mark.parametrize("write_behind", [False, True], ids=["demote-in-put", "write-behind"])
+def test_kill9_during_demotions_loses_no_value_that_reached_disk(tmp_path, write_behind):
     disk = str(tmp_path / "disk")
     acked: set[int] = set()
+    extra = ("--write-behind",) if write_behind else ()
     for round_ in range(3):  # each round writes on top of what the last left
-        proc = StoreProcess(*ARGS, "--disk", disk)
+        proc = StoreProcess(*ARGS, *extra, "--disk", disk)
         stop = threading.Event()
 
         def writer(base=round_ * 10_000):
