@@ -34,6 +34,7 @@ the commit is fsync'ed.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import logging
 import mmap
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 BLOCK = 4096
 """Allocation unit and direct-I/O alignment (offset, length and buffer address)."""
 DATA_FILE = "values.dat"
+_IOV_MAX = 512  # buffers per pwritev (Linux takes 1024)
 RUN = 8 << 20
 """Largest single read or write: adjacent values of a batch move in runs up to this size."""
 _REC = struct.Struct("<QQdI")  # size, xxh3_64, unix time of the write, number of extents
@@ -319,9 +321,11 @@ class DiskTier:
 
     # ---- writes -----------------------------------------------------------------
 
-    def put_many(self, items: list[tuple[bytes, list[memoryview] | bytes]], only_new: bool = False) -> list[Loc]:
-        """Writes each ``(key, value parts)`` into free blocks, then commits their records in one
-        transaction. A key already on disk now maps to the new value; its old blocks stay
+    def put_many(self, items: list[tuple], only_new: bool = False) -> list[Loc]:
+        """Writes each ``(key, value parts)`` or ``(key, parts, size)`` into free blocks, then
+        commits their records in one transaction. With a size, the parts may run past it to the
+        end of its last block (e.g. DRAM slots): page-aligned such parts go to the device
+        straight, with no copy through the staging buffer. A key already on disk now maps to the new value; its old blocks stay
         taken until ``delete_many`` frees them. With ``only_new``, a key that already has a
         record keeps it: that item is not stored and its place in the result is None.
 
@@ -331,14 +335,15 @@ class DiskTier:
         """
         now = time.time()
         values = []
-        for key, parts in items:
+        for key, parts, *size in items:
             if isinstance(parts, (bytes, bytearray, memoryview)):
                 parts = [parts]
             parts = [memoryview(p).cast("B") for p in parts]
+            size = size[0] if size else sum(p.nbytes for p in parts)
             h = xxhash.xxh3_64()
-            for p in parts:
+            for p in _slice(parts, 0, size):
                 h.update(p)
-            values.append((key, parts, sum(p.nbytes for p in parts), h.intdigest()))
+            values.append((key, parts, size, h.intdigest()))
         locs: list[Loc] = []
         with self._lock:
             for key, parts, size, digest in values:
@@ -388,20 +393,26 @@ class DiskTier:
             return
         with self._wlock:
             stage = memoryview(self._stage)
-            start, fill = -1, 0
+            start, fill, run = -1, 0, []  # a run: staged bytes (fill), or aligned views written as they are
             for off, views, n in segs:
-                if fill and (start + fill != off or fill + n > RUN):
-                    _pwrite(self._dfd, [stage[:fill]], start)
-                    fill = 0
-                if not fill:
+                direct = sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views)
+                if (fill or run) and (start + (fill or sum(v.nbytes for v in run)) != off
+                                      or (fill or sum(v.nbytes for v in run)) + n > RUN
+                                      or bool(run) != direct or len(run) + len(views) > _IOV_MAX):
+                    _pwrite(self._dfd, run or [stage[:fill]], start)
+                    fill, run = 0, []
+                if not fill and not run:
                     start = off
+                if direct:
+                    run += views
+                    continue
                 pos = fill
                 for v in views:
                     stage[pos : pos + v.nbytes] = v
                     pos += v.nbytes
                 fill += n  # NOTE: a last block's tail past the value is not zeroed: reads stop at its size
-            if fill:
-                _pwrite(self._dfd, [stage[:fill]], start)
+            if fill or run:
+                _pwrite(self._dfd, run or [stage[:fill]], start)
 
     def _write_error(self, exc: BaseException) -> CrescentError:
         code = getattr(exc, "errno", None)
@@ -560,6 +571,12 @@ class DiskTier:
             return self.read(loc)
         except DataLossError as exc:
             return exc
+
+
+def _aligned(v: memoryview) -> bool:
+    """Whether a view can go to an O_DIRECT write as it is (address and length in whole blocks)."""
+    return (v.nbytes > 0 and v.nbytes % BLOCK == 0 and not v.readonly
+            and ctypes.addressof(ctypes.c_char.from_buffer(v)) % BLOCK == 0)
 
 
 def _pwrite(fd: int, views: list[memoryview], off: int) -> None:

@@ -563,7 +563,7 @@ class TieredStore:
                     for e in batch:
                         self._flush_done(e, None)
                     return
-                items = [(e.key, self.dram.views(e.slots, e.size)) for e in batch]
+                items = [(e.key, self.dram.views(e.slots, disk_cost(e.size)), e.size) for e in batch]
             try:
                 locs = self.disk.put_many(items, only_new=True)
             except (ResourceExhaustedError, DiskWriteError) as exc:
@@ -723,7 +723,7 @@ class TieredStore:
         while True:
             try:
                 locs = self.disk.put_many(items)
-                self.counters["disk_bytes_written"] += sum(_nbytes(parts) for _, parts in items)
+                self.counters["disk_bytes_written"] += sum(it[2] if len(it) > 2 else _nbytes(it[1]) for it in items)
                 return locs
             except DiskFullError as exc:
                 self.counters["disk_full"] += 1
@@ -776,7 +776,8 @@ class TieredStore:
             costs = sum(disk_cost(e.size) for e in victims)
             if self._make_disk_room(costs):
                 try:
-                    locs = self._disk_put([(e.key, arena.views(e.slots, e.size)) for e in victims], costs)
+                    locs = self._disk_put(  # whole blocks of the slots: written to the device as they are
+                        [(e.key, arena.views(e.slots, disk_cost(e.size)), e.size) for e in victims], costs)
                 except (ResourceExhaustedError, DiskWriteError):
                     pass
                 else:
