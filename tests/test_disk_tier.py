@@ -127,6 +127,28 @@ def test_direct_io_where_the_file_system_takes_it(tmp_path):
     assert bytes(buffered.read(loc)) == val(3, 70_000)
 
 
+def test_padded_aligned_parts_are_written_as_they_are_and_others_through_staging(tmp_path, monkeypatch):
+    import mmap
+
+    import kvstore.disk as disk_mod
+
+    d = DiskTier(str(tmp_path / "d"), 8 << 20)
+    _OPEN.append(d)
+    slots = mmap.mmap(-1, 4 * BLOCK)  # page-aligned, like DRAM arena slots
+    slots[: 3 * BLOCK] = val(5, 3 * BLOCK)
+    aligned = [memoryview(slots)[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
+    written = []
+    real = disk_mod._pwrite
+    monkeypatch.setattr(disk_mod, "_pwrite", lambda fd, views, off: (written.append(views), real(fd, views, off)))
+    size = 2 * BLOCK + 100  # its parts run to the end of its last block
+    (loc,) = d.put_many([(b"slot", aligned, size)])
+    assert loc.size == size and bytes(d.read(loc)) == val(5, 3 * BLOCK)[:size]
+    assert all(v.obj is slots for v in written[-1]), "aligned parts went to the device as they are"
+    (loc2,) = d.put_many([(b"buf", [memoryview(bytearray(val(6, 5000)))[1:]], 4999)])  # unaligned: staged
+    assert bytes(d.read(loc2)) == val(6, 5000)[1:]
+    assert written[-1][0].obj is d._stage
+
+
 def test_bit_rot_reads_as_data_loss_never_as_other_bytes(tmp_path):
     d = DiskTier(str(tmp_path / "d"), 1 << 20)
     _OPEN.append(d)
