@@ -324,10 +324,11 @@ class DiskTier:
     def put_many(self, items: list[tuple], only_new: bool = False) -> list[Loc]:
         """Writes each ``(key, value parts)`` or ``(key, parts, size)`` into free blocks, then
         commits their records in one transaction. With a size, the parts may run past it to the
-        end of its last block (e.g. DRAM slots): page-aligned such parts go to the device
-        straight, with no copy through the staging buffer. A key already on disk now maps to the new value; its old blocks stay
-        taken until ``delete_many`` frees them. With ``only_new``, a key that already has a
-        record keeps it: that item is not stored and its place in the result is None.
+        end of its last block (e.g. DRAM slots): page-aligned such parts go to the device as
+        they are, with no copy through the staging buffer. A key already on disk now maps to
+        the new value; its old blocks stay taken until ``delete_many`` frees them. With
+        ``only_new``, a key that already has a record keeps it: that item is not stored and its
+        place in the result is None.
 
         Raises:
             DiskFullError: not enough free blocks, or the file system is full (nothing is written).
@@ -393,26 +394,27 @@ class DiskTier:
             return
         with self._wlock:
             stage = memoryview(self._stage)
-            start, fill, run = -1, 0, []  # a run: staged bytes (fill), or aligned views written as they are
+            # a run: contiguous on disk, either staged bytes or aligned views written as they are
+            start, length, views_run, staged = -1, 0, [], False
             for off, views, n in segs:
                 direct = sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views)
-                if (fill or run) and (start + (fill or sum(v.nbytes for v in run)) != off
-                                      or (fill or sum(v.nbytes for v in run)) + n > RUN
-                                      or bool(run) != direct or len(run) + len(views) > _IOV_MAX):
-                    _pwrite(self._dfd, run or [stage[:fill]], start)
-                    fill, run = 0, []
-                if not fill and not run:
-                    start = off
+                if length and (start + length != off or length + n > RUN or staged == direct
+                               or len(views_run) + len(views) > _IOV_MAX):
+                    _pwrite(self._dfd, [stage[:length]] if staged else views_run, start)
+                    length, views_run = 0, []
+                if not length:
+                    start, staged = off, not direct
                 if direct:
-                    run += views
-                    continue
-                pos = fill
-                for v in views:
-                    stage[pos : pos + v.nbytes] = v
-                    pos += v.nbytes
-                fill += n  # NOTE: a last block's tail past the value is not zeroed: reads stop at its size
-            if fill or run:
-                _pwrite(self._dfd, run or [stage[:fill]], start)
+                    views_run += views
+                else:
+                    pos = length
+                    for v in views:
+                        stage[pos : pos + v.nbytes] = v
+                        pos += v.nbytes
+                    # NOTE: a last block's tail past the value is not zeroed: reads stop at its size
+                length += n
+            if length:
+                _pwrite(self._dfd, [stage[:length]] if staged else views_run, start)
 
     def _write_error(self, exc: BaseException) -> CrescentError:
         code = getattr(exc, "errno", None)

@@ -67,10 +67,13 @@ class _Entry:
     leases: int = 0
     pinned_until: float = 0.0
     live: bool = True  # False once deleted or replaced; storage freed on last release
-    on_disk: bool = False  # an arena value whose disk copy (it was promoted from) is kept
     loc: Loc | None = None  # where its bytes are on disk: a disk value's, or an arena value's kept copy
-    flushing: bool = False  # being written to disk behind (held by one lease meanwhile)
     no_flush: bool = False  # write-behind could not store it: left to eviction
+
+    @property
+    def on_disk(self) -> bool:
+        """An arena value with a kept disk copy (promoted from disk, or written behind)."""
+        return self.loc is not None and self.tier is not Tier.DISK
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,23 +589,21 @@ class TieredStore:
             if seen >= window or nbytes >= _FLUSH_BYTES or len(batch) * 4 >= arena.num_slots:
                 break
             seen += len(e.slots)
-            if e.on_disk or e.flushing or e.no_flush or e.leases or e.pinned_until > now:
+            if e.on_disk or e.no_flush or e.leases or e.pinned_until > now:
                 continue
             if nbytes + disk_cost(e.size) > room:
                 break
             batch.append(e)
             nbytes += disk_cost(e.size)
         for e in batch:
-            e.flushing = True
             e.leases += 1  # held: neither evicted nor freed while its slots are being written
         self._disk_used += nbytes
         return batch
 
     def _flush_done(self, e: _Entry, loc: Loc | None) -> None:
-        e.flushing = False
         e.leases -= 1
         if loc is not None and e.live and e.tier is Tier.DRAM and not e.on_disk:
-            e.on_disk, e.loc = True, loc
+            e.loc = loc
             self._copies[e.key] = e
             self.counters["written_behind"] += 1
             self.counters["disk_bytes_written"] += e.size
@@ -617,12 +618,18 @@ class TieredStore:
 
     def _drop_copy(self, e: _Entry) -> None:
         """Frees the disk copy kept for arena entry ``e``."""
-        e.on_disk = False
         if self._copies.get(e.key) is e:
             del self._copies[e.key]
-        self._disk_used -= disk_cost(e.size)
-        self._disk_delete([(e.key, e.loc)])
-        e.loc = None
+        self._free_copies([e])
+
+    def _free_copies(self, entries: list[_Entry]) -> int:
+        """Frees the kept disk copies of ``entries`` (already out of ``_copies``); returns bytes freed."""
+        freed = sum(disk_cost(e.size) for e in entries)
+        self._disk_used -= freed
+        self._disk_delete([(e.key, e.loc) for e in entries])
+        for e in entries:
+            e.loc = None
+        return freed
 
     def _disk_delete(self, items: list[tuple[bytes, Loc]]) -> None:
         """Frees disk values (their records, unless the key now maps to a newer value, and blocks)."""
@@ -699,17 +706,12 @@ class TieredStore:
         return self._disk_used + cost <= cap
 
     def _drop_copies(self, need: float) -> int:
-        """Drops kept disk records, oldest first, until ``need`` bytes are freed; returns bytes freed."""
-        freed, items = 0, []
+        """Drops kept disk copies, oldest first, until ``need`` bytes are freed; returns bytes freed."""
+        picked, freed = [], 0
         while freed < need and self._copies:
-            _, e = self._copies.popitem(last=False)
-            e.on_disk = False
-            self._disk_used -= disk_cost(e.size)
-            freed += disk_cost(e.size)
-            items.append((e.key, e.loc))
-            e.loc = None
-        self._disk_delete(items)
-        return freed
+            picked.append(self._copies.popitem(last=False)[1])
+            freed += disk_cost(picked[-1].size)
+        return self._free_copies(picked)
 
     def _disk_put(self, items: list, cost: int) -> list[Loc]:
         """Writes ``items`` to disk, returning their locations; when the disk refuses for want of
@@ -723,7 +725,7 @@ class TieredStore:
         while True:
             try:
                 locs = self.disk.put_many(items)
-                self.counters["disk_bytes_written"] += sum(it[2] if len(it) > 2 else _nbytes(it[1]) for it in items)
+                self.counters["disk_bytes_written"] += sum(loc.size for loc in locs)
                 return locs
             except DiskFullError as exc:
                 self.counters["disk_full"] += 1
@@ -783,8 +785,8 @@ class TieredStore:
                 else:
                     self._disk_used += costs
                     for e, loc in zip(victims, locs):
-                        e.loc = loc
                         self._move(e, Tier.DISK, None)
+                        e.loc = loc
                     return
         for e in victims:
             self.counters["evictions"][tier] -= 1
@@ -794,8 +796,7 @@ class TieredStore:
         old_tier = e.tier
         del self._lru[old_tier][e.key]
         if old_tier is Tier.DISK:
-            if self.config.disk_copies:  # promoted: its record is kept, still charged
-                e.on_disk = True
+            if self.config.disk_copies:  # promoted: its disk copy (e.loc) is kept, still charged
                 self._copies[e.key] = e
             else:
                 self._disk_used -= disk_cost(e.size)
@@ -803,8 +804,7 @@ class TieredStore:
                 e.loc = None
         else:
             self._arena(old_tier).free(e.slots)
-            if tier is Tier.DISK and e.on_disk:
-                e.on_disk = False
+            if tier is Tier.DISK and e.on_disk:  # a clean demotion: the copy is the value again
                 del self._copies[e.key]
         e.tier, e.slots = tier, slots
         self._lru[tier][e.key] = e
@@ -867,13 +867,6 @@ class TieredStore:
 
 _FLUSH_BYTES = 8 << 20
 """Largest write-behind batch."""
-
-
-def _nbytes(parts) -> int:
-    """Bytes of a value given as one buffer or a list of parts."""
-    if isinstance(parts, (list, tuple)):
-        return sum(memoryview(p).nbytes for p in parts)
-    return memoryview(parts).nbytes
 
 
 def _split(data, step: int) -> list[memoryview]:
