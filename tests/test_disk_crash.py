@@ -7,13 +7,12 @@ can have been only in DRAM (volatile) when the process died.
 
 import random
 import threading
-import time
 
 import pytest
 
 from kvstore.client import Retry, StoreClient
 from kvstore.errors import CrescentError
-from tests.helpers import StoreProcess
+from tests.helpers import StoreProcess, wait_for
 
 SIZE = 100_000  # two 64 KiB slots
 DRAM_VALUES = (1 << 20) // (128 << 10)  # values the 1 MiB DRAM tier holds
@@ -33,11 +32,19 @@ def _client(proc) -> StoreClient:
     return StoreClient(proc.address, timeout_s=30, retry=Retry(attempts=1))
 
 
-def _until(cond, what: str, deadline_s: float = 120.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
+def _kill9_under(proc, work, stop: threading.Event, cond, what: str) -> None:
+    """Runs ``work`` on a thread against ``proc``, kills the node with SIGKILL once ``cond``
+    holds, then stops the thread (it ends on the node's death or on ``stop``)."""
+    t = threading.Thread(target=work)
+    t.start()
+    try:
+        wait_for(cond, timeout_s=120, interval_s=0.01, what=what)
+        proc.kill9()
+    finally:
+        stop.set()
+        t.join(timeout=120)
+        proc.stop()
+    assert not t.is_alive()
 
 
 def _check_after_restart(disk: str, acked: set[int]) -> set[int]:
@@ -81,17 +88,8 @@ def test_kill9_during_demotions_loses_no_value_that_reached_disk(tmp_path, write
             finally:
                 c.close()
 
-        t = threading.Thread(target=writer)
-        t.start()
-        try:
-            start = len(acked)
-            _until(lambda: len(acked) >= start + 40 + 13 * round_, "puts to be acknowledged")
-            proc.kill9()  # mid-put: a demotion batch may be half done
-        finally:
-            stop.set()
-            t.join(timeout=120)
-            proc.stop()
-        assert not t.is_alive()
+        start = len(acked)  # killed mid-put: a demotion batch may be half done
+        _kill9_under(proc, writer, stop, lambda: len(acked) >= start + 40 + 13 * round_, "puts to be acknowledged")
         present = _check_after_restart(disk, acked)
         # only values still in DRAM at the kill may be gone (and none that reached the disk)
         assert len(present) >= len(acked) - DRAM_VALUES - 1, (len(present), len(acked))
@@ -130,16 +128,7 @@ def test_kill9_during_disk_reads_and_promotions_loses_nothing(tmp_path):
         finally:
             c.close()
 
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        _until(lambda: reads[0] >= 25, "disk reads to run")
-        proc.kill9()
-    finally:
-        stop.set()
-        t.join(timeout=120)
-        proc.stop()
-    assert not t.is_alive()
+    _kill9_under(proc, reader, stop, lambda: reads[0] >= 25, "disk reads to run")
     after = _check_after_restart(disk, before)
     # promoted values kept their disk records and demotions wrote whole batches: reads lose
     # nothing but what was put straight into DRAM and never went down (none, after a restart)

@@ -13,20 +13,10 @@ from kvstore.config import StoreConfig
 from kvstore.disk import BLOCK, DATA_FILE, DiskFullError, DiskTier, DiskTierError, disk_cost
 from kvstore.errors import DataLossError, ResourceExhaustedError
 from kvstore.store import Tier, TieredStore
-from tests.test_store import flip_disk_byte
+from tests.helpers import wait_for
+from tests.test_store import _OPEN, _close_stores, close_opened, flip_disk_byte  # noqa: F401 (autouse fixture)
 
 SLOT = 4096
-_OPEN: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_all():
-    yield
-    while _OPEN:
-        try:
-            _OPEN.pop().close()
-        except Exception:  # noqa: BLE001 - already closed by the test
-            pass
 
 
 def make(path, slots=4, **kw):
@@ -314,19 +304,13 @@ def test_a_read_mostly_zipf_stream_over_4x_dram_writes_little(tmp_path):
 # ---- write-behind ----------------------------------------------------------------------
 
 
-def _until(cond, what: str, deadline_s: float = 120.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_write_behind_keeps_the_coldest_values_on_disk_so_eviction_writes_nothing(tmp_path):
     s = make(tmp_path / "d", slots=64, write_behind=True, high=0.95, low=0.85)
     for i in range(58):  # 58 of 64 slots: within two eviction rounds of the high watermark
         s.put(b"k%d" % i, val(i))
     window = int(2 * (0.95 - 0.85) * 64)  # the coldest slots the writer keeps clean
-    _until(lambda: s.stats()["written_behind"] >= window, "the background writer")
+    wait_for(lambda: s.stats()["written_behind"] >= window, timeout_s=120, interval_s=0.01,
+             what="the background writer")
     time.sleep(0.2)
     st = s.stats()
     assert st["written_behind"] == window and st["tiers"][Tier.DISK]["num_copies"] == window
@@ -367,11 +351,7 @@ def small_fs(tmp_path):
     try:
         yield mnt
     finally:
-        while _OPEN:
-            try:
-                _OPEN.pop().close()
-            except Exception:  # noqa: BLE001
-                pass
+        close_opened()
         subprocess.run(["umount", str(mnt)], check=True)
 
 

@@ -17,15 +17,20 @@ SLOT = 4096
 _OPEN: list[TieredStore] = []
 
 
-@pytest.fixture(autouse=True)
-def _close_stores():
-    """Every store a test opens is closed after it (its /dev/shm arena removed)."""
-    yield
+def close_opened() -> None:
+    """Closes every store (or disk tier) in ``_OPEN``."""
     while _OPEN:
         try:
             _OPEN.pop().close()
         except Exception:  # noqa: BLE001 - already closed by the test
             pass
+
+
+@pytest.fixture(autouse=True)
+def _close_stores():
+    """Every store a test opens is closed after it (its /dev/shm arena removed)."""
+    yield
+    close_opened()
 
 
 def make(tmp_path=None, slots=4, disk=False, listener=None, **kw):
