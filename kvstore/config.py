@@ -70,7 +70,7 @@ class StoreConfig:
     demoting anything moves up on its first read. 1: every read promotes (a scan larger
     than DRAM then writes to disk twice what it reads)."""
     disk_copies: bool = True
-    """Keep the disk record of a value promoted from disk (inclusive tiering): demoting it
+    """Keep the disk copy of a value promoted from disk (inclusive tiering): demoting it
     again writes nothing, so a working set larger than DRAM does not turn reads into writes.
     The disk drops these copies first when it needs room."""
     write_behind: bool = False

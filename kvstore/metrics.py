@@ -40,7 +40,7 @@ class StoreCollector:
                           ("disk_bytes_read", "Value bytes read from the disk tier"),
                           ("disk_bytes_written", "Value bytes written to the disk tier (puts and demotions)"),
                           ("promotions_deferred", "Disk reads that did not earn a place in a full faster tier"),
-                          ("demotions_clean", "Demotions that wrote nothing (the value's disk record was kept)"),
+                          ("demotions_clean", "Demotions that wrote nothing (the value's disk copy was kept)"),
                           ("disk_full", "Disk writes refused for want of room (map or file system full)"),
                           ("disk_errors", "Disk writes or deletes that failed otherwise"),
                           ("written_behind", "DRAM values written to disk in the background ahead of eviction")):
