@@ -94,6 +94,9 @@ class StoreConfig:
     the node stops taking calls (time for load balancers and readiness probes to look away)."""
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port; none disables it."""
+    advertise_host: str | None = None
+    """Host that clients and the conductor reach this node at (in its registered address); default: the
+    --listen host, or this machine's hostname when that is a wildcard such as 0.0.0.0 (e.g. a pod IP in Kubernetes)."""
     node_id: str = ""
     """Name of this node (default: hostname:port)."""
     conductor: str | None = None
@@ -123,6 +126,8 @@ class StoreConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--listen must be host:port, got {self.listen!r}")
+        if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
+            raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
         if self.conductor is not None:
             c_host, _, c_port = self.conductor.rpartition(":")
             if not c_host or not c_port.isdigit():

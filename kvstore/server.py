@@ -21,6 +21,7 @@ from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.dataserver import DataChannelServer
 from kvstore.errors import CrescentError, InvalidArgumentError
+from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics
 from kvstore.store import Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import Mover
@@ -237,6 +238,7 @@ class StoreNode:
         self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
         self.server = grpc.server(self._handlers, options=GRPC_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
+        self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]
         try:
             self.port = self.server.add_insecure_port(config.listen)
@@ -247,7 +249,7 @@ class StoreNode:
             self.store.close()
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
         self.host = host
-        self.address = f"{host}:{self.port}"
+        self.address = f"{advertised_host(host, config.advertise_host)}:{self.port}"
         self.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         self.data_server = None
         if config.data_port >= 0:
@@ -276,6 +278,7 @@ class StoreNode:
 
     def stop(self, grace: float = 2.0) -> None:
         self.stopping = True  # Health says serving=false from here
+        self.health.stop()  # ... and so does grpc.health.v1 (NOT_SERVING: probes look away)
         if self.config.drain_s > 0:  # ... while every call is still served
             self._drained.wait(self.config.drain_s)
         if self.agent is not None:

@@ -25,11 +25,11 @@ def store_nodes(tmp_path, with_disk: bool, **defaults):
     nodes = []
 
     def make(**kw):
-        kw = {"dram": 16 * MiB, **defaults, **kw}
+        kw = {"listen": "127.0.0.1:0", "dram": 16 * MiB, **defaults, **kw}
         if kw.pop("with_disk", with_disk):
             kw.setdefault("disk", str(tmp_path / f"disk{len(nodes)}"))
             kw.setdefault("disk_size", 64 * MiB)
-        node = StoreNode(StoreConfig(listen="127.0.0.1:0", **kw)).start()
+        node = StoreNode(StoreConfig(**kw)).start()
         nodes.append(node)
         return node
 

@@ -10,10 +10,13 @@ import urllib.request
 import grpc
 import pytest
 import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import Retry, StoreClient
+from kvstore.config import StoreConfig
 from kvstore.datachannel import HELLO, Op, encode_request, read_response
 from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.health import NOT_SERVING, SERVING, advertised_host
 from kvstore.server import GRPC_OPTIONS
 from kvstore.store import Tier
 from proto.crescent.v1 import kvstore_pb2 as pb
@@ -427,6 +430,13 @@ def test_health_says_serving_false_while_the_node_drains(make_node):
     ch = grpc.insecure_channel(node.address)
     s = pb_grpc.KVStoreStub(ch)
     assert s.Health(pb.HealthRequest(), timeout=30).serving is True
+    # The standard grpc.health.v1 service (Kubernetes gRPC probes): overall and per API service.
+    std = health_pb2_grpc.HealthStub(ch)
+    for service in ("", "crescent.v1.KVStore"):
+        assert std.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == SERVING
+    with pytest.raises(grpc.RpcError) as exc:
+        std.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+    assert exc.value.code() is grpc.StatusCode.NOT_FOUND
     c = StoreClient(node.address, transport="tcp")
     c.put(b"k", b"v")
     t = threading.Thread(target=node.stop, kwargs={"grace": 1}, daemon=True)
@@ -434,6 +444,7 @@ def test_health_says_serving_false_while_the_node_drains(make_node):
     h = wait_for(lambda: (r := s.Health(pb.HealthRequest(), timeout=30)).serving is False and r,
                  what="Health to say serving=false")
     assert h.node_id == node.node_id
+    assert std.Check(health_pb2.HealthCheckRequest(), timeout=30).status == NOT_SERVING  # readiness fails
     assert c.get(b"k") == b"v" and c.lookup([b"k"]) == 1  # draining: still served
     assert t.is_alive()
     node._drained.set()  # what a second SIGTERM does
@@ -442,6 +453,20 @@ def test_health_says_serving_false_while_the_node_drains(make_node):
     c.close()
     ch.close()
     assert _refused(node)  # and once stopped, a probe gets a clear UNAVAILABLE, never serving=true
+
+
+def test_a_wildcard_listener_registers_a_dialable_address(make_node):
+    """Listening on 0.0.0.0 (a pod), the address a node gives the conductor is --advertise-host's
+    (or the hostname), never the wildcard nobody can dial."""
+    node = make_node(with_disk=False, listen="0.0.0.0:0", advertise_host="127.0.0.1")
+    assert node.address == f"127.0.0.1:{node.port}"
+    with StoreClient(node.address, transport="tcp") as c:
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
+    assert advertised_host("0.0.0.0") == socket.gethostname()
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    with pytest.raises(ValueError, match="--advertise-host"):
+        StoreConfig(advertise_host="")
 
 
 def test_get_stream_in_flight_at_stop_completes_within_the_grace(make_node):
