@@ -77,6 +77,7 @@ class MemberAgent:
         self._wake = threading.Event()
         self._load = EngineLoad()
         self._samples: collections.deque[cpb.PrefillSample] = collections.deque(maxlen=256)
+        self._decode_samples: collections.deque[cpb.DecodeSample] = collections.deque(maxlen=256)
         self._mirror: dict[bytes, Tier] = {}
         self._pending: list[cpb.ChunkEvent] = []
         self._stream: object | None = None  # token of the open event stream
@@ -127,6 +128,11 @@ class MemberAgent:
         """One measured prefill, for the conductor's cost model."""
         self._samples.append(cpb.PrefillSample(num_new_tokens=num_new_tokens,
                                                num_cached_tokens=num_cached_tokens, seconds=seconds))
+
+    def record_decode(self, num_seqs: int, num_context_tokens: int, seconds: float) -> None:
+        """One measured decode step (no prompt tokens in it), for the conductor's cost model."""
+        self._decode_samples.append(cpb.DecodeSample(num_seqs=num_seqs, num_context_tokens=num_context_tokens,
+                                                     seconds=seconds))
 
     def heartbeat_now(self) -> None:
         """Sends the next heartbeat without waiting for the interval."""
@@ -199,6 +205,8 @@ class MemberAgent:
                 req.engine.CopyFrom(self._load.to_pb())
                 while self._samples:
                     req.prefill_samples.append(self._samples.popleft())
+                while self._decode_samples:
+                    req.decode_samples.append(self._decode_samples.popleft())
             try:
                 resp = self._stub.Heartbeat(req, timeout=self.timeout_s)
                 if resp.known:

@@ -109,6 +109,21 @@ def _register_ctl(sub) -> None:
     _key_args(c)
     c.set_defaults(ctl_handler="cmd_evict")
 
+    c = cmds.add_parser("sizing", parents=[common], help="recommend prefill and decode replica counts",
+                        description="Recommend prefill and decode instance counts (and their ratio) for a "
+                                    "target load from what the conductor measured: the requests Schedule saw "
+                                    "(prompt, reused and output tokens, arrival times) and the prefill and "
+                                    "decode times engines reported. Prints the reasoning.")
+    c.add_argument("--target-rps", type=float, metavar="R", help="requests per second to size for "
+                                                                 "(default: the measured rate)")
+    c.add_argument("--ttft-slo", type=float, metavar="S",
+                   help="time-to-first-token SLO in seconds (default: the conductor's --slo-ttft, else 2)")
+    c.add_argument("--itl-slo", type=float, metavar="S",
+                   help="inter-token latency SLO in seconds (default: the conductor's --slo-tbt, else 0.1)")
+    c.add_argument("--quantile", type=float, metavar="Q",
+                   help="share of requests that must meet each SLO (default: 0.9)")
+    c.set_defaults(ctl_handler="cmd_sizing")
+
     r = cmds.add_parser("replay", help="replay a Mooncake-format trace in simulated time",
                         description="Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, "
                                     "output_length, hash_ids of 512-token blocks) through the conductor's "

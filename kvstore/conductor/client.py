@@ -173,6 +173,20 @@ class ConductorClient:
                                                       timeout=self.timeout_s))
         return r.num_evicted, r.num_nodes
 
+    def sizing(self, *, target_rps: float = 0.0, slo_ttft_s: float = 0.0, slo_itl_s: float = 0.0,
+               quantile: float = 0.0) -> dict:
+        """Recommended prefill and decode instances and what they rest on (0: the conductor's defaults)."""
+        r = self._call(lambda: self._stub.Sizing(cpb.SizingRequest(
+            target_rps=target_rps, slo_ttft_s=slo_ttft_s, slo_itl_s=slo_itl_s, quantile=quantile),
+            timeout=self.timeout_s))
+        out = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name not in ("reasoning", "engines")}
+        out["reasoning"] = list(r.reasoning)
+        out["engines"] = [{"member_id": e.member_id, "kind": MemberKind(e.kind).label,
+                           "prefill_tokens_per_s": e.prefill_tokens_per_s,
+                           "decode_tokens_per_s": e.decode_tokens_per_s, "num_samples": e.num_samples}
+                          for e in r.engines]
+        return out
+
     def close(self) -> None:
         self._channel.close()
 

@@ -46,6 +46,12 @@ class ConductorConfig:
     """JSON file of HardwareProfile fields for the cost model (default: the built-in 8xH800 profile)."""
     seed: int = 0
     """Seed of the random policy."""
+    sizing_window: int = 2048
+    """Recent Schedule requests kept for P:D sizing (`crescent ctl sizing`, the recommended-replicas metric)."""
+    sizing_target_rps: float | None = None
+    """Request rate the recommended-replicas metric sizes for; None: the measured rate."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port (membership, scheduling, P:D sizing); none disables it."""
 
     def __post_init__(self) -> None:
         check_address("--listen", self.listen)
@@ -62,5 +68,10 @@ class ConductorConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.sizing_window < 2:
+            raise ValueError(f"--sizing-window must be >= 2, got {self.sizing_window}")
+        if self.sizing_target_rps is not None and not (self.sizing_target_rps > 0 and
+                                                       self.sizing_target_rps < float("inf")):
+            raise ValueError(f"--sizing-target-rps must be > 0, got {self.sizing_target_rps}")
         if not self.hot_threshold > 0 or not self.hot_half_life > 0:
             raise ValueError("--hot-threshold and --hot-half-life must be > 0")

@@ -97,6 +97,35 @@ class PrefillSample:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """One measured decode step (no prompt tokens in it)."""
+
+    num_seqs: int
+    num_context_tokens: int
+    seconds: float
+
+
+def _nnls(cols: np.ndarray, t: np.ndarray) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0 (active set; a handful of unknowns); None if degenerate."""
+    k = cols.shape[1]
+    active = list(range(k))
+    coef = np.zeros(k)
+    # NOTE: a coefficient the data would make negative is fixed at 0 and the
+    # rest refitted; a negative per-token cost would make the scheduler prefer
+    # longer prompts (or bigger batches).
+    while active:
+        sol, *_ = np.linalg.lstsq(cols[:, active], t, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active = [a for a, v in zip(active, sol) if v > 0]
+    if not active or not np.isfinite(coef).all():
+        return None
+    return coef
+
+
 def load_prefill_samples(path: str) -> tuple[PrefillSample, ...]:
     """Reads measured prefills: JSONL of ``{"num_new_tokens", "num_cached_tokens", "seconds"}``.
 
@@ -134,6 +163,9 @@ class CostModel:
         self.coefficients: tuple[float, float, float] = (
             p.prefill_overhead_s, p.prefill_s_per_token, p.prefill_s_per_pair)
         self.num_samples = 0
+        self.decode_coefficients: tuple[float, float, float] = (
+            p.decode_step_s, p.decode_s_per_seq, p.decode_s_per_context_token)
+        self.num_decode_samples = 0
 
     def prefill_s(self, num_new: int, num_cached: int = 0) -> float:
         """Seconds to prefill ``num_new`` tokens after ``num_cached`` cached ones."""
@@ -158,10 +190,10 @@ class CostModel:
 
     def tbt_s(self, num_running: int, num_context_tokens: int) -> float:
         """Seconds per decode step with ``num_running`` sequences; inf past the KV capacity."""
-        p = self.profile
-        if num_context_tokens > p.decode_kv_capacity_tokens:
+        if num_context_tokens > self.profile.decode_kv_capacity_tokens:
             return math.inf
-        return p.decode_step_s + p.decode_s_per_seq * num_running + p.decode_s_per_context_token * num_context_tokens
+        d0, d1, d2 = self.decode_coefficients
+        return d0 + d1 * num_running + d2 * num_context_tokens
 
     def fit(self, samples: Sequence[PrefillSample]) -> bool:
         """Refits the prefill coefficients to measured samples by non-negative least squares.
@@ -175,20 +207,27 @@ class CostModel:
         c = np.array([s.num_cached_tokens for s in samples], dtype=np.float64)
         t = np.array([s.seconds for s in samples], dtype=np.float64)
         cols = np.stack([np.ones_like(n), n, n * c + 0.5 * n * n], axis=1)
-        active = [0, 1, 2]
-        coef = np.zeros(3)
-        # NOTE: a coefficient the data would make negative is fixed at 0 and the
-        # rest refitted (active-set NNLS for three unknowns); a negative
-        # per-token cost would make the scheduler prefer longer prompts.
-        while active:
-            sol, *_ = np.linalg.lstsq(cols[:, active], t, rcond=None)
-            if (sol >= 0).all():
-                coef[:] = 0
-                coef[active] = sol
-                break
-            active = [a for a, v in zip(active, sol) if v > 0]
-        if not active or not np.isfinite(coef).all() or coef[1] <= 0:
+        coef = _nnls(cols, t)
+        if coef is None or coef[1] <= 0:
             return False
         self.coefficients = (float(coef[0]), float(coef[1]), float(coef[2]))
         self.num_samples = len(samples)
+        return True
+
+    def fit_decode(self, samples: Sequence[DecodeSample]) -> bool:
+        """Refits the decode step model (fixed + per sequence + per context token) to measured steps.
+
+        Needs at least 3 samples; with fewer, or a degenerate set (e.g. every
+        step the same batch), the model is unchanged. Returns whether it changed.
+        """
+        if len(samples) < 3:
+            return False
+        b = np.array([s.num_seqs for s in samples], dtype=np.float64)
+        c = np.array([s.num_context_tokens for s in samples], dtype=np.float64)
+        t = np.array([s.seconds for s in samples], dtype=np.float64)
+        coef = _nnls(np.stack([np.ones_like(b), b, c], axis=1), t)
+        if coef is None or not coef.any():
+            return False
+        self.decode_coefficients = (float(coef[0]), float(coef[1]), float(coef[2]))
+        self.num_decode_samples = len(samples)
         return True

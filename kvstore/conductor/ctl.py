@@ -312,6 +312,33 @@ def cmd_replay(ns) -> int:
     return 0
 
 
+def cmd_sizing(ns) -> int:
+    for flag, v in (("--target-rps", ns.target_rps), ("--ttft-slo", ns.ttft_slo), ("--itl-slo", ns.itl_slo)):
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise UsageError(f"{flag} must be a number > 0, got {v}")
+    if ns.quantile is not None and not 0 < ns.quantile < 1:
+        raise UsageError(f"--quantile must be in (0, 1), got {ns.quantile}")
+    with _client(ns) as c:
+        s = c.sizing(target_rps=ns.target_rps or 0.0, slo_ttft_s=ns.ttft_slo or 0.0,
+                     slo_itl_s=ns.itl_slo or 0.0, quantile=ns.quantile or 0.0)
+    if ns.json:
+        _print_json(s)
+        return 0
+    verdict = "" if s["feasible"] else "  (INFEASIBLE: see below)"
+    print(f"prefill {s['num_prefill']}  decode {s['num_decode']}  P:D {s['num_prefill'] / s['num_decode']:.2f}"
+          f"  for {s['target_rps']:.3g} req/s, p{s['quantile'] * 100:g} TTFT <= {s['slo_ttft_s']:g} s, "
+          f"ITL <= {s['slo_itl_s'] * 1e3:g} ms{verdict}")
+    for line in s["reasoning"]:
+        print(f"  {line}")
+    rows = [[e["member_id"], e["kind"], f"{e['prefill_tokens_per_s']:,.0f}" if e["prefill_tokens_per_s"] else "-",
+             f"{e['decode_tokens_per_s']:,.0f}" if e["decode_tokens_per_s"] else "-", e["num_samples"]]
+            for e in s["engines"]]
+    if rows:
+        print("measured per engine:")
+        print(_table(["engine", "kind", "prefill tok/s", "decode tok/s", "samples"], rows))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     """Runs one ctl command with the errors mapped to one line and an exit status."""
     try:

@@ -39,15 +39,21 @@ class EngineLoad:
     num_context_tokens: int = 0
     """Context tokens of the running requests."""
     kv_usage: float = 0.0
+    num_generated_tokens: int = 0
+    """Tokens sampled since the engine started."""
+    num_finished: int = 0
+    """Requests finished since the engine started."""
 
     @classmethod
     def from_pb(cls, m: cpb.EngineLoad) -> EngineLoad:
-        return cls(m.num_queued_tokens, m.num_waiting, m.num_running, m.num_context_tokens, m.kv_usage)
+        return cls(m.num_queued_tokens, m.num_waiting, m.num_running, m.num_context_tokens, m.kv_usage,
+                   m.num_generated_tokens, m.num_finished)
 
     def to_pb(self) -> cpb.EngineLoad:
         return cpb.EngineLoad(num_queued_tokens=self.num_queued_tokens, num_waiting=self.num_waiting,
                               num_running=self.num_running, num_context_tokens=self.num_context_tokens,
-                              kv_usage=self.kv_usage)
+                              kv_usage=self.kv_usage, num_generated_tokens=self.num_generated_tokens,
+                              num_finished=self.num_finished)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +74,13 @@ class Member:
     store_load: cpb.StoreLoad | None = None
     """Store nodes: tiers and counters from the last heartbeat."""
     busy_until: float = 0.0
+    prefill_tokens: int = 0
+    """Engines: new tokens over the prefills they reported, and the seconds those took."""
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    """Engines: tokens over the decode steps they reported (one per sequence per step), and those steps' seconds."""
+    decode_seconds: float = 0.0
+    num_samples: int = 0
     """Engines: clock time until which the prefills scheduled here since the last heartbeat keep it busy."""
 
     @property

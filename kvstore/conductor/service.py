@@ -10,6 +10,7 @@ outside it.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import logging
 import math
@@ -21,11 +22,14 @@ from concurrent import futures
 import grpc
 
 from kvstore.conductor.config import ConductorConfig
-from kvstore.conductor.costmodel import CostModel, HardwareProfile, PrefillSample
+from kvstore.conductor.costmodel import CostModel, DecodeSample, HardwareProfile, PrefillSample
 from kvstore.conductor.index import GlobalIndex, HotTracker
 from kvstore.conductor.membership import EngineLoad, Member, MemberKind, Membership
 from kvstore.conductor.policy import (DecodeCandidate, PrefillCandidate, Prompt, make_policy,
                                       schedule)
+from kvstore.conductor.sizing import (DEFAULT_QUANTILE, DEFAULT_SLO_ITL_S, DEFAULT_SLO_TTFT_S, Recommendation,
+                                      RequestSample, recommend)
+from kvstore.health import HealthStatus
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
@@ -74,12 +78,17 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._samples: collections.deque[PrefillSample] = collections.deque(maxlen=512)
         self._new_samples = 0
         self._num_samples_received = 0
+        self._decode_samples: collections.deque[DecodeSample] = collections.deque(maxlen=512)
+        self._new_decode_samples = 0
+        self.requests: collections.deque[RequestSample] = collections.deque(maxlen=config.sizing_window)
+        """Recent Schedule requests, for P:D sizing."""
         self.counters = collections.Counter()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
                                   options=[("grpc.so_reuseport", 0)])
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
+        self.health = HealthStatus(self.server, "crescent.v1.Conductor")
         try:
             self.port = self.server.add_insecure_port(config.listen)
         except RuntimeError:
@@ -87,14 +96,26 @@ class Conductor(cpb_grpc.ConductorServicer):
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
         self.address = f"{config.listen.rpartition(':')[0]}:{self.port}"
+        self._metrics_server = None
+        self.metrics_port: int | None = None
+        """The /metrics port once started (with --metrics-port 0: the one picked)."""
 
     def start(self) -> Conductor:
         self.server.start()
         self._reaper.start()
+        if self.config.metrics_port is not None:
+            from kvstore.conductor.metrics import serve_metrics
+
+            self._metrics_server, _ = serve_metrics(self, self.config.metrics_port,
+                                                    self.config.listen.rpartition(":")[0])
+            self.metrics_port = self._metrics_server.server_port
         return self
 
     def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
+        self.health.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self.server.stop(grace).wait()
 
     # ---- membership ---------------------------------------------------------
@@ -104,6 +125,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         while not self._stop.wait(period):
             with self._lock:
                 for m in self.members.reap(self.clock()):
+                    self.counters["expired"] += 1
                     n = self.index.drop_node(m.member_id)
                     log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
                                 m.member_id, m.kind.label, self.config.dead_timeout, n)
@@ -139,6 +161,8 @@ class Conductor(cpb_grpc.ConductorServicer):
     def Heartbeat(self, request, context):
         samples = [PrefillSample(s.num_new_tokens, s.num_cached_tokens, s.seconds)
                    for s in request.prefill_samples if s.seconds > 0 and math.isfinite(s.seconds)]
+        steps = [DecodeSample(s.num_seqs, s.num_context_tokens, s.seconds)
+                 for s in request.decode_samples if s.num_seqs and s.seconds > 0 and math.isfinite(s.seconds)]
         with self._lock:
             m = self.members.get(request.member_id, request.incarnation)
             if m is None:
@@ -154,9 +178,20 @@ class Conductor(cpb_grpc.ConductorServicer):
                 self._num_samples_received += len(samples)
                 self._samples.extend(samples)
                 self._new_samples += len(samples)
+                m.prefill_tokens += sum(x.num_new_tokens for x in samples)
+                m.prefill_seconds += sum(x.seconds for x in samples)
                 if self._new_samples >= _REFIT_EVERY:
                     self._new_samples = 0
                     self.cost.fit(list(self._samples))
+            if steps:
+                self._decode_samples.extend(steps)
+                self._new_decode_samples += len(steps)
+                m.decode_tokens += sum(x.num_seqs for x in steps)
+                m.decode_seconds += sum(x.seconds for x in steps)
+                if self._new_decode_samples >= _REFIT_EVERY:
+                    self._new_decode_samples = 0
+                    self.cost.fit_decode(list(self._decode_samples))
+            m.num_samples += len(samples) + len(steps)
             return cpb.HeartbeatResponse(known=True, draining=m.draining)
 
     def StreamEvents(self, request_iterator, context):
@@ -237,6 +272,8 @@ class Conductor(cpb_grpc.ConductorServicer):
                          slo_ttft_s=self.config.slo_ttft, slo_tbt_s=self.config.slo_tbt,
                          is_hot=lambda n: n > 0 and self.hot.count(keys[n - 1], now) >= hot)
             self.hot.touch(keys, now)
+            self.requests.append(RequestSample(now, request.num_tokens, d.num_cached_tokens,
+                                               request.num_output_tokens))
             c = self.counters
             c["scheduled"] += 1
             c["scheduled_chunks"] += len(keys)
@@ -390,6 +427,68 @@ class Conductor(cpb_grpc.ConductorServicer):
                     self.index.removed(node, k)
         return cpb.EvictChunksResponse(num_evicted=n, num_nodes=nodes)
 
+    # ---- P:D sizing -----------------------------------------------------------
+
+    def sizing(self, target_rps: float | None = None, slo_ttft_s: float | None = None,
+               slo_itl_s: float | None = None, q: float | None = None) -> Recommendation:
+        """Prefill and decode instances for ``target_rps`` (None: the measured rate) under the SLOs
+        (None: the conductor's, else the defaults), from the recent requests and the cost model.
+
+        Output lengths: what requests asked for (``num_output_tokens``), scaled to the
+        mean that decode engines report generating when they report any.
+
+        Raises:
+            InvalidArgumentError: nothing measured yet, or a bad target, SLO or quantile.
+        """
+        with self._lock:
+            samples = list(self.requests)
+            cost = copy.copy(self.cost)
+            engines = self.members.of_kind(MemberKind.DECODE) or self.members.of_kind(MemberKind.PREFILL)
+            generated = sum(e.engine_load.num_generated_tokens for e in engines)
+            finished = sum(e.engine_load.num_finished for e in engines)
+        asked = sum(r.output_tokens for r in samples)
+        if finished and samples:
+            mean = generated / finished
+            scale = mean * len(samples) / asked if asked else 0.0
+            samples = [RequestSample(r.arrival_s, r.prompt_tokens, r.cached_tokens,
+                                     max(1, round(r.output_tokens * scale) if asked else round(mean)))
+                       for r in samples]
+        elif not asked:  # nobody said how long outputs are: one token each
+            samples = [RequestSample(r.arrival_s, r.prompt_tokens, r.cached_tokens, 1) for r in samples]
+        try:
+            return recommend(samples, cost, target_rps=target_rps,
+                             slo_ttft_s=slo_ttft_s or self.config.slo_ttft or DEFAULT_SLO_TTFT_S,
+                             slo_itl_s=slo_itl_s or self.config.slo_tbt or DEFAULT_SLO_ITL_S,
+                             q=q or DEFAULT_QUANTILE)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+
+    @_rpc
+    def Sizing(self, request, context):
+        for name in ("target_rps", "slo_ttft_s", "slo_itl_s", "quantile"):
+            v = getattr(request, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {v}")
+        if request.quantile >= 1:
+            raise InvalidArgumentError(f"quantile must be in (0, 1), got {request.quantile}")
+        s = self.sizing(request.target_rps or None, request.slo_ttft_s or None, request.slo_itl_s or None,
+                        request.quantile or None)
+        resp = cpb.SizingResponse(
+            num_prefill=s.num_prefill, num_decode=s.num_decode, feasible=s.feasible, target_rps=s.target_rps,
+            slo_ttft_s=s.slo_ttft_s, slo_itl_s=s.slo_itl_s, quantile=s.quantile, num_requests=s.num_requests,
+            measured_rps=s.measured_rps, mean_prompt_tokens=s.mean_prompt_tokens,
+            mean_cached_tokens=s.mean_cached_tokens, mean_output_tokens=s.mean_output_tokens,
+            predicted_ttft_s=s.predicted_ttft_s, predicted_itl_s=s.predicted_itl_s,
+            prefill_utilization=s.prefill_utilization, decode_batch=s.decode_batch, reasoning=s.reasoning)
+        with self._lock:
+            for e in sorted(self.members.of_kind(MemberKind.PREFILL) + self.members.of_kind(MemberKind.DECODE),
+                            key=lambda m: m.member_id):
+                resp.engines.add(member_id=e.member_id, kind=int(e.kind),
+                                 prefill_tokens_per_s=e.prefill_tokens / e.prefill_seconds if e.prefill_seconds else 0,
+                                 decode_tokens_per_s=e.decode_tokens / e.decode_seconds if e.decode_seconds else 0,
+                                 num_samples=e.num_samples)
+        return resp
+
 
 def serve(config: ConductorConfig) -> None:
     """Runs a conductor until SIGTERM or SIGINT, then stops it gracefully."""
@@ -397,7 +496,8 @@ def serve(config: ConductorConfig) -> None:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    print(f"crescent conductor listening on {conductor.address} (policy {config.policy}, "
+    metrics = f", metrics :{conductor.metrics_port}" if conductor.metrics_port is not None else ""
+    print(f"crescent conductor listening on {conductor.address}{metrics} (policy {config.policy}, "
           f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)", flush=True)
     done.wait()
     print("crescent conductor: stopping", flush=True)

@@ -269,3 +269,28 @@ def test_pin_and_evict_reach_every_holder(make_node, cc):
     assert cc.locate(KEYS[:3]).num_prefix == 0
     assert a.store.exists(KEYS[:3]) == [False, False, True]
     assert cc.evict([b"absent-key"]) == (0, 0)
+
+
+def test_standard_health_service_serves_until_stop():
+    """grpc.health.v1 (what Kubernetes' gRPC probes call): SERVING while up, NOT_SERVING from stop()."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.health import NOT_SERVING, SERVING
+
+    c = Conductor(ConductorConfig(listen="127.0.0.1:0")).start()
+    with grpc.insecure_channel(c.address) as ch:
+        std = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "crescent.v1.Conductor"):
+            assert std.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == SERVING
+        c.health.stop()  # the first thing stop() does
+        assert std.Check(health_pb2.HealthCheckRequest(), timeout=30).status == NOT_SERVING
+    c.stop(0)
+
+
+def test_member_expiries_are_counted(conductor):
+    """A member silent past the dead timeout is reaped and counted (crescent_conductor_member_expiries_total)."""
+    with grpc.insecure_channel(conductor.address) as ch:
+        cpb_grpc.ConductorStub(ch).Register(cpb.RegisterRequest(member_id="gone", kind=cpb.MEMBER_KIND_PREFILL),
+                                            timeout=30)
+    wait_for(lambda: conductor.counters["expired"] == 1, what="the silent member to expire")
+    assert conductor.members.get("gone") is None

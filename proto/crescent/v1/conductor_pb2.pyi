@@ -75,18 +75,22 @@ class StoreLoad(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[_kvstore_pb2.TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_pinned: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_queued_tokens", "num_waiting", "num_running", "num_context_tokens", "kv_usage")
+    __slots__ = ("num_queued_tokens", "num_waiting", "num_running", "num_context_tokens", "kv_usage", "num_generated_tokens", "num_finished")
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     num_queued_tokens: int
     num_waiting: int
     num_running: int
     num_context_tokens: int
     kv_usage: float
-    def __init__(self, num_queued_tokens: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    num_generated_tokens: int
+    num_finished: int
+    def __init__(self, num_queued_tokens: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., num_finished: _Optional[int] = ...) -> None: ...
 
 class PrefillSample(_message.Message):
     __slots__ = ("num_new_tokens", "num_cached_tokens", "seconds")
@@ -98,19 +102,31 @@ class PrefillSample(_message.Message):
     seconds: float
     def __init__(self, num_new_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class DecodeSample(_message.Message):
+    __slots__ = ("num_seqs", "num_context_tokens", "seconds")
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_seqs: int
+    num_context_tokens: int
+    seconds: float
+    def __init__(self, num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "incarnation", "store", "engine", "prefill_samples")
+    __slots__ = ("member_id", "incarnation", "store", "engine", "prefill_samples", "decode_samples")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     incarnation: int
     store: StoreLoad
     engine: EngineLoad
     prefill_samples: _containers.RepeatedCompositeFieldContainer[PrefillSample]
-    def __init__(self, member_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ...) -> None: ...
+    decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
+    def __init__(self, member_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "draining")
@@ -377,3 +393,69 @@ class EvictChunksResponse(_message.Message):
     num_evicted: int
     num_nodes: int
     def __init__(self, num_evicted: _Optional[int] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+
+class SizingRequest(_message.Message):
+    __slots__ = ("target_rps", "slo_ttft_s", "slo_itl_s", "quantile")
+    TARGET_RPS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    SLO_ITL_S_FIELD_NUMBER: _ClassVar[int]
+    QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    target_rps: float
+    slo_ttft_s: float
+    slo_itl_s: float
+    quantile: float
+    def __init__(self, target_rps: _Optional[float] = ..., slo_ttft_s: _Optional[float] = ..., slo_itl_s: _Optional[float] = ..., quantile: _Optional[float] = ...) -> None: ...
+
+class EngineThroughput(_message.Message):
+    __slots__ = ("member_id", "kind", "prefill_tokens_per_s", "decode_tokens_per_s", "num_samples")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    kind: MemberKind
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    num_samples: int
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class SizingResponse(_message.Message):
+    __slots__ = ("num_prefill", "num_decode", "feasible", "target_rps", "slo_ttft_s", "slo_itl_s", "quantile", "num_requests", "measured_rps", "mean_prompt_tokens", "mean_cached_tokens", "mean_output_tokens", "predicted_ttft_s", "predicted_itl_s", "prefill_utilization", "decode_batch", "reasoning", "engines")
+    NUM_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RPS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    SLO_ITL_S_FIELD_NUMBER: _ClassVar[int]
+    QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_RPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ITL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    num_prefill: int
+    num_decode: int
+    feasible: bool
+    target_rps: float
+    slo_ttft_s: float
+    slo_itl_s: float
+    quantile: float
+    num_requests: int
+    measured_rps: float
+    mean_prompt_tokens: float
+    mean_cached_tokens: float
+    mean_output_tokens: float
+    predicted_ttft_s: float
+    predicted_itl_s: float
+    prefill_utilization: float
+    decode_batch: float
+    reasoning: _containers.RepeatedScalarFieldContainer[str]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineThroughput]
+    def __init__(self, num_prefill: _Optional[int] = ..., num_decode: _Optional[int] = ..., feasible: _Optional[bool] = ..., target_rps: _Optional[float] = ..., slo_ttft_s: _Optional[float] = ..., slo_itl_s: _Optional[float] = ..., quantile: _Optional[float] = ..., num_requests: _Optional[int] = ..., measured_rps: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., mean_cached_tokens: _Optional[float] = ..., mean_output_tokens: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_itl_s: _Optional[float] = ..., prefill_utilization: _Optional[float] = ..., decode_batch: _Optional[float] = ..., reasoning: _Optional[_Iterable[str]] = ..., engines: _Optional[_Iterable[_Union[EngineThroughput, _Mapping]]] = ...) -> None: ...

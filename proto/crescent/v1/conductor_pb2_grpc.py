@@ -89,6 +89,11 @@ class ConductorStub:
                 request_serializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksRequest.SerializeToString,
                 response_deserializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksResponse.FromString,
                 _registered_method=True)
+        self.Sizing = channel.unary_unary(
+                '/crescent.v1.Conductor/Sizing',
+                request_serializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingResponse.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -175,6 +180,14 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sizing(self, request, context):
+        """Prefill and decode replica counts for a target load, from the requests
+        Schedule saw and the prefill/decode times engines measured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +245,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.EvictChunks,
                     request_deserializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksRequest.FromString,
                     response_serializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksResponse.SerializeToString,
+            ),
+            'Sizing': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sizing,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +549,33 @@ class Conductor:
             '/crescent.v1.Conductor/EvictChunks',
             proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksRequest.SerializeToString,
             proto_dot_crescent_dot_v1_dot_conductor__pb2.EvictChunksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sizing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.Conductor/Sizing',
+            proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_conductor__pb2.SizingResponse.FromString,
             options,
             channel_credentials,
             insecure,
