@@ -1,4 +1,11 @@
-"""``crescent``: the command line. Subcommands are added as components land.
+"""``crescent``: the command line.
+
+The store layer's own subcommands (``store``, ``conductor``, ``ctl``) are built
+in. Every other package adds its subcommands through the ``crescent.commands``
+entry-point group (pyproject.toml): an entry names ``register(subparsers)``,
+which adds parsers whose defaults set ``handler(ns) -> exit code``. That keeps
+imports pointing down: the engine layer (``engine.serve.cli``: ``engine``,
+``gateway``, ``up``) plugs itself in, and nothing here imports it.
 
 Flags of ``crescent store`` are derived from ``StoreConfig``'s fields and their
 docstrings, so they are described once.
@@ -105,28 +112,45 @@ def _register_conductor(sub) -> None:
     register(sub)
 
 
-def _register_serving(sub) -> None:
-    from engine.serve.cli import register  # `crescent engine`, `crescent gateway`, `crescent up`
-
-    register(sub)
-
-
-# Each entry adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
+# Each adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
 # Keep imports inside handlers so `crescent --help` stays fast.
-REGISTRARS = [_register_store, _register_conductor, _register_serving]
+BUILTIN = [_register_store, _register_conductor]
+ENTRY_POINT_GROUP = "crescent.commands"
+
+
+def plugin_registrars() -> list:
+    """``register`` functions of the installed ``crescent.commands`` entry points, by entry name.
+
+    Raises:
+        RuntimeError: an entry point that cannot be loaded (named, with the cause).
+    """
+    from importlib.metadata import entry_points
+
+    out = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            out.append(ep.load())
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(f"cannot load the {ENTRY_POINT_GROUP} entry point {ep.name!r} "
+                               f"({ep.value}): {exc}") from exc
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in REGISTRARS:
+    for register in BUILTIN + plugin_registrars():
         register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except RuntimeError as exc:
+        print(f"crescent: error: {exc}", file=sys.stderr)
+        return 2
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return ns.handler(ns)
