@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm test demo bench proto clean rdma-setup gpu-wheels
+.PHONY: setup setup-vllm setup-tools test demo bench proto clean rdma-setup gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# promtool (Debian's prometheus) checks and unit-tests deploy/prometheus; without it those tests skip
+# (under CI they fail instead).
+setup-tools:
+	-command -v promtool >/dev/null || { apt-get -qq update && apt-get -qq install -y prometheus; } >/dev/null 2>&1
 
 # torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm` on CPU;
 # nothing here needs them. Offline, a failed install does not stop `make test`: the vLLM
@@ -36,7 +41,7 @@ setup-vllm:
 	  mkdir -p $(VLLM_VENV); \
 	  echo "vLLM venv could not be created: make setup-vllm failed (see its output)" > $(VLLM_VENV)/.unavailable; }
 
-test: setup setup-vllm
+test: setup setup-vllm setup-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: setup

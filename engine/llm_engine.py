@@ -95,6 +95,14 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos.add(self.tokenizer.eos_token_id)
         self.seqs: dict[int, Sequence] = {}
+        self.last_step_prefill_tokens: int | None = None
+        """Prompt tokens the last step computed; None when it ran nothing (for the serving loop's metrics)."""
+        self.last_step_seqs = 0
+        """Sequences in the last step that ran, and their context tokens (a decode step's cost, for the conductor)."""
+        self.last_step_context_tokens = 0
+        self.num_generated = 0
+        """Tokens sampled, and requests finished, since the engine started (P:D sizing's output lengths)."""
+        self.num_finished = 0
 
     # ---- requests -------------------------------------------------------------
 
@@ -197,7 +205,11 @@ class LLMEngine:
                 if seq.num_store_tokens:
                     scheduled = self._load(seq, scheduled)
         if not scheduled:
+            self.last_step_prefill_tokens = None
             return []
+        self.last_step_prefill_tokens = out.num_prefill_tokens
+        self.last_step_seqs = len(scheduled)
+        self.last_step_context_tokens = sum(s.seq.num_computed + s.num_new_tokens for s in scheduled)
         before = {id(s.seq): s.seq.num_computed for s in scheduled}
         logits = self.runner.run(scheduled)
         results: list[StepOutput] = []
@@ -218,6 +230,7 @@ class LLMEngine:
                 continue
             tok = sampled[i]
             seq.output.append(tok)
+            self.num_generated += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = None
@@ -226,6 +239,7 @@ class LLMEngine:
             elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
                 reason = "stop"
             if reason:
+                self.num_finished += 1
                 self.scheduler.finish(seq, reason)
                 seq.finish_time = now
                 self.seqs.pop(seq.seq_id, None)
@@ -282,7 +296,8 @@ class LLMEngine:
         queued += sum(max(0, len(s.prompt) - s.num_computed) for s in sched.running)
         return EngineLoad(num_queued_tokens=queued, num_waiting=len(sched.waiting), num_running=len(sched.running),
                           num_context_tokens=sum(s.num_tokens for s in sched.running),
-                          kv_usage=1.0 - self.blocks.num_free / self.blocks.num_pages)
+                          kv_usage=1.0 - self.blocks.num_free / self.blocks.num_pages,
+                          num_generated_tokens=self.num_generated, num_finished=self.num_finished)
 
     def close(self) -> None:
         if self.connector is not None:

@@ -31,6 +31,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     """Sequences admitted this step (their store hits still need loading)."""
+    num_prefill_tokens: int = 0
+    """Of the scheduled tokens: prompt chunks (admissions and running prefills), for the step-time metrics."""
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +128,7 @@ class Scheduler:
             if not self._pages_or_preempt(seq, seq.num_computed + n, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, n))
+            out.num_prefill_tokens += n
             budget -= n
         # 3. admissions
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -140,6 +143,7 @@ class Scheduler:
             n = min(remaining, self.chunk_size, budget)
             if self._ensure_pages(seq, seq.num_computed + n):
                 out.scheduled.append(ScheduledSeq(seq, n))
+                out.num_prefill_tokens += n
                 budget -= n
         return out
 

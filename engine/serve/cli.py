@@ -17,6 +17,9 @@ def register(sub) -> None:
                                    "both: a monolithic engine.")
     p.add_argument("role", choices=["prefill", "decode", "both"])
     p.add_argument("--listen", default="127.0.0.1:7500", help="gRPC address host:port (default: 127.0.0.1:7500)")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="host the conductor and gateway reach this engine at (default: the --listen host, or "
+                        "this machine's hostname when that is a wildcard such as 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: none)")
     p.add_argument("--fetch-timeout-s", type=float, default=2.0,
                    help="decode: how long to wait for a prefill engine's chunks to appear in the store "
@@ -54,7 +57,7 @@ def _run_engine(ns: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(EngineConfig, ns)
-        serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s)
+        serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s, ns.advertise_host)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"crescent engine: error: {exc}", file=sys.stderr)
         return 2

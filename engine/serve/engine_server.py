@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
+from kvstore.health import HealthStatus, advertised_host
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -145,7 +146,8 @@ class EngineService(pb_grpc.EngineServicer):
 
 class EngineNode:
     def __init__(self, role: str, cfg: EngineConfig, listen: str = "127.0.0.1:0",
-                 metrics_port: int | None = None, fetch_timeout_s: float = 2.0) -> None:
+                 metrics_port: int | None = None, fetch_timeout_s: float = 2.0,
+                 advertise_host: str | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
         self.role = role
@@ -159,16 +161,23 @@ class EngineNode:
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or not local)")
-        self.address = f"{listen.rpartition(':')[0]}:{self.port}"
+        self.host = listen.rpartition(":")[0]
+        self.address = f"{advertised_host(self.host, advertise_host)}:{self.port}"
         self._metrics_port = metrics_port
         self._metrics_server = None
         self.agent = self._make_agent(cfg) if cfg.conductor else None
         on_step = (lambda: self.agent.report_load(self.engine.load())) if self.agent else None
         self.loop = EngineLoop(self.engine, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
-                               on_step=on_step)
+                               on_step=on_step, on_step_time=self._on_step_time)
         self.service = EngineService(role, self.engine, self.loop, fetch_timeout_s)
         self.service.agent = self.agent
         pb_grpc.add_EngineServicer_to_server(self.service, self.server)
+        self.health = HealthStatus(self.server, "crescent.v1.Engine")
+
+    def _on_step_time(self, seconds: float, prefill_tokens: int) -> None:
+        self.metrics.on_step_time(seconds, prefill_tokens)
+        if self.agent is not None and prefill_tokens == 0:  # a pure decode step: the conductor's decode model
+            self.agent.record_decode(self.engine.last_step_seqs, self.engine.last_step_context_tokens, seconds)
 
     def _make_agent(self, cfg: EngineConfig):
         """Registers with the conductor as a prefill engine (``both`` too) or a decode engine."""
@@ -197,10 +206,11 @@ class EngineNode:
         if self.agent is not None:
             self.agent.start()
         if self._metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(self._metrics_port, self.address.rpartition(":")[0])
+            self._metrics_server, _ = self.metrics.serve(self._metrics_port, self.host)
         return self
 
     def stop(self, grace: float = 2.0) -> None:
+        self.health.stop()
         if self.agent is not None:
             self.agent.stop()
         self.server.stop(grace).wait()
@@ -210,8 +220,9 @@ class EngineNode:
         self.engine.close()
 
 
-def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, fetch_timeout_s: float) -> None:
-    node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s).start()
+def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, fetch_timeout_s: float,
+          advertise_host: str | None = None) -> None:
+    node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s, advertise_host).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -29,7 +29,8 @@ class Handle:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_token=None, on_finish=None, on_step=None) -> None:
+    def __init__(self, engine: LLMEngine, on_token=None, on_finish=None, on_step=None,
+                 on_step_time=None) -> None:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, Handle] = {}
@@ -37,6 +38,7 @@ class EngineLoop:
         self._on_token = on_token  # callback(seq, now) for metrics
         self._on_finish = on_finish
         self._on_step = on_step  # callback() after each step and each command batch (load reports)
+        self._on_step_time = on_step_time  # callback(seconds, prefill_tokens) after each step that ran (metrics)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_requests = 0
 
@@ -99,6 +101,7 @@ class EngineLoop:
                 if self._on_step:
                     self._on_step()
                 continue
+            t0 = time.perf_counter()
             try:
                 outs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
@@ -108,9 +111,11 @@ class EngineLoop:
                     self.engine.abort(h.seq.seq_id)
                 self._handles.clear()
                 continue
+            now = time.perf_counter()
+            if self._on_step_time and self.engine.last_step_prefill_tokens is not None:
+                self._on_step_time(now - t0, self.engine.last_step_prefill_tokens)
             if self._on_step:
                 self._on_step()
-            now = time.perf_counter()
             for o in outs:
                 h = self._handles.get(o.seq.seq_id)
                 if h is None:

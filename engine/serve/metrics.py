@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class EngineMetrics:
@@ -18,6 +19,11 @@ class EngineMetrics:
                               ["role"], buckets=_TTFT, registry=self.registry).labels(role)
         self.itl = Histogram("crescent_engine_itl_seconds", "Time between consecutive tokens of a request",
                              ["role"], buckets=_ITL, registry=self.registry).labels(role)
+        self.step = Histogram("crescent_engine_step_seconds", "Duration of an engine step (one forward pass)",
+                              ["role"], buckets=_STEP, registry=self.registry).labels(role)
+        self.prefill = Histogram("crescent_engine_prefill_seconds",
+                                 "Duration of an engine step that computed prompt tokens (a prefill chunk)",
+                                 ["role"], buckets=_STEP, registry=self.registry).labels(role)
         self.requests = Counter("crescent_engine_requests", "Requests finished, by reason",
                                 ["role", "reason"], registry=self.registry)
         self.registry.register(self)
@@ -31,6 +37,12 @@ class EngineMetrics:
             self.itl.observe(now - last)
         self._last[seq.seq_id] = now
 
+    def on_step_time(self, seconds: float, prefill_tokens: int) -> None:
+        """After each step that ran something: its duration, and how many prompt tokens it computed."""
+        self.step.observe(seconds)
+        if prefill_tokens:
+            self.prefill.observe(seconds)
+
     def on_finish(self, seq, now: float) -> None:
         self._last.pop(seq.seq_id, None)
         self.requests.labels(self.role, seq.finish_reason or "unknown").inc()
@@ -42,9 +54,13 @@ class EngineMetrics:
         g.add_metric([self.role, "running"], len(eng.scheduler.running))
         yield g
         p = GaugeMetricFamily("crescent_engine_kv_pages", "KV pages, by state", labels=["role", "state"])
-        p.add_metric([self.role, "used"], eng.blocks.num_pages - eng.blocks.num_free)
+        used, total = eng.blocks.num_pages - eng.blocks.num_free, eng.blocks.num_pages
+        p.add_metric([self.role, "used"], used)
         p.add_metric([self.role, "free"], eng.blocks.num_free)
         yield p
+        r = GaugeMetricFamily("crescent_engine_kv_usage_ratio", "KV pages in use / all KV pages", labels=["role"])
+        r.add_metric([self.role], used / total if total else 0.0)
+        yield r
         if eng.connector is not None:
             st = eng.connector.stats
             b = GaugeMetricFamily("crescent_engine_store_bytes", "Bytes moved to/from the store",
@@ -52,6 +68,19 @@ class EngineMetrics:
             b.add_metric([self.role, "loaded"], st.bytes_loaded)
             b.add_metric([self.role, "saved"], st.bytes_saved)
             yield b
+            c = CounterMetricFamily("crescent_engine_store_chunks", "KV chunks moved to/from the store",
+                                    labels=["role", "direction"])
+            c.add_metric([self.role, "loaded"], st.chunks_loaded)
+            c.add_metric([self.role, "saved"], st.chunks_saved)
+            yield c
+            f = CounterMetricFamily("crescent_engine_store_failures",
+                                    "Chunks the store reported present that failed to load or verify (load), "
+                                    "chunks that could not be saved (save), failed store calls (error)",
+                                    labels=["role", "op"])
+            f.add_metric([self.role, "load"], st.load_failures)
+            f.add_metric([self.role, "save"], st.save_failures)
+            f.add_metric([self.role, "error"], st.store_errors)
+            yield f
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

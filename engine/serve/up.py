@@ -61,6 +61,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
 
 
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (the part binds it a moment later; another process could take it first)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _port_free(host: str, port: int) -> bool:
     if port == 0:
         return True
@@ -172,6 +179,12 @@ def run_up(ns: argparse.Namespace) -> int:
         return 2
 
     py = [sys.executable, "-m", "kvstore.cli"]
+    metrics_ports: dict[str, int] = {}  # each part's Prometheus /metrics (the gateway's is on its HTTP port)
+
+    def metrics_port(name: str) -> str:
+        metrics_ports[name] = _free_port(ns.host)  # NOTE: just before the part starts, to keep the race short
+        return str(metrics_ports[name])
+
     parts: list[Part] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,7 +197,8 @@ def run_up(ns: argparse.Namespace) -> int:
             extra = [f for flag, v in (("--policy", ns.policy), ("--slo-ttft", ns.slo_ttft),
                                        ("--slo-tbt", ns.slo_tbt)) if v is not None for f in (flag, str(v))]
             p = Part("conductor", py + ["conductor", "--listen", f"{ns.host}:{ns.conductor_port}",
-                                        "--chunk-tokens", str(ns.chunk_tokens), *extra], logs)
+                                        "--chunk-tokens", str(ns.chunk_tokens),
+                                        "--metrics-port", metrics_port("conductor"), *extra], logs)
             parts.append(p)
             conductor = p.wait_banner(r"listening on ([^\s,]+)", deadline)
         join = ["--conductor", conductor] if conductor else []
@@ -192,7 +206,8 @@ def run_up(ns: argparse.Namespace) -> int:
         if with_store:
             p = Part("store", py + ["store", "--listen", f"{ns.host}:{ns.store_port}", "--dram", ns.dram,
                                     "--disk", os.path.join(data, "store"), "--disk-size", ns.disk_size,
-                                    "--node-id", "store-0", *join], logs)
+                                    "--node-id", "store-0", "--metrics-port", metrics_port("store"), *join],
+                     logs)
             parts.append(p)
             store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
@@ -206,7 +221,8 @@ def run_up(ns: argparse.Namespace) -> int:
             engines.append(("prefill", "prefill", ns.prefill_port))
         engines.append(("decode", "decode" if ns.mode == "disagg" else "both", ns.decode_port))
         for name, role, port in engines:
-            parts.append(Part(name, py + ["engine", role, "--listen", f"{ns.host}:{port}"] + common, logs))
+            parts.append(Part(name, py + ["engine", role, "--listen", f"{ns.host}:{port}",
+                                          "--metrics-port", metrics_port(name)] + common, logs))
         addrs = {name: part.wait_banner(r"listening on ([^\s,]+)", deadline)
                  for (name, _, _), part in zip(engines, parts[-len(engines):])}
         gw_cmd = py + ["gateway", "--listen", f"{ns.host}:{ns.gateway_port}", "--model", ns.model,
@@ -229,9 +245,12 @@ def run_up(ns: argparse.Namespace) -> int:
             if time.monotonic() > deadline or stop.is_set():
                 raise RuntimeError("the cluster did not become healthy in time")
             time.sleep(0.2)
+        mhost = f"[{ns.host}]" if ":" in ns.host else ns.host
+        metrics = {"gateway": f"{gw_url}/metrics",
+                   **{name: f"http://{mhost}:{port}/metrics" for name, port in metrics_ports.items()}}
         state = {"pid": os.getpid(), "model": ns.model, "openai_base_url": f"{gw_url}/v1", "gateway": gw_url,
                  "store": store_addr, "conductor": conductor, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
-                 "pids": {p.name: p.proc.pid for p in parts}}
+                 "metrics": metrics, "pids": {p.name: p.proc.pid for p in parts}}
         with open(state_path + ".tmp", "w") as f:
             json.dump(state, f, indent=1)
         os.replace(state_path + ".tmp", state_path)
@@ -243,7 +262,9 @@ def run_up(ns: argparse.Namespace) -> int:
             print(f"  store        {store_addr}", flush=True)
         if conductor:
             print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
-        print(f"  metrics      {gw_url}/metrics   logs: {logs}", flush=True)
+        for name, url in metrics.items():
+            print(f"  metrics      {url}   ({name})", flush=True)
+        print(f"  logs         {logs}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         store_down = False
         while not stop.wait(0.5):

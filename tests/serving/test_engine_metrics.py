@@ -31,3 +31,36 @@ def test_engine_metrics_split_by_role():
         assert 'crescent_engine_kv_pages{role="decode",state="used"} 0.0' in text
     finally:
         node.stop()
+
+
+def test_engine_reports_decode_steps_and_output_lengths_to_the_conductor():
+    """What P:D sizing reads: decode steps (batch, context, seconds) and tokens generated per request,
+    carried by the engine's heartbeats; a step that computed prompt tokens is not a decode sample."""
+    from kvstore.conductor.config import ConductorConfig
+    from kvstore.conductor.service import Conductor
+    from tests.helpers import wait_for
+
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.1, dead_timeout=30)).start()
+    node = EngineNode("decode", EngineConfig(model="random:tiny", kv_cache_memory=16 << 20,
+                                             conductor=conductor.address)).start()
+    try:
+        with grpc.insecure_channel(node.address) as ch:
+            stub = pb_grpc.EngineStub(ch)
+            for n in (5, 9):
+                req = pb.GenerateRequest(prompt_token_ids=list(range(3, 40)),
+                                         sampling=pb.SamplingOptions(max_tokens=n, ignore_eos=True))
+                assert sum(len(m.token_ids) for m in stub.Generate(req, timeout=120)) == n
+        member = f"decode@{node.address}"
+
+        def reported():
+            m = conductor.members.get(member)
+            return m is not None and m.engine_load.num_finished == 2 and m
+        m = wait_for(reported, what="the engine's heartbeat with both requests finished")
+        assert m.engine_load.num_generated_tokens == 14
+        # One prefill step per request (it samples the first token), the other tokens come from decode steps.
+        assert m.decode_tokens == 12 and m.decode_seconds > 0
+        assert len(conductor._decode_samples) == 12
+        assert all(s.num_seqs == 1 and s.num_context_tokens >= 37 for s in conductor._decode_samples)
+    finally:
+        node.stop()
+        conductor.stop(0)
