@@ -100,7 +100,8 @@ class StoreConfig:
     node_id: str = ""
     """Name of this node (default: hostname:port)."""
     conductor: str | None = None
-    """Conductor host:port to register with, heartbeat to and stream KV events to; none runs standalone."""
+    """Conductor host:port to register with, heartbeat to and stream KV events to (several, comma-separated:
+    replicas, of which the node follows the leader); none runs standalone."""
 
     def __post_init__(self) -> None:
         for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):
@@ -129,6 +130,7 @@ class StoreConfig:
         if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
             raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
         if self.conductor is not None:
-            c_host, _, c_port = self.conductor.rpartition(":")
-            if not c_host or not c_port.isdigit():
-                raise ValueError(f"--conductor must be host:port, got {self.conductor!r}")
+            for c in self.conductor.split(","):
+                c_host, _, c_port = c.strip().rpartition(":")
+                if not c_host or not c_port.isdigit():
+                    raise ValueError(f"--conductor must be host:port[,host:port...], got {self.conductor!r}")

@@ -76,6 +76,9 @@ _BY_CODE = {
 }
 
 
+LEADER_METADATA = "crescent-leader"
+
+
 def call_grpc(fn, retry=None):
     """Runs ``fn()`` (one gRPC call), turning a failed status into its CrescentError.
 
@@ -98,4 +101,10 @@ def from_grpc(err: grpc.RpcError) -> CrescentError:
     cls = _BY_CODE.get(code, CrescentError)
     exc = cls(f"{code.name}: {details}")
     exc.grpc_code = code
+    exc.leader = None
+    """A conductor follower's answer: the leader's address (trailing metadata ``crescent-leader``)."""
+    if code is grpc.StatusCode.UNAVAILABLE and hasattr(err, "trailing_metadata"):
+        for k, v in err.trailing_metadata() or ():
+            if k == LEADER_METADATA:
+                exc.leader = v
     return exc

@@ -27,8 +27,9 @@ class HealthStatus:
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         self.set_serving(True)
 
-    def set_serving(self, serving: bool) -> None:
-        for s in self.services:
+    def set_serving(self, serving: bool, service: str | None = None) -> None:
+        """Every service's status, or one's (e.g. a conductor follower: alive, but not scheduling)."""
+        for s in self.services if service is None else (service,):
             self._servicer.set(s, SERVING if serving else NOT_SERVING)
 
     def stop(self) -> None:

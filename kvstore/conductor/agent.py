@@ -27,6 +27,7 @@ import grpc
 
 from kvstore.conductor.client import CHANNEL_OPTIONS
 from kvstore.conductor.membership import EngineLoad, MemberKind
+from kvstore.errors import LEADER_METADATA
 from kvstore.store import StoreEvent, Tier
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -55,7 +56,9 @@ class MemberAgent:
                  store_node: str | None = None, kv_bytes_per_token: int = 0, namespace: bytes = b"",
                  chunk_tokens: int = 0, flush_interval_s: float = 0.05, max_batch: int = 4096,
                  timeout_s: float = 5.0) -> None:
-        self.conductor = conductor
+        self.conductors = [a.strip() for a in conductor.split(",") if a.strip()]
+        self.conductor = self.conductors[0] if self.conductors else conductor
+        """The conductor now talked to: one of ``conductors``, or the leader a follower named."""
         self.member_id = member_id
         self.kind = kind
         self.address = address
@@ -83,13 +86,13 @@ class MemberAgent:
         self._stream: object | None = None  # token of the open event stream
         self._threads: list[threading.Thread] = []
         self._channel: grpc.Channel | None = None
+        self._retired: list[grpc.Channel] = []
         self._stub: cpb_grpc.ConductorStub | None = None
 
     # ---- lifecycle ------------------------------------------------------------
 
     def start(self) -> MemberAgent:
-        self._channel = grpc.insecure_channel(self.conductor, options=CHANNEL_OPTIONS)
-        self._stub = cpb_grpc.ConductorStub(self._channel)
+        self._connect(self.conductor)
         loops = [self._heartbeat_loop] + ([self._events_loop] if self.kind is MemberKind.STORE else [])
         for fn in loops:
             t = threading.Thread(target=fn, name=f"agent-{fn.__name__}", daemon=True)
@@ -115,8 +118,30 @@ class MemberAgent:
                                       timeout=2.0)
             except grpc.RpcError as exc:
                 log.info("deregister from %s failed: %s", self.conductor, exc.code().name)
+        for ch in (*self._retired, self._channel):
+            if ch is not None:
+                ch.close()
+
+    def _connect(self, address: str) -> None:
         if self._channel is not None:
-            self._channel.close()
+            # NOTE: closed at stop(), not now: the events thread may be opening a stream on it.
+            self._retired.append(self._channel)
+        self.conductor = address
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = cpb_grpc.ConductorStub(self._channel)
+
+    def _follow(self, exc: grpc.RpcError) -> None:
+        """After a failed call: a follower conductor named the leader, go there; an unreachable one,
+        try the next address given (``--conductor a:p,b:p``)."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return
+        leader = next((v for k, v in (exc.trailing_metadata() or ()) if k == LEADER_METADATA), None)
+        if leader and leader != self.conductor:
+            log.info("the conductor at %s is a follower: following the leader at %s", self.conductor, leader)
+            self._connect(leader)
+        elif not leader and len(self.conductors) > 1:
+            i = self.conductors.index(self.conductor) if self.conductor in self.conductors else -1
+            self._connect(self.conductors[(i + 1) % len(self.conductors)])
 
     # ---- engine reports ---------------------------------------------------------
 
@@ -192,6 +217,7 @@ class MemberAgent:
                     backoff = 0.05
                 except grpc.RpcError as exc:
                     log.debug("register with %s failed: %s", self.conductor, exc.code().name)
+                    self._follow(exc)
                     self._wake.wait(backoff)
                     self._wake.clear()
                     backoff = min(backoff * 2, 2.0)
@@ -218,6 +244,7 @@ class MemberAgent:
                     continue
             except grpc.RpcError as exc:
                 log.debug("heartbeat to %s failed: %s", self.conductor, exc.code().name)
+                self._follow(exc)
             self._wake.wait(self._interval)
             self._wake.clear()
 

@@ -29,7 +29,7 @@ def _register_conductor(sub) -> None:
                                    "nodes stream KV events into the global prefix index, Schedule picks "
                                    "engines (crescent.v1.Conductor). Stops gracefully on SIGTERM/SIGINT.")
     add_config_args(p, ConductorConfig)
-    p.set_defaults(handler=_run_conductor)
+    p.set_defaults(handler=_run_conductor, etcd=os.environ.get("CRESCENT_ETCD") or None)
 
 
 def _run_conductor(ns: argparse.Namespace) -> int:

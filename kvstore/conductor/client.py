@@ -13,7 +13,7 @@ from typing import TypeVar
 import grpc
 
 from kvstore.conductor.membership import EngineLoad, MemberKind
-from kvstore.errors import call_grpc
+from kvstore.errors import InvalidArgumentError, UnavailableError, call_grpc
 from kvstore.store import Tier
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -97,14 +97,40 @@ class ConductorClient:
     """
 
     def __init__(self, address: str, *, timeout_s: float = 10.0, retry=None) -> None:
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        if not self.addresses:
+            raise InvalidArgumentError("no conductor address given")
         self.timeout_s = timeout_s
         self.retry = retry
+        self._channel = None
+        self._retired: list[grpc.Channel] = []
+        self._connect(self.addresses[0])
+
+    def _connect(self, address: str) -> None:
+        if self._channel is not None:
+            # NOTE: not closed yet: another thread may be starting a call on it (closed, that raises).
+            self._retired.append(self._channel)
+        self.address = address
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = cpb_grpc.ConductorStub(self._channel)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        return call_grpc(fn, self.retry)
+        """``fn()`` against the leader: a follower's answer names it (followed, at most twice); an
+        unreachable replica is skipped for the next address given."""
+        tried, hops = {self.address}, 0
+        while True:
+            try:
+                return call_grpc(fn, self.retry)
+            except UnavailableError as exc:
+                if exc.leader and exc.leader != self.address and hops < 2:
+                    hops += 1
+                    self._connect(exc.leader)
+                    continue
+                rest = [a for a in self.addresses if a not in tried]
+                if not rest:
+                    raise
+                tried.add(rest[0])
+                self._connect(rest[0])
 
     def schedule(self, keys: Sequence[bytes], num_tokens: int, *, chunk_tokens: int = 0, policy: str = "",
                  num_output_tokens: int = 0) -> ScheduleResult:
@@ -188,7 +214,8 @@ class ConductorClient:
         return out
 
     def close(self) -> None:
-        self._channel.close()
+        for ch in (*self._retired, self._channel):
+            ch.close()
 
     def __enter__(self) -> ConductorClient:
         return self

@@ -52,6 +52,14 @@ class ConductorConfig:
     """Request rate the recommended-replicas metric sizes for; None: the measured rate."""
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port (membership, scheduling, P:D sizing); none disables it."""
+    etcd: str | None = None
+    """etcd endpoints host:port[,host:port...] (default: $CRESCENT_ETCD): run as one of several conductor
+    replicas, the leader elected through etcd, the others answering with its address; none: the only conductor."""
+    leader_ttl: float = 5.0
+    """With --etcd: seconds of the leader's lease; a leader that dies is replaced within about this long."""
+    advertise_host: str | None = None
+    """Host other processes reach this conductor at (what followers hand out as the leader's address);
+    default: the --listen host, or the hostname when that is a wildcard such as 0.0.0.0."""
 
     def __post_init__(self) -> None:
         check_address("--listen", self.listen)
@@ -68,6 +76,16 @@ class ConductorConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.etcd is not None:
+            from kvstore.coord import parse_endpoints
+            from kvstore.errors import InvalidArgumentError
+
+            try:
+                parse_endpoints(self.etcd)
+            except InvalidArgumentError as exc:
+                raise ValueError(f"--etcd: {exc}") from None
+        if not 2 <= self.leader_ttl <= 3600:
+            raise ValueError(f"--leader-ttl must be in [2, 3600] seconds, got {self.leader_ttl}")
         if self.sizing_window < 2:
             raise ValueError(f"--sizing-window must be >= 2, got {self.sizing_window}")
         if self.sizing_target_rps is not None and not (self.sizing_target_rps > 0 and

@@ -50,7 +50,8 @@ class ConductorCollector:
             coefficients = c.cost.coefficients
             decode_coefficients = c.cost.decode_coefficients
         yield GaugeMetricFamily("crescent_conductor_is_leader",
-                                "1 on the conductor that schedules (the only one until leader election)", value=1)
+                                "1 on the conductor that schedules (the elected leader, or the only conductor)",
+                                value=int(c.is_leader))
         m = GaugeMetricFamily("crescent_conductor_members", "Live members, by kind and state",
                               labels=["kind", "state"])
         counts = {(k.label, s): 0 for k in MemberKind for s in ("alive", "draining")}

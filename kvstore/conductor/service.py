@@ -29,8 +29,9 @@ from kvstore.conductor.policy import (DecodeCandidate, PrefillCandidate, Prompt,
                                       schedule)
 from kvstore.conductor.sizing import (DEFAULT_QUANTILE, DEFAULT_SLO_ITL_S, DEFAULT_SLO_TTFT_S, Recommendation,
                                       RequestSample, recommend)
-from kvstore.health import HealthStatus
-from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from kvstore.health import HealthStatus, advertised_host
+from kvstore.errors import (LEADER_METADATA, CrescentError, FailedPreconditionError, InvalidArgumentError,
+                            NotFoundError)
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -43,10 +44,11 @@ _REFIT_EVERY = 8
 
 
 def _rpc(fn):
-    """Maps CrescentError to its gRPC status."""
+    """Maps CrescentError to its gRPC status; a follower answers UNAVAILABLE naming the leader."""
 
     @functools.wraps(fn)
     def inner(self, request, context):
+        self._check_leader(context)
         try:
             return fn(self, request, context)
         except CrescentError as exc:
@@ -95,7 +97,16 @@ class Conductor(cpb_grpc.ConductorServicer):
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
-        self.address = f"{config.listen.rpartition(':')[0]}:{self.port}"
+        self.host = config.listen.rpartition(":")[0]
+        self.address = f"{advertised_host(self.host, config.advertise_host)}:{self.port}"
+        self.election = None
+        """With --etcd: this replica's candidacy; None: the only conductor, always the leader."""
+        if config.etcd:
+            from kvstore.coord import Etcd, LeaderElection
+
+            self.health.set_serving(False, "crescent.v1.Conductor")  # a follower until elected
+            self.election = LeaderElection(Etcd(config.etcd), "conductor", self.address, config.leader_ttl,
+                                           on_change=self._on_leadership)
         self._metrics_server = None
         self.metrics_port: int | None = None
         """The /metrics port once started (with --metrics-port 0: the one picked)."""
@@ -103,6 +114,8 @@ class Conductor(cpb_grpc.ConductorServicer):
     def start(self) -> Conductor:
         self.server.start()
         self._reaper.start()
+        if self.election is not None:
+            self.election.start()
         if self.config.metrics_port is not None:
             from kvstore.conductor.metrics import serve_metrics
 
@@ -114,9 +127,42 @@ class Conductor(cpb_grpc.ConductorServicer):
     def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
         self.health.stop()
+        if self.election is not None:
+            self.election.stop(resign=True)  # a follower takes over now, not after the lease
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.server.stop(grace).wait()
+
+    # ---- leadership -----------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election is None or self.election.is_leader
+
+    def _check_leader(self, context) -> None:
+        """Aborts the call with UNAVAILABLE and the leader's address unless this replica leads."""
+        if self.is_leader:
+            return
+        leader = self.election.leader()
+        if leader:
+            context.set_trailing_metadata(((LEADER_METADATA, leader),))
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"this conductor ({self.address}) is a follower; the leader is at {leader or 'none yet'}")
+
+    def _on_leadership(self, is_leader: bool, leader: str | None) -> None:
+        """A replica starts leading empty-handed: members register again with it (a follower told
+        them where) and store nodes resend their chunk sets, which rebuilds the index. One that
+        stops leading drops its view, stale from now on."""
+        with self._lock:
+            self.members = Membership(self.config.dead_timeout)
+            self.index = GlobalIndex()
+            self.hot = HotTracker(self.config.hot_half_life)
+            self.requests.clear()
+            if is_leader:
+                self.counters["elected"] += 1
+        self.health.set_serving(is_leader, "crescent.v1.Conductor")
+        log.warning("conductor %s: %s", self.address, "now the leader" if is_leader else
+                    f"following {leader or 'nobody yet'}")
 
     # ---- membership ---------------------------------------------------------
 
@@ -195,6 +241,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             return cpb.HeartbeatResponse(known=True, draining=m.draining)
 
     def StreamEvents(self, request_iterator, context):
+        self._check_leader(context)
         num = 0
         try:
             for batch in request_iterator:

@@ -1,0 +1,190 @@
+"""Coordination through etcd: kept-alive leases and leader election.
+
+Crescent keeps no consensus of its own: cluster metadata that must survive a
+process (who leads the conductors; later, who is a member) lives in etcd, the
+store Mooncake uses for the same job. The client is ``etcd-sdk-python``
+(``import pyetcd``), a maintained fork of python-etcd3 whose stubs are
+generated for current protobuf and grpcio; it speaks etcd's v3 gRPC API,
+synchronously, which fits the thread-per-loop servers here, and fails over
+between endpoints (docs/architecture.md, "Conductor high availability").
+
+Leader election (``LeaderElection``): a candidate creates
+``<prefix>/<name>/leader`` holding its address, with a lease of ``ttl_s``, in
+one transaction that succeeds only if the key does not exist; the winner keeps
+its lease alive and leads until it resigns, or until it cannot renew for
+two thirds of the TTL (it then steps down before etcd lets the lease expire,
+so two leaders never overlap). The others poll the key, answer with its value
+(the leader's address) and campaign again once it is gone: a crashed leader is
+replaced within the TTL plus one poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore.errors import InvalidArgumentError, UnavailableError
+
+log = logging.getLogger(__name__)
+DEFAULT_PREFIX = "/crescent"
+
+
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` → [(host, port)].
+
+    Raises:
+        InvalidArgumentError: an empty list or an entry that is not host:port.
+    """
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(f"etcd endpoints must be host:port[,host:port...], got {text!r}")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise InvalidArgumentError("no etcd endpoint given")
+    return out
+
+
+class Etcd:
+    """A client of one etcd cluster (its endpoints tried in turn) under a key prefix."""
+
+    def __init__(self, endpoints: str, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0) -> None:
+        import pyetcd
+
+        self.endpoints = parse_endpoints(endpoints)
+        self.prefix = prefix.rstrip("/")
+        self.timeout_s = timeout_s
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=1.0) for h, p in self.endpoints]
+        self.client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout_s, failover=True)
+        self._errors = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
+                        pyetcd.exceptions.NoServerAvailableError)
+
+    def key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts))
+
+    def call(self, fn: Callable, *args, **kwargs):
+        """``fn(*args)`` on this client, retried on the next endpoint once per endpoint.
+
+        Raises:
+            UnavailableError: no endpoint answered.
+        """
+        last = None
+        for _ in range(len(self.endpoints)):
+            try:
+                return fn(*args, **kwargs)
+            except self._errors as exc:
+                last = exc
+        raise UnavailableError(f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)} is unreachable: "
+                               f"{type(last).__name__}")
+
+    def get(self, key: str) -> bytes | None:
+        value, _ = self.call(self.client.get, key)
+        return value
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class LeaderElection:
+    """One candidate for ``<prefix>/<name>/leader``; ``on_change(is_leader, leader_value)`` on each change.
+
+    ``start()`` campaigns in a background thread; ``leader()`` is the current
+    leader's value as last seen (this candidate's own while it leads);
+    ``stop()`` resigns (deletes the key at once, so a follower takes over
+    without waiting for the TTL).
+    """
+
+    def __init__(self, etcd: Etcd, name: str, value: str, ttl_s: float = 5.0,
+                 on_change: Callable[[bool, str | None], None] | None = None, poll_s: float | None = None) -> None:
+        if not ttl_s >= 2:
+            raise InvalidArgumentError(f"the leader lease TTL must be >= 2 s (etcd grants whole seconds), got {ttl_s}")
+        self.etcd = etcd
+        self.key = etcd.key(name, "leader")
+        self.value = value
+        self.ttl_s = int(ttl_s)
+        self.poll_s = poll_s if poll_s is not None else min(0.5, self.ttl_s / 4)
+        self.on_change = on_change
+        self.is_leader = False
+        self._leader: str | None = None
+        self._lease = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"election-{name}", daemon=True)
+        self.num_elected = 0
+        """Times this candidate won."""
+
+    def start(self) -> LeaderElection:
+        self._thread.start()
+        return self
+
+    def leader(self) -> str | None:
+        return self.value if self.is_leader else self._leader
+
+    def _set(self, is_leader: bool, leader: str | None) -> None:
+        changed = (is_leader, leader) != (self.is_leader, self._leader)
+        self.is_leader, self._leader = is_leader, leader
+        if changed:
+            if is_leader:
+                self.num_elected += 1
+            log.info("%s: %s", self.key, "elected" if is_leader else f"following {leader or 'nobody'}")
+            if self.on_change is not None:
+                self.on_change(is_leader, leader)
+
+    def _campaign(self) -> bool:
+        """One attempt; True when this candidate now leads (with its lease in ``self._lease``)."""
+        c = self.etcd.client
+        lease = self.etcd.call(c.lease, self.ttl_s)
+        won, responses = self.etcd.call(
+            c.transaction, compare=[c.transactions.create(self.key) == 0],
+            success=[c.transactions.put(self.key, self.value, lease=lease)],
+            failure=[c.transactions.get(self.key)])
+        if won:
+            self._lease = lease
+            return True
+        self.etcd.call(c.revoke_lease, lease.id)
+        current = responses[0][0][0].decode() if responses and responses[0] else None
+        self._set(False, current)
+        return False
+
+    def _lead(self) -> None:
+        """Keeps the lease alive until stop, a lost lease, or renewals failing for 2/3 of the TTL."""
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                ttl = next(iter(self.etcd.call(self.etcd.client.refresh_lease, self._lease.id))).TTL
+            except (UnavailableError, StopIteration) as exc:
+                log.warning("%s: cannot renew the leader lease: %s", self.key, exc)
+                if time.monotonic() - last_ok >= self.ttl_s * 2 / 3:
+                    break  # step down before the lease can expire under a new leader
+                continue
+            if ttl <= 0:
+                log.warning("%s: the leader lease expired", self.key)
+                break
+            last_ok = time.monotonic()
+        self._set(False, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._campaign():
+                    self._set(True, self.value)
+                    self._lead()
+                    continue
+            except UnavailableError as exc:
+                log.warning("%s: %s", self.key, exc)
+                self._set(False, None)
+            self._stop.wait(self.poll_s)
+
+    def stop(self, resign: bool = True) -> None:
+        """Stops campaigning; ``resign`` gives up leadership at once (else it lapses with the lease)."""
+        self._stop.set()
+        self._thread.join(timeout=self.etcd.timeout_s * 2 + self.ttl_s)
+        if resign and self._lease is not None:
+            try:
+                self.etcd.call(self.etcd.client.revoke_lease, self._lease.id)
+            except UnavailableError as exc:
+                log.warning("%s: cannot resign: %s", self.key, exc)
+        self._lease = None
+        self.is_leader = False
