@@ -12,7 +12,7 @@ cluster where these run). What is checked:
   containers; Service selectors and target ports that hit a pod; addresses in the
   command lines that name a Service and port that exist; the store's /dev/shm and
   memory sized above its DRAM tier; GPUs only in the gpu overlay; the conductor
-  kept at one replica;
+  replicated with leader election on etcd and a budget that keeps one up;
 - every ``crescent`` command line (containers, systemd ExecStart with its example
   EnvironmentFile) is accepted by the real CLI parser (``kvstore.cli.build_parser``),
   which catches typo'd subcommands, flags and values;
@@ -430,11 +430,22 @@ def test_store_memory_covers_its_dram_tier(kustomization):
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_conductor_is_a_single_replica(kustomization):
-    """No leader election yet (issue 14): two conductors would split the membership."""
-    (d,) = [o for o in render(kustomization) if o["kind"] == "Deployment"
-            and o["metadata"]["name"] == "crescent-conductor"]
-    assert d["spec"]["replicas"] == 1 and d["spec"]["strategy"]["type"] == "Recreate"
+def test_conductor_replicas_elect_a_leader(kustomization):
+    """Two or more replicas are safe only with leader election: each must be given etcd (a Service of
+    the same rendering), advertise its pod IP (what followers hand out), and a budget keeps one up."""
+    objs = render(kustomization)
+    (d,) = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "crescent-conductor"]
+    assert d["spec"]["replicas"] >= 2
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    argv = c["args"]
+    etcd = flag(argv, "--etcd")
+    assert etcd, "conductor replicas without --etcd would each schedule on half the members"
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    host, _, port = etcd.rpartition(":")
+    assert host in services and int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
+    assert flag(argv, "--advertise-host") == "$(POD_IP)"
+    (pdb,) = [o for o in objs if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "crescent-conductor"]
+    assert pdb["spec"].get("minAvailable") == 1
 
 
 def test_gpu_overlay_autoscalers():
