@@ -115,6 +115,7 @@ def _selected_keys(ns, client) -> tuple[list[bytes], int, int]:
 def cmd_nodes(ns) -> int:
     with _client(ns) as c:
         members = c.members()
+        leader = c.address  # the client followed any follower's hint: this one answered
     if ns.json:
         _print_json([{"member_id": m.member_id, "kind": m.kind.label, "address": m.address, "state": m.state,
                       "last_seen_s": m.last_seen_s, "num_chunks": m.num_chunks, "store_node": m.store_node,
@@ -135,6 +136,7 @@ def cmd_nodes(ns) -> int:
             load = f"{e.num_queued_tokens} queued tok, {e.num_running} running, wait {m.predicted_queue_s:.2f}s"
             extra = f"store {m.store_node or '-'}"
         rows.append([m.member_id, m.kind.label, m.address or "-", m.state, f"{m.last_seen_s:.1f}s", load, extra])
+    print(f"conductor leader {leader}")
     print(_table(["member", "kind", "address", "state", "seen", "load", "info"], rows) if rows
           else "no live members")
     return 0

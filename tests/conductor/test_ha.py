@@ -67,6 +67,7 @@ def test_one_leader_and_the_follower_names_it(replicas):
     raw.close()
     out = ctl("nodes", conductor=follower.address)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"conductor leader {leader.address}\n")
 
     # Readiness is leadership; liveness is the process.
     assert _status(leader.address, "crescent.v1.Conductor") == SERVING
