@@ -188,3 +188,65 @@ class LeaderElection:
                 log.warning("%s: cannot resign: %s", self.key, exc)
         self._lease = None
         self.is_leader = False
+
+
+class LocalEtcd:
+    """A one-member etcd (the ``etcd`` binary, e.g. Debian's etcd-server) as a child process on
+    free loopback ports, for ``crescent up --etcd local``, tests and benchmarks; ``stop()`` ends it by pid.
+
+    Raises:
+        FileNotFoundError: no ``etcd`` binary on PATH.
+        RuntimeError: it exited or did not serve within ``timeout_s``.
+    """
+
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        import os
+        import shutil
+        import socket
+        import subprocess
+        import urllib.request
+
+        exe = shutil.which("etcd")
+        if exe is None:
+            raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                ports.append(s.getsockname()[1])
+        self.endpoint = f"{host}:{ports[0]}"
+        peer = f"http://{host}:{ports[1]}"
+        os.makedirs(data_dir, exist_ok=True)
+        self.log = os.path.join(data_dir, "etcd.log")
+        cmd = [exe, "--name", "crescent", "--data-dir", os.path.join(data_dir, "data"),
+               "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"crescent={peer}"]
+        with open(self.log, "w") as log:  # etcd logs a lot: a pipe nobody reads would stall it
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                with open(self.log) as f:
+                    raise RuntimeError(f"etcd exited with status {self.proc.returncode}: {f.read()[-1500:]}")
+            try:
+                urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=5).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"etcd did not serve on {self.endpoint} within {timeout_s:g} s") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -90,55 +89,24 @@ class StoreProcess(Proc):
         self.address = re.search(r"listening on ([^\s,]+)", self.line).group(1)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EtcdProcess(Proc):
-    """A single-member etcd (Debian's etcd-server) on free loopback ports, its data under ``data_dir``.
-
-    Skips the test, with the reason, when the binary is missing (``make test`` installs it); under
-    CI that is a failure instead, so a broken install cannot land green.
-    """
+class EtcdProcess:
+    """``kvstore.coord.LocalEtcd`` for tests: skips, with the reason, when the binary is missing
+    (``make test`` installs it); under CI that is a failure instead, so a broken install cannot land green."""
 
     def __init__(self, data_dir: str) -> None:
-        import shutil
-
         import pytest
 
-        exe = shutil.which("etcd")
-        if exe is None:
-            msg = "etcd is not installed (Debian's etcd-server; `make test` installs it)"
+        from kvstore.coord import LocalEtcd
+
+        try:
+            self._etcd = LocalEtcd(data_dir)
+        except FileNotFoundError as exc:
+            msg = f"{exc}; `make test` installs it"
             if os.environ.get("CI") == "true":
                 pytest.fail(msg)
             pytest.skip(msg)
-        client, peer = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{client}"
-        cmd = [exe, "--name", "crescent-test", "--data-dir", data_dir,
-               "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-cluster", f"crescent-test=http://127.0.0.1:{peer}"]
-        self.log = data_dir.rstrip("/") + ".log"
-        with open(self.log, "w") as log:  # etcd logs a lot: a pipe nobody reads would stall it
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
-        self.pid = self.proc.pid
-        try:
-            wait_for(self._ready, timeout_s=120, what="etcd to serve")
-        except BaseException:
-            self.stop()
-            raise
+        self.endpoint = self._etcd.endpoint
+        self.pid = self._etcd.pid
 
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            with open(self.log) as f:
-                raise RuntimeError(f"etcd exited: {f.read()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=5).read()
-            return True
-        except OSError:
-            return False
+    def stop(self) -> None:
+        self._etcd.stop()
