@@ -53,6 +53,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conductor-port", type=int, default=7300, help="conductor port (0: any free port)")
     p.add_argument("--no-conductor", action="store_true",
                    help="run without a conductor (the gateway routes round-robin)")
+    p.add_argument("--conductors", type=int, default=1, metavar="M",
+                   help="conductor replicas; more than one elect a leader through etcd (default: 1)")
+    p.add_argument("--etcd", default=None, metavar="HOST:PORT[,...]|local",
+                   help="etcd for the conductors' leader election; 'local' starts one under --data "
+                        "(default: local when --conductors > 1, else none)")
     p.add_argument("--policy", default=None, help="conductor scheduling policy (default: cache-aware)")
     p.add_argument("--slo-ttft", type=float, default=None, help="conductor: reject requests predicted to miss "
                                                                  "this TTFT (seconds)")
@@ -164,6 +169,9 @@ def run_up(ns: argparse.Namespace) -> int:
     lock.truncate()
     lock.write(str(os.getpid()))
     lock.flush()
+    if not 1 <= ns.conductors <= 9:
+        print(f"crescent up: error: --conductors must be 1..9, got {ns.conductors}", file=sys.stderr)
+        return 2
     with_store = not ns.no_store
     ports = {"gateway": ns.gateway_port, "decode": ns.decode_port}
     if with_store:
@@ -191,16 +199,32 @@ def run_up(ns: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     deadline = time.monotonic() + ns.startup_timeout_s
     state_path = os.path.join(data, "up.json")
+    etcd = None
     try:
         conductor = None
         if not ns.no_conductor:
             extra = [f for flag, v in (("--policy", ns.policy), ("--slo-ttft", ns.slo_ttft),
                                        ("--slo-tbt", ns.slo_tbt)) if v is not None for f in (flag, str(v))]
-            p = Part("conductor", py + ["conductor", "--listen", f"{ns.host}:{ns.conductor_port}",
-                                        "--chunk-tokens", str(ns.chunk_tokens),
-                                        "--metrics-port", metrics_port("conductor"), *extra], logs)
-            parts.append(p)
-            conductor = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+            endpoints = ns.etcd if ns.etcd != "local" else None
+            if ns.etcd == "local" or (ns.etcd is None and ns.conductors > 1):
+                from kvstore.coord import LocalEtcd
+
+                try:
+                    etcd = LocalEtcd(os.path.join(data, "etcd"), host=ns.host)
+                except FileNotFoundError as exc:
+                    raise RuntimeError(f"{exc}; or give --etcd HOST:PORT") from None
+                endpoints = etcd.endpoint
+            if endpoints:
+                extra += ["--etcd", endpoints]
+            replicas = []
+            for i in range(ns.conductors):
+                name = "conductor" if i == 0 else f"conductor-{i + 1}"
+                p = Part(name, py + ["conductor", "--listen", f"{ns.host}:{ns.conductor_port if i == 0 else 0}",
+                                     "--chunk-tokens", str(ns.chunk_tokens),
+                                     "--metrics-port", metrics_port(name), *extra], logs)
+                parts.append(p)
+                replicas.append(p.wait_banner(r"listening on ([^\s,]+)", deadline))
+            conductor = ",".join(replicas)  # members, the gateway and ctl follow the leader among them
         join = ["--conductor", conductor] if conductor else []
         store_addr = None
         if with_store:
@@ -250,7 +274,10 @@ def run_up(ns: argparse.Namespace) -> int:
                    **{name: f"http://{mhost}:{port}/metrics" for name, port in metrics_ports.items()}}
         state = {"pid": os.getpid(), "model": ns.model, "openai_base_url": f"{gw_url}/v1", "gateway": gw_url,
                  "store": store_addr, "conductor": conductor, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
-                 "metrics": metrics, "pids": {p.name: p.proc.pid for p in parts}}
+                 "metrics": metrics, "pids": {p.name: p.proc.pid for p in parts},
+                 "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None)}
+        if etcd is not None:
+            state["pids"]["etcd"] = etcd.pid
         with open(state_path + ".tmp", "w") as f:
             json.dump(state, f, indent=1)
         os.replace(state_path + ".tmp", state_path)
@@ -262,6 +289,8 @@ def run_up(ns: argparse.Namespace) -> int:
             print(f"  store        {store_addr}", flush=True)
         if conductor:
             print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
+        if state["etcd"]:
+            print(f"  etcd         {state['etcd']}   (conductor leader election)", flush=True)
         for name, url in metrics.items():
             print(f"  metrics      {url}   ({name})", flush=True)
         print(f"  logs         {logs}", flush=True)
@@ -269,14 +298,14 @@ def run_up(ns: argparse.Namespace) -> int:
         store_down = False
         while not stop.wait(0.5):
             dead = [p for p in parts if p.proc.poll() is not None]
-            if dead and all(p.name in ("store", "conductor") for p in dead):
+            if dead and all(p.name == "store" or p.name.startswith("conductor") for p in dead):
                 if not store_down:  # NOTE: the engines carry on without them (recompute, round-robin)
                     for p in dead:
                         print(f"crescent up: warning: the {p.name} exited ({p.proc.returncode}); "
                               "engines continue without it", file=sys.stderr, flush=True)
                     store_down = True
             elif dead:
-                name = next(p for p in dead if p.name != "store")
+                name = next(p for p in dead if p.name != "store" and not p.name.startswith("conductor"))
                 print(f"crescent up: error: {name.name} exited ({name.proc.returncode}); stopping:\n"
                       f"{name.tail()}", file=sys.stderr)
                 return 1
@@ -288,6 +317,8 @@ def run_up(ns: argparse.Namespace) -> int:
     finally:
         for p in reversed(parts):
             p.stop()
+        if etcd is not None:
+            etcd.stop()
         if os.path.exists(state_path):
             os.remove(state_path)
         lock.close()
