@@ -13,9 +13,10 @@ Leader election (``LeaderElection``): a candidate creates
 one transaction that succeeds only if the key does not exist; the winner keeps
 its lease alive and leads until it resigns, or until it cannot renew for
 two thirds of the TTL (it then steps down before etcd lets the lease expire,
-so two leaders never overlap). The others poll the key, answer with its value
-(the leader's address) and campaign again once it is gone: a crashed leader is
-replaced within the TTL plus one poll.
+so two leaders never overlap). The others answer with the key's value (the
+leader's address) and watch the key from the revision they saw, campaigning
+again the moment it goes: a crashed leader is replaced within its TTL plus
+etcd's lease-expiry check.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class LeaderElection:
         self.is_leader = False
         self._leader: str | None = None
         self._lease = None
+        self._seen_revision = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"election-{name}", daemon=True)
         self.num_elected = 0
@@ -144,9 +146,26 @@ class LeaderElection:
             self._lease = lease
             return True
         self.etcd.call(c.revoke_lease, lease.id)
-        current = responses[0][0][0].decode() if responses and responses[0] else None
-        self._set(False, current)
+        held = responses[0][0] if responses and responses[0] else None
+        self._set(False, held[0].decode() if held else None)
+        self._seen_revision = held[1].mod_revision if held else 0
         return False
+
+    def _wait_for_vacancy(self) -> None:
+        """Returns once the leader key changes after the revision seen (its lease lapsed, or the leader
+        resigned), or after a TTL at most. Watching from that revision, a deletion that happened
+        before the watch was set up is replayed at once: a dead leader is replaced within its TTL plus
+        etcd's lease-expiry check (every 0.5 s), not a polling period later."""
+        import pyetcd
+
+        if not self._seen_revision:
+            self._stop.wait(self.poll_s)
+            return
+        try:
+            self.etcd.call(self.etcd.client.watch_once, self.key, timeout=self.ttl_s,
+                           start_revision=self._seen_revision + 1)
+        except pyetcd.exceptions.WatchTimedOut:
+            pass
 
     def _lead(self) -> None:
         """Keeps the lease alive until stop, a lost lease, or renewals failing for 2/3 of the TTL."""
@@ -172,10 +191,11 @@ class LeaderElection:
                     self._set(True, self.value)
                     self._lead()
                     continue
+                self._wait_for_vacancy()
             except UnavailableError as exc:
                 log.warning("%s: %s", self.key, exc)
                 self._set(False, None)
-            self._stop.wait(self.poll_s)
+                self._stop.wait(self.poll_s)
 
     def stop(self, resign: bool = True) -> None:
         """Stops campaigning; ``resign`` gives up leadership at once (else it lapses with the lease)."""
