@@ -22,6 +22,7 @@ etcd's lease-expiry check.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -208,6 +209,72 @@ class LeaderElection:
                 log.warning("%s: cannot resign: %s", self.key, exc)
         self._lease = None
         self.is_leader = False
+
+
+class Registration:
+    """A key held under a lease this object keeps alive (a member's registration).
+
+    ``start()`` puts ``key = value`` with a lease of ``ttl_s`` and renews it every
+    TTL/3 in a background thread; a lease that lapsed (etcd answered TTL 0, e.g.
+    after the process was paused) is replaced by a new one and the key put again.
+    While etcd is unreachable it keeps retrying. ``stop()`` revokes the lease: the
+    key goes at once.
+    """
+
+    def __init__(self, etcd: Etcd, key: str, value: str, ttl_s: float) -> None:
+        self.etcd = etcd
+        self.key = key
+        self.value = value
+        self.ttl_s = max(2, math.ceil(ttl_s))
+        self.lease = None
+        self.num_leases = 0
+        """Leases granted so far (more than one: the registration lapsed and was restored)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="etcd-registration", daemon=True)
+
+    def start(self) -> Registration:
+        self._thread.start()
+        return self
+
+    def update(self, value: str) -> None:
+        """A new value, put at once on the current lease (or with the next one)."""
+        self.value = value
+        if self.lease is not None:
+            try:
+                self.etcd.call(self.etcd.client.put, self.key, value, lease=self.lease)
+            except UnavailableError as exc:
+                log.warning("%s: %s", self.key, exc)
+
+    def _put(self) -> None:
+        c = self.etcd.client
+        self.lease = self.etcd.call(c.lease, self.ttl_s)
+        self.etcd.call(c.put, self.key, self.value, lease=self.lease)
+        self.num_leases += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.lease is None:
+                    self._put()
+                else:
+                    ttl = next(iter(self.etcd.call(self.etcd.client.refresh_lease, self.lease.id))).TTL
+                    if ttl <= 0:
+                        log.warning("%s: the registration's lease lapsed; registering again", self.key)
+                        self.lease = None
+                        continue
+            except (UnavailableError, StopIteration) as exc:
+                log.warning("%s: %s", self.key, exc)
+            self._stop.wait(self.ttl_s / 3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.etcd.timeout_s * 2 + 1)
+        if self.lease is not None:
+            try:
+                self.etcd.call(self.etcd.client.revoke_lease, self.lease.id)
+            except UnavailableError as exc:
+                log.info("%s: cannot revoke the lease: %s", self.key, exc)
+            self.lease = None
 
 
 class LocalEtcd:

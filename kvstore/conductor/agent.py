@@ -87,6 +87,8 @@ class MemberAgent:
         self._threads: list[threading.Thread] = []
         self._channel: grpc.Channel | None = None
         self._retired: list[grpc.Channel] = []
+        self._etcd_registration = None
+        """With an etcd-backed conductor: this member's lease-held key (kvstore.coord.Registration)."""
         self._stub: cpb_grpc.ConductorStub | None = None
 
     # ---- lifecycle ------------------------------------------------------------
@@ -112,6 +114,8 @@ class MemberAgent:
         self._wake.set()
         for t in self._threads:
             t.join(timeout=10)
+        if self._etcd_registration is not None:
+            self._etcd_registration.stop()  # the key goes with its lease
         if deregister and incarnation and self._stub is not None:
             try:
                 self._stub.Deregister(cpb.DeregisterRequest(member_id=self.member_id, incarnation=incarnation),
@@ -200,6 +204,26 @@ class MemberAgent:
             self._cond.notify_all()
         self.registered.set()
         log.info("registered with the conductor at %s as %s", self.conductor, self.member_id)
+        if resp.etcd:
+            self._register_in_etcd(resp)
+
+    def _register_in_etcd(self, resp: cpb.RegisterResponse) -> None:
+        """An etcd-backed conductor asks members to keep their registration under a lease: when the
+        lease ends (the process died or hung), the conductor takes the member out at once."""
+        import json
+
+        from kvstore.coord import Etcd, Registration, parse_endpoints
+
+        value = json.dumps({"kind": self.kind.label, "address": self.address, "incarnation": resp.incarnation})
+        key = f"{resp.etcd_prefix}/members/{self.member_id}"
+        reg = self._etcd_registration
+        if reg is not None and reg.etcd.endpoints == parse_endpoints(resp.etcd) and reg.key == key:
+            reg.update(value)  # the same etcd: keep the lease, new incarnation
+            return
+        if reg is not None:
+            reg.stop()
+        self._etcd_registration = Registration(Etcd(resp.etcd, resp.etcd_prefix), key, value,
+                                               resp.member_lease_ttl_s).start()
 
     def _forget(self) -> None:
         with self._cond:

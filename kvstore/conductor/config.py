@@ -55,6 +55,9 @@ class ConductorConfig:
     etcd: str | None = None
     """etcd endpoints host:port[,host:port...] (default: $CRESCENT_ETCD): run as one of several conductor
     replicas, the leader elected through etcd, the others answering with its address; none: the only conductor."""
+    member_lease_ttl: float | None = None
+    """With --etcd: seconds of the lease each member keeps its registration under (members/<id>); when it
+    ends the member leaves scheduling and the index at once. None: --dead-timeout."""
     leader_ttl: float = 5.0
     """With --etcd: seconds of the leader's lease; a leader that dies is replaced within about this long."""
     advertise_host: str | None = None
@@ -84,6 +87,8 @@ class ConductorConfig:
                 parse_endpoints(self.etcd)
             except InvalidArgumentError as exc:
                 raise ValueError(f"--etcd: {exc}") from None
+        if self.member_lease_ttl is not None and not 2 <= self.member_lease_ttl <= 3600:
+            raise ValueError(f"--member-lease-ttl must be in [2, 3600] seconds, got {self.member_lease_ttl}")
         if not 2 <= self.leader_ttl <= 3600:
             raise ValueError(f"--leader-ttl must be in [2, 3600] seconds, got {self.leader_ttl}")
         if self.sizing_window < 2:

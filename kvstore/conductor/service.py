@@ -101,6 +101,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         self.address = f"{advertised_host(self.host, config.advertise_host)}:{self.port}"
         self.election = None
         """With --etcd: this replica's candidacy; None: the only conductor, always the leader."""
+        self._etcd_seen: set[str] = set()
+        """Members whose etcd registration the last scan saw."""
         if config.etcd:
             from kvstore.coord import Etcd, LeaderElection
 
@@ -158,6 +160,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             self.index = GlobalIndex()
             self.hot = HotTracker(self.config.hot_half_life)
             self.requests.clear()
+            self._etcd_seen = set()
             if is_leader:
                 self.counters["elected"] += 1
         self.health.set_serving(is_leader, "crescent.v1.Conductor")
@@ -175,6 +178,35 @@ class Conductor(cpb_grpc.ConductorServicer):
                     n = self.index.drop_node(m.member_id)
                     log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
                                 m.member_id, m.kind.label, self.config.dead_timeout, n)
+            if self.election is not None and self.election.is_leader:
+                self._reap_lapsed_leases()
+
+    def _member_leases(self) -> dict[str, int]:
+        """member id → lease id of the registrations held in etcd (members/<id>)."""
+        etcd = self.election.etcd
+        prefix = etcd.key("members", "")
+        return {meta.key.decode()[len(prefix):]: meta.lease_id
+                for _, meta in etcd.call(etcd.client.get_prefix, prefix)}
+
+    def _reap_lapsed_leases(self) -> None:
+        """Members whose etcd registration was seen and is gone (its lease ended: the process died,
+        hung or lost etcd) leave scheduling and the index now, not after --dead-timeout. One that
+        comes back gets known=false on its next heartbeat, registers again and resends its chunks."""
+        try:
+            leases = self._member_leases()
+        except CrescentError as exc:
+            log.warning("cannot read member registrations: %s", exc)
+            return
+        with self._lock:
+            for member_id in self._etcd_seen - leases.keys():
+                m = self.members.get(member_id)
+                if m is not None:
+                    self.members.remove(member_id)
+                    n = self.index.drop_node(member_id)
+                    self.counters["expired"] += 1
+                    log.warning("member %s (%s): its etcd lease ended; %d chunks left the index",
+                                member_id, m.kind.label, n)
+            self._etcd_seen = set(leases)
 
     @_rpc
     def Register(self, request, context):
@@ -199,9 +231,12 @@ class Conductor(cpb_grpc.ConductorServicer):
             if old is not None and old.kind is MemberKind.STORE:
                 self.index.drop_node(old.member_id)
         log.info("member %s (%s) registered at %s", m.member_id, kind.label, m.address or "-")
-        return cpb.RegisterResponse(incarnation=m.incarnation,
-                                    heartbeat_interval_s=self.config.heartbeat_interval,
+        resp = cpb.RegisterResponse(incarnation=m.incarnation, heartbeat_interval_s=self.config.heartbeat_interval,
                                     dead_timeout_s=self.config.dead_timeout)
+        if self.election is not None:
+            resp.etcd, resp.etcd_prefix = self.config.etcd, self.election.etcd.prefix
+            resp.member_lease_ttl_s = self.config.member_lease_ttl or self.config.dead_timeout
+        return resp
 
     @_rpc
     def Heartbeat(self, request, context):
@@ -382,6 +417,16 @@ class Conductor(cpb_grpc.ConductorServicer):
                 else:
                     info.engine.CopyFrom(m.engine_load.to_pb())
                     info.predicted_queue_s = self._queue_s(m, now)
+                info.lease_ttl_s = -1
+        if self.election is not None:  # each member's etcd lease, outside the lock (etcd round trips)
+            try:
+                etcd = self.election.etcd
+                leases = self._member_leases()
+                for info in resp.members:
+                    if info.member_id in leases:
+                        info.lease_ttl_s = etcd.call(etcd.client.get_lease_info, leases[info.member_id]).TTL
+            except CrescentError as exc:
+                log.warning("cannot read member leases: %s", exc)
         return resp
 
     @_rpc

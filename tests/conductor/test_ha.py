@@ -145,3 +145,44 @@ def test_kill9_of_the_leader_loses_no_member_and_no_cache_hit(etcd, tmp_path):
         for p in (engine, store, a, b):
             if p is not None:
                 p.stop()
+
+
+def test_a_member_whose_etcd_lease_ends_leaves_and_rejoins(etcd):
+    """Members of an etcd-backed conductor hold members/<id> under a lease. A store node paused
+    (SIGSTOP) past the lease, though well within --dead-timeout, leaves scheduling and the index;
+    resumed, it registers again and its chunks come back."""
+    import os
+    import signal
+
+    from kvstore.client import StoreClient
+
+    c = Conductor(ConductorConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, leader_ttl=TTL, member_lease_ttl=2,
+                                  heartbeat_interval=0.2, dead_timeout=600)).start()
+    store = None
+    try:
+        wait_for(lambda: c.is_leader, what="the conductor to lead")
+        store = StoreProcess("--dram", "8MiB", "--slot-size", "4KiB", "--node-id", "store-p", "--conductor",
+                             c.address)
+        keys = [bytes([i]) * 16 for i in range(1, 5)]
+        with StoreClient(store.address) as s:
+            s.batch_put([(k, b"v" * 64) for k in keys])
+        cc = ConductorClient(c.address, timeout_s=30)
+        wait_for(lambda: cc.locate(keys).num_prefix == 4, what="the chunks in the index")
+        (m,) = cc.members()
+        assert m.member_id == "store-p" and 0 < m.lease_ttl_s <= 2
+        expired = c.counters["expired"]
+
+        os.kill(store.pid, signal.SIGSTOP)  # no heartbeats, no lease renewals
+        try:
+            wait_for(lambda: cc.members() == [], what="the lapsed member to leave")
+            assert cc.locate(keys).num_prefix == 0 and c.counters["expired"] == expired + 1
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+        wait_for(lambda: cc.locate(keys).num_prefix == 4, what="the member and its chunks to come back")
+        nodes = ctl("nodes", conductor=c.address, json_out=True)
+        assert nodes[0]["member_id"] == "store-p" and nodes[0]["lease_ttl_s"] is not None
+        cc.close()
+    finally:
+        if store is not None:
+            store.stop()
+        c.stop(0)

@@ -49,14 +49,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., store_node: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("incarnation", "heartbeat_interval_s", "dead_timeout_s")
+    __slots__ = ("incarnation", "heartbeat_interval_s", "dead_timeout_s", "etcd", "etcd_prefix", "member_lease_ttl_s")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DEAD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ETCD_FIELD_NUMBER: _ClassVar[int]
+    ETCD_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     heartbeat_interval_s: float
     dead_timeout_s: float
-    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., dead_timeout_s: _Optional[float] = ...) -> None: ...
+    etcd: str
+    etcd_prefix: str
+    member_lease_ttl_s: float
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., dead_timeout_s: _Optional[float] = ..., etcd: _Optional[str] = ..., etcd_prefix: _Optional[str] = ..., member_lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class StoreLoad(_message.Message):
     __slots__ = ("tiers", "misses", "bytes_in", "bytes_out", "num_leases", "num_pinned")
@@ -271,7 +277,7 @@ class ListMembersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s")
+    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s", "lease_ttl_s")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +291,7 @@ class MemberInfo(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     kind: MemberKind
     address: str
@@ -298,7 +305,8 @@ class MemberInfo(_message.Message):
     namespace: bytes
     chunk_tokens: int
     predicted_queue_s: float
-    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class ListMembersResponse(_message.Message):
     __slots__ = ("members", "dead_timeout_s")
