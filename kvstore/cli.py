@@ -139,6 +139,9 @@ def plugin_registrars() -> list:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--host-id", default=None, metavar="NAME",
+                        help="this process's host, for same-host movers (default: $CRESCENT_HOST_ID, else the "
+                             "hostname): processes with different host ids never use shared memory")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in BUILTIN + plugin_registrars():
         register(sub)
@@ -152,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"crescent: error: {exc}", file=sys.stderr)
         return 2
     ns = parser.parse_args(argv)
+    if ns.host_id:
+        import os
+
+        from kvstore.transport.identity import HOST_ID_ENV, host_identity
+
+        os.environ[HOST_ID_ENV] = ns.host_id  # children (crescent up's parts) inherit it
+        host_identity.cache_clear()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return ns.handler(ns)
 

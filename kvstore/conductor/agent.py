@@ -29,6 +29,7 @@ from kvstore.conductor.client import CHANNEL_OPTIONS
 from kvstore.conductor.membership import EngineLoad, MemberKind
 from kvstore.errors import LEADER_METADATA
 from kvstore.store import StoreEvent, Tier
+from kvstore.transport.identity import host_identity
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
 from proto.crescent.v1 import kvstore_pb2 as pb
@@ -196,7 +197,8 @@ class MemberAgent:
         resp = self._stub.Register(cpb.RegisterRequest(
             member_id=self.member_id, kind=int(self.kind), address=self.address,
             store_node=self.store_node or "", kv_bytes_per_token=self.kv_bytes_per_token,
-            namespace=self.namespace, chunk_tokens=self.chunk_tokens), timeout=self.timeout_s)
+            namespace=self.namespace, chunk_tokens=self.chunk_tokens, host_id=host_identity().hostname),
+            timeout=self.timeout_s)
         with self._cond:
             self._incarnation = resp.incarnation
             self._interval = resp.heartbeat_interval_s or 1.0

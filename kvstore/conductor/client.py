@@ -79,6 +79,8 @@ class MemberInfo:
     """Engines: the wait Schedule predicts for a new request there."""
     lease_ttl_s: float = -1.0
     """Seconds left on its etcd registration's lease (-1: none, e.g. a conductor without --etcd)."""
+    host_id: str = ""
+    """The member's host (``crescent --host-id``, else its hostname)."""
 
 
 def store_load_dict(s: cpb.StoreLoad) -> dict:
@@ -159,7 +161,7 @@ class ConductorClient:
                                   m.store_node or None, m.namespace, m.chunk_tokens,
                                   EngineLoad.from_pb(m.engine) if kind is not MemberKind.STORE else None,
                                   store_load_dict(m.store) if kind is MemberKind.STORE else None,
-                                  m.predicted_queue_s, m.lease_ttl_s))
+                                  m.predicted_queue_s, m.lease_ttl_s, m.host_id))
         return out
 
     def stats(self) -> dict:

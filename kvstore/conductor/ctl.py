@@ -122,7 +122,7 @@ def cmd_nodes(ns) -> int:
                       "namespace": m.namespace.hex(), "chunk_tokens": m.chunk_tokens,
                       "engine": dataclasses.asdict(m.engine) if m.engine else None,
                       "predicted_queue_s": m.predicted_queue_s if m.engine else None,
-                      "lease_ttl_s": m.lease_ttl_s if m.lease_ttl_s >= 0 else None,
+                      "lease_ttl_s": m.lease_ttl_s if m.lease_ttl_s >= 0 else None, "host_id": m.host_id,
                       "store": m.store} for m in members])
         return 0
     rows = []
@@ -137,10 +137,10 @@ def cmd_nodes(ns) -> int:
             load = f"{e.num_queued_tokens} queued tok, {e.num_running} running, wait {m.predicted_queue_s:.2f}s"
             extra = f"store {m.store_node or '-'}"
         lease = f"{m.lease_ttl_s:.0f}s" if m.lease_ttl_s >= 0 else "-"
-        rows.append([m.member_id, m.kind.label, m.address or "-", m.state, f"{m.last_seen_s:.1f}s", lease, load,
-                     extra])
+        rows.append([m.member_id, m.kind.label, m.host_id or "-", m.address or "-", m.state, f"{m.last_seen_s:.1f}s",
+                     lease, load, extra])
     print(f"conductor leader {leader}")
-    print(_table(["member", "kind", "address", "state", "seen", "lease", "load", "info"], rows) if rows
+    print(_table(["member", "kind", "host", "address", "state", "seen", "lease", "load", "info"], rows) if rows
           else "no live members")
     return 0
 

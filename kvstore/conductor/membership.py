@@ -69,6 +69,7 @@ class Member:
     kv_bytes_per_token: int | None = None
     namespace: bytes = b""
     chunk_tokens: int = 0
+    host_id: str = ""
     draining: bool = False
     engine_load: EngineLoad = EngineLoad()
     store_load: cpb.StoreLoad | None = None

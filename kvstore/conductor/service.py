@@ -225,7 +225,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         m = Member(request.member_id, kind, request.address, 0, self.clock(),
                    store_node=request.store_node or None,
                    kv_bytes_per_token=request.kv_bytes_per_token or None,
-                   namespace=bytes(request.namespace), chunk_tokens=request.chunk_tokens)
+                   namespace=bytes(request.namespace), chunk_tokens=request.chunk_tokens,
+                   host_id=request.host_id[:256])
         with self._lock:
             old = self.members.register(m)
             if old is not None and old.kind is MemberKind.STORE:
@@ -409,7 +410,7 @@ class Conductor(cpb_grpc.ConductorServicer):
                 info = resp.members.add(member_id=m.member_id, kind=int(m.kind), address=m.address,
                                         state=m.state, last_seen_s=max(0.0, now - m.last_seen),
                                         incarnation=m.incarnation, store_node=m.store_node or "",
-                                        namespace=m.namespace, chunk_tokens=m.chunk_tokens)
+                                        namespace=m.namespace, chunk_tokens=m.chunk_tokens, host_id=m.host_id)
                 if m.kind is MemberKind.STORE:
                     info.num_chunks = self.index.num_chunks(m.member_id)
                     if m.store_load is not None:

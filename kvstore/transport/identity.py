@@ -1,13 +1,14 @@
 """Same-host detection and the per-node choice of a mover.
 
-Two processes share a host when their hostname and kernel boot id match; a
-client then still checks that the arena file it opens is the node's very file
+Two processes share a host when their host id (``--host-id`` / $CRESCENT_HOST_ID,
+default the hostname) and kernel boot id match; a client then still checks that the arena file it opens is the node's very file
 (device and inode, see ``shm.py``), which also rules out containers that share
 a kernel but not /dev/shm.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,6 +16,9 @@ from functools import lru_cache
 from kvstore.transport.descriptors import Mover
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+HOST_ID_ENV = "CRESCENT_HOST_ID"
+"""Names this process's host explicitly: processes in network namespaces on one machine (emulated hosts)
+share a hostname, a kernel and /dev/shm, yet must talk as different hosts do (TCP or RDMA, never shm)."""
 REQUESTS = ("auto", "shm", "rdma", "tcp", "grpc")
 """What a client may ask for: ``auto`` picks; a named mover is used where it can work."""
 
@@ -35,7 +39,7 @@ def host_identity() -> HostIdentity:
             boot_id = f.read().strip()
     except OSError:
         boot_id = ""  # never "same host" without a boot id
-    return HostIdentity(socket.gethostname(), boot_id)
+    return HostIdentity(os.environ.get(HOST_ID_ENV) or socket.gethostname(), boot_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,14 +162,14 @@ def test_a_member_whose_etcd_lease_ends_leaves_and_rejoins(etcd):
     try:
         wait_for(lambda: c.is_leader, what="the conductor to lead")
         store = StoreProcess("--dram", "8MiB", "--slot-size", "4KiB", "--node-id", "store-p", "--conductor",
-                             c.address)
+                             c.address, host_id="host-p")
         keys = [bytes([i]) * 16 for i in range(1, 5)]
         with StoreClient(store.address) as s:
             s.batch_put([(k, b"v" * 64) for k in keys])
         cc = ConductorClient(c.address, timeout_s=30)
         wait_for(lambda: cc.locate(keys).num_prefix == 4, what="the chunks in the index")
         (m,) = cc.members()
-        assert m.member_id == "store-p" and 0 < m.lease_ttl_s <= 2
+        assert m.member_id == "store-p" and 0 < m.lease_ttl_s <= 2 and m.host_id == "host-p"
         expired = c.counters["expired"]
 
         os.kill(store.pid, signal.SIGSTOP)  # no heartbeats, no lease renewals

@@ -135,8 +135,8 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
 def store():
     procs = []
 
-    def start(*args):
-        p = StoreProcess("--transport", "auto", *args)
+    def start(*args, host_id=None):
+        p = StoreProcess("--transport", "auto", *args, host_id=host_id)
         procs.append(p)
         return p
 
@@ -269,3 +269,24 @@ def test_client_follows_a_restarted_node_to_its_new_arena(store):
     assert c.descriptor_session().control_lane == "tcp" and c._limits.data_port != old_data_port
     c.close()
     second.stop()
+
+
+def test_a_different_host_id_means_tcp_never_shm(store, monkeypatch):
+    """Emulated hosts (network namespaces on one machine) share a hostname, a kernel and /dev/shm;
+    `crescent --host-id` makes them talk as different hosts do."""
+    from kvstore.client import StoreClient
+    from kvstore.transport.identity import HOST_ID_ENV, host_identity
+
+    p = store(host_id="rack1-host7")
+    with StoreClient(p.address) as c:  # this process's host id: the hostname
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
+        assert c.transport == "tcp" and "shm needs the same host" in c.transport_notes
+    monkeypatch.setenv(HOST_ID_ENV, "rack1-host7")
+    host_identity.cache_clear()
+    try:
+        with StoreClient(p.address) as c:
+            assert c.transport == "shm" and c.get(b"k") == b"v"
+    finally:
+        monkeypatch.delenv(HOST_ID_ENV)
+        host_identity.cache_clear()

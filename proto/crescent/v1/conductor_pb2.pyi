@@ -31,7 +31,7 @@ EVENT_KIND_MOVED: EventKind
 EVENT_KIND_REMOVED: EventKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("member_id", "kind", "address", "store_node", "kv_bytes_per_token", "namespace", "chunk_tokens")
+    __slots__ = ("member_id", "kind", "address", "store_node", "kv_bytes_per_token", "namespace", "chunk_tokens", "host_id")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class RegisterRequest(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     kind: MemberKind
     address: str
@@ -46,7 +47,8 @@ class RegisterRequest(_message.Message):
     kv_bytes_per_token: int
     namespace: bytes
     chunk_tokens: int
-    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., store_node: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., store_node: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("incarnation", "heartbeat_interval_s", "dead_timeout_s", "etcd", "etcd_prefix", "member_lease_ttl_s")
@@ -277,7 +279,7 @@ class ListMembersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s", "lease_ttl_s")
+    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s", "lease_ttl_s", "host_id")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +294,7 @@ class MemberInfo(_message.Message):
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     kind: MemberKind
     address: str
@@ -306,7 +309,8 @@ class MemberInfo(_message.Message):
     chunk_tokens: int
     predicted_queue_s: float
     lease_ttl_s: float
-    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    host_id: str
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ListMembersResponse(_message.Message):
     __slots__ = ("members", "dead_timeout_s")
