@@ -1,0 +1,130 @@
+"""Emulated hosts for tests: network namespaces joined by a bridge, each process at its own address.
+
+``Lab(n)`` creates ``n`` host namespaces and a switch namespace holding a
+bridge; host ``i`` gets ``eth0`` at ``10.251.77.(i + 1)/24`` on a veth pair whose
+other end is a bridge port. Nothing is added to the machine's own namespace:
+the hosts reach only each other (and their own loopback). ``cut(i)`` takes
+host ``i``'s bridge port down (a partition: packets vanish, nothing refuses a
+connection), ``heal(i)`` brings it back. ``close()`` stops every process it
+started, by pid, and deletes the namespaces (their veths go with them).
+
+Needs root and ``ip`` (iproute2); ``Lab.unavailable()`` says why not, for a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+SUBNET = "10.251.77"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+class HostProcess:
+    """``python -m kvstore.cli ARGS`` inside a namespace; the first stdout line is its banner."""
+
+    def __init__(self, ns: str, args: list[str], banner: str, log_path: str, host_id: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvstore.cli", "--host-id", host_id, *args]
+        # `ip netns exec` execs the command: the pid is the Python process's own.
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.line = self.proc.stdout.readline()
+        if banner not in self.line:
+            self.stop()
+            with open(log_path) as f:
+                raise RuntimeError(f"{args[0]} in {ns} did not start: {self.line!r}\n{f.read()[-3000:]}")
+        m = re.search(r"listening on ([^\s,]+)", self.line) or re.search(r"on (http://\S+?)/v1", self.line)
+        self.address = m.group(1) if m else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+        self.log.close()
+
+
+class Lab:
+    def __init__(self, num_hosts: int, log_dir: str) -> None:
+        self.tag = f"cr{os.getpid() % 100000}"
+        self.switch = f"{self.tag}-sw"
+        self.hosts = [f"{self.tag}-h{i}" for i in range(num_hosts)]
+        self.log_dir = log_dir
+        self.procs: list[HostProcess] = []
+        self._made: list[str] = []
+        try:
+            for ns in (self.switch, *self.hosts):
+                _ip("netns", "add", ns)
+                self._made.append(ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.hosts):
+                port = f"p{i}"
+                _ip("link", "add", port, "netns", self.switch, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be made here, or None."""
+        if shutil.which("ip") is None:
+            return "no `ip` command (iproute2)"
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        probe = f"crprobe{os.getpid() % 100000}"
+        r = _ip("netns", "add", probe, check=False)
+        if r.returncode != 0:
+            return f"cannot create a network namespace: {r.stderr.strip()}"
+        _ip("netns", "del", probe, check=False)
+        return None
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def start(self, i: int, args: list[str], banner: str = "listening on") -> HostProcess:
+        """Runs ``crescent ARGS`` on host ``i`` (its host id: ``h<i>``)."""
+        log = os.path.join(self.log_dir, f"h{i}-{args[0]}-{len(self.procs)}.log")
+        p = HostProcess(self.hosts[i], args, banner, log, host_id=f"h{i}")
+        self.procs.append(p)
+        return p
+
+    def run(self, i: int, code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """Runs Python ``code`` on host ``i`` (a client there) and returns its result."""
+        return subprocess.run(["ip", "netns", "exec", self.hosts[i], sys.executable, "-c", code], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def cut(self, i: int) -> None:
+        _ip("-n", self.switch, "link", "set", f"p{i}", "down")
+
+    def heal(self, i: int) -> None:
+        _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+        for ns in reversed(self._made):
+            _ip("netns", "del", ns, check=False)
+        self._made.clear()
