@@ -82,6 +82,13 @@ class Etcd:
         raise UnavailableError(f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)} is unreachable: "
                                f"{type(last).__name__}")
 
+    def renew(self, lease_id: int) -> int:
+        """Renews a lease once; its remaining TTL in seconds (0: it had expired)."""
+        try:
+            return next(iter(self.call(self.client.refresh_lease, lease_id))).TTL
+        except StopIteration:
+            raise UnavailableError("etcd closed the lease keep-alive stream") from None
+
     def get(self, key: str) -> bytes | None:
         value, _ = self.call(self.client.get, key)
         return value
@@ -173,8 +180,8 @@ class LeaderElection:
         last_ok = time.monotonic()
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                ttl = next(iter(self.etcd.call(self.etcd.client.refresh_lease, self._lease.id))).TTL
-            except (UnavailableError, StopIteration) as exc:
+                ttl = self.etcd.renew(self._lease.id)
+            except UnavailableError as exc:
                 log.warning("%s: cannot renew the leader lease: %s", self.key, exc)
                 if time.monotonic() - last_ok >= self.ttl_s * 2 / 3:
                     break  # step down before the lease can expire under a new leader
@@ -256,13 +263,11 @@ class Registration:
             try:
                 if self.lease is None:
                     self._put()
-                else:
-                    ttl = next(iter(self.etcd.call(self.etcd.client.refresh_lease, self.lease.id))).TTL
-                    if ttl <= 0:
-                        log.warning("%s: the registration's lease lapsed; registering again", self.key)
-                        self.lease = None
-                        continue
-            except (UnavailableError, StopIteration) as exc:
+                elif self.etcd.renew(self.lease.id) <= 0:
+                    log.warning("%s: the registration's lease lapsed; registering again", self.key)
+                    self.lease = None
+                    continue
+            except UnavailableError as exc:
                 log.warning("%s: %s", self.key, exc)
             self._stop.wait(self.ttl_s / 3)
 
@@ -327,13 +332,6 @@ class LocalEtcd:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        import signal
-        import subprocess
+        from kvstore.procs import stop_process
 
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)

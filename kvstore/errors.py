@@ -79,6 +79,14 @@ _BY_CODE = {
 LEADER_METADATA = "crescent-leader"
 
 
+def leader_hint(err: grpc.RpcError) -> str | None:
+    """The leader's address a conductor follower named in its UNAVAILABLE answer (trailing
+    metadata ``crescent-leader``), or None."""
+    if not hasattr(err, "trailing_metadata") or err.code() is not grpc.StatusCode.UNAVAILABLE:
+        return None
+    return next((v for k, v in err.trailing_metadata() or () if k == LEADER_METADATA), None)
+
+
 def call_grpc(fn, retry=None):
     """Runs ``fn()`` (one gRPC call), turning a failed status into its CrescentError.
 
@@ -101,10 +109,6 @@ def from_grpc(err: grpc.RpcError) -> CrescentError:
     cls = _BY_CODE.get(code, CrescentError)
     exc = cls(f"{code.name}: {details}")
     exc.grpc_code = code
-    exc.leader = None
-    """A conductor follower's answer: the leader's address (trailing metadata ``crescent-leader``)."""
-    if code is grpc.StatusCode.UNAVAILABLE and hasattr(err, "trailing_metadata"):
-        for k, v in err.trailing_metadata() or ():
-            if k == LEADER_METADATA:
-                exc.leader = v
+    exc.leader = leader_hint(err) if hasattr(err, "code") else None
+    """A conductor follower's answer: the leader's address."""
     return exc

@@ -25,9 +25,9 @@ import threading
 
 import grpc
 
-from kvstore.conductor.client import CHANNEL_OPTIONS
+from kvstore.conductor.client import CHANNEL_OPTIONS, split_addresses
 from kvstore.conductor.membership import EngineLoad, MemberKind
-from kvstore.errors import LEADER_METADATA
+from kvstore.errors import leader_hint
 from kvstore.store import StoreEvent, Tier
 from kvstore.transport.identity import host_identity
 from proto.crescent.v1 import conductor_pb2 as cpb
@@ -57,7 +57,7 @@ class MemberAgent:
                  store_node: str | None = None, kv_bytes_per_token: int = 0, namespace: bytes = b"",
                  chunk_tokens: int = 0, flush_interval_s: float = 0.05, max_batch: int = 4096,
                  timeout_s: float = 5.0) -> None:
-        self.conductors = [a.strip() for a in conductor.split(",") if a.strip()]
+        self.conductors = split_addresses(conductor)
         self.conductor = self.conductors[0] if self.conductors else conductor
         """The conductor now talked to: one of ``conductors``, or the leader a follower named."""
         self.member_id = member_id
@@ -140,7 +140,7 @@ class MemberAgent:
         try the next address given (``--conductor a:p,b:p``)."""
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
             return
-        leader = next((v for k, v in (exc.trailing_metadata() or ()) if k == LEADER_METADATA), None)
+        leader = leader_hint(exc)
         if leader and leader != self.conductor:
             log.info("the conductor at %s is a follower: following the leader at %s", self.conductor, leader)
             self._connect(leader)

@@ -83,6 +83,11 @@ class MemberInfo:
     """The member's host (``crescent --host-id``, else its hostname)."""
 
 
+def split_addresses(text: str) -> list[str]:
+    """``host:port[,host:port...]``: conductor replicas, in the order given."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
 def store_load_dict(s: cpb.StoreLoad) -> dict:
     return {"tiers": {Tier(t.tier).name.lower(): {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
                                                   "num_entries": t.num_entries, "hits": t.hits,
@@ -101,7 +106,7 @@ class ConductorClient:
     """
 
     def __init__(self, address: str, *, timeout_s: float = 10.0, retry=None) -> None:
-        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.addresses = split_addresses(address)
         if not self.addresses:
             raise InvalidArgumentError("no conductor address given")
         self.timeout_s = timeout_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -57,6 +58,23 @@ def _rpc(fn):
     return inner
 
 
+class _SampleWindow:
+    """The last 512 measured samples of one kind; refits its part of the cost model every
+    ``_REFIT_EVERY`` new ones."""
+
+    def __init__(self, fit) -> None:
+        self.samples: collections.deque = collections.deque(maxlen=512)
+        self._fit = fit
+        self._new = 0
+
+    def add(self, samples: list) -> None:
+        self.samples.extend(samples)
+        self._new += len(samples)
+        if self._new >= _REFIT_EVERY:
+            self._new = 0
+            self._fit(list(self.samples))
+
+
 def _keys(keys) -> list[bytes]:
     if len(keys) > MAX_KEYS:
         raise InvalidArgumentError(f"{len(keys)} keys exceed the limit of {MAX_KEYS} per call")
@@ -77,11 +95,9 @@ class Conductor(cpb_grpc.ConductorServicer):
         self.index = GlobalIndex()
         self.hot = HotTracker(config.hot_half_life)
         self._policies = {}
-        self._samples: collections.deque[PrefillSample] = collections.deque(maxlen=512)
-        self._new_samples = 0
+        self._prefill_window = _SampleWindow(self.cost.fit)
         self._num_samples_received = 0
-        self._decode_samples: collections.deque[DecodeSample] = collections.deque(maxlen=512)
-        self._new_decode_samples = 0
+        self._decode_window = _SampleWindow(self.cost.fit_decode)
         self.requests: collections.deque[RequestSample] = collections.deque(maxlen=config.sizing_window)
         """Recent Schedule requests, for P:D sizing."""
         self.counters = collections.Counter()
@@ -121,8 +137,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         if self.config.metrics_port is not None:
             from kvstore.conductor.metrics import serve_metrics
 
-            self._metrics_server, _ = serve_metrics(self, self.config.metrics_port,
-                                                    self.config.listen.rpartition(":")[0])
+            self._metrics_server, _ = serve_metrics(self, self.config.metrics_port, self.host)
             self.metrics_port = self._metrics_server.server_port
         return self
 
@@ -256,23 +271,13 @@ class Conductor(cpb_grpc.ConductorServicer):
                 m.busy_until = 0.0  # the engine's own queue now counts what was scheduled
             elif which == "store":
                 m.store_load = request.store
-            if samples:
-                self._num_samples_received += len(samples)
-                self._samples.extend(samples)
-                self._new_samples += len(samples)
-                m.prefill_tokens += sum(x.num_new_tokens for x in samples)
-                m.prefill_seconds += sum(x.seconds for x in samples)
-                if self._new_samples >= _REFIT_EVERY:
-                    self._new_samples = 0
-                    self.cost.fit(list(self._samples))
-            if steps:
-                self._decode_samples.extend(steps)
-                self._new_decode_samples += len(steps)
-                m.decode_tokens += sum(x.num_seqs for x in steps)
-                m.decode_seconds += sum(x.seconds for x in steps)
-                if self._new_decode_samples >= _REFIT_EVERY:
-                    self._new_decode_samples = 0
-                    self.cost.fit_decode(list(self._decode_samples))
+            self._num_samples_received += len(samples)
+            self._prefill_window.add(samples)
+            self._decode_window.add(steps)
+            m.prefill_tokens += sum(x.num_new_tokens for x in samples)
+            m.prefill_seconds += sum(x.seconds for x in samples)
+            m.decode_tokens += sum(x.num_seqs for x in steps)
+            m.decode_seconds += sum(x.seconds for x in steps)
             m.num_samples += len(samples) + len(steps)
             return cpb.HeartbeatResponse(known=True, draining=m.draining)
 
@@ -540,14 +545,13 @@ class Conductor(cpb_grpc.ConductorServicer):
             generated = sum(e.engine_load.num_generated_tokens for e in engines)
             finished = sum(e.engine_load.num_finished for e in engines)
         asked = sum(r.output_tokens for r in samples)
-        if finished and samples:
+        if finished:  # the lengths asked for, scaled to the mean the engines really generate
             mean = generated / finished
-            scale = mean * len(samples) / asked if asked else 0.0
-            samples = [RequestSample(r.arrival_s, r.prompt_tokens, r.cached_tokens,
-                                     max(1, round(r.output_tokens * scale) if asked else round(mean)))
+            scale = mean * len(samples) / asked if asked else None
+            samples = [dataclasses.replace(r, output_tokens=max(1, round(r.output_tokens * scale if scale else mean)))
                        for r in samples]
         elif not asked:  # nobody said how long outputs are: one token each
-            samples = [RequestSample(r.arrival_s, r.prompt_tokens, r.cached_tokens, 1) for r in samples]
+            samples = [dataclasses.replace(r, output_tokens=1) for r in samples]
         try:
             return recommend(samples, cost, target_rps=target_rps,
                              slo_ttft_s=slo_ttft_s or self.config.slo_ttft or DEFAULT_SLO_TTFT_S,

@@ -25,6 +25,7 @@ reach the steady state the target rate implies.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import random
@@ -203,23 +204,25 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
     mean_prompt = sum(r.prompt_tokens for r in samples) / n
     mean_cached = sum(min(r.cached_tokens, r.prompt_tokens) for r in samples) / n
     mean_out = sum(r.output_tokens for r in samples) / n
-    mean_service = sum(prefill_service_s(r, cost) for r in samples) / n
+    services = [prefill_service_s(r, cost) for r in samples]
+    mean_service = sum(services) / n
     why = [f"load: {rps:.3g} req/s (measured {rate:.3g} req/s over {n} requests); prompts {mean_prompt:.0f} "
            f"tokens, {mean_cached:.0f} reused from the store ({mean_cached / mean_prompt:.0%}); outputs "
            f"{mean_out:.0f} tokens"]
 
     # Prefill: no fewer than the work needs (utilization < 1), then the TTFT quantile.
-    ttft_cache: dict[int, float] = {}
+    @functools.cache
+    def ttfts(k: int) -> list[float]:
+        return simulate_prefill(arrivals, k, cost)
 
+    @functools.cache
     def ttft_q(k: int) -> float:
-        if k not in ttft_cache:
-            ttft_cache[k] = quantile(simulate_prefill(arrivals, k, cost), q)
-        return ttft_cache[k]
+        return quantile(ttfts(k), q)
 
     floor_p = max(1, math.ceil(rps * mean_service * (1 + 1e-9)))
     feasible = True
     # With enough instances no request waits: its TTFT is its own service time.
-    alone = quantile([prefill_service_s(r, cost) for r in samples], q)
+    alone = quantile(services, q)
     num_prefill = _smallest(lambda k: ttft_q(k) <= slo_ttft_s, floor_p) if alone <= slo_ttft_s else None
     why.append(f"prefill: {mean_service * 1e3:.1f} ms per request on average (transfer + compute, cost model "
                f"{'fitted to engine reports' if cost.num_samples else 'from the profile'}): {rps * mean_service:.2f} "
@@ -236,14 +239,15 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
                    f"{slo_ttft_s:g} s{fewer}")
 
     # Decode: requests start at their first token on the chosen prefill pool.
-    ttfts = simulate_prefill(arrivals, num_prefill, cost)
-    starts = [(t, t + d, r) for (t, r), d in zip(arrivals, ttfts)]
-    itl_cache: dict[int, float] = {}
+    starts = [(t, t + d, r) for (t, r), d in zip(arrivals, ttfts(num_prefill))]
 
+    @functools.cache
+    def itls(k: int) -> list[float]:
+        return simulate_decode(starts, k, cost)
+
+    @functools.cache
     def itl_q(k: int) -> float:
-        if k not in itl_cache:
-            itl_cache[k] = quantile(simulate_decode(starts, k, cost), q)
-        return itl_cache[k]
+        return quantile(itls(k), q)
 
     # With enough instances every sequence decodes alone.
     single = quantile([cost.tbt_s(1, r.prompt_tokens + r.output_tokens) for r in samples], q)
@@ -257,12 +261,12 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
         fewer = f"; with {num_decode - 1}: {itl_q(num_decode - 1) * 1e3:.1f} ms" if num_decode > 1 else ""
         why.append(f"decode: {num_decode} instances: p{q * 100:g} inter-token latency "
                    f"{itl_q(num_decode) * 1e3:.1f} ms <= SLO {slo_itl_s * 1e3:g} ms{fewer}")
-    itls = simulate_decode(starts, num_decode, cost)
-    busy = sum(r.output_tokens * t for (_, _, r), t in zip(starts, itls) if math.isfinite(t))
-    span = max((s + r.output_tokens * t for (_, s, r), t in zip(starts, itls) if math.isfinite(t)), default=0.0)
+    steps = itls(num_decode)
+    busy = sum(r.output_tokens * t for (_, _, r), t in zip(starts, steps) if math.isfinite(t))
+    span = max((s + r.output_tokens * t for (_, s, r), t in zip(starts, steps) if math.isfinite(t)), default=0.0)
     batch = busy / (span * num_decode) if span > 0 else 0.0
     why.append(f"P:D = {num_prefill}:{num_decode} ({num_prefill / num_decode:.2f}); decode batches average "
                f"{batch:.1f} sequences")
     return Recommendation(num_prefill, num_decode, feasible, rps, slo_ttft_s, slo_itl_s, q, n, rate, mean_prompt,
-                  mean_cached, mean_out, ttft_q(num_prefill), itl_q(num_decode),
-                  rps * mean_service / num_prefill, batch, why)
+                          mean_cached, mean_out, ttft_q(num_prefill), itl_q(num_decode),
+                          rps * mean_service / num_prefill, batch, why)

@@ -59,8 +59,8 @@ def test_engine_reports_decode_steps_and_output_lengths_to_the_conductor():
         assert m.engine_load.num_generated_tokens == 14
         # One prefill step per request (it samples the first token), the other tokens come from decode steps.
         assert m.decode_tokens == 12 and m.decode_seconds > 0
-        assert len(conductor._decode_samples) == 12
-        assert all(s.num_seqs == 1 and s.num_context_tokens >= 37 for s in conductor._decode_samples)
+        assert len(conductor._decode_window.samples) == 12
+        assert all(s.num_seqs == 1 and s.num_context_tokens >= 37 for s in conductor._decode_window.samples)
     finally:
         node.stop()
         conductor.stop(0)
