@@ -39,6 +39,7 @@ from kvstore.conductor.client import ConductorClient  # noqa: E402
 from kvstore.conductor.membership import MemberKind  # noqa: E402
 from kvstore.coord import LocalEtcd  # noqa: E402
 from kvstore.errors import CrescentError  # noqa: E402
+from kvstore.procs import stop_process  # noqa: E402
 
 NUM_KEYS, CACHED = 8, 6
 
@@ -60,13 +61,7 @@ class Proc:
         self.proc.wait(timeout=60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=60)
+        stop_process(self.proc, 60)
         self.proc.stdout.close()
 
 

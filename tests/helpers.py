@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from kvstore.procs import stop_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
@@ -67,17 +69,11 @@ class Proc:
         self.proc.wait(timeout=60)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.proc.wait(timeout=60)
+        rc = stop_process(self.proc, 60)
         for f in (self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()
-        return self.proc.returncode
+        return rc
 
 
 class StoreProcess(Proc):

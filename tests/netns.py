@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
+from kvstore.procs import stop_process
 from tests.helpers import ROOT
 
 SUBNET = "10.251.77"
@@ -49,13 +49,7 @@ class HostProcess:
         self.address = m.group(1) if m else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.proc.wait(timeout=60)
+        stop_process(self.proc, 60)
         self.proc.stdout.close()
         self.log.close()
 

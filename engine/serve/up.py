@@ -25,6 +25,7 @@ import urllib.request
 
 import grpc
 
+from kvstore.procs import stop_process
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -112,13 +113,7 @@ class Part:
             return "".join(f.readlines()[-n:])
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc, grace_s)
         self.log.close()
 
 
