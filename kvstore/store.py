@@ -44,8 +44,7 @@ from typing import Literal
 from kvstore.arena import DeviceArena, HostArena, SlotAllocator
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.disk import DiskFullError, DiskTier, DiskWriteError, Loc, disk_cost
-from kvstore.errors import (DataLossError, FailedPreconditionError, InvalidArgumentError,
-                            ResourceExhaustedError)
+from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 
