@@ -21,6 +21,7 @@ import grpc
 
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.datachannel import Status, _Connections
+from kvstore.liveness import channel_options
 from kvstore.errors import (CrescentError, DataLossError, InvalidArgumentError,
                             ResourceExhaustedError, UnavailableError, call_grpc)
 from kvstore.store import Tier
@@ -32,13 +33,8 @@ from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 FRAME_BYTES = 4 << 20
-_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
-            ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20)),
-            # a node that was down a while is found again within ~2 s of its return
-            # (gRPC's defaults back off up to 120 s between attempts to reconnect)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000)]
+_OPTIONS = channel_options(FRAME_BYTES + (1 << 20))
+"""Dead nodes noticed within seconds, returning ones found within ~2 s (kvstore/liveness.py)."""
 
 Buffer = Union[bytes, bytearray, memoryview, "torch.Tensor"]  # noqa: F821
 Value = Union[Buffer, Sequence[Buffer]]

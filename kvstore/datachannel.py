@@ -55,6 +55,7 @@ from itertools import chain
 
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import CrescentError, DataLossError, UnavailableError
+from kvstore.liveness import connect, tune_socket
 
 HELLO = b"CRDC"
 TOKEN_BYTES = 16
@@ -129,6 +130,8 @@ def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None
 
 
 def tune(sock: socket.socket) -> None:
+    """Both ends: no Nagle delay, big buffers, and probes that notice a dead peer (kvstore/liveness.py)."""
+    tune_socket(sock)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
@@ -261,7 +264,7 @@ class DataChannelClient:
 
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+            self.sock = connect(host, port, timeout_s)
         except OSError as exc:
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
         tune(self.sock)

@@ -20,6 +20,7 @@ import grpc
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.dataserver import DataChannelServer
+from kvstore.liveness import server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics
@@ -36,9 +37,7 @@ _CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve":
                 "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads"}
 VERSION = "0.1.0"
 FRAME_BYTES = 4 << 20
-GRPC_OPTIONS = [("grpc.max_receive_message_length", FRAME_BYTES + (1 << 20)),
-                ("grpc.max_send_message_length", FRAME_BYTES + (1 << 20)),
-                ("grpc.so_reuseport", 0)]
+GRPC_OPTIONS = server_options(FRAME_BYTES + (1 << 20))
 
 
 def _rpc(op: str):

@@ -16,6 +16,7 @@ from engine.sampling import SamplingParams
 from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
 from kvstore.health import HealthStatus, advertised_host
+from kvstore.liveness import server_options
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -154,7 +155,7 @@ class EngineNode:
         self.engine = LLMEngine(cfg)
         self.metrics = EngineMetrics(role, self.engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
-                                  options=[("grpc.so_reuseport", 0)])
+                                  options=server_options())
         try:
             self.port = self.server.add_insecure_port(listen)
         except RuntimeError:

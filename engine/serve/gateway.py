@@ -25,6 +25,7 @@ from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_respon
                                           stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.tokenizer import load_tokenizer
+from kvstore.liveness import channel_options
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -39,13 +40,18 @@ class Engines:
 
     def __init__(self, addresses: list[str]) -> None:
         self._lock = threading.Lock()
-        self._stubs = {a: pb_grpc.EngineStub(grpc.insecure_channel(a)) for a in addresses}
+        self._stubs = {a: self._stub(a) for a in addresses}
+
+    @staticmethod
+    def _stub(address: str) -> pb_grpc.EngineStub:
+        # keepalive: a Prefill on a cut engine fails in seconds (then the decode engine prefills)
+        return pb_grpc.EngineStub(grpc.insecure_channel(address, options=channel_options()))
 
     def __getitem__(self, address: str) -> pb_grpc.EngineStub:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                stub = self._stubs[address] = pb_grpc.EngineStub(grpc.insecure_channel(address))
+                stub = self._stubs[address] = self._stub(address)
             return stub
 
     def health(self, timeout_s: float = 5.0) -> dict[str, bool]:

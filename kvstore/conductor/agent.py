@@ -86,8 +86,8 @@ class MemberAgent:
         self._pending: list[cpb.ChunkEvent] = []
         self._stream: object | None = None  # token of the open event stream
         self._threads: list[threading.Thread] = []
-        self._channel: grpc.Channel | None = None
-        self._retired: list[grpc.Channel] = []
+        self._channels: dict[str, grpc.Channel] = {}
+        """One per conductor address talked to, kept until stop (a stream may still be opening on one)."""
         self._etcd_registration = None
         """With an etcd-backed conductor: this member's lease-held key (kvstore.coord.Registration)."""
         self._stub: cpb_grpc.ConductorStub | None = None
@@ -123,23 +123,21 @@ class MemberAgent:
                                       timeout=2.0)
             except grpc.RpcError as exc:
                 log.info("deregister from %s failed: %s", self.conductor, exc.code().name)
-        for ch in (*self._retired, self._channel):
-            if ch is not None:
-                ch.close()
+        for ch in self._channels.values():
+            ch.close()
 
     def _connect(self, address: str) -> None:
-        if self._channel is not None:
-            # NOTE: closed at stop(), not now: the events thread may be opening a stream on it.
-            self._retired.append(self._channel)
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.conductor = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = cpb_grpc.ConductorStub(self._channel)
+        self._stub = cpb_grpc.ConductorStub(ch)
 
     def _follow(self, exc: grpc.RpcError) -> None:
-        """After a failed call: a follower conductor named the leader, go there; an unreachable one,
-        try the next address given (``--conductor a:p,b:p``)."""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE:
-            return
+        """After a failed call: a follower conductor named the leader, go there; an unreachable or
+        silent one, try the next address given (``--conductor a:p,b:p``)."""
+        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return  # DEADLINE_EXCEEDED: silent (a cut host), or too slow to be the one to report to
         leader = leader_hint(exc)
         if leader and leader != self.conductor:
             log.info("the conductor at %s is a follower: following the leader at %s", self.conductor, leader)

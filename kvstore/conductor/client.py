@@ -13,15 +13,15 @@ from typing import TypeVar
 import grpc
 
 from kvstore.conductor.membership import EngineLoad, MemberKind
-from kvstore.errors import InvalidArgumentError, UnavailableError, call_grpc
+from kvstore.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, call_grpc
+from kvstore.liveness import channel_options
 from kvstore.store import Tier
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
 
 T = TypeVar("T")
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.max_receive_message_length", 64 << 20)]
-"""Reconnect within 2 s of a conductor's return (gRPC's default backoff grows to 2 minutes)."""
+CHANNEL_OPTIONS = channel_options(64 << 20)
+"""A cut conductor noticed within seconds, a returning one found within ~2 s (kvstore/liveness.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,26 +111,25 @@ class ConductorClient:
             raise InvalidArgumentError("no conductor address given")
         self.timeout_s = timeout_s
         self.retry = retry
-        self._channel = None
-        self._retired: list[grpc.Channel] = []
+        self._channels: dict[str, grpc.Channel] = {}
+        """One per address talked to; all closed by close() (another thread may be mid-call on one)."""
         self._connect(self.addresses[0])
 
     def _connect(self, address: str) -> None:
-        if self._channel is not None:
-            # NOTE: not closed yet: another thread may be starting a call on it (closed, that raises).
-            self._retired.append(self._channel)
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = cpb_grpc.ConductorStub(self._channel)
+        self._stub = cpb_grpc.ConductorStub(ch)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """``fn()`` against the leader: a follower's answer names it (followed, at most twice); an
-        unreachable replica is skipped for the next address given."""
+        unreachable (or silent past the deadline) replica is skipped for the next address given."""
         tried, hops = {self.address}, 0
         while True:
             try:
                 return call_grpc(fn, self.retry)
-            except UnavailableError as exc:
+            except (UnavailableError, DeadlineExceededError) as exc:
                 if exc.leader and exc.leader != self.address and hops < 2:
                     hops += 1
                     self._connect(exc.leader)
@@ -223,7 +222,7 @@ class ConductorClient:
         return out
 
     def close(self) -> None:
-        for ch in (*self._retired, self._channel):
+        for ch in self._channels.values():
             ch.close()
 
     def __enter__(self) -> ConductorClient:

@@ -33,6 +33,7 @@ from kvstore.conductor.sizing import (DEFAULT_QUANTILE, DEFAULT_SLO_ITL_S, DEFAU
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.errors import (LEADER_METADATA, CrescentError, FailedPreconditionError, InvalidArgumentError,
                             NotFoundError)
+from kvstore.liveness import server_options
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -104,7 +105,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
-                                  options=[("grpc.so_reuseport", 0)])
+                                  options=server_options(64 << 20))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
         try:
@@ -123,7 +124,10 @@ class Conductor(cpb_grpc.ConductorServicer):
             from kvstore.coord import Etcd, LeaderElection
 
             self.health.set_serving(False, "crescent.v1.Conductor")  # a follower until elected
-            self.election = LeaderElection(Etcd(config.etcd), "conductor", self.address, config.leader_ttl,
+            # NOTE: etcd calls time out in half the TTL: a leader cut off from etcd has stepped down
+            # (renewals failing for 2/3 of it) before its lease can lapse and a new leader be elected
+            etcd = Etcd(config.etcd, timeout_s=min(5.0, config.leader_ttl / 2))
+            self.election = LeaderElection(etcd, "conductor", self.address, config.leader_ttl,
                                            on_change=self._on_leadership)
         self._metrics_server = None
         self.metrics_port: int | None = None

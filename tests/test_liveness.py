@@ -1,0 +1,78 @@
+"""A peer that goes silent (here: a real process frozen with SIGSTOP, whose kernel still holds its
+sockets open, so nothing is refused or reset) fails calls with UNAVAILABLE within the keepalive
+figures, not at the call's deadline; a conductor client moves on to the next replica; a thawed
+peer is used again. (Cut links between hosts: tests/cluster/test_partitions.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvstore import liveness
+from kvstore.client import StoreClient
+from kvstore.conductor.client import ConductorClient
+from kvstore.errors import UnavailableError
+from tests.conductor.procs import ConductorProcess
+from tests.helpers import ROOT, StoreProcess
+
+DEADLINE_S = 600.0
+"""Far beyond the keepalive figures: a call that waited for it would make the test run for minutes."""
+
+
+class Frozen:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def test_a_frozen_store_node_fails_calls_as_unavailable_not_at_the_deadline():
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        with StoreClient(node.address, timeout_s=DEADLINE_S, data_channel=False) as c:
+            c.put(b"k", b"v")
+            with Frozen(node.pid):
+                with pytest.raises(UnavailableError):
+                    c.exists([b"k"])
+            assert c.exists([b"k"]) == [True]  # thawed: the client reconnects
+    finally:
+        node.stop()
+
+
+def test_a_conductor_client_skips_a_frozen_replica():
+    frozen, live = ConductorProcess(), ConductorProcess()
+    try:
+        with ConductorClient(f"{frozen.address},{live.address}", timeout_s=DEADLINE_S) as c:
+            assert c.members() == [] and c.address == frozen.address
+            with Frozen(frozen.pid):
+                assert c.stats()["num_members"] == 0
+                assert c.address == live.address
+    finally:
+        frozen.stop()
+        live.stop()
+
+
+def test_options_let_servers_accept_the_clients_pings():
+    client = dict(liveness.channel_options(1 << 20))
+    server = dict(liveness.server_options(1 << 20))
+    assert client["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert client["grpc.http2.max_pings_without_data"] == 0  # pings go on during a long silent call
+    assert client["grpc.http2.ping_timeout_ms"] == client["grpc.keepalive_timeout_ms"]  # not 60 s
+    assert client["grpc.max_receive_message_length"] == server["grpc.max_send_message_length"] == 1 << 20
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "1e9"])
+def test_a_bad_keepalive_setting_is_a_warning_and_the_default(value):
+    r = subprocess.run([sys.executable, "-c", "from kvstore import liveness; print(liveness.KEEPALIVE_TIME_S)"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CRESCENT_KEEPALIVE_TIME_S": value})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "2.0"
+    assert "CRESCENT_KEEPALIVE_TIME_S" in r.stderr and "ignored" in r.stderr
