@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import InvalidArgumentError, UnavailableError
+from kvstore.errors import CrescentError, InvalidArgumentError, UnavailableError, from_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_PREFIX = "/crescent"
@@ -72,22 +72,28 @@ class Etcd:
 
         Raises:
             UnavailableError: no endpoint answered.
+            CrescentError: etcd answered with an error status (e.g. NotFoundError: no such lease).
         """
+        import grpc
+
         last = None
         for _ in range(len(self.endpoints)):
             try:
                 return fn(*args, **kwargs)
             except self._errors as exc:
                 last = exc
+            except grpc.RpcError as exc:  # a status pyetcd passes through as it is
+                raise from_grpc(exc) from None
         raise UnavailableError(f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)} is unreachable: "
                                f"{type(last).__name__}")
 
     def renew(self, lease_id: int) -> int:
         """Renews a lease once; its remaining TTL in seconds (0: it had expired)."""
-        try:
-            return next(iter(self.call(self.client.refresh_lease, lease_id))).TTL
-        except StopIteration:
-            raise UnavailableError("etcd closed the lease keep-alive stream") from None
+        # NOTE: refresh_lease is a generator: it must run inside call(), where its errors are caught
+        answer = self.call(lambda: next(iter(self.client.refresh_lease(lease_id)), None))
+        if answer is None:
+            raise UnavailableError("etcd closed the lease keep-alive stream")
+        return answer.TTL
 
     def get(self, key: str) -> bytes | None:
         value, _ = self.call(self.client.get, key)
@@ -181,7 +187,7 @@ class LeaderElection:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 ttl = self.etcd.renew(self._lease.id)
-            except UnavailableError as exc:
+            except CrescentError as exc:
                 log.warning("%s: cannot renew the leader lease: %s", self.key, exc)
                 if time.monotonic() - last_ok >= self.ttl_s * 2 / 3:
                     break  # step down before the lease can expire under a new leader
@@ -200,8 +206,8 @@ class LeaderElection:
                     self._lead()
                     continue
                 self._wait_for_vacancy()
-            except UnavailableError as exc:
-                log.warning("%s: %s", self.key, exc)
+            except Exception as exc:  # noqa: BLE001 - the candidacy must outlive any one failed call
+                log.warning("%s: %s", self.key, exc, exc_info=not isinstance(exc, CrescentError))
                 self._set(False, None)
                 self._stop.wait(self.poll_s)
 
@@ -212,7 +218,7 @@ class LeaderElection:
         if resign and self._lease is not None:
             try:
                 self.etcd.call(self.etcd.client.revoke_lease, self._lease.id)
-            except UnavailableError as exc:
+            except CrescentError as exc:  # unreachable, or the lease already lapsed (NOT_FOUND)
                 log.warning("%s: cannot resign: %s", self.key, exc)
         self._lease = None
         self.is_leader = False
@@ -249,7 +255,7 @@ class Registration:
         if self.lease is not None:
             try:
                 self.etcd.call(self.etcd.client.put, self.key, value, lease=self.lease)
-            except UnavailableError as exc:
+            except CrescentError as exc:
                 log.warning("%s: %s", self.key, exc)
 
     def _put(self) -> None:
@@ -267,8 +273,8 @@ class Registration:
                     log.warning("%s: the registration's lease lapsed; registering again", self.key)
                     self.lease = None
                     continue
-            except UnavailableError as exc:
-                log.warning("%s: %s", self.key, exc)
+            except Exception as exc:  # noqa: BLE001 - keep retrying: the registration must outlive any one call
+                log.warning("%s: %s", self.key, exc, exc_info=not isinstance(exc, CrescentError))
             self._stop.wait(self.ttl_s / 3)
 
     def stop(self) -> None:
@@ -277,7 +283,7 @@ class Registration:
         if self.lease is not None:
             try:
                 self.etcd.call(self.etcd.client.revoke_lease, self.lease.id)
-            except UnavailableError as exc:
+            except CrescentError as exc:  # unreachable, or the lease already lapsed
                 log.info("%s: cannot revoke the lease: %s", self.key, exc)
             self.lease = None
 
