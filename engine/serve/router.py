@@ -77,6 +77,7 @@ class ConductorRouter:
 
         from kvstore.conductor.membership import MemberKind
         from kvstore.keys import ModelFingerprint
+        from kvstore.liveness import channel_options
         from proto.crescent.v1 import engine_pb2, engine_pb2_grpc
 
         with self._lock:
@@ -85,7 +86,7 @@ class ConductorRouter:
         for m in self.client.members():
             if m.kind in (MemberKind.PREFILL, MemberKind.DECODE) and m.state != "dead":
                 try:
-                    with grpc.insecure_channel(m.address) as ch:
+                    with grpc.insecure_channel(m.address, options=channel_options()) as ch:
                         h = engine_pb2_grpc.EngineStub(ch).Health(engine_pb2.EngineHealthRequest(), timeout=5)
                     fp = ModelFingerprint.decode(h.fingerprint)
                 except (grpc.RpcError, ValueError):
@@ -111,6 +112,11 @@ class ConductorRouter:
             raise Rejected(r.reject_reason)
         if not r.prefill_address and not r.decode_address:
             raise NoRoute("no engine is registered with the conductor")
-        if not r.decode_address:  # no decode pool: the chosen engine does both
-            return Route(None, r.prefill_address)
+        if not r.decode_address:
+            if self.fallback is not None:
+                # decode engines were configured but none is registered now (e.g. a healed partition:
+                # members register again one by one): never send a decode to a prefill-only engine
+                log.warning("the conductor knows no decode engine: routing without it")
+                return self.fallback.route(prompt_ids, cache_salt, num_output_tokens)
+            return Route(None, r.prefill_address)  # no decode pool: the chosen engine does both
         return Route(r.prefill_address or None, r.decode_address, replicate=r.replicate_to is not None)
