@@ -30,16 +30,24 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class HostProcess:
-    """``python -m kvstore.cli ARGS`` inside a namespace; the first stdout line is its banner."""
+    """``python -m kvstore.cli ARGS`` inside a namespace; the first stdout line is its banner.
 
-    def __init__(self, ns: str, args: list[str], banner: str, log_path: str, host_id: str) -> None:
+    With ``argv``, that command instead, its output to the log and no banner awaited.
+    """
+
+    def __init__(self, ns: str, args: list[str], banner: str, log_path: str, host_id: str,
+                 argv: list[str] | None = None) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvstore.cli", "--host-id", host_id, *args]
+        cmd = ["ip", "netns", "exec", ns,
+               *(argv or [sys.executable, "-m", "kvstore.cli", "--host-id", host_id, *args])]
         # `ip netns exec` execs the command: the pid is the Python process's own.
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log if argv else subprocess.PIPE, stderr=self.log,
+                                     text=True, start_new_session=True)
         self.pid = self.proc.pid
+        self.address = ""
+        if argv:
+            return
         self.line = self.proc.stdout.readline()
         if banner not in self.line:
             self.stop()
@@ -50,7 +58,8 @@ class HostProcess:
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
-        self.proc.stdout.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self.log.close()
 
 
@@ -103,6 +112,27 @@ class Lab:
         p = HostProcess(self.hosts[i], args, banner, log, host_id=f"h{i}")
         self.procs.append(p)
         return p
+
+    def start_etcd(self, i: int, timeout_s: float = 120.0) -> str:
+        """A one-member etcd on host ``i`` (port 2379); returns its client endpoint once it serves."""
+        exe = shutil.which("etcd")
+        if exe is None:
+            raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
+        endpoint, peer = f"{self.addr(i)}:2379", f"http://{self.addr(i)}:2380"
+        argv = [exe, "--name", "lab", "--data-dir", os.path.join(self.log_dir, f"etcd-h{i}"),
+                "--listen-client-urls", f"http://{endpoint}", "--advertise-client-urls", f"http://{endpoint}",
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"lab={peer}"]
+        p = HostProcess(self.hosts[i], [], "", os.path.join(self.log_dir, f"h{i}-etcd.log"), f"h{i}", argv=argv)
+        self.procs.append(p)
+        probe = (f"import time, urllib.request as u\nt = time.monotonic() + {timeout_s}\nwhile True:\n"
+                 f"    try:\n        u.urlopen('http://{endpoint}/health', timeout=5).read(); break\n"
+                 f"    except OSError:\n        assert time.monotonic() < t, 'etcd did not serve'\n"
+                 f"        time.sleep(0.1)\n")
+        r = self.run(i, probe, timeout=timeout_s + 30)
+        if r.returncode != 0:
+            with open(p.log_path) as f:
+                raise RuntimeError(f"etcd on h{i} did not start: {r.stderr[-500:]}\n{f.read()[-2000:]}")
+        return endpoint
 
     def run(self, i: int, code: str, timeout: float = 600) -> subprocess.CompletedProcess:
         """Runs Python ``code`` on host ``i`` (a client there) and returns its result."""
