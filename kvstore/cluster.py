@@ -13,6 +13,11 @@
 - The index is eventually consistent (store nodes batch their events), so a
   client remembers where it put each key for ``index_ttl_s``: its own writes
   are readable at once.
+- While the conductor cannot be reached (down, cut off, no leader yet), a
+  client with a ``local`` node reads and writes that node directly, asking the
+  conductor again after ``index_ttl_s`` (at least 2 s): reuse of what the local node holds
+  goes on through a conductor outage. Without ``local`` the outage raises
+  UnavailableError, as before.
 
 The conductor itself carries no value bytes.
 """
@@ -27,10 +32,13 @@ import xxhash
 
 from kvstore.conductor.client import ConductorClient, MemberInfo
 from kvstore.conductor.membership import MemberKind
-from kvstore.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvstore.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.store import Tier
 
 _MAX_CACHED_KEYS = 1 << 18
+_LOCAL = "\0local"
+"""The holder id of the ``local`` node while the conductor is away (its real id may be unknown)."""
+_OUTAGE = (UnavailableError, DeadlineExceededError)
 
 
 def rendezvous_rank(key: bytes, node_ids: Sequence[str]) -> list[str]:
@@ -71,18 +79,46 @@ class ClusterClient:
         self._nodes: list[MemberInfo] = []
         self._nodes_at = -1e9
         self._holders: dict[bytes, tuple[float, dict[str, Tier]]] = {}
+        self._conductor_down_until = -1e9
+        self.num_conductor_fallbacks = 0
+        """Calls served by the local node alone because the conductor could not be reached."""
+
+    def _without_conductor(self) -> bool:
+        """True while a recent conductor failure stands and a local node can serve instead."""
+        return self.local is not None and time.monotonic() < self._conductor_down_until
+
+    def _conductor_failed(self, exc: Exception) -> None:
+        """After a failed conductor call: with a local node, do without the conductor for a while."""
+        if self.local is None:
+            raise exc
+        if not self._without_conductor():
+            import logging
+
+            logging.getLogger(__name__).warning("conductor unreachable (%s): reading and writing the local node "
+                                                "%s only", exc, self.local)
+        self._conductor_down_until = time.monotonic() + max(self.index_ttl_s, 2.0)
 
     # ---- membership and index ---------------------------------------------------
 
     def _store_nodes(self) -> list[MemberInfo]:
+        """The store nodes, refreshed every ``index_ttl_s``; while the conductor is away, the last list
+        (UnavailableError if there was none)."""
         now = time.monotonic()
         if now - self._nodes_at > self.index_ttl_s:
-            nodes = [m for m in self.conductor.members() if m.kind is MemberKind.STORE]
+            try:
+                members = self.conductor.members()
+            except _OUTAGE:
+                if not self._nodes:
+                    raise
+                return self._nodes
+            nodes = [m for m in members if m.kind is MemberKind.STORE]
             with self._lock:
                 self._nodes, self._nodes_at = nodes, now
         return self._nodes
 
     def _address(self, node_id: str) -> str | None:
+        if node_id == _LOCAL:
+            return self.local
         for m in self._store_nodes():
             if m.member_id == node_id:
                 return m.address
@@ -107,8 +143,26 @@ class ClusterClient:
             return c
 
     def locate(self, keys: Sequence[bytes], *, fresh: bool = False) -> list[dict[str, Tier]]:
-        """Holders of each key (node id → tier), from the index cache or the conductor."""
+        """Holders of each key (node id → tier), from the index cache or the conductor (while the
+        conductor is away: the local node, if it holds the key)."""
         keys = [bytes(k) for k in keys]
+        if self._without_conductor():
+            return self._locate_locally(keys)
+        try:
+            return self._locate(keys, fresh)
+        except _OUTAGE as exc:
+            self._conductor_failed(exc)
+            return self._locate_locally(keys)
+
+    def _locate_locally(self, keys: list[bytes]) -> list[dict[str, Tier]]:
+        self.num_conductor_fallbacks += 1
+        try:
+            held = self._client(self.local).exists(keys)
+        except UnavailableError:
+            return [{} for _ in keys]
+        return [{_LOCAL: Tier.DRAM} if h else {} for h in held]
+
+    def _locate(self, keys: list[bytes], fresh: bool) -> list[dict[str, Tier]]:
         now = time.monotonic()
         out: list[dict[str, Tier] | None] = [None] * len(keys)
         missing = []
@@ -143,6 +197,8 @@ class ClusterClient:
             self._holders[key] = (time.monotonic() + self.index_ttl_s, holders)
 
     def _read_order(self, holders: dict[str, Tier]) -> list[str]:
+        if _LOCAL in holders:
+            return [_LOCAL]
         local = self._local_id()
         return sorted(holders, key=lambda n: (n != local, holders[n], n))
 
@@ -178,7 +234,13 @@ class ClusterClient:
             InvalidArgumentError: a bad key or value size.
             UnavailableError: no live store node can be reached.
         """
-        nodes = [m for m in self._store_nodes() if m.state != "draining"]
+        if self._without_conductor():
+            return self._put_locally(items)
+        try:
+            nodes = [m for m in self._store_nodes() if m.state != "draining"]
+        except _OUTAGE as exc:
+            self._conductor_failed(exc)
+            return self._put_locally(items)
         if not nodes:
             raise UnavailableError(f"the conductor at {self.conductor.address} knows no live store node")
         ids = [m.member_id for m in nodes]
@@ -217,6 +279,10 @@ class ClusterClient:
         if down and not any(stored):
             raise UnavailableError(f"no store node could be reached (tried {', '.join(sorted(down))})")
         return [s > 0 for s in stored]
+
+    def _put_locally(self, items: Sequence[tuple[bytes, object]]) -> list[bool]:
+        self.num_conductor_fallbacks += 1
+        return self._client(self.local).batch_put(items)
 
     def get(self, key: bytes) -> bytes | None:
         v = self.batch_get([key])[0]

@@ -1,5 +1,7 @@
 """ClusterClient over in-process store nodes found through an in-process conductor."""
 
+import time
+
 import pytest
 import xxhash
 
@@ -171,3 +173,37 @@ def test_storeclient_parity():
         theirs = [p for p in inspect.signature(getattr(StoreClient, name)).parameters if not p.startswith("_")]
         ours = list(inspect.signature(getattr(ClusterClient, name)).parameters)
         assert ours == theirs, name
+
+
+def test_a_conductor_outage_falls_back_to_the_local_node():
+    """With the conductor gone, a client with a local node reads and writes that node alone: what it
+    holds is still reused; chunks only another node holds read as misses (finding them needs the index)."""
+    from kvstore.conductor.config import ConductorConfig
+    from kvstore.conductor.service import Conductor
+    from kvstore.config import StoreConfig
+    from kvstore.server import StoreNode
+
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
+    nodes = [StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address, dram="8MiB",
+                                   slot_size="4KiB")).start() for n in ("a", "b")]
+    try:
+        with ClusterClient(conductor.address, local=nodes[0].address, index_ttl_s=0.01, retry=Retry(attempts=1)) as c:
+            wait_for(lambda: len(c.conductor.members()) == 2, what="2 nodes registered")
+            assert c.batch_put([(k, k) for k in KEYS[:4]]) == [True] * 4  # to the local node
+            nodes[1].store.put(KEYS[4], KEYS[4])  # only b holds this one
+            wait_for(lambda: c.lookup(KEYS[:5]) == 5, what="indexed")
+            assert c.num_conductor_fallbacks == 0
+            conductor.stop(0)
+            time.sleep(0.05)  # past index_ttl_s: the client's cached holders are stale
+            assert c.lookup(KEYS[:5]) == 4
+            assert c.batch_get(KEYS[:5]) == [bytearray(k) for k in KEYS[:4]] + [None]
+            assert c.batch_put([(KEYS[5], b"new")]) == [True]
+            assert nodes[0].store.get(KEYS[5]) == b"new"
+            assert c.exists([KEYS[5], b"nowhere"]) == [True, False]
+            assert c.num_conductor_fallbacks > 0
+        with ClusterClient(conductor.address, retry=Retry(attempts=1)) as c:  # no local node: the outage shows
+            with pytest.raises(UnavailableError):
+                c.lookup(KEYS[:1])
+    finally:
+        for n in nodes:
+            n.stop(grace=0)
