@@ -1,12 +1,10 @@
-"""Emulated hosts for tests: network namespaces joined by a bridge, each process at its own address.
+"""Emulated hosts for tests: ``kvstore.netns.EmulatedHosts`` with processes on them.
 
-``Lab(n)`` creates ``n`` host namespaces and a switch namespace holding a
-bridge; host ``i`` gets ``eth0`` at ``10.251.77.(i + 1)/24`` on a veth pair whose
-other end is a bridge port. Nothing is added to the machine's own namespace:
-the hosts reach only each other (and their own loopback). ``cut(i)`` takes
-host ``i``'s bridge port down (a partition: packets vanish, nothing refuses a
-connection), ``heal(i)`` brings it back. ``close()`` stops every process it
-started, by pid, and deletes the namespaces (their veths go with them).
+``Lab(n)`` makes ``n`` hosts at ``10.251.77.(i + 1)``; nothing is added to the
+machine's own namespace: the hosts reach only each other (and their own
+loopback). ``cut(i)`` takes host ``i``'s bridge port down (a partition: packets
+vanish, nothing refuses a connection), ``heal(i)`` brings it back. ``close()``
+stops every process it started, by pid, and deletes the namespaces.
 
 Needs root and ``ip`` (iproute2); ``Lab.unavailable()`` says why not, for a skip.
 """
@@ -19,14 +17,11 @@ import shutil
 import subprocess
 import sys
 
+from kvstore.netns import EmulatedHosts, unavailable
 from kvstore.procs import stop_process
 from tests.helpers import ROOT
 
 SUBNET = "10.251.77"
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
 class HostProcess:
@@ -65,46 +60,18 @@ class HostProcess:
 
 class Lab:
     def __init__(self, num_hosts: int, log_dir: str) -> None:
-        self.tag = f"cr{os.getpid() % 100000}"
-        self.switch = f"{self.tag}-sw"
-        self.hosts = [f"{self.tag}-h{i}" for i in range(num_hosts)]
+        self.net = EmulatedHosts(num_hosts, f"cr{os.getpid() % 100000}", SUBNET)
+        self.hosts = self.net.hosts
         self.log_dir = log_dir
         self.procs: list[HostProcess] = []
-        self._made: list[str] = []
-        try:
-            for ns in (self.switch, *self.hosts):
-                _ip("netns", "add", ns)
-                self._made.append(ns)
-                _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.switch, "link", "set", "br0", "up")
-            for i, ns in enumerate(self.hosts):
-                port = f"p{i}"
-                _ip("link", "add", port, "netns", self.switch, "type", "veth", "peer", "name", "eth0", "netns", ns)
-                _ip("-n", self.switch, "link", "set", port, "master", "br0")
-                _ip("-n", self.switch, "link", "set", port, "up")
-                _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-        except BaseException:
-            self.close()
-            raise
 
     @staticmethod
     def unavailable() -> str | None:
         """Why namespaces cannot be made here, or None."""
-        if shutil.which("ip") is None:
-            return "no `ip` command (iproute2)"
-        if os.geteuid() != 0:
-            return "network namespaces need root"
-        probe = f"crprobe{os.getpid() % 100000}"
-        r = _ip("netns", "add", probe, check=False)
-        if r.returncode != 0:
-            return f"cannot create a network namespace: {r.stderr.strip()}"
-        _ip("netns", "del", probe, check=False)
-        return None
+        return unavailable()
 
     def addr(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+        return self.net.addr(i)
 
     def start(self, i: int, args: list[str], banner: str = "listening on") -> HostProcess:
         """Runs ``crescent ARGS`` on host ``i`` (its host id: ``h<i>``)."""
@@ -140,15 +107,13 @@ class Lab:
                               capture_output=True, text=True, timeout=timeout)
 
     def cut(self, i: int) -> None:
-        _ip("-n", self.switch, "link", "set", f"p{i}", "down")
+        self.net.cut(i)
 
     def heal(self, i: int) -> None:
-        _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+        self.net.heal(i)
 
     def close(self) -> None:
         for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
-        for ns in reversed(self._made):
-            _ip("netns", "del", ns, check=False)
-        self._made.clear()
+        self.net.close()

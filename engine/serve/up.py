@@ -28,6 +28,9 @@ import grpc
 from kvstore.procs import stop_process
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
+NETNS_SUBNET = "10.251.78"
+"""--netns: the hosts' network (the machine itself is .254 on it)."""
+
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="random:small", help="HF checkpoint folder or random:tiny|small|medium "
@@ -64,6 +67,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                                                                  "this TTFT (seconds)")
     p.add_argument("--slo-tbt", type=float, default=None, help="conductor: reject requests predicted to miss "
                                                                 "this time between tokens (seconds)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="hosts, each with a store node and an engine (prefill and decode alternate; one host "
+                        "runs both); more than one needs the conductor (default: 1)")
+    p.add_argument("--netns", action="store_true",
+                   help="run each host in a network namespace of its own, at 10.251.78.<i+1> with the default "
+                        "ports (root only); the gateway stays on --host, reachable as usual")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
 
 
@@ -167,14 +176,34 @@ def run_up(ns: argparse.Namespace) -> int:
     if not 1 <= ns.conductors <= 9:
         print(f"crescent up: error: --conductors must be 1..9, got {ns.conductors}", file=sys.stderr)
         return 2
+    if not 1 <= ns.nodes <= 16:
+        print(f"crescent up: error: --nodes must be 1..16, got {ns.nodes}", file=sys.stderr)
+        return 2
+    if ns.nodes > 1 and (ns.no_conductor or ns.no_store):
+        print("crescent up: error: --nodes > 1 needs the conductor and the store (engines find the store nodes "
+              "through the conductor)", file=sys.stderr)
+        return 2
     with_store = not ns.no_store
-    ports = {"gateway": ns.gateway_port, "decode": ns.decode_port}
-    if with_store:
-        ports["store"] = ns.store_port
-    if not ns.no_conductor:
-        ports["conductor"] = ns.conductor_port
-    if ns.mode == "disagg":
-        ports["prefill"] = ns.prefill_port
+    hosts = None
+    if ns.netns:
+        from kvstore.netns import unavailable
+
+        why = unavailable()
+        if why is None and subprocess.run(["ip", "-o", "addr", "show", "to", f"{NETNS_SUBNET}.254"],
+                                          capture_output=True, text=True).stdout.strip():
+            why = f"{NETNS_SUBNET}.0/24 is in use (another `crescent up --netns`?)"
+        if why:
+            print(f"crescent up: error: --netns: {why}", file=sys.stderr)
+            return 2
+    ports = {"gateway": ns.gateway_port}
+    if not ns.netns:
+        ports["decode"] = ns.decode_port
+        if with_store:
+            ports["store"] = ns.store_port
+        if not ns.no_conductor:
+            ports["conductor"] = ns.conductor_port
+        if ns.mode == "disagg":
+            ports["prefill"] = ns.prefill_port
     busy = [f"{name} port {p}" for name, p in ports.items() if not _port_free(ns.host, p)]
     if busy:
         print(f"crescent up: error: {', '.join(busy)} in use on {ns.host} (another cluster or service?); "
@@ -182,11 +211,32 @@ def run_up(ns: argparse.Namespace) -> int:
         return 2
 
     py = [sys.executable, "-m", "kvstore.cli"]
-    metrics_ports: dict[str, int] = {}  # each part's Prometheus /metrics (the gateway's is on its HTTP port)
+    metrics_at: dict[str, str] = {}  # each part's Prometheus /metrics host:port (the gateway's: its HTTP port)
 
-    def metrics_port(name: str) -> str:
-        metrics_ports[name] = _free_port(ns.host)  # NOTE: just before the part starts, to keep the race short
-        return str(metrics_ports[name])
+    def on_host(i: int) -> list[str]:
+        """The command prefix of a part on host ``i``."""
+        if hosts is None:
+            return py
+        return hosts.exec_prefix(i) + py + ["--host-id", f"h{i}"]
+
+    def listen(i: int, port: int, default: int, first: bool) -> str:
+        """Where a part on host ``i`` listens: with --netns its host's address and the given port (or
+        the default: each host has an address of its own), else --host and the given port for the first
+        of its kind, any free port for the others."""
+        if hosts is not None:
+            return f"{hosts.addr(i)}:{port or default}"
+        return f"{ns.host}:{port if first else 0}"
+
+    def metrics_port(name: str, i: int, port: int) -> str:
+        if hosts is not None:
+            metrics_at[name] = f"{hosts.addr(i)}:{port}"
+            return str(port)
+        p = _free_port(ns.host)  # NOTE: just before the part starts, to keep the race short
+        metrics_at[name] = f"[{ns.host}]:{p}" if ":" in ns.host else f"{ns.host}:{p}"
+        return str(p)
+
+    def numbered(kind: str, k: int) -> str:
+        return kind if k == 0 else f"{kind}-{k + 1}"
 
     parts: list[Part] = []
     stop = threading.Event()
@@ -196,6 +246,10 @@ def run_up(ns: argparse.Namespace) -> int:
     state_path = os.path.join(data, "up.json")
     etcd = None
     try:
+        if ns.netns:
+            from kvstore.netns import EmulatedHosts
+
+            hosts = EmulatedHosts(ns.nodes, f"crup{os.getpid() % 100000}", NETNS_SUBNET, reachable=True)
         conductor = None
         if not ns.no_conductor:
             extra = [f for flag, v in (("--policy", ns.policy), ("--slo-ttft", ns.slo_ttft),
@@ -205,49 +259,59 @@ def run_up(ns: argparse.Namespace) -> int:
                 from kvstore.coord import LocalEtcd
 
                 try:
-                    etcd = LocalEtcd(os.path.join(data, "etcd"), host=ns.host)
+                    etcd = LocalEtcd(os.path.join(data, "etcd"), host=hosts.machine_addr if hosts else ns.host)
                 except FileNotFoundError as exc:
                     raise RuntimeError(f"{exc}; or give --etcd HOST:PORT") from None
                 endpoints = etcd.endpoint
             if endpoints:
                 extra += ["--etcd", endpoints]
             replicas = []
-            for i in range(ns.conductors):
-                name = "conductor" if i == 0 else f"conductor-{i + 1}"
-                p = Part(name, py + ["conductor", "--listen", f"{ns.host}:{ns.conductor_port if i == 0 else 0}",
-                                     "--chunk-tokens", str(ns.chunk_tokens),
-                                     "--metrics-port", metrics_port(name), *extra], logs)
+            for k in range(ns.conductors):
+                name, i = numbered("conductor", k), k % ns.nodes  # replicas spread over the hosts
+                p = Part(name, on_host(i) + ["conductor", "--listen", listen(i, ns.conductor_port, 7300, k == 0),
+                                             "--chunk-tokens", str(ns.chunk_tokens),
+                                             "--metrics-port", metrics_port(name, i, 9300), *extra], logs)
                 parts.append(p)
                 replicas.append(p.wait_banner(r"listening on ([^\s,]+)", deadline))
             conductor = ",".join(replicas)  # members, the gateway and ctl follow the leader among them
         join = ["--conductor", conductor] if conductor else []
-        store_addr = None
+        stores: list[str | None] = [None] * ns.nodes
         if with_store:
-            p = Part("store", py + ["store", "--listen", f"{ns.host}:{ns.store_port}", "--dram", ns.dram,
-                                    "--disk", os.path.join(data, "store"), "--disk-size", ns.disk_size,
-                                    "--node-id", "store-0", "--metrics-port", metrics_port("store"), *join],
-                     logs)
-            parts.append(p)
-            store_addr = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+            for i in range(ns.nodes):
+                name = numbered("store", i)
+                p = Part(name, on_host(i) + ["store", "--listen", listen(i, ns.store_port, 7400, i == 0),
+                                             "--dram", ns.dram, "--disk", os.path.join(data, f"store-{i}" if i else "store"),
+                                             "--disk-size", ns.disk_size, "--node-id", f"store-{i}",
+                                             "--metrics-port", metrics_port(name, i, 9400), *join], logs)
+                parts.append(p)
+                stores[i] = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+        store_addr = stores[0]
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
                   "--kv-cache-memory", ns.kv_cache_memory,
-                  "--max-num-batched-tokens", str(ns.max_num_batched_tokens or ns.chunk_size + 64)]
-        if store_addr:
-            common += ["--store", store_addr]
-        common += join
-        engines = []
-        if ns.mode == "disagg":
-            engines.append(("prefill", "prefill", ns.prefill_port))
-        engines.append(("decode", "decode" if ns.mode == "disagg" else "both", ns.decode_port))
-        for name, role, port in engines:
-            parts.append(Part(name, py + ["engine", role, "--listen", f"{ns.host}:{port}",
-                                          "--metrics-port", metrics_port(name)] + common, logs))
+                  "--max-num-batched-tokens", str(ns.max_num_batched_tokens or ns.chunk_size + 64)] + join
+        engines = []  # (name, role, host)
+        if ns.mode == "mono":
+            engines = [(numbered("decode", i), "both", i) for i in range(ns.nodes)]
+        elif ns.nodes == 1:
+            engines = [("prefill", "prefill", 0), ("decode", "decode", 0)]
+        else:  # one engine per host, prefill and decode in turn
+            engines = [(numbered(role, i // 2), role, i)
+                       for i, role in ((i, "prefill" if i % 2 == 0 else "decode") for i in range(ns.nodes))]
+        for name, role, i in engines:
+            store = ["--store", stores[i]] if stores[i] else []  # the store node on the engine's own host
+            port, default = (ns.prefill_port, 7500) if role == "prefill" else (ns.decode_port, 7501)
+            parts.append(Part(name, on_host(i) + ["engine", role,
+                                                  "--listen", listen(i, port, default, name in ("prefill", "decode")),
+                                                  "--metrics-port", metrics_port(name, i, default + 2000)]
+                              + store + common, logs))
         addrs = {name: part.wait_banner(r"listening on ([^\s,]+)", deadline)
                  for (name, _, _), part in zip(engines, parts[-len(engines):])}
+        prefills = [addrs[name] for name, role, _ in engines if role == "prefill"]
+        decodes = [addrs[name] for name, role, _ in engines if role != "prefill"]
         gw_cmd = py + ["gateway", "--listen", f"{ns.host}:{ns.gateway_port}", "--model", ns.model,
-                       "--decode", addrs["decode"]]
-        if "prefill" in addrs:
-            gw_cmd += ["--prefill", addrs["prefill"]]
+                       "--decode", *decodes]
+        if prefills:
+            gw_cmd += ["--prefill", *prefills]
         gw_cmd += join
         gw = Part("gateway", gw_cmd, logs)
         parts.append(gw)
@@ -255,22 +319,22 @@ def run_up(ns: argparse.Namespace) -> int:
         checks = [lambda: _healthy_http(gw_url)]
         checks += [lambda a=a: _healthy_grpc(engine_pb2_grpc.EngineStub, engine_pb2.EngineHealthRequest(), a)
                    for a in addrs.values()]
-        if store_addr:
-            checks.append(lambda: _healthy_grpc(kvstore_pb2_grpc.KVStoreStub, kvstore_pb2.HealthRequest(),
-                                                store_addr))
+        checks += [lambda a=a: _healthy_grpc(kvstore_pb2_grpc.KVStoreStub, kvstore_pb2.HealthRequest(), a)
+                   for a in stores if a]
         if conductor:
-            checks.append(lambda: _all_registered(conductor, len(addrs) + (1 if store_addr else 0)))
+            checks.append(lambda: _all_registered(conductor, len(addrs) + sum(1 for a in stores if a)))
         while not all(c() for c in checks):
             if time.monotonic() > deadline or stop.is_set():
                 raise RuntimeError("the cluster did not become healthy in time")
             time.sleep(0.2)
-        mhost = f"[{ns.host}]" if ":" in ns.host else ns.host
-        metrics = {"gateway": f"{gw_url}/metrics",
-                   **{name: f"http://{mhost}:{port}/metrics" for name, port in metrics_ports.items()}}
+        metrics = {"gateway": f"{gw_url}/metrics", **{name: f"http://{at}/metrics" for name, at in metrics_at.items()}}
         state = {"pid": os.getpid(), "model": ns.model, "openai_base_url": f"{gw_url}/v1", "gateway": gw_url,
-                 "store": store_addr, "conductor": conductor, **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
+                 "store": store_addr, "stores": [a for a in stores if a], "conductor": conductor,
+                 **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
                  "metrics": metrics, "pids": {p.name: p.proc.pid for p in parts},
-                 "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None)}
+                 "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None),
+                 "hosts": ({f"h{i}": {"namespace": h, "address": hosts.addr(i)} for i, h in enumerate(hosts.hosts)}
+                           if hosts else None)}
         if etcd is not None:
             state["pids"]["etcd"] = etcd.pid
         with open(state_path + ".tmp", "w") as f:
@@ -280,8 +344,12 @@ def run_up(ns: argparse.Namespace) -> int:
         print(f"  OpenAI API   {gw_url}/v1   (model: {ns.model})", flush=True)
         for k, v in addrs.items():
             print(f"  {k:<12} {v}", flush=True)
-        if store_addr:
-            print(f"  store        {store_addr}", flush=True)
+        for i, a in enumerate(stores):
+            if a:
+                print(f"  {numbered('store', i):<12} {a}", flush=True)
+        if hosts is not None:
+            print(f"  hosts        {', '.join(f'h{i} {hosts.addr(i)} ({h})' for i, h in enumerate(hosts.hosts))}",
+                  flush=True)
         if conductor:
             print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
         if state["etcd"]:
@@ -293,14 +361,14 @@ def run_up(ns: argparse.Namespace) -> int:
         store_down = False
         while not stop.wait(0.5):
             dead = [p for p in parts if p.proc.poll() is not None]
-            if dead and all(p.name == "store" or p.name.startswith("conductor") for p in dead):
+            if dead and all(p.name.startswith(("store", "conductor")) for p in dead):
                 if not store_down:  # NOTE: the engines carry on without them (recompute, round-robin)
                     for p in dead:
                         print(f"crescent up: warning: the {p.name} exited ({p.proc.returncode}); "
                               "engines continue without it", file=sys.stderr, flush=True)
                     store_down = True
             elif dead:
-                name = next(p for p in dead if p.name != "store" and not p.name.startswith("conductor"))
+                name = next(p for p in dead if not p.name.startswith(("store", "conductor")))
                 print(f"crescent up: error: {name.name} exited ({name.proc.returncode}); stopping:\n"
                       f"{name.tail()}", file=sys.stderr)
                 return 1
@@ -314,6 +382,8 @@ def run_up(ns: argparse.Namespace) -> int:
             p.stop()
         if etcd is not None:
             etcd.stop()
+        if hosts is not None:
+            hosts.close()
         if os.path.exists(state_path):
             os.remove(state_path)
         lock.close()
