@@ -182,7 +182,10 @@ class ClusterClient:
                     mine = self._holders.get(keys[i])
                     if mine is not None and mine[0] > now:  # our own recent writes may not be indexed yet
                         holders = {**mine[1], **holders}
-                    self._holders[keys[i]] = (now + self.index_ttl_s, holders)
+                    if holders:
+                        # NOTE: a miss is not cached: a reader waiting for a chunk another engine is still
+                        # saving asks again, and must not wait out the TTL once it is indexed
+                        self._holders[keys[i]] = (now + self.index_ttl_s, holders)
                     out[i] = holders
         return out  # type: ignore[return-value]
 

@@ -79,7 +79,9 @@ class EngineService(pb_grpc.EngineServicer):
             cached = seq.num_store_tokens + seq.num_local_tokens
             self.agent.record_prefill(len(prompt) - cached, cached, elapsed)
         conn = self.engine.connector
-        keys = conn.keys(prompt, salt) if conn is not None else []
+        # NOTE: while saves fail (the store is unreachable) no keys: the decode engine prefills at once
+        # instead of waiting its fetch timeout for chunks that will not arrive
+        keys = conn.keys(prompt, salt) if conn is not None and conn.saves_reach_store else []
         s = request.sampling
         if s.max_tokens <= 1:
             finished, reason = True, "length"

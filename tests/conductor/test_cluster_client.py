@@ -207,3 +207,13 @@ def test_a_conductor_outage_falls_back_to_the_local_node():
     finally:
         for n in nodes:
             n.stop(grace=0)
+
+
+def test_a_miss_is_not_cached_so_a_chunk_being_saved_is_seen_once_indexed(three, conductor):
+    """A decode engine polls for chunks the prefill engine is still saving: a miss must not stick for the
+    index TTL (it cost every disaggregated request a second when it did)."""
+    with ClusterClient(conductor.address, index_ttl_s=600) as reader, ClusterClient(conductor.address) as writer:
+        assert reader.lookup([b"late"]) == 0
+        writer.put(b"late", b"v")
+        wait_for(lambda: reader.lookup([b"late"]) == 1, timeout_s=60, what="the reader to see the new chunk")
+        assert reader.get(b"late") == b"v"
