@@ -71,6 +71,9 @@ class StoreConnector:
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._cv = threading.Condition()
+        self.saves_reach_store = True
+        """False from a save that failed to reach the store until one succeeds: a prefill engine then
+        names no chunk keys to its decode engine, which would only wait for chunks that never come."""
         self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
         self._saver.start()
         self.chunk_bytes = encoded_size(runner.chunk_shape, runner.dtype, self.chunk_tokens)
@@ -412,6 +415,7 @@ class StoreConnector:
                         batch.append((key, encode_chunk(self._saved(buf), ns, parent, toks, check=self.check,
                                                         payload_hash=None if dsum is None else int(dsum))))
                 stored = self.client.batch_put(batch)
+                self.saves_reach_store = True
                 for ok, (_, parts) in zip(stored, batch):
                     if ok:
                         self.stats.chunks_saved += 1
@@ -420,6 +424,7 @@ class StoreConnector:
                         self.stats.save_failures += 1
             except CrescentError as exc:
                 self.stats.save_failures += len(items)
+                self.saves_reach_store = False
                 self._error("save", exc)
             except Exception as exc:  # noqa: BLE001 - a save must never kill the engine
                 self.stats.save_failures += len(items)

@@ -296,3 +296,29 @@ def test_no_route_is_503_and_health_says_why():
         server.stop()
         if not stopped:
             conductor.stop(grace=0)
+
+
+def test_a_prefill_engine_whose_saves_fail_names_no_chunks_and_requests_still_complete():
+    """The store goes away: the prefill engine's next saves fail, after which its Prefill names no chunk
+    keys (the decode engine would only wait its fetch timeout for chunks that never arrive); the request
+    is still answered with the same tokens."""
+    s = Setup(with_store=True)
+    try:
+        c = s.client()
+        prompt = STOP_PROMPT + list(range(40, 200))
+        want, _, _ = completion(c, prompt, False, max_tokens=6)
+        stub = epb_grpc.EngineStub(grpc.insecure_channel(s.prefill.address))
+        req = epb.PrefillRequest(prompt_token_ids=list(range(50, 250)), sampling=epb.SamplingOptions(max_tokens=4))
+        assert len(stub.Prefill(req, timeout=120).chunk_keys) == 3
+        conn = s.prefill.engine.connector
+        assert conn.saves_reach_store
+        s.parts.pop(0)()  # stops the store node (and takes it off the teardown list)
+        stub.Prefill(epb.PrefillRequest(prompt_token_ids=list(range(60, 260)),
+                                        sampling=epb.SamplingOptions(max_tokens=4)), timeout=120)
+        assert conn.flush(timeout_s=120)
+        assert not conn.saves_reach_store and conn.stats.save_failures > 0
+        assert list(stub.Prefill(req, timeout=120).chunk_keys) == []
+        got, _, _ = completion(c, prompt, False, max_tokens=6)
+        assert got == want
+    finally:
+        s.close()
