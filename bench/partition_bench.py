@@ -193,11 +193,13 @@ def main() -> int:
             f"{len(records)} requests: **{total_failed} failed, {total_wrong} with wrong tokens**.\n\n"
             + table(["phase", "requests", "failed", "wrong tokens", "median latency", "max latency",
                      "median vs baseline", "chunks loaded per request"], rows)
-            + "\n\nThe max latency of a cut phase is the request that met the cut: the keepalive figures "
-            "(2 s + 4 s, kvstore/liveness.py) bound how long it waits on the silent peer. Chunks loaded per "
-            "request: the decode engine's loads from the store (2 per request when the prefill engine's "
-            "chunks arrive in time); 0 while the store is cut; with the conductor cut the engines read and "
-            "write their own store node directly.\n")
+            + "\n\nA request counts in the phase it was sent in: the one that met a cut (waiting on the silent "
+            "peer until the keepalive figures, 2 s + 4 s, kvstore/liveness.py, end it) is the max of its phase "
+            "or of the one before. With the store cut, requests wait the decode engine's 2 s fetch timeout "
+            "until the prefill engine's saves have failed, then go straight to a local prefill. With the "
+            "conductor cut the engines read and write their own store node directly, and every 2 s one call "
+            "asks the conductor again (about 1 s with its retries). Chunks loaded per request: the decode "
+            "engine's loads from the store (2 when the prefill engine's chunks arrive in time).\n")
     print(text)
     import matplotlib
 
