@@ -188,6 +188,9 @@ class EngineConfig:
     conductor: str | None = None
     """Conductor address host:port: the engine registers and reports its load, and reads and
     writes chunks across the cluster (ClusterClient, preferring the ``store`` node)."""
+    etcd: str | None = None
+    """etcd endpoints host:port[,host:port...] ($CRESCENT_ETCD) where conductor replicas register: with it
+    the conductor addresses come from there (--conductor may then be left out)."""
     chunk_tokens: int = 256
     """Tokens per stored chunk (a multiple of page_size)."""
     tenant_salt: str | None = None
@@ -211,9 +214,10 @@ class EngineConfig:
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
 
     def __post_init__(self) -> None:
-        from kvstore.config import parse_size
+        from kvstore.config import check_etcd, parse_size
 
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        check_etcd(self.etcd)
         if self.chunk_tokens % self.page_size:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of page_size ({self.page_size})")
         if self.chunk_size <= 0 or self.max_num_batched_tokens < self.chunk_size:

@@ -78,11 +78,12 @@ class LLMEngine:
         self._page_hashes: dict[int, list[bytes]] = {}
         self._page_ns: dict[str | None, bytes] = {}
         self.connector: StoreConnector | None = None
-        if cfg.store or cfg.conductor or client is not None:
-            if client is None and cfg.conductor:
+        if cfg.store or cfg.conductor or cfg.etcd or client is not None:
+            if client is None and (cfg.conductor or cfg.etcd):
                 from kvstore.cluster import ClusterClient
 
-                client = ClusterClient(cfg.conductor, local=cfg.store, timeout_s=30, transport=cfg.store_transport)
+                client = ClusterClient(cfg.conductor, local=cfg.store, timeout_s=30, transport=cfg.store_transport,
+                                       etcd=cfg.etcd)
             elif client is None:
                 from kvstore.client import StoreClient
 

@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import sys
 import textwrap
 import typing
@@ -91,7 +92,7 @@ def _register_store(sub) -> None:
                        description="Run a store node: DRAM (+ disk, + GPU) tiers behind the "
                                    "crescent.v1.KVStore gRPC service. Stops gracefully on SIGTERM/SIGINT.")
     add_config_args(p, StoreConfig)
-    p.set_defaults(handler=_run_store)
+    p.set_defaults(handler=_run_store, etcd=os.environ.get("CRESCENT_ETCD") or None)
 
 
 def _run_store(ns: argparse.Namespace) -> int:

@@ -56,18 +56,19 @@ class ClusterClient:
         replicas: copies written per key (the local node counts as one).
         index_ttl_s: how long holders from the conductor's index are trusted.
         timeout_s, retry, data_channel: as for ``StoreClient``.
+        etcd: etcd endpoints where conductor replicas register (``ConductorClient``).
         **store_options: passed to each node's ``StoreClient`` (e.g. ``transport=``).
     """
 
     def __init__(self, conductor: str, *, local: str | None = None, replicas: int = 1,
                  index_ttl_s: float = 1.0, timeout_s: float = 60.0, retry=None,
-                 data_channel: bool = True, **store_options) -> None:
+                 data_channel: bool = True, etcd: str | None = None, **store_options) -> None:
         from kvstore.client import Retry
 
         if replicas < 1:
             raise InvalidArgumentError(f"replicas must be >= 1, got {replicas}")
         self.retry = retry or Retry()
-        self.conductor = ConductorClient(conductor, timeout_s=min(timeout_s, 10.0), retry=self.retry)
+        self.conductor = ConductorClient(conductor, timeout_s=min(timeout_s, 10.0), retry=self.retry, etcd=etcd)
         self.local = local
         self.replicas = replicas
         self.index_ttl_s = index_ttl_s

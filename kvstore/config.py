@@ -15,6 +15,18 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "tb": 1000**4, "tib": 1024**4}
 
 
+def check_etcd(endpoints: str | None) -> None:
+    """ValueError unless ``endpoints`` is None or ``host:port[,host:port...]``."""
+    if endpoints is not None:
+        from kvstore.coord import parse_endpoints
+        from kvstore.errors import InvalidArgumentError
+
+        try:
+            parse_endpoints(endpoints)
+        except InvalidArgumentError as exc:
+            raise ValueError(f"--etcd: {exc}") from None
+
+
 def parse_size(text: str | int) -> int:
     """``"1GiB"`` → 1073741824; accepts B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
     if isinstance(text, int):
@@ -102,6 +114,9 @@ class StoreConfig:
     conductor: str | None = None
     """Conductor host:port to register with, heartbeat to and stream KV events to (several, comma-separated:
     replicas, of which the node follows the leader); none runs standalone."""
+    etcd: str | None = None
+    """etcd endpoints host:port[,host:port...] ($CRESCENT_ETCD) where conductor replicas register: with it
+    the conductor addresses come from there (--conductor may then be left out)."""
 
     def __post_init__(self) -> None:
         for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):
@@ -129,6 +144,7 @@ class StoreConfig:
             raise ValueError(f"--listen must be host:port, got {self.listen!r}")
         if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
             raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
+        check_etcd(self.etcd)
         if self.conductor is not None:
             for c in self.conductor.split(","):
                 c_host, _, c_port = c.strip().rpartition(":")

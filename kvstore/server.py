@@ -224,10 +224,10 @@ class StoreNode:
         self.config = config
         reap_stale_segments()
         self.agent = None  # conductor membership + KV events (kvstore/conductor/agent.py)
-        if config.conductor:
+        if config.conductor or config.etcd:
             from kvstore.conductor.agent import StoreAgent
 
-            self.agent = StoreAgent(config.conductor)
+            self.agent = StoreAgent(config.conductor or "", etcd=config.etcd)
             listener = self.agent.listener(listener)
         self.store = TieredStore(config, listener=listener)
         self.metrics = StoreMetrics(self.store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,7 +26,7 @@ def register(sub) -> None:
                    help="decode: how long to wait for a prefill engine's chunks to appear in the store "
                         "after the last one arrived (default: 2.0)")
     add_config_args(p, EngineConfig)
-    p.set_defaults(handler=_run_engine)
+    p.set_defaults(handler=_run_engine, etcd=os.environ.get("CRESCENT_ETCD") or None)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
                        description="OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions "
@@ -36,8 +37,10 @@ def register(sub) -> None:
     g.add_argument("--prefill", nargs="*", default=[], metavar="ADDR", help="prefill engine addresses")
     g.add_argument("--decode", nargs="*", default=[], metavar="ADDR",
                    help="decode engine addresses (round-robin; with --conductor, the fallback when it is away)")
-    g.add_argument("--conductor", default=None, metavar="HOST:PORT",
-                   help="route each request by the conductor's Schedule (cache-aware)")
+    g.add_argument("--conductor", default=None, metavar="HOST:PORT[,...]",
+                   help="route each request by the conductor's Schedule (cache-aware); replicas comma-separated")
+    g.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
+                   help="etcd where conductor replicas register: route through them (default: $CRESCENT_ETCD)")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -68,7 +71,8 @@ def _run_gateway(ns: argparse.Namespace) -> int:
     from engine.serve.gateway import Gateway, serve
 
     try:
-        gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor)
+        gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
+                     etcd=ns.etcd)
         serve(gw, ns.listen)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

@@ -168,7 +168,7 @@ class EngineNode:
         self.address = f"{advertised_host(self.host, advertise_host)}:{self.port}"
         self._metrics_port = metrics_port
         self._metrics_server = None
-        self.agent = self._make_agent(cfg) if cfg.conductor else None
+        self.agent = self._make_agent(cfg) if cfg.conductor or cfg.etcd else None
         on_step = (lambda: self.agent.report_load(self.engine.load())) if self.agent else None
         self.loop = EngineLoop(self.engine, on_token=self.metrics.on_token, on_finish=self.metrics.on_finish,
                                on_step=on_step, on_step_time=self._on_step_time)
@@ -199,7 +199,7 @@ class EngineNode:
         runner = self.engine.runner
         conn = self.engine.connector
         kind = MemberKind.DECODE if self.role == "decode" else MemberKind.PREFILL
-        return MemberAgent(cfg.conductor, f"{self.role}@{self.address}", kind, self.address,
+        return MemberAgent(cfg.conductor or "", f"{self.role}@{self.address}", kind, self.address, etcd=cfg.etcd,
                            store_node=store_node, kv_bytes_per_token=runner.page_bytes // cfg.page_size,
                            namespace=bytes(conn.namespace(None)) if conn else b"", chunk_tokens=cfg.chunk_tokens)
 

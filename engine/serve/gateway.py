@@ -68,12 +68,13 @@ class Engines:
 
 class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
-                 router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None) -> None:
+                 router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
+                 etcd: str | None = None) -> None:
         self.model_name = served_model_name or model
         self.tokenizer = load_tokenizer(model)
         static = RoundRobinRouter(prefill, decode) if decode else None
-        if router is None and conductor:
-            router = ConductorRouter(conductor, fallback=static)
+        if router is None and (conductor or etcd):
+            router = ConductorRouter(conductor, fallback=static, etcd=etcd)
         if router is None and static is None:
             raise ValueError("give --decode engines, or a --conductor to find them")
         self.router = router or static

@@ -56,10 +56,11 @@ class ConductorRouter:
     ``fallback`` router (when given) takes over for that request.
     """
 
-    def __init__(self, conductor: str, fallback: Router | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, conductor: str | None, fallback: Router | None = None, timeout_s: float = 5.0,
+                 etcd: str | None = None) -> None:
         from kvstore.conductor.client import ConductorClient
 
-        self.client = ConductorClient(conductor, timeout_s=timeout_s)
+        self.client = ConductorClient(conductor, timeout_s=timeout_s, etcd=etcd)
         self.fallback = fallback
         self._fingerprint = None
         self._lock = threading.Lock()

@@ -25,9 +25,9 @@ import threading
 
 import grpc
 
-from kvstore.conductor.client import CHANNEL_OPTIONS, split_addresses
+from kvstore.conductor.client import CHANNEL_OPTIONS, discover, split_addresses
 from kvstore.conductor.membership import EngineLoad, MemberKind
-from kvstore.errors import leader_hint
+from kvstore.errors import CrescentError, leader_hint
 from kvstore.store import StoreEvent, Tier
 from kvstore.transport.identity import host_identity
 from proto.crescent.v1 import conductor_pb2 as cpb
@@ -51,14 +51,18 @@ class MemberAgent:
         flush_interval_s: longest time a KV event waits before it is sent.
         max_batch: most events per batch.
         timeout_s: deadline of each unary call to the conductor.
+        etcd: etcd endpoints where conductor replicas register: added to ``conductor`` (which may then be
+            empty), and read again whenever every known address has failed in turn.
     """
 
     def __init__(self, conductor: str, member_id: str, kind: MemberKind, address: str = "", *,
                  store_node: str | None = None, kv_bytes_per_token: int = 0, namespace: bytes = b"",
                  chunk_tokens: int = 0, flush_interval_s: float = 0.05, max_batch: int = 4096,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, etcd: str | None = None) -> None:
+        self.etcd = etcd
         self.conductors = split_addresses(conductor)
-        self.conductor = self.conductors[0] if self.conductors else conductor
+        self._rediscover()
+        self.conductor = self.conductors[0] if self.conductors else ""
         """The conductor now talked to: one of ``conductors``, or the leader a follower named."""
         self.member_id = member_id
         self.kind = kind
@@ -95,7 +99,8 @@ class MemberAgent:
     # ---- lifecycle ------------------------------------------------------------
 
     def start(self) -> MemberAgent:
-        self._connect(self.conductor)
+        if self.conductor:
+            self._connect(self.conductor)
         loops = [self._heartbeat_loop] + ([self._events_loop] if self.kind is MemberKind.STORE else [])
         for fn in loops:
             t = threading.Thread(target=fn, name=f"agent-{fn.__name__}", daemon=True)
@@ -133,6 +138,17 @@ class MemberAgent:
         self.conductor = address
         self._stub = cpb_grpc.ConductorStub(ch)
 
+    def _rediscover(self) -> None:
+        """Adds the conductor replicas registered in etcd (with ``etcd``) to the addresses known."""
+        if not self.etcd:
+            return
+        try:
+            found = discover(self.etcd)
+        except CrescentError as exc:
+            log.debug("cannot read the conductor replicas from etcd: %s", exc)
+            return
+        self.conductors += [a for a in found if a not in self.conductors]
+
     def _follow(self, exc: grpc.RpcError) -> None:
         """After a failed call: a follower conductor named the leader, go there; an unreachable or
         silent one, try the next address given (``--conductor a:p,b:p``)."""
@@ -142,9 +158,12 @@ class MemberAgent:
         if leader and leader != self.conductor:
             log.info("the conductor at %s is a follower: following the leader at %s", self.conductor, leader)
             self._connect(leader)
-        elif not leader and len(self.conductors) > 1:
+        elif not leader:
             i = self.conductors.index(self.conductor) if self.conductor in self.conductors else -1
-            self._connect(self.conductors[(i + 1) % len(self.conductors)])
+            if i + 1 >= len(self.conductors):  # every known address failed in turn
+                self._rediscover()
+            if len(self.conductors) > 1:
+                self._connect(self.conductors[(i + 1) % len(self.conductors)])
 
     # ---- engine reports ---------------------------------------------------------
 
@@ -235,6 +254,15 @@ class MemberAgent:
     def _heartbeat_loop(self) -> None:
         backoff = 0.05
         while not self._stopping:
+            if self._stub is None:  # no conductor known yet: only etcd can name one
+                self._rediscover()
+                if self.conductors:
+                    self._connect(self.conductors[0])
+                else:
+                    self._wake.wait(backoff)
+                    self._wake.clear()
+                    backoff = min(backoff * 2, 2.0)
+                    continue
             if not self._incarnation:
                 try:
                     self._register()

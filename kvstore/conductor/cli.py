@@ -46,9 +46,11 @@ def _run_conductor(ns: argparse.Namespace) -> int:
 
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--conductor", default=os.environ.get("CRESCENT_CONDUCTOR", DEFAULT_CONDUCTOR),
-                   metavar="HOST:PORT",
-                   help=f"the conductor (default: $CRESCENT_CONDUCTOR or {DEFAULT_CONDUCTOR})")
+    p.add_argument("--conductor", default=os.environ.get("CRESCENT_CONDUCTOR"), metavar="HOST:PORT[,...]",
+                   help=f"the conductor, or its replicas (default: $CRESCENT_CONDUCTOR, else the replicas "
+                        f"registered in --etcd, else {DEFAULT_CONDUCTOR})")
+    p.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
+                   help="etcd where conductor replicas register: find them there (default: $CRESCENT_ETCD)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="deadline of each call (default: 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p

@@ -83,9 +83,32 @@ class MemberInfo:
     """The member's host (``crescent --host-id``, else its hostname)."""
 
 
-def split_addresses(text: str) -> list[str]:
+def split_addresses(text: str | None) -> list[str]:
     """``host:port[,host:port...]``: conductor replicas, in the order given."""
-    return [a.strip() for a in text.split(",") if a.strip()]
+    return [a.strip() for a in (text or "").split(",") if a.strip()]
+
+
+def discover(etcd: str) -> list[str]:
+    """Conductor replicas registered in etcd (each keeps ``conductor/replicas/<address>`` under a lease),
+    the leader first. Raises UnavailableError when etcd cannot be reached."""
+    from kvstore.coord import Etcd
+
+    e = Etcd(etcd, timeout_s=5.0)
+    try:
+        leader = e.get(e.key("conductor", "leader"))
+        replicas = sorted(v.decode() for v, _ in e.call(e.client.get_prefix, e.key("conductor", "replicas", "")))
+    finally:
+        e.close()
+    first = [leader.decode()] if leader else []
+    return first + [a for a in replicas if a not in first]
+
+
+def conductor_addresses(conductor: str | None, etcd: str | None) -> list[str]:
+    """The addresses given, then (with ``etcd``) the replicas registered there that were not given."""
+    given = split_addresses(conductor)
+    if not etcd:
+        return given
+    return given + [a for a in discover(etcd) if a not in given]
 
 
 def store_load_dict(s: cpb.StoreLoad) -> dict:
@@ -100,20 +123,31 @@ class ConductorClient:
     """Client of one conductor.
 
     Args:
-        address: the conductor's ``host:port``.
+        address: the conductor's ``host:port`` (replicas: ``host:port,host:port``; may be empty with ``etcd``).
         timeout_s: deadline of each call.
         retry: a ``kvstore.client.Retry`` for UNAVAILABLE; default: one attempt.
+        etcd: etcd endpoints where the replicas register: they are added to the addresses, and read
+            again when none of the known ones answers (a replica started later, at a new address).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0, retry=None) -> None:
+    def __init__(self, address: str | None, *, timeout_s: float = 10.0, retry=None, etcd: str | None = None) -> None:
+        self.etcd = etcd
         self.addresses = split_addresses(address)
-        if not self.addresses:
+        if not self.addresses and not etcd:
             raise InvalidArgumentError("no conductor address given")
+        if etcd:
+            try:
+                self.addresses = conductor_addresses(address, etcd)
+            except UnavailableError:
+                pass  # etcd is down now: read again when the addresses given fail
         self.timeout_s = timeout_s
         self.retry = retry
         self._channels: dict[str, grpc.Channel] = {}
         """One per address talked to; all closed by close() (another thread may be mid-call on one)."""
-        self._connect(self.addresses[0])
+        self.address = ""
+        self._stub = None
+        if self.addresses:
+            self._connect(self.addresses[0])
 
     def _connect(self, address: str) -> None:
         ch = self._channels.get(address)
@@ -124,8 +158,16 @@ class ConductorClient:
 
     def _call(self, fn: Callable[[], T]) -> T:
         """``fn()`` against the leader: a follower's answer names it (followed, at most twice); an
-        unreachable (or silent past the deadline) replica is skipped for the next address given."""
-        tried, hops = {self.address}, 0
+        unreachable (or silent past the deadline) replica is skipped for the next address given; when
+        none is left, the replicas registered in etcd (if given) are read again, once."""
+        tried, hops, rediscovered = {self.address}, 0, False
+        if self._stub is None:  # none known yet: only etcd can name one
+            rediscovered = True
+            self.addresses = conductor_addresses(None, self.etcd)
+            if not self.addresses:
+                raise UnavailableError(f"no conductor is registered in etcd at {self.etcd}")
+            self._connect(self.addresses[0])
+            tried = {self.address}
         while True:
             try:
                 return call_grpc(fn, self.retry)
@@ -135,6 +177,13 @@ class ConductorClient:
                     self._connect(exc.leader)
                     continue
                 rest = [a for a in self.addresses if a not in tried]
+                if not rest and self.etcd and not rediscovered:
+                    rediscovered = True
+                    try:
+                        self.addresses = conductor_addresses(",".join(self.addresses), self.etcd)
+                    except UnavailableError:
+                        raise exc from None
+                    rest = [a for a in self.addresses if a not in tried]
                 if not rest:
                     raise
                 tried.add(rest[0])

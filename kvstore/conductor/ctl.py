@@ -44,7 +44,11 @@ def _table(headers: list[str], rows: list[list]) -> str:
 def _client(ns):
     from kvstore.conductor.client import ConductorClient
 
-    return ConductorClient(ns.conductor, timeout_s=ns.timeout)
+    from kvstore.conductor.cli import DEFAULT_CONDUCTOR
+
+    # NOTE: with --etcd and no --conductor, the replicas come from etcd alone
+    conductor = ns.conductor or (None if ns.etcd else DEFAULT_CONDUCTOR)
+    return ConductorClient(conductor, timeout_s=ns.timeout, etcd=ns.etcd)
 
 
 # ---- keys from --keys / --tokens / --text ------------------------------------------------------
@@ -353,7 +357,10 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     except UnavailableError as exc:
         detail = " ".join(str(exc).split())
-        print(f"crescent ctl: error: cannot reach the conductor at {ns.conductor} ({detail})", file=sys.stderr)
+        from kvstore.conductor.cli import DEFAULT_CONDUCTOR
+
+        where = ns.conductor or (f"the replicas registered in etcd {ns.etcd}" if ns.etcd else DEFAULT_CONDUCTOR)
+        print(f"crescent ctl: error: cannot reach the conductor at {where} ({detail})", file=sys.stderr)
         return 1
     except CrescentError as exc:
         print(f"crescent ctl: error: {' '.join(str(exc).split())}", file=sys.stderr)

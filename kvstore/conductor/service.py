@@ -129,6 +129,14 @@ class Conductor(cpb_grpc.ConductorServicer):
             etcd = Etcd(config.etcd, timeout_s=min(5.0, config.leader_ttl / 2))
             self.election = LeaderElection(etcd, "conductor", self.address, config.leader_ttl,
                                            on_change=self._on_leadership)
+        self.replica = None
+        """With --etcd: ``conductor/replicas/<address>`` under a lease, so clients given only etcd find
+        every replica (kvstore.conductor.client.discover)."""
+        if config.etcd:
+            from kvstore.coord import Registration
+
+            key = etcd.key("conductor", "replicas", self.address)
+            self.replica = Registration(Etcd(config.etcd), key, self.address, max(2.0, config.leader_ttl))
         self._metrics_server = None
         self.metrics_port: int | None = None
         """The /metrics port once started (with --metrics-port 0: the one picked)."""
@@ -138,6 +146,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._reaper.start()
         if self.election is not None:
             self.election.start()
+            self.replica.start()
         if self.config.metrics_port is not None:
             from kvstore.conductor.metrics import serve_metrics
 
@@ -150,6 +159,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self.health.stop()
         if self.election is not None:
             self.election.stop(resign=True)  # a follower takes over now, not after the lease
+            self.replica.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.server.stop(grace).wait()

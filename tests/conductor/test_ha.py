@@ -186,3 +186,34 @@ def test_a_member_whose_etcd_lease_ends_leaves_and_rejoins(etcd):
         if store is not None:
             store.stop()
         c.stop(0)
+
+
+def test_etcd_alone_finds_the_replicas_for_clients_members_and_ctl(replicas, etcd, tmp_path):
+    """Every replica registers conductor/replicas/<address>; a client, a store node and `crescent ctl` given
+    only --etcd find them (the leader first) and follow a failover."""
+    from kvstore.conductor.client import discover
+    from kvstore.config import StoreConfig
+    from kvstore.server import StoreNode
+
+    leader = wait_for(lambda: _leader(replicas), what="one leader")
+    follower = next(c for c in replicas if c is not leader)
+    found = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(discover(etcd.endpoint)),
+                     what="both replicas registered")
+    assert found == [leader.address, follower.address]
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="8MiB", slot_size="4KiB", node_id="s0",
+                                 etcd=etcd.endpoint)).start()
+    try:
+        with ConductorClient(None, etcd=etcd.endpoint, timeout_s=30) as c:
+            wait_for(lambda: [m.member_id for m in c.members()] == ["s0"], what="the node registered via etcd")
+            out = ctl("nodes", "--etcd", etcd.endpoint)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.startswith(f"conductor leader {leader.address}\n") and "s0" in out.stdout
+            leader.stop(0)
+            wait_for(lambda: follower.is_leader, what="the follower to take over")
+            wait_for(lambda: [m.member_id for m in c.members()] == ["s0"], timeout_s=120,
+                     what="the node and the client at the new leader")
+            assert c.address == follower.address
+    finally:
+        node.stop(grace=0)
+    bad = ctl("nodes", "--etcd", "nohost")
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "etcd" in bad.stderr
