@@ -22,6 +22,19 @@ from kvstore.procs import stop_process
 from tests.helpers import ROOT
 
 SUBNET = "10.251.77"
+WAIT_FOR_GATEWAY = """
+deadline = time.monotonic() + 300
+while True:  # the gateway is up before every engine has registered with the conductor
+    try:
+        c.models.list()
+        break
+    except openai.APIConnectionError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.2)
+"""
+"""Client code (``c``: an openai.OpenAI on the gateway; ``time`` and ``openai`` imported) that waits
+until the gateway answers."""
 
 
 class HostProcess:

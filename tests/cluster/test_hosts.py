@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from engine.llm import LLM
-from tests.netns import Lab
+from tests.netns import WAIT_FOR_GATEWAY, Lab
 
 MODEL = "random:tiny"
 why_not = Lab.unavailable()
@@ -56,15 +56,7 @@ def test_three_hosts_serve_exact_tokens_through_the_gateway(lab):
     client = textwrap.dedent(f"""
         import json, time, openai
         c = openai.OpenAI(base_url="{gateway}/v1", api_key="unused", timeout=300, max_retries=0)
-        deadline = time.monotonic() + 300
-        while True:  # the gateway is up before every engine has registered with the conductor
-            try:
-                c.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        """) + WAIT_FOR_GATEWAY + textwrap.dedent(f"""
         out = []
         for p in {prompts!r}:
             r = c.completions.create(model="{MODEL}", prompt=p, max_tokens=8, temperature=0,

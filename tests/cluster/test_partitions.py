@@ -27,7 +27,7 @@ import pytest
 
 from engine.llm import LLM
 from kvstore.procs import stop_process
-from tests.netns import Lab
+from tests.netns import WAIT_FOR_GATEWAY, Lab
 
 MODEL = "random:tiny"
 why_not = Lab.unavailable()
@@ -54,15 +54,7 @@ CLIENT = """
 import json, os, sys, time, openai
 shared = {shared!r}
 c = openai.OpenAI(base_url="{gateway}/v1", api_key="unused", timeout=600, max_retries=0)
-deadline = time.monotonic() + 300
-while True:  # the gateway is up before every engine has registered with the conductor
-    try:
-        c.models.list()
-        break
-    except openai.APIConnectionError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.2)
+{wait}
 i = 0
 while not os.path.exists({stop!r}):
     import random
@@ -84,7 +76,7 @@ class Client:
     def __init__(self, lab: Lab, host: int, gateway: str, tmp: str) -> None:
         self.stop_file = os.path.join(tmp, "stop-client")
         self.out_path = os.path.join(tmp, "client.jsonl")
-        code = CLIENT.format(shared=SHARED, gateway=gateway, stop=self.stop_file, model=MODEL)
+        code = CLIENT.format(shared=SHARED, gateway=gateway, stop=self.stop_file, model=MODEL, wait=WAIT_FOR_GATEWAY)
         self.out = open(self.out_path, "w")
         self.err = open(os.path.join(tmp, "client.err"), "w")
         self.proc = subprocess.Popen(["ip", "netns", "exec", lab.hosts[host], sys.executable, "-c",
@@ -153,6 +145,16 @@ def wait_metric(lab: Lab, url: str, name: str, labels: str, pred, what: str) -> 
             lines = "\n".join(x for x in text.splitlines() if x.startswith(name))
             raise AssertionError(f"{what}: {name}{{{labels}}} = {v} after {WAIT_S} s\n{lines}")
         time.sleep(0.5)
+
+
+def assert_all_answered_exactly(recs: list[dict]) -> None:
+    """No request failed, and each got exactly the tokens a store-less engine computes for its prompt."""
+    failed = [r for r in recs if "error" in r]
+    assert not failed, failed[:5]
+    with LLM(MODEL, dtype="float32", chunk_tokens=64) as llm:
+        ref = llm.generate([prompt(r["i"]) for r in recs], max_tokens=4, ignore_eos=True)
+        want = [llm.tokenizer.decode(x.token_ids) for x in ref]
+    assert [r["text"] for r in recs] == want
 
 
 @pytest.fixture
@@ -246,12 +248,7 @@ def test_cuts_of_store_prefill_and_conductor_fail_no_request(lab, tmp_path):
     finally:
         recs = client.stop()
 
-    failed = [r for r in recs if "error" in r]
-    assert not failed, failed[:5]
-    with LLM(MODEL, dtype="float32", chunk_tokens=64) as llm:
-        ref = llm.generate([prompt(r["i"]) for r in recs], max_tokens=4, ignore_eos=True)
-        want = [llm.tokenizer.decode(x.token_ids) for x in ref]
-    assert [r["text"] for r in recs] == want
+    assert_all_answered_exactly(recs)
     slow = sorted(recs, key=lambda r: r["t1"] - r["t0"])[-5:]
     log(f"{len(recs)} requests; slowest: {[(r['i'], round(r['t1'] - r['t0'], 1)) for r in slow]}")
 
@@ -317,9 +314,4 @@ def test_a_cut_conductor_leader_is_replaced_and_no_request_fails(lab, tmp_path):
     finally:
         recs = client.stop()
 
-    failed = [r for r in recs if "error" in r]
-    assert not failed, failed[:5]
-    with LLM(MODEL, dtype="float32", chunk_tokens=64) as llm:
-        ref = llm.generate([prompt(r["i"]) for r in recs], max_tokens=4, ignore_eos=True)
-        want = [llm.tokenizer.decode(x.token_ids) for x in ref]
-    assert [r["text"] for r in recs] == want
+    assert_all_answered_exactly(recs)
