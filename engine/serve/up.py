@@ -70,9 +70,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1, metavar="N",
                    help="hosts, each with a store node and an engine (prefill and decode alternate; one host "
                         "runs both); more than one needs the conductor (default: 1)")
-    p.add_argument("--netns", action="store_true",
+    p.add_argument("--netns", action=argparse.BooleanOptionalAction, default=None,
                    help="run each host in a network namespace of its own, at 10.251.78.<i+1> with the default "
-                        "ports (root only); the gateway stays on --host, reachable as usual")
+                        "ports (root only); the gateway stays on --host, reachable as usual (default: on when "
+                        "run as root with --nodes > 1 and namespaces can be made, else distinct loopback ports)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
 
 
@@ -185,6 +186,10 @@ def run_up(ns: argparse.Namespace) -> int:
         return 2
     with_store = not ns.no_store
     hosts = None
+    if ns.netns is None:  # auto: emulated hosts where they can be made and there is more than one
+        from kvstore.netns import unavailable
+
+        ns.netns = ns.nodes > 1 and unavailable() is None
     if ns.netns:
         from kvstore.netns import unavailable
 

@@ -1,4 +1,4 @@
-"""`crescent up --netns --nodes 3 --conductors 2`: a three-host cluster on this machine, each host a
+"""`crescent up --nodes 3 --conductors 2` as root (namespaces by default; `--netns`): a three-host cluster on this machine, each host a
 network namespace with a store node and an engine, two conductor replicas on etcd. The official openai
 client (on the machine itself) gets the tokens a store-less engine computes, a repeated prompt reuses
 its prefix, the decode engine loads chunks stored on other hosts, `crescent ctl nodes` shows each member's host and the leader, and a
@@ -30,7 +30,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def test_up_netns_three_hosts_two_conductors(tmp_path):
     import openai
 
-    cl = Cluster(str(tmp_path), "--netns", "--nodes", "3", "--conductors", "2")
+    cl = Cluster(str(tmp_path), "--nodes", "3", "--conductors", "2")  # as root: namespaces by default
     try:
         st = cl.state
         tag = st["hosts"]["h0"]["namespace"].rsplit("-", 1)[0]

@@ -303,3 +303,28 @@ def test_conductor_replicas_fail_over_while_serving(tmp_path, storeless):
         ask(3)
     finally:
         assert cl.stop() == 0, cl.output()
+
+
+def test_up_nodes_on_loopback_serves_across_store_nodes(tmp_path, storeless):
+    """`crescent up --nodes 2 --no-netns`: two store nodes (and a prefill and a decode engine, one per
+    "host") on distinct loopback ports; the decode engine loads the chunks the prefill engine saved on
+    the other node, and the tokens are exact."""
+    cl = Cluster(str(tmp_path), "--nodes", "2", "--no-netns")
+    try:
+        st = cl.state
+        assert len(st["stores"]) == 2 and len(set(st["stores"])) == 2 and st["hosts"] is None
+        c = client(cl)
+        prompts = [_ids(40, 200), _ids(41, 200)]
+        ref = storeless.generate(prompts, max_tokens=5, ignore_eos=True)
+        for p, want in zip(prompts, ref):
+            r = c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.choices[0].text == storeless.tokenizer.decode(want.token_ids)
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(st["metrics"]["decode"], timeout=60).read().decode()
+        loaded = re.search(r'crescent_engine_store_chunks_total\{direction="loaded",role="decode"\} (\S+)', text)
+        assert loaded and float(loaded.group(1)) > 0
+    finally:
+        assert cl.stop() == 0, cl.output()
