@@ -464,6 +464,11 @@ class StoreClient:
         r = self._call(lambda: self._stub.Delete(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
         return r.num_deleted
 
+    def clear(self) -> int:
+        """Removes every value the node holds; returns how many it held."""
+        r = self._call(lambda: self._stub.Clear(pb.ClearRequest(), timeout=self.timeout_s))
+        return r.num_deleted
+
     def pin(self, keys: Sequence[bytes], ttl_s: float = 600.0) -> int:
         """Protects keys from eviction for ``ttl_s`` seconds; returns keys found."""
         keys = _check_keys(keys)

@@ -343,6 +343,15 @@ class ClusterClient:
                 self._remember(k, node, False)
         return sum(1 for h in holders if h)
 
+    def clear(self) -> int:
+        """Removes every value from every live store node; returns how many they held."""
+        n = 0
+        for m in self._store_nodes():
+            n += self._client(m.address).clear()
+        with self._lock:
+            self._holders.clear()
+        return n
+
     def pin(self, keys: Sequence[bytes], ttl_s: float = 600.0) -> int:
         """Pins keys on every node that holds them; returns the (key, node) copies pinned."""
         return self.conductor.pin(keys, ttl_s)[0]

@@ -172,6 +172,10 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
             check_key(k)
         return pb.DeleteResponse(num_deleted=self.store.delete(request.keys))
 
+    @_rpc("clear")
+    def Clear(self, request, context):
+        return pb.DeleteResponse(num_deleted=self.store.clear())
+
     @_rpc("pin")
     def Pin(self, request, context):
         for k in request.keys:

@@ -441,6 +441,14 @@ class TieredStore:
                     n += 1
         return n
 
+    def clear(self) -> int:
+        """Removes every value (pinned ones too; a leased one goes when its lease ends); returns how many."""
+        with self._lock:
+            entries = list(self._index.values())
+            for e in entries:
+                self._remove(e, "deleted")
+        return len(entries)
+
     def pin(self, keys: Iterable[bytes], ttl_s: float) -> int:
         """Protects keys from eviction for ``ttl_s`` seconds (0 unpins); returns keys found."""
         if ttl_s < 0:

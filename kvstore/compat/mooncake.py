@@ -223,6 +223,16 @@ class MooncakeDistributedStore:
             return [error_code(exc)] * len(keys)
         return [OK if h else OBJECT_NOT_FOUND for h in held]
 
+    def remove_all(self) -> int:
+        """Removes every object (on every store node of a conductor's cluster); returns how many, or -1."""
+        if self._client is None:
+            return -1
+        try:
+            return self._client.clear()
+        except CrescentError as exc:
+            log.warning("remove_all: %s", exc)
+            return -1
+
     # ---- zero copy ------------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:

@@ -53,6 +53,9 @@ def test_put_get_batch_exist_remove(store):
     assert store.put_batch(["a"], [b"1", b"2"]) == INVALID_PARAMS
     assert store.put("", b"x") == INVALID_PARAMS  # Crescent keys are 1..1024 bytes
     assert store.get_hostname() == "localhost"
+    assert store.put_batch(["x1", "x2"], [b"1", b"2"]) == 0
+    assert store.remove_all() >= 3  # x1, x2, greeting (and what other tests left)
+    assert store.batch_is_exist(["x1", "x2", "greeting"]) == [0, 0, 0] and store.remove_all() == 0
 
 
 def test_zero_copy_needs_registered_buffers(store):
@@ -108,6 +111,8 @@ def test_a_conductor_as_master_spreads_keys_and_honours_replica_num():
         assert all(n.store.exists([b"both"])[0] for n in nodes)
         wait_for(lambda: s.batch_is_exist(keys + ["both"]) == [1] * 17, what="indexed")
         assert s.get_batch(keys) == [k.encode() for k in keys]
+        assert s.remove_all() == 18  # 16 keys, and "both" on each of the two nodes
+        assert not any(n.store.exists([k.encode()])[0] for n in nodes for k in keys + ["both"])
     finally:
         s.close()
         for n in nodes:

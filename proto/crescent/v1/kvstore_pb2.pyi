@@ -120,6 +120,10 @@ class DeleteResponse(_message.Message):
     num_deleted: int
     def __init__(self, num_deleted: _Optional[int] = ...) -> None: ...
 
+class ClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PinRequest(_message.Message):
     __slots__ = ("keys", "ttl_s")
     KEYS_FIELD_NUMBER: _ClassVar[int]

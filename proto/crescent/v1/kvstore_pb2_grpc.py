@@ -59,6 +59,11 @@ class KVStoreStub:
                 request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.KeysRequest.SerializeToString,
                 response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/crescent.v1.KVStore/Clear',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/crescent.v1.KVStore/Pin',
                 request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
@@ -150,6 +155,13 @@ class KVStoreServicer:
 
     def Delete(self, request, context):
         """Removes keys; a value under a read lease goes when the lease ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Clear(self, request, context):
+        """Removes every value the node holds, pinned ones too (as Delete does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -262,6 +274,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
                     request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.ClearRequest.FromString,
                     response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
@@ -449,6 +466,33 @@ class KVStore:
             target,
             '/crescent.v1.KVStore/Delete',
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/Clear',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
