@@ -106,6 +106,11 @@ class StoreConfig:
     the node stops taking calls (time for load balancers and readiness probes to look away)."""
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port; none disables it."""
+    kv_events_endpoint: str | None = None
+    """Publish KV events in vLLM's format (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://*:5557 (port *:
+    any free one); none publishes nothing (docs/integrations.md, "KV events in vLLM's format")."""
+    kv_events_replay_endpoint: str | None = None
+    """ZeroMQ ROUTER endpoint that replays buffered KV-event batches from a sequence number."""
     advertise_host: str | None = None
     """Host that clients and the conductor reach this node at (in its registered address); default: the
     --listen host, or this machine's hostname when that is a wildcard such as 0.0.0.0 (e.g. a pod IP in Kubernetes)."""
@@ -145,6 +150,12 @@ class StoreConfig:
         if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
             raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
         check_etcd(self.etcd)
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--{name.replace('_', '-')} must be a ZeroMQ endpoint such as tcp://*:5557, got {ep!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.conductor is not None:
             for c in self.conductor.split(","):
                 c_host, _, c_port = c.strip().rpartition(":")

@@ -233,6 +233,15 @@ class StoreNode:
 
             self.agent = StoreAgent(config.conductor or "", etcd=config.etcd)
             listener = self.agent.listener(listener)
+        self.kv_events = None  # vLLM-format KV events (kvstore/kvevents.py)
+        if config.kv_events_endpoint:
+            from kvstore.kvevents import KvEventPublisher
+
+            try:
+                self.kv_events = KvEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+            except Exception as exc:  # zmq.ZMQError: a bad or busy endpoint
+                raise OSError(f"cannot publish KV events on {config.kv_events_endpoint}: {exc}") from None
+            listener = self.kv_events.listener(listener)
         self.store = TieredStore(config, listener=listener)
         self.metrics = StoreMetrics(self.store)
         self.transport = NodeTransport(config, self.store, self.metrics)
@@ -248,6 +257,8 @@ class StoreNode:
         except RuntimeError:  # grpc raises on a failed bind
             self.port = 0
         if self.port == 0:
+            if self.kv_events is not None:
+                self.kv_events.stop()
             self.transport.stop()
             self.store.close()
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
@@ -271,6 +282,8 @@ class StoreNode:
     def start(self) -> StoreNode:
         if self.agent is not None:
             self.agent.attach(self)  # before serving: the agent must see every event
+        if self.kv_events is not None:
+            self.kv_events.start(self.store)
         self.transport.start()
         self.server.start()
         if self.data_server:
@@ -296,6 +309,8 @@ class StoreNode:
         drain.join(timeout=max(grace, 0.0) + 10.0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.transport.stop()
         self.store.close()
 
@@ -314,7 +329,8 @@ def serve(config: StoreConfig) -> None:
         signal.signal(sig, on_signal)
     dc = f", data channel :{node.data_server.port}" if node.data_server else ""
     tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
-    print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers})", flush=True)
+    ev = f", KV events {node.kv_events.endpoint}" if node.kv_events else ""
+    print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers}){ev}", flush=True)
     done.wait()
     print("crescent store: stopping", flush=True)
     node.stop()

@@ -441,6 +441,23 @@ class TieredStore:
                     n += 1
         return n
 
+    def peek(self, key: bytes, nbytes: int) -> bytes | None:
+        """The first ``nbytes`` of a DRAM or device value, counting no hit and moving nothing (for
+        readers of headers, such as the KV-event publisher); None on a miss or a disk value."""
+        with self._lock:
+            e = self._index.get(bytes(key))
+            if e is None or e.tier is Tier.DISK:
+                return None
+            n = min(nbytes, e.size)
+            if e.tier is Tier.DRAM:
+                out = bytearray()
+                for v in self.dram.views(e.slots, e.size):
+                    out += v[: n - len(out)]
+                    if len(out) >= n:
+                        break
+                return bytes(out)
+            return bytes(memoryview(self._arena(Tier.DEVICE).read(e.slots, e.size))[:n])
+
     def clear(self) -> int:
         """Removes every value (pinned ones too; a leased one goes when its lease ends); returns how many."""
         with self._lock:
