@@ -125,3 +125,53 @@ def test_a_bad_kv_events_endpoint_is_a_one_line_error():
     r = subprocess.run([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0",
                         "--kv-events-endpoint", "5557"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "ZeroMQ endpoint" in r.stderr, r.stderr
+
+
+def test_a_chunk_demoted_to_disk_is_removed_from_cpu_and_stored_in_storage(tmp_path):
+    """Read with plain ZeroMQ and msgpack (no vLLM needed): a move between tiers is BlockRemoved from the
+    old medium and BlockStored in the new, with the same parent and tokens (from the header cache: the
+    value on disk is not read back)."""
+    import msgpack
+    import zmq
+
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="256KiB", slot_size="4KiB", disk=str(tmp_path / "disk"),
+                                 disk_size="16MiB", kv_events_endpoint="tcp://127.0.0.1:*",
+                                 kv_events_replay_endpoint="tcp://127.0.0.1:*")).start()
+    ns = make_namespace(ModelFingerprint("m", "float32", 1, 1, 4, 64), None)
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.DEALER)
+    req.setsockopt(zmq.RCVTIMEO, 60000)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        with StoreClient(node.address) as c:
+            for i in range(120):  # one 4 KiB slot each, 480 KiB in all: the first ones leave DRAM for disk
+                toks = list(range(1000 * i, 1000 * i + 64))
+                (key,) = chunk_keys(toks, ns, 64)
+                c.put(bytes(key), encode_chunk(torch.full((1, 2, 1, 64, 4), float(i)), ns, bytes(ROOT_KEY), toks))
+        req.connect(node.kv_events.replay_endpoint)
+
+        def events():
+            req.send_multipart((b"", (0).to_bytes(8, "big")))
+            out = []
+            while True:
+                _, _, seq, payload = req.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    return out
+                ts, evs, rank = msgpack.unpackb(payload)
+                out += evs
+
+        def moved():
+            evs = events()
+            to_disk = [e for e in evs if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
+            return (evs, to_disk) if to_disk else None
+
+        evs, to_disk = wait_for(moved, timeout_s=120, what="a chunk demoted to disk")
+        e = to_disk[0]
+        key = e["block_hashes"][0]
+        first = next(x for x in evs if x["type"] == "BlockStored" and x["block_hashes"] == [key])
+        assert first["medium"] == "CPU" and first["token_ids"] == e["token_ids"] and len(e["token_ids"]) == 64
+        assert {"type": "BlockRemoved", "block_hashes": [key], "medium": "CPU"} in evs
+        assert evs.index({"type": "BlockRemoved", "block_hashes": [key], "medium": "CPU"}) < evs.index(e)
+    finally:
+        req.close(0)
+        node.stop(grace=0)
