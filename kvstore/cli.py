@@ -157,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ns = parser.parse_args(argv)
     if ns.host_id:
-        import os
-
         from kvstore.transport.identity import HOST_ID_ENV, host_identity
 
         os.environ[HOST_ID_ENV] = ns.host_id  # children (crescent up's parts) inherit it

@@ -107,8 +107,7 @@ def tune_socket(sock: socket.socket) -> None:
 
 def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     """A TCP connection within ``CONNECT_TIMEOUT_S`` (a cut host never answers the SYN), then
-    ``timeout_s`` for each operation on it, with ``tune_socket``'s probes."""
+    ``timeout_s`` for each operation on it (the caller adds ``tune_socket``'s probes)."""
     sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
     sock.settimeout(timeout_s)
-    tune_socket(sock)
     return sock

@@ -186,14 +186,13 @@ def run_up(ns: argparse.Namespace) -> int:
         return 2
     with_store = not ns.no_store
     hosts = None
-    if ns.netns is None:  # auto: emulated hosts where they can be made and there is more than one
-        from kvstore.netns import unavailable
-
-        ns.netns = ns.nodes > 1 and unavailable() is None
-    if ns.netns:
+    if ns.netns or (ns.netns is None and ns.nodes > 1):
         from kvstore.netns import unavailable
 
         why = unavailable()
+        if ns.netns is None:  # auto: emulated hosts where they can be made and there is more than one
+            ns.netns = why is None
+    if ns.netns:
         if why is None and subprocess.run(["ip", "-o", "addr", "show", "to", f"{NETNS_SUBNET}.254"],
                                           capture_output=True, text=True).stdout.strip():
             why = f"{NETNS_SUBNET}.0/24 is in use (another `crescent up --netns`?)"

@@ -84,6 +84,7 @@ class MooncakeDistributedStore:
         self._client = None
         self._cluster = False
         self._hostname = ""
+        self._replicated: dict[int, object] = {}  # replica_num → a ClusterClient writing that many copies
         self._buffers: dict[int, int] = {}  # registered address → size
         self._lock = threading.Lock()
 
@@ -123,9 +124,11 @@ class MooncakeDistributedStore:
         return OK
 
     def close(self) -> int:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for c in (self._client, *self._replicated.values()):
+            if c is not None:
+                c.close()
+        self._client = None
+        self._replicated.clear()
         return OK
 
     def get_hostname(self) -> str:
@@ -140,10 +143,13 @@ class MooncakeDistributedStore:
         replicas = getattr(config, "replica_num", 1) or 1
         try:
             if self._cluster and replicas > 1:
-                from kvstore.client import ClusterClient
+                rc = self._replicated.get(replicas)
+                if rc is None:
+                    from kvstore.client import ClusterClient
 
-                with ClusterClient(",".join(c.conductor.addresses), replicas=replicas, timeout_s=30) as rc:
-                    stored = rc.batch_put(items)
+                    rc = self._replicated[replicas] = ClusterClient(",".join(c.conductor.addresses),
+                                                                    replicas=replicas, timeout_s=30)
+                stored = rc.batch_put(items)
             else:
                 if replicas > 1:
                     log.info("replica_num %d: one store node holds one copy", replicas)
@@ -166,27 +172,24 @@ class MooncakeDistributedStore:
     def get(self, key: str) -> bytes:
         return self.get_batch([key])[0]
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+    def _read(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """The values (None: a miss, or the node could not be read)."""
         if self._client is None:
-            return [b""] * len(keys)
+            return [None] * len(keys)
         try:
-            return [bytes(v) if v is not None else b"" for v in self._client.batch_get([_key(k) for k in keys])]
+            return self._client.batch_get([_key(k) for k in keys])
         except CrescentError as exc:
-            log.warning("get_batch: %s", exc)
-            return [b""] * len(keys)
+            log.warning("read: %s", exc)
+            return [None] * len(keys)
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        return [bytes(v) if v is not None else b"" for v in self._read(keys)]
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
-        if self._client is None:
-            return [None] * len(keys)
-        try:
-            vals = self._client.batch_get([_key(k) for k in keys])
-        except CrescentError as exc:
-            log.warning("batch_get_buffer: %s", exc)
-            return [None] * len(keys)
-        return [BufferHandle(v) if v is not None else None for v in vals]
+        return [BufferHandle(v) if v is not None else None for v in self._read(keys)]
 
     def get_size(self, key: str) -> int:
         """The value's size, or OBJECT_NOT_FOUND (reads the value: Crescent keeps no separate size index)."""

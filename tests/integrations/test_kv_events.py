@@ -5,12 +5,10 @@ token ids from the chunk header; plain values are not published; the replay sock
 buffered batch, then the end marker; live batches follow on the PUB socket."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from kvstore.chunk import encode_chunk
@@ -19,7 +17,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_keys, make_namespace
 from kvstore.server import StoreNode
 from tests.helpers import ROOT, wait_for
-from tests.integrations.test_vllm import VLLM_PY, _vllm_unavailable
+from tests.integrations.test_vllm import VLLM_PY, require_vllm_venv
 
 SUBSCRIBER = """
 import json, sys, zmq, msgspec
@@ -60,11 +58,7 @@ def _chunk(ns, tokens, parent, value):
 
 
 def test_kv_events_in_vllms_format_decode_with_vllm(tmp_path):
-    reason = _vllm_unavailable()
-    if reason and os.environ.get("CI") == "true":
-        pytest.fail(f"under CI the vLLM integration must run: {reason}")
-    if reason:
-        pytest.skip(reason)
+    require_vllm_venv()
     node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB", kv_events_endpoint="tcp://127.0.0.1:*",
                                  kv_events_replay_endpoint="tcp://127.0.0.1:*")).start()
     ns = make_namespace(ModelFingerprint("m", "float32", 1, 1, 4, 4), None)

@@ -50,6 +50,15 @@ def _vllm_unavailable() -> str | None:
     return None
 
 
+def require_vllm_venv() -> None:
+    """Skips the test when .venv-vllm is missing (with the reason); under CI that is a failure instead."""
+    reason = _vllm_unavailable()
+    if reason and os.environ.get("CI") == "true":
+        pytest.fail(f"under CI the vLLM integration must run: {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
 def _requests() -> list[dict]:
     """0-3 plain prompts, 4 under tenant salt "a", 5 plain (its chunk 1 gets corrupted),
     6 = prompt 4 under salt "b", 7 = prompt 4 under salt "c" (never stored; not in process 1)."""
@@ -84,11 +93,7 @@ def _run(tmp, name: str, model: str, requests: list[dict], store: str | None) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    reason = _vllm_unavailable()
-    if reason and os.environ.get("CI") == "true":
-        pytest.fail(f"under CI the vLLM integration must run: {reason}")
-    if reason:
-        pytest.skip(reason)
+    require_vllm_venv()
     tmp = str(tmp_path_factory.mktemp("vllm"))
     model = build_tiny_llama(os.path.join(tmp, "model"))
     reqs = _requests()
