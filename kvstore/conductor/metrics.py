@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.conductor.membership import MemberKind
@@ -93,9 +92,3 @@ class ConductorCollector:
             yield GaugeMetricFamily("crescent_conductor_measured_rps",
                                     "Request rate over the sizing window", value=s.measured_rps)
 
-
-def serve_metrics(conductor, port: int, host: str):
-    """Starts the /metrics endpoint; returns (server, thread)."""
-    registry = CollectorRegistry()
-    registry.register(ConductorCollector(conductor))
-    return start_http_server(port, addr=host, registry=registry)

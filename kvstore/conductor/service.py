@@ -23,6 +23,7 @@ from concurrent import futures
 import grpc
 
 from kvstore.conductor.config import ConductorConfig
+from kvstore.conductor.console import ConsoleLog, ConsoleServer, finite
 from kvstore.conductor.costmodel import CostModel, DecodeSample, HardwareProfile, PrefillSample
 from kvstore.conductor.index import GlobalIndex, HotTracker
 from kvstore.conductor.membership import EngineLoad, Member, MemberKind, Membership
@@ -137,9 +138,10 @@ class Conductor(cpb_grpc.ConductorServicer):
 
             key = etcd.key("conductor", "replicas", self.address)
             self.replica = Registration(Etcd(config.etcd), key, self.address, max(2.0, config.leader_ttl))
-        self._metrics_server = None
+        self.console = ConsoleLog()
+        self._http = None
         self.metrics_port: int | None = None
-        """The /metrics port once started (with --metrics-port 0: the one picked)."""
+        """The HTTP port (/metrics, /ui, /api/console) once started (with --metrics-port 0: the one picked)."""
 
     def start(self) -> Conductor:
         self.server.start()
@@ -148,10 +150,8 @@ class Conductor(cpb_grpc.ConductorServicer):
             self.election.start()
             self.replica.start()
         if self.config.metrics_port is not None:
-            from kvstore.conductor.metrics import serve_metrics
-
-            self._metrics_server, _ = serve_metrics(self, self.config.metrics_port, self.host)
-            self.metrics_port = self._metrics_server.server_port
+            self._http = ConsoleServer(self, self.config.metrics_port, self.host).start()
+            self.metrics_port = self._http.port
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -160,8 +160,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         if self.election is not None:
             self.election.stop(resign=True)  # a follower takes over now, not after the lease
             self.replica.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+        if self._http is not None:
+            self._http.stop()
         self.server.stop(grace).wait()
 
     # ---- leadership -----------------------------------------------------------
@@ -381,6 +381,11 @@ class Conductor(cpb_grpc.ConductorServicer):
             c["scheduled_chunks"] += len(keys)
             resp = cpb.ScheduleResponse(accepted=not d.rejected, reject_reason=d.rejected, policy=name,
                                         predicted_ttft_s=d.ttft_s, predicted_tbt_s=d.tbt_s)
+            decision = {"tokens": request.num_tokens, "chunks": len(keys), "cached_chunks": d.num_cached_chunks,
+                        "policy": name, "ttft_s": finite(d.ttft_s), "tbt_s": finite(d.tbt_s),
+                        "rejected": d.rejected or "", "prefill": d.prefill or "", "decode": d.decode or "",
+                        "source": d.source_node or "", "replicate_to": d.replicate_to or ""}
+            self.console.scheduled(keys, chunk_tokens, decision)
             if d.rejected:
                 c["rejected"] += 1
                 return resp
@@ -526,6 +531,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         if not request.ttl_s >= 0 or math.isinf(request.ttl_s):
             raise InvalidArgumentError("ttl_s must be a finite number >= 0")
         n, nodes = self._on_nodes(self._holders_by_node(keys), lambda c, ks: c.pin(ks, request.ttl_s))
+        with self._lock:
+            self.console.pinned(keys, request.ttl_s, nodes)
         return cpb.PinChunksResponse(num_pinned=n, num_nodes=nodes)
 
     @_rpc
