@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # promtool (Debian's prometheus) checks and unit-tests deploy/prometheus; etcd (Debian's etcd-server)
-# backs the conductor high-availability tests. Without them those tests skip (under CI they fail instead).
+# backs the conductor high-availability tests; chromium and its driver load the conductor's web console
+# in a real browser. Without them those tests skip (under CI they fail instead).
 setup-tools:
 	-command -v promtool >/dev/null || { apt-get -qq update && apt-get -qq install -y prometheus; } >/dev/null 2>&1
 	-command -v etcd >/dev/null || { apt-get -qq update && apt-get -qq install -y etcd-server; } >/dev/null 2>&1
+	-command -v chromedriver >/dev/null || { apt-get -qq update && apt-get -qq install -y chromium chromium-driver; } >/dev/null 2>&1
 
 # torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm` on CPU;
 # nothing here needs them. Offline, a failed install does not stop `make test`: the vLLM

@@ -336,6 +336,7 @@ def run_up(ns: argparse.Namespace) -> int:
                  "store": store_addr, "stores": [a for a in stores if a], "conductor": conductor,
                  **{f"{k}_engine": v for k, v in addrs.items()}, "logs": logs,
                  "metrics": metrics, "pids": {p.name: p.proc.pid for p in parts},
+                 "console": metrics["conductor"].removesuffix("/metrics") + "/ui" if conductor else None,
                  "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None),
                  "hosts": ({f"h{i}": {"namespace": h, "address": hosts.addr(i)} for i, h in enumerate(hosts.hosts)}
                            if hosts else None)}
@@ -356,6 +357,8 @@ def run_up(ns: argparse.Namespace) -> int:
                   flush=True)
         if conductor:
             print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
+        if state["console"]:
+            print(f"  console      {state['console']}   (the conductor's web console)", flush=True)
         if state["etcd"]:
             print(f"  etcd         {state['etcd']}   (conductor leader election)", flush=True)
         for name, url in metrics.items():
