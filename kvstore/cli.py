@@ -77,6 +77,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
         else:
             args = [a for a in typing.get_args(hint) if a is not type(None)]
             typ = args[0] if args else hint
+            if typing.get_origin(typ) is list:  # a repeatable flag
+                parser.add_argument(flag, action="append", default=default, help=help_text + " (repeatable)")
+                continue
             if typ is dict:
                 typ, help_text = json_object_arg, help_text + " (a JSON object)"
             shown = f" (default: {default})" if default not in (None, "") else ""

@@ -81,6 +81,8 @@ class MemberInfo:
     """Seconds left on its etcd registration's lease (-1: none, e.g. a conductor without --etcd)."""
     host_id: str = ""
     """The member's host (``crescent --host-id``, else its hostname)."""
+    vllm: bool = False
+    """A vLLM instance the conductor follows through its KV events (``--vllm-kv-events``)."""
 
 
 def split_addresses(text: str | None) -> list[str]:
@@ -190,11 +192,12 @@ class ConductorClient:
                 self._connect(rest[0])
 
     def schedule(self, keys: Sequence[bytes], num_tokens: int, *, chunk_tokens: int = 0, policy: str = "",
-                 num_output_tokens: int = 0) -> ScheduleResult:
-        """Where to run a prompt of ``num_tokens`` tokens whose full chunks have ``keys``."""
+                 num_output_tokens: int = 0, vllm: bool = False) -> ScheduleResult:
+        """Where to run a prompt of ``num_tokens`` tokens whose full chunks have ``keys``; with ``vllm``,
+        which of the vLLM instances the conductor follows (``--vllm-kv-events``) should take it."""
         r = self._call(lambda: self._stub.Schedule(cpb.ScheduleRequest(
             keys=list(keys), num_tokens=num_tokens, chunk_tokens=chunk_tokens, policy=policy,
-            num_output_tokens=num_output_tokens), timeout=self.timeout_s))
+            num_output_tokens=num_output_tokens, vllm=vllm), timeout=self.timeout_s))
         return ScheduleResult(r.accepted, r.reject_reason, r.prefill.member_id or None, r.prefill.address,
                               r.decode.member_id or None, r.decode.address, r.source_node or None,
                               r.source_address, r.num_cached_chunks, r.num_cached_tokens, r.predicted_ttft_s,
@@ -214,7 +217,7 @@ class ConductorClient:
                                   m.store_node or None, m.namespace, m.chunk_tokens,
                                   EngineLoad.from_pb(m.engine) if kind is not MemberKind.STORE else None,
                                   store_load_dict(m.store) if kind is MemberKind.STORE else None,
-                                  m.predicted_queue_s, m.lease_ttl_s, m.host_id))
+                                  m.predicted_queue_s, m.lease_ttl_s, m.host_id, m.vllm))
         return out
 
     def stats(self) -> dict:

@@ -64,6 +64,14 @@ class ConductorConfig:
     """Host other processes reach this conductor at (what followers hand out as the leader's address);
     default: the --listen host, or the hostname when that is a wildcard such as 0.0.0.0."""
 
+    vllm_kv_events: list[str] | None = None
+    """A vLLM instance to schedule cache-aware from its own KV events: ID=tcp://HOST:PORT (its
+    --kv-events-config endpoint)[,tcp://HOST:PORT (its replay endpoint)][,http://HOST:PORT (its
+    OpenAI server: callers are sent there, and it is alive while /health answers)]."""
+    vllm_namespace: str | None = None
+    """Namespace (32 hex digits) the chunk keys of vLLM instances are computed under; default: a fixed
+    one, shown by `crescent ctl nodes`."""
+
     def __post_init__(self) -> None:
         check_address("--listen", self.listen)
         if not self.heartbeat_interval > 0:
@@ -98,3 +106,16 @@ class ConductorConfig:
             raise ValueError(f"--sizing-target-rps must be > 0, got {self.sizing_target_rps}")
         if not self.hot_threshold > 0 or not self.hot_half_life > 0:
             raise ValueError("--hot-threshold and --hot-half-life must be > 0")
+        if self.vllm_kv_events:
+            from kvstore.conductor.vllm_events import VllmSource
+
+            ids = [VllmSource.parse(spec).member_id for spec in self.vllm_kv_events]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"--vllm-kv-events names an instance twice: {', '.join(ids)}")
+        if self.vllm_namespace is not None:
+            try:
+                ok = len(bytes.fromhex(self.vllm_namespace)) == 16
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--vllm-namespace must be 32 hex digits, got {self.vllm_namespace!r}")

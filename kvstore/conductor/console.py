@@ -120,6 +120,8 @@ def _member(c, m, now: float) -> dict:
                        pinned=load.num_pinned, leases=load.num_leases)
     else:
         e = m.engine_load
+        if m.external:  # a vLLM instance followed through its KV events
+            out.update(vllm=True, chunks=c.device_index.num_chunks(m.member_id))
         out.update(store_node=m.store_node or "", queued_tokens=e.num_queued_tokens, waiting=e.num_waiting,
                    running=e.num_running, kv_usage=e.kv_usage, generated_tokens=e.num_generated_tokens,
                    finished=e.num_finished, predicted_queue_s=finite(c._queue_s(m, now)))

@@ -83,7 +83,8 @@ def _namespace_and_chunk(ns, client) -> tuple[bytes, int]:
         if len(namespace) != 16:
             raise UsageError(f"--namespace must be 32 hex digits, got {ns.namespace!r}")
         return namespace, ns.chunk_tokens or 256
-    engines = [m for m in client.members() if m.namespace]
+    vllm = getattr(ns, "vllm", False)  # `schedule --vllm`: the keys of the vLLM instances followed
+    engines = [m for m in client.members() if m.namespace and m.vllm == vllm]
     found = {(m.namespace, m.chunk_tokens) for m in engines}
     if len(found) != 1:
         why = "no engine has registered one" if not found else f"engines use {len(found)} different ones"
@@ -127,7 +128,7 @@ def cmd_nodes(ns) -> int:
                       "engine": dataclasses.asdict(m.engine) if m.engine else None,
                       "predicted_queue_s": m.predicted_queue_s if m.engine else None,
                       "lease_ttl_s": m.lease_ttl_s if m.lease_ttl_s >= 0 else None, "host_id": m.host_id,
-                      "store": m.store} for m in members])
+                      "vllm": m.vllm, "store": m.store} for m in members])
         return 0
     rows = []
     for m in members:
@@ -139,7 +140,7 @@ def cmd_nodes(ns) -> int:
         else:
             e = m.engine
             load = f"{e.num_queued_tokens} queued tok, {e.num_running} running, wait {m.predicted_queue_s:.2f}s"
-            extra = f"store {m.store_node or '-'}"
+            extra = f"vLLM, {m.num_chunks} chunks cached" if m.vllm else f"store {m.store_node or '-'}"
         lease = f"{m.lease_ttl_s:.0f}s" if m.lease_ttl_s >= 0 else "-"
         rows.append([m.member_id, m.kind.label, m.host_id or "-", m.address or "-", m.state, f"{m.last_seen_s:.1f}s",
                      lease, load, extra])
@@ -213,7 +214,7 @@ def cmd_schedule(ns) -> int:
     with _client(ns) as c:
         keys, num_tokens, chunk = _selected_keys(ns, c)
         r = c.schedule(keys, ns.num_tokens or num_tokens or len(keys) * (chunk or 256),
-                       chunk_tokens=chunk, policy=ns.policy or "")
+                       chunk_tokens=chunk, policy=ns.policy or "", vllm=ns.vllm)
     if ns.json:
         _print_json(dataclasses.asdict(r))
         return 0

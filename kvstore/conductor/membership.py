@@ -83,6 +83,9 @@ class Member:
     decode_seconds: float = 0.0
     num_samples: int = 0
     """Engines: clock time until which the prefills scheduled here since the last heartbeat keep it busy."""
+    external: bool = False
+    """A vLLM instance the conductor follows through its KV events (``--vllm-kv-events``): registered
+    and kept alive by the conductor itself; its prefix cache is its own (the device-cache index)."""
 
     @property
     def state(self) -> str:

@@ -170,6 +170,13 @@ def global_plan(c: PrefillCandidate, prompt: Prompt, match: PrefixMatch, cost: C
                 c.queue_s + xfer + cost.prefill_s(new, cached))
 
 
+def device_plan(c: PrefillCandidate, prompt: Prompt, num_cached_chunks: int, cost: CostModel) -> Plan:
+    """An engine with its own prefix cache (a vLLM instance): ``num_cached_chunks`` are on its GPU
+    already, the rest it computes; it loads nothing from the store."""
+    new, cached = _prefill_tokens(prompt, num_cached_chunks)
+    return Plan(c.member_id, None, num_cached_chunks, None, False, c.queue_s + cost.prefill_s(new, cached))
+
+
 def decode_tbt(d: DecodeCandidate, prompt: Prompt, cost: CostModel) -> float:
     """Predicted TBT on ``d`` once this request joins its batch."""
     return cost.tbt_s(d.num_running + 1, d.num_context_tokens + prompt.num_tokens + prompt.num_output_tokens)
@@ -261,20 +268,29 @@ def make_policy(name: str, seed: int = 0) -> Policy:
 def schedule(policy: Policy, prompt: Prompt, prefills: Sequence[PrefillCandidate],
              decodes: Sequence[DecodeCandidate], match: PrefixMatch, cost: CostModel, *,
              slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
-             is_hot: Callable[[int], bool] = lambda _n: False) -> Decision:
+             is_hot: Callable[[int], bool] = lambda _n: False,
+             cache_engines: Sequence[tuple[PrefillCandidate, int]] = ()) -> Decision:
     """One scheduling decision: the policy's pick, then early rejection and replication.
 
     Args:
-        prefills: live, non-draining prefill engines (at least one).
+        prefills: live, non-draining prefill engines (at least one, or a cache engine).
         decodes: live, non-draining decode engines (may be empty: the prefill
             engine then decodes itself, and no TBT is predicted).
         is_hot: whether the first ``n`` chunks form a hot prefix.
+        cache_engines: engines that keep their own prefix cache and load nothing (vLLM instances
+            followed through their KV events), each with the leading chunks it holds. They compete
+            with the policy's pick by predicted TTFT, and decode what they prefill.
     """
-    assert prefills, "schedule needs a prefill candidate"
-    plan = policy.choose_prefill(prompt, prefills, match, cost)
+    assert prefills or cache_engines, "schedule needs a prefill candidate"
+    plan = policy.choose_prefill(prompt, prefills, match, cost) if prefills else None
+    cache_engine = False
+    for c, k in cache_engines:
+        p = device_plan(c, prompt, k, cost)
+        if plan is None or p.ttft_s < plan.ttft_s:
+            plan, cache_engine = p, True
     tbt = 0.0
     decode = None
-    if decodes:
+    if decodes and not cache_engine:
         d = policy.choose_decode(prompt, decodes, cost)
         decode, tbt = d.member_id, decode_tbt(d, prompt, cost)
     rejected = ""

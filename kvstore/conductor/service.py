@@ -29,6 +29,7 @@ from kvstore.conductor.index import GlobalIndex, HotTracker
 from kvstore.conductor.membership import EngineLoad, Member, MemberKind, Membership
 from kvstore.conductor.policy import (DecodeCandidate, PrefillCandidate, Prompt, make_policy,
                                       schedule)
+from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE, VllmSource, VllmSubscriber
 from kvstore.conductor.sizing import (DEFAULT_QUANTILE, DEFAULT_SLO_ITL_S, DEFAULT_SLO_TTFT_S, Recommendation,
                                       RequestSample, recommend)
 from kvstore.health import HealthStatus, advertised_host
@@ -138,6 +139,16 @@ class Conductor(cpb_grpc.ConductorServicer):
 
             key = etcd.key("conductor", "replicas", self.address)
             self.replica = Registration(Etcd(config.etcd), key, self.address, max(2.0, config.leader_ttl))
+        self.device_index = GlobalIndex()
+        """Chunks in engines' own prefix caches (vLLM instances, from their KV events): a prefill there
+        reuses them, but nobody loads from them. Kept across leadership changes: every replica follows
+        the instances."""
+        self.vllm: dict[str, VllmSubscriber] = {}
+        if config.vllm_kv_events:
+            ns = bytes.fromhex(config.vllm_namespace) if config.vllm_namespace else DEFAULT_NAMESPACE
+            for spec in config.vllm_kv_events:
+                src = VllmSource.parse(spec)
+                self.vllm[src.member_id] = VllmSubscriber(self, src, ns, config.chunk_tokens)
         self.console = ConsoleLog()
         self._http = None
         self.metrics_port: int | None = None
@@ -145,6 +156,9 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     def start(self) -> Conductor:
         self.server.start()
+        for sub in self.vllm.values():
+            sub.start()
+        self._keep_vllm_members()
         self._reaper.start()
         if self.election is not None:
             self.election.start()
@@ -162,6 +176,8 @@ class Conductor(cpb_grpc.ConductorServicer):
             self.replica.stop()
         if self._http is not None:
             self._http.stop()
+        for sub in self.vllm.values():
+            sub.stop()
         self.server.stop(grace).wait()
 
     # ---- leadership -----------------------------------------------------------
@@ -198,13 +214,30 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     # ---- membership ---------------------------------------------------------
 
+    def _keep_vllm_members(self) -> None:
+        """Registers each followed vLLM instance that is alive (again) and refreshes the others; one
+        that stops answering is left to the reaper, which forgets its chunks."""
+        for member_id, sub in self.vllm.items():
+            if not sub.alive():  # NOTE: an HTTP probe: outside the lock
+                continue
+            with self._lock:
+                m = self.members.get(member_id)
+                if m is None:
+                    self.members.register(Member(
+                        member_id, MemberKind.PREFILL, sub.source.url or "", 0, self.clock(),
+                        namespace=sub.rekeyer.namespace, chunk_tokens=sub.rekeyer.chunk_tokens, external=True))
+                    log.info("vLLM instance %s followed through its KV events at %s", member_id, sub.source.endpoint)
+                else:
+                    m.last_seen = self.clock()
+
     def _reap_loop(self) -> None:
         period = min(self.config.heartbeat_interval, self.config.dead_timeout / 4)
         while not self._stop.wait(period):
+            self._keep_vllm_members()
             with self._lock:
                 for m in self.members.reap(self.clock()):
                     self.counters["expired"] += 1
-                    n = self.index.drop_node(m.member_id)
+                    n = self.index.drop_node(m.member_id) + self.device_index.drop_node(m.member_id)
                     log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
                                 m.member_id, m.kind.label, self.config.dead_timeout, n)
             if self.election is not None and self.election.is_leader:
@@ -361,18 +394,29 @@ class Conductor(cpb_grpc.ConductorServicer):
         now = self.clock()
         with self._lock:
             policy = self._policy(name)
-            engines = self.members.of_kind(MemberKind.PREFILL, include_draining=False)
+            # Crescent engines, or (request.vllm) the vLLM instances followed through their KV events:
+            # the two pools key chunks under different namespaces and speak different APIs
+            engines = [e for e in self.members.of_kind(MemberKind.PREFILL, include_draining=False)
+                       if e.external == request.vllm]
             if not engines:
-                raise FailedPreconditionError("no live prefill engine is registered")
-            cands = [PrefillCandidate(e.member_id, e.store_node, self._queue_s(e, now), e.kv_bytes_per_token)
-                     for e in engines]
-            decoders = self.members.of_kind(MemberKind.DECODE, include_draining=False)
-            decodes = [DecodeCandidate(d.member_id, d.engine_load.num_running, d.engine_load.num_context_tokens)
-                       for d in decoders]
+                raise FailedPreconditionError("no live vLLM instance is followed (--vllm-kv-events)" if request.vllm
+                                              else "no live prefill engine is registered")
+            if request.vllm:
+                on_device = self.device_index.node_prefixes(keys)
+                cands, decodes = [], []
+                cache_engines = [(PrefillCandidate(e.member_id, None, self._queue_s(e, now)),
+                                  on_device.get(e.member_id, 0)) for e in engines]
+            else:
+                cands = [PrefillCandidate(e.member_id, e.store_node, self._queue_s(e, now), e.kv_bytes_per_token)
+                         for e in engines]
+                cache_engines = []
+                decodes = [DecodeCandidate(d.member_id, d.engine_load.num_running, d.engine_load.num_context_tokens)
+                           for d in self.members.of_kind(MemberKind.DECODE, include_draining=False)]
             hot = self.config.hot_threshold
             d = schedule(policy, prompt, cands, decodes, self.index.match(keys), self.cost,
                          slo_ttft_s=self.config.slo_ttft, slo_tbt_s=self.config.slo_tbt,
-                         is_hot=lambda n: n > 0 and self.hot.count(keys[n - 1], now) >= hot)
+                         is_hot=lambda n: n > 0 and self.hot.count(keys[n - 1], now) >= hot,
+                         cache_engines=cache_engines)
             self.hot.touch(keys, now)
             self.requests.append(RequestSample(now, request.num_tokens, d.num_cached_tokens,
                                                request.num_output_tokens))
@@ -391,7 +435,8 @@ class Conductor(cpb_grpc.ConductorServicer):
                 return resp
             c["cached_chunks"] += d.num_cached_chunks
             pre = self.members.get(d.prefill)
-            service_s = d.ttft_s - next(x.queue_s for x in cands if x.member_id == d.prefill)
+            service_s = d.ttft_s - next(x.queue_s for x in cands + [c for c, _ in cache_engines]
+                                        if x.member_id == d.prefill)
             pre.busy_until = max(now, pre.busy_until) + service_s
             resp.prefill.CopyFrom(cpb.EngineRef(member_id=pre.member_id, address=pre.address))
             if d.decode is not None:
@@ -413,11 +458,11 @@ class Conductor(cpb_grpc.ConductorServicer):
         keys = _keys(request.keys)
         resp = cpb.LocateResponse()
         with self._lock:
-            for k in keys:
-                resp.keys.add(holders=[cpb.Holder(node_id=n, tier=int(t))
-                                       for n, t in sorted(self.index.holders(k).items())])
-            resp.num_prefix = self.index.match(keys).num_global
-            prefixes = self.index.node_prefixes(keys)
+            for k in keys:  # store nodes, then engines' own caches (vLLM instances)
+                holders = sorted(self.index.holders(k).items()) + sorted(self.device_index.holders(k).items())
+                resp.keys.add(holders=[cpb.Holder(node_id=n, tier=int(t)) for n, t in holders])
+            resp.num_prefix = max(self.index.match(keys).num_global, self.device_index.match(keys).num_global)
+            prefixes = self.index.node_prefixes(keys) | self.device_index.node_prefixes(keys)
             for node, n in sorted(prefixes.items(), key=lambda kv: (-kv[1], kv[0])):
                 m = self.members.get(node)
                 resp.nodes.add(node_id=node, address=m.address if m else "", num_prefix=n)
@@ -440,6 +485,8 @@ class Conductor(cpb_grpc.ConductorServicer):
                     if m.store_load is not None:
                         info.store.CopyFrom(m.store_load)
                 else:
+                    info.num_chunks = self.device_index.num_chunks(m.member_id)
+                    info.vllm = m.external
                     info.engine.CopyFrom(m.engine_load.to_pb())
                     info.predicted_queue_s = self._queue_s(m, now)
                 info.lease_ttl_s = -1
@@ -501,7 +548,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             for k in keys:
                 for node in self.index.holders(k):
                     m = self.members.get(node)
-                    if m is not None:
+                    if m is not None and m.kind is MemberKind.STORE:
                         out.setdefault(node, (m.address, []))[1].append(k)
         return out
 

@@ -58,6 +58,7 @@ function load(m) {
     return `${m.chunks ?? 0} chunks indexed · ${m.misses ?? 0} misses · in ${bytes(m.bytes_in)} · out ${bytes(m.bytes_out)} · ${m.pinned ?? 0} pinned`;
   }
   const q = m.predicted_queue_s === null ? "∞" : m.predicted_queue_s.toFixed(2) + " s";
+  if (m.vllm) return `vLLM instance (followed through its KV events) · ${m.chunks} chunks in its GPU prefix cache · queue ${q}`;
   return `${m.running} running · ${m.waiting} waiting · ${m.queued_tokens} queued tokens · KV ${pct(m.kv_usage)} · queue ${q}`;
 }
 

@@ -185,18 +185,20 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("keys", "num_tokens", "chunk_tokens", "policy", "num_output_tokens")
+    __slots__ = ("keys", "num_tokens", "chunk_tokens", "policy", "num_output_tokens", "vllm")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VLLM_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     chunk_tokens: int
     policy: str
     num_output_tokens: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    vllm: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., vllm: _Optional[bool] = ...) -> None: ...
 
 class EngineRef(_message.Message):
     __slots__ = ("member_id", "address")
@@ -279,7 +281,7 @@ class ListMembersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s", "lease_ttl_s", "host_id")
+    __slots__ = ("member_id", "kind", "address", "state", "last_seen_s", "incarnation", "store", "engine", "num_chunks", "store_node", "namespace", "chunk_tokens", "predicted_queue_s", "lease_ttl_s", "host_id", "vllm")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class MemberInfo(_message.Message):
     PREDICTED_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    VLLM_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     kind: MemberKind
     address: str
@@ -310,7 +313,8 @@ class MemberInfo(_message.Message):
     predicted_queue_s: float
     lease_ttl_s: float
     host_id: str
-    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., host_id: _Optional[str] = ...) -> None: ...
+    vllm: bool
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., store: _Optional[_Union[StoreLoad, _Mapping]] = ..., engine: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_chunks: _Optional[int] = ..., store_node: _Optional[str] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., predicted_queue_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., host_id: _Optional[str] = ..., vllm: _Optional[bool] = ...) -> None: ...
 
 class ListMembersResponse(_message.Message):
     __slots__ = ("members", "dead_timeout_s")

