@@ -9,7 +9,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm setup-tools test demo bench proto clean rdma-setup gpu-wheels
+# LMCache and SGLang for their integration tests, each in its own venv (.venv-lmcache, .venv-sglang).
+INTEGRATION_REQS := tests/integrations/requirements
+
+.PHONY: setup setup-vllm setup-lmcache setup-sglang setup-tools test demo bench proto clean rdma-setup gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,7 +47,30 @@ setup-vllm:
 	  mkdir -p $(VLLM_VENV); \
 	  echo "vLLM venv could not be created: make setup-vllm failed (see its output)" > $(VLLM_VENV)/.unavailable; }
 
-test: setup setup-vllm setup-tools
+# $(call integration-venv,NAME,PACKAGE==VERSION,EXTRAS): .venv-NAME with this project (CPU torch), the
+# package without its declared dependencies (they name CUDA builds), then what it needs on CPU from
+# $(INTEGRATION_REQS)/NAME.txt, torch held by constraints.txt. As with vLLM: outside CI a failed
+# install leaves .venv-NAME/.unavailable and the tests skip with it; under CI it fails the run.
+define integration-venv
+.venv-$(1)/.installed-stamp: pyproject.toml $(INTEGRATION_REQS)/$(1).txt $(INTEGRATION_REQS)/constraints.txt
+	rm -f .venv-$(1)/.unavailable
+	test -x .venv-$(1)/bin/python || $(PYTHON) -m venv .venv-$(1)
+	.venv-$(1)/bin/python -m pip install -q -c $(INTEGRATION_REQS)/constraints.txt -e '.$(3)'
+	.venv-$(1)/bin/python -m pip install -q --no-deps '$(2)'
+	.venv-$(1)/bin/python -m pip install -q -c $(INTEGRATION_REQS)/constraints.txt -r $(INTEGRATION_REQS)/$(1).txt
+	.venv-$(1)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; import kvstore.integrations.$(1)"
+	touch .venv-$(1)/.installed-stamp
+
+setup-$(1):
+	@$$(MAKE) --no-print-directory .venv-$(1)/.installed-stamp || { \
+	  if [ "$$$$CI" = true ]; then echo "make setup-$(1) failed under CI: the $(1) integration cannot be tested" >&2; exit 1; fi; \
+	  mkdir -p .venv-$(1); \
+	  echo "$(1) venv could not be created: make setup-$(1) failed (see its output)" > .venv-$(1)/.unavailable; }
+endef
+$(eval $(call integration-venv,lmcache,lmcache==0.5.6,))
+$(eval $(call integration-venv,sglang,sglang==0.5.23,[kernels]))
+
+test: setup setup-vllm setup-lmcache setup-sglang setup-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: setup
@@ -71,7 +97,7 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/crescent/v1/*.proto
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lmcache .venv-sglang build *.egg-info
 
 # Wheels the GPU machine lacks (Python 3.12 there): this project's grpcio/protobuf pins, lmdb,
 # and the test tools. `run` carries .whl/ (kept out of git); bench/gpu_check.sh installs them.

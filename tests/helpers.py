@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvstore.procs import stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,3 +109,27 @@ class EtcdProcess:
 
     def stop(self) -> None:
         self._etcd.stop()
+
+
+def venv_python(name: str) -> str:
+    """The python of an integration's own venv, ``.venv-NAME`` (``make setup-NAME``)."""
+    return os.path.join(ROOT, f".venv-{name}", "bin", "python")
+
+
+def require_venv(name: str) -> str:
+    """``venv_python(name)``; skips the test when that venv is missing or its install failed (with the
+    reason ``make setup-NAME`` left in ``.venv-NAME/.unavailable``). Under CI that is a failure instead."""
+    python = venv_python(name)
+    marker = os.path.join(ROOT, f".venv-{name}", ".unavailable")
+    reason = None
+    if os.path.exists(marker):
+        with open(marker) as f:
+            reason = f.read().strip()
+    elif not os.path.exists(python):
+        reason = f"no {name} venv at .venv-{name} (create it with `make setup-{name}`)"
+    if reason and os.environ.get("CI") == "true":
+        pytest.fail(f"under CI the {name} integration must run: {reason}")
+    if reason:
+        pytest.skip(reason)
+    return python
+

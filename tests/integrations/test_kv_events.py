@@ -16,8 +16,7 @@ from kvstore.client import StoreClient
 from kvstore.config import StoreConfig
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_keys, make_namespace
 from kvstore.server import StoreNode
-from tests.helpers import ROOT, wait_for
-from tests.integrations.test_vllm import VLLM_PY, require_vllm_venv
+from tests.helpers import ROOT, require_venv, wait_for
 
 SUBSCRIBER = """
 import json, sys, zmq, msgspec
@@ -58,7 +57,7 @@ def _chunk(ns, tokens, parent, value):
 
 
 def test_kv_events_in_vllms_format_decode_with_vllm(tmp_path):
-    require_vllm_venv()
+    python = require_venv("vllm")
     node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB", kv_events_endpoint="tcp://127.0.0.1:*",
                                  kv_events_replay_endpoint="tcp://127.0.0.1:*")).start()
     ns = make_namespace(ModelFingerprint("m", "float32", 1, 1, 4, 4), None)
@@ -76,7 +75,7 @@ def test_kv_events_in_vllms_format_decode_with_vllm(tmp_path):
 
             script = tmp_path / "sub.py"
             script.write_text(textwrap.dedent(SUBSCRIBER))
-            sub = subprocess.Popen([VLLM_PY, str(script), node.kv_events.endpoint, node.kv_events.replay_endpoint],
+            sub = subprocess.Popen([python, str(script), node.kv_events.endpoint, node.kv_events.replay_endpoint],
                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             line = sub.stdout.readline()
             assert line, sub.stderr.read()[-3000:]

@@ -25,11 +25,10 @@ import torch
 from kvstore.chunk import decode_chunk
 from kvstore.client import StoreClient
 from kvstore.keys import ModelFingerprint, chunk_keys, make_namespace
-from tests.helpers import ROOT, StoreProcess
+from tests.helpers import ROOT, StoreProcess, require_venv, venv_python
 from tests.integrations.tiny_llama import build_tiny_llama, random_prompt
 
-VLLM_VENV = os.path.join(ROOT, ".venv-vllm")
-VLLM_PY = os.path.join(VLLM_VENV, "bin", "python")
+VLLM_PY = venv_python("vllm")
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_run.py")
 CHUNK = 64  # vllm_run.py's chunk_tokens: two vLLM blocks of 32
 LENGTHS = [150, 200, 257, 300, 180, 230]
@@ -38,25 +37,6 @@ SALTED, CORRUPT, NEW_TENANT = 4, 5, 7  # request indices, see _requests
 pytestmark = pytest.mark.timeout(1800)
 NAMESPACE = make_namespace(ModelFingerprint("crescent-tests/tiny-llama", "float32", num_layers=2, num_kv_heads=2,
                                             head_dim=64, chunk_tokens=CHUNK, tp_rank=0, tp_size=1))
-
-
-def _vllm_unavailable() -> str | None:
-    marker = os.path.join(VLLM_VENV, ".unavailable")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            return f.read().strip()
-    if not os.path.exists(VLLM_PY):
-        return "no vLLM venv at .venv-vllm (create it with `make setup-vllm`)"
-    return None
-
-
-def require_vllm_venv() -> None:
-    """Skips the test when .venv-vllm is missing (with the reason); under CI that is a failure instead."""
-    reason = _vllm_unavailable()
-    if reason and os.environ.get("CI") == "true":
-        pytest.fail(f"under CI the vLLM integration must run: {reason}")
-    if reason:
-        pytest.skip(reason)
 
 
 def _requests() -> list[dict]:
@@ -93,7 +73,7 @@ def _run(tmp, name: str, model: str, requests: list[dict], store: str | None) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    require_vllm_venv()
+    require_venv("vllm")
     tmp = str(tmp_path_factory.mktemp("vllm"))
     model = build_tiny_llama(os.path.join(tmp, "model"))
     reqs = _requests()

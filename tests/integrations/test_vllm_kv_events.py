@@ -17,8 +17,7 @@ from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE
 from kvstore.keys import chunk_keys
 from kvstore.store import Tier
 from tests.conductor.test_vllm_events import schedule_when_idle
-from tests.helpers import ROOT, wait_for
-from tests.integrations.test_vllm import VLLM_PY, require_vllm_venv
+from tests.helpers import ROOT, require_venv, venv_python, wait_for
 from tests.integrations.tiny_llama import build_tiny_llama
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_events_run.py")
@@ -40,7 +39,8 @@ class Instance:
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
         # NOTE: vLLM binds an endpoint with a "*" and connects to any other
-        self.proc = subprocess.Popen([VLLM_PY, SCRIPT, model, f"tcp://*:{self.pub}", f"tcp://*:{self.replay}"],
+        cmd = [venv_python("vllm"), SCRIPT, model, f"tcp://*:{self.pub}", f"tcp://*:{self.replay}"]
+        self.proc = subprocess.Popen(cmd,
                                      cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
 
@@ -74,7 +74,7 @@ class Instance:
 
 
 def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
-    require_vllm_venv()
+    require_venv("vllm")
     model = build_tiny_llama(str(tmp_path / "model"))
     rng = random.Random(3)
     prompts = {name: [[rng.randrange(3, 500) for _ in range(200)] for _ in range(2)] for name in ("v1", "v2")}
