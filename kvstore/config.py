@@ -27,6 +27,15 @@ def check_etcd(endpoints: str | None) -> None:
             raise ValueError(f"--etcd: {exc}") from None
 
 
+def check_kv_events(endpoint: str | None, replay_endpoint: str | None) -> None:
+    """ValueError unless both are None or ZeroMQ endpoints, and a replay endpoint comes with an endpoint."""
+    for name, ep in (("kv-events-endpoint", endpoint), ("kv-events-replay-endpoint", replay_endpoint)):
+        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"--{name} must be a ZeroMQ endpoint such as tcp://*:5557, got {ep!r}")
+    if replay_endpoint and not endpoint:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+
+
 def parse_size(text: str | int) -> int:
     """``"1GiB"`` → 1073741824; accepts B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
     if isinstance(text, int):
@@ -150,12 +159,7 @@ class StoreConfig:
         if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
             raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
         check_etcd(self.etcd)
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            ep = getattr(self, name)
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"--{name.replace('_', '-')} must be a ZeroMQ endpoint such as tcp://*:5557, got {ep!r}")
-        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
-            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint)
         if self.conductor is not None:
             for c in self.conductor.split(","):
                 c_host, _, c_port = c.strip().rpartition(":")

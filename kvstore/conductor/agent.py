@@ -28,6 +28,7 @@ import grpc
 from kvstore.conductor.client import CHANNEL_OPTIONS, discover, split_addresses
 from kvstore.conductor.membership import EngineLoad, MemberKind
 from kvstore.errors import CrescentError, leader_hint
+from kvstore.kvevents import reachable_endpoint
 from kvstore.store import StoreEvent, Tier
 from kvstore.transport.identity import host_identity
 from proto.crescent.v1 import conductor_pb2 as cpb
@@ -71,6 +72,8 @@ class MemberAgent:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
+        self.kv_events = ("", "")
+        """Store nodes: (endpoint, replay endpoint) their KV events are published on, as others reach them."""
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self.timeout_s = timeout_s
@@ -214,7 +217,8 @@ class MemberAgent:
         resp = self._stub.Register(cpb.RegisterRequest(
             member_id=self.member_id, kind=int(self.kind), address=self.address,
             store_node=self.store_node or "", kv_bytes_per_token=self.kv_bytes_per_token,
-            namespace=self.namespace, chunk_tokens=self.chunk_tokens, host_id=host_identity().hostname),
+            namespace=self.namespace, chunk_tokens=self.chunk_tokens, host_id=host_identity().hostname,
+            kv_events_endpoint=self.kv_events[0], kv_events_replay_endpoint=self.kv_events[1]),
             timeout=self.timeout_s)
         with self._cond:
             self._incarnation = resp.incarnation
@@ -374,6 +378,10 @@ class StoreAgent(MemberAgent):
         self._node = node
         self.member_id = node.node_id
         self.address = node.address
+        if node.kv_events is not None:
+            host = node.address.rpartition(":")[0]
+            self.kv_events = (reachable_endpoint(node.kv_events.endpoint, host),
+                              reachable_endpoint(node.kv_events.replay_endpoint or "", host))
         if node.store.disk is not None:
             self.seed((key, Tier.DISK) for key, _ in node.store.disk.scan())
         return self.start()

@@ -64,6 +64,12 @@ class ConductorConfig:
     """Host other processes reach this conductor at (what followers hand out as the leader's address);
     default: the --listen host, or the hostname when that is a wildcard such as 0.0.0.0."""
 
+    kv_events_endpoint: str | None = None
+    """Publish the whole cluster's KV events in vLLM's format on this ZeroMQ endpoint (e.g. tcp://*:5557):
+    every store node's that publishes its own (store --kv-events-endpoint), relayed under the node's id
+    as the topic; none publishes nothing (docs/integrations.md, "The whole cluster's KV events")."""
+    kv_events_replay_endpoint: str | None = None
+    """ZeroMQ ROUTER endpoint that replays the relay's buffered batches from a sequence number."""
     vllm_kv_events: list[str] | None = None
     """A vLLM instance to schedule cache-aware from its own KV events: ID=tcp://HOST:PORT (its
     --kv-events-config endpoint)[,tcp://HOST:PORT (its replay endpoint)][,http://HOST:PORT (its
@@ -106,6 +112,9 @@ class ConductorConfig:
             raise ValueError(f"--sizing-target-rps must be > 0, got {self.sizing_target_rps}")
         if not self.hot_threshold > 0 or not self.hot_half_life > 0:
             raise ValueError("--hot-threshold and --hot-half-life must be > 0")
+        from kvstore.config import check_kv_events
+
+        check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint)
         if self.vllm_kv_events:
             from kvstore.conductor.vllm_events import VllmSource
 

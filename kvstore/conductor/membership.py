@@ -70,6 +70,9 @@ class Member:
     namespace: bytes = b""
     chunk_tokens: int = 0
     host_id: str = ""
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    """Store nodes: where they publish their KV events (vLLM's format), for the cluster relay."""
     draining: bool = False
     engine_load: EngineLoad = EngineLoad()
     store_load: cpb.StoreLoad | None = None

@@ -149,6 +149,16 @@ class Conductor(cpb_grpc.ConductorServicer):
             for spec in config.vllm_kv_events:
                 src = VllmSource.parse(spec)
                 self.vllm[src.member_id] = VllmSubscriber(self, src, ns, config.chunk_tokens)
+        self.kv_events = None
+        """With --kv-events-endpoint: the cluster's KV events, relayed from its store nodes."""
+        if config.kv_events_endpoint:
+            from kvstore.conductor.kvrelay import ClusterKvEvents
+
+            try:
+                self.kv_events = ClusterKvEvents(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+            except Exception as exc:  # zmq.ZMQError: a bad or busy endpoint
+                self.server.stop(0)
+                raise OSError(f"cannot publish KV events on {config.kv_events_endpoint}: {exc}") from None
         self.console = ConsoleLog()
         self._http = None
         self.metrics_port: int | None = None
@@ -159,6 +169,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         for sub in self.vllm.values():
             sub.start()
         self._keep_vllm_members()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._reaper.start()
         if self.election is not None:
             self.election.start()
@@ -178,6 +190,8 @@ class Conductor(cpb_grpc.ConductorServicer):
             self._http.stop()
         for sub in self.vllm.values():
             sub.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.server.stop(grace).wait()
 
     # ---- leadership -----------------------------------------------------------
@@ -230,6 +244,15 @@ class Conductor(cpb_grpc.ConductorServicer):
                 else:
                     m.last_seen = self.clock()
 
+    def _relay_kv_events(self) -> None:
+        """Has the cluster relay follow exactly the live store nodes that publish KV events."""
+        if self.kv_events is None:
+            return
+        with self._lock:
+            nodes = {m.member_id: (m.incarnation, m.kv_events_endpoint, m.kv_events_replay_endpoint)
+                     for m in self.members.of_kind(MemberKind.STORE) if m.kv_events_endpoint}
+        self.kv_events.follow(nodes)
+
     def _reap_loop(self) -> None:
         period = min(self.config.heartbeat_interval, self.config.dead_timeout / 4)
         while not self._stop.wait(period):
@@ -240,6 +263,7 @@ class Conductor(cpb_grpc.ConductorServicer):
                     n = self.index.drop_node(m.member_id) + self.device_index.drop_node(m.member_id)
                     log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
                                 m.member_id, m.kind.label, self.config.dead_timeout, n)
+            self._relay_kv_events()
             if self.election is not None and self.election.is_leader:
                 self._reap_lapsed_leases()
 
@@ -288,7 +312,8 @@ class Conductor(cpb_grpc.ConductorServicer):
                    store_node=request.store_node or None,
                    kv_bytes_per_token=request.kv_bytes_per_token or None,
                    namespace=bytes(request.namespace), chunk_tokens=request.chunk_tokens,
-                   host_id=request.host_id[:256])
+                   host_id=request.host_id[:256], kv_events_endpoint=request.kv_events_endpoint[:1024],
+                   kv_events_replay_endpoint=request.kv_events_replay_endpoint[:1024])
         with self._lock:
             old = self.members.register(m)
             if old is not None and old.kind is MemberKind.STORE:
@@ -662,6 +687,8 @@ def serve(config: ConductorConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     metrics = f", metrics :{conductor.metrics_port}" if conductor.metrics_port is not None else ""
+    if conductor.kv_events is not None:
+        metrics += f", cluster KV events {conductor.kv_events.endpoint}"
     print(f"crescent conductor listening on {conductor.address}{metrics} (policy {config.policy}, "
           f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)", flush=True)
     done.wait()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Hashable
@@ -37,6 +36,7 @@ from collections.abc import Hashable
 import xxhash
 
 from kvstore.keys import ROOT_KEY, chunk_key
+from kvstore.kvevents import EventFollower
 from kvstore.store import Tier
 
 log = logging.getLogger(__name__)
@@ -184,49 +184,33 @@ class VllmSource:
                    http[0].rstrip("/") if http else None)
 
 
-class VllmSubscriber:
+class VllmSubscriber(EventFollower):
     """Follows one vLLM instance's KV events into the conductor's device-cache index."""
 
     def __init__(self, conductor, source: VllmSource, namespace: bytes, chunk_tokens: int) -> None:
+        super().__init__(source.member_id, source.endpoint, source.replay_endpoint)
         self.conductor = conductor
         self.source = source
         self.rekeyer = BlockRekeyer(namespace, chunk_tokens)
-        self.last_seq = -1
         self.num_batches = 0
-        self.num_bad = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-events-{source.member_id}", daemon=True)
-
-    def start(self) -> VllmSubscriber:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def alive(self) -> bool:
         """Whether the instance answers its health check (no URL: while followed)."""
         if self.source.url is None:
-            return not self._stop.is_set()
+            return not self.stopped
         try:
             with urllib.request.urlopen(f"{self.source.url}/health", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    # ---- the thread -------------------------------------------------------------------------
+    def on_restart(self) -> None:
+        self.rekeyer.clear()
+        with self.conductor._lock:
+            self.conductor.device_index.drop_node(self.source.member_id)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def on_batch(self, seq: int, payload: bytes) -> None:
         c = self.conductor
-        if seq == 0 and self.last_seq >= 0:  # the publisher restarted (a replay from 0 is only the first)
-            log.warning("vLLM %s: its KV-event sequence restarted; forgetting its blocks", self.source.member_id)
-            self.rekeyer.clear()
-            with c._lock:
-                c.device_index.drop_node(self.source.member_id)
-        elif seq <= self.last_seq:
-            return  # replayed and received live: applied already
-        self.last_seq = seq
         try:
             _, events = decode_batch(payload)
         except ValueError as exc:
@@ -246,52 +230,3 @@ class VllmSubscriber:
                     self.rekeyer.clear()
                     c.device_index.drop_node(node)
         self.num_batches += 1
-
-    def _replay(self, ctx, zmq, start: int) -> None:
-        """Applies every buffered batch from ``start`` (the publisher's replay socket)."""
-        req = ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.LINGER, 0)
-        req.connect(self.source.replay_endpoint)
-        try:
-            req.send_multipart((b"", start.to_bytes(8, "big")))
-            while not self._stop.is_set():
-                if not req.poll(5000):
-                    log.warning("vLLM %s: no answer from the replay socket", self.source.member_id)
-                    return
-                frames = req.recv_multipart()
-                if len(frames) != 3:
-                    return
-                _, seq_b, payload = frames
-                seq = int.from_bytes(seq_b, "big", signed=True)
-                if seq < 0:
-                    return
-                self._apply(seq, payload)
-        finally:
-            req.close(0)
-
-    def _run(self) -> None:
-        import zmq
-
-        ctx = zmq.Context.instance()
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self.source.endpoint)
-        try:
-            if self.source.replay_endpoint:
-                self._replay(ctx, zmq, 0)  # what it published before we listened
-            while not self._stop.is_set():
-                if not sub.poll(200):
-                    continue
-                frames = sub.recv_multipart()
-                if len(frames) != 3:
-                    self.num_bad += 1
-                    continue
-                seq = int.from_bytes(frames[1], "big")
-                if self.source.replay_endpoint and self.last_seq >= 0 and seq > self.last_seq + 1:
-                    self._replay(ctx, zmq, self.last_seq + 1)  # a gap: fetch what was missed first
-                self._apply(seq, frames[2])
-        except Exception:  # noqa: BLE001 - a bad publisher must not take the conductor down
-            log.exception("vLLM %s: KV-event subscriber failed", self.source.member_id)
-        finally:
-            sub.close(0)

@@ -125,8 +125,8 @@ class FakeVllm:
             with self._lock:
                 for seq, payload in self.buffer:
                     if seq >= int.from_bytes(start, "big"):
-                        self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-                self.replay.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+                        self.replay.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+                self.replay.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
 
     def close(self):
         self._stop.set()

