@@ -64,7 +64,27 @@ def block_removed(key: bytes, medium: str) -> dict:
     return {"type": "BlockRemoved", "block_hashes": [key], "medium": medium}
 
 
-class EventPublisher:
+class _Worker:
+    """A daemon thread running ``_run`` until ``stop``."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+class EventPublisher(_Worker):
     """vLLM's ``ZmqEventPublisher`` sockets: a PUB sending ``(topic, sequence, payload)``, the last
     ``buffer_steps`` batches kept for the ROUTER replay socket (when ``replay_endpoint`` is given). One
     thread owns the sockets; ``submit`` queues a ready payload from any thread. ``endpoint`` and
@@ -74,6 +94,7 @@ class EventPublisher:
                  flush_interval_s: float = 0.05, name: str = "kv-events") -> None:
         import zmq
 
+        super().__init__(name)
         self._zmq = zmq
         self.flush_interval_s = flush_interval_s
         self._ctx = zmq.Context.instance()
@@ -95,19 +116,11 @@ class EventPublisher:
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=buffer_steps)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_batches = 0
         """Batches published so far."""
 
-    def start(self) -> EventPublisher:
-        self._thread.start()
-        return self
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        super().stop()
         self._pub.close(0)
         if self._replay is not None:
             self._replay.close(0)
@@ -249,7 +262,7 @@ class KvEventPublisher(EventPublisher):
         return [(self.topic, msgpack.packb([time.time(), batch, self.data_parallel_rank], use_bin_type=True))]
 
 
-class EventFollower:
+class EventFollower(_Worker):
     """Follows one publisher of vLLM-format KV events (vLLM's own, a store node's): live batches from its
     PUB socket and, with a replay endpoint, every buffered batch when it connects and again after a gap
     in the sequence numbers. ``on_batch(seq, payload)`` gets each batch once, in order;
@@ -257,23 +270,13 @@ class EventFollower:
     both; they run on the follower's thread."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        super().__init__(f"kv-events-{name}")
         self.name = name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.last_seq = -1
         self.num_bad = 0
         """Messages that were not a publisher's three frames."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
-
-    def start(self) -> EventFollower:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
 
     @property
     def stopped(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -132,4 +133,20 @@ def require_venv(name: str) -> str:
     if reason:
         pytest.skip(reason)
     return python
+
+
+def run_json_script(python: str, script: str, args: list[str], out: str, log: str, *, env: dict | None = None,
+                    timeout_s: float = 600) -> dict:
+    """Runs ``python script *args out`` (an integration's driver, in its own venv), its output to ``log``;
+    returns the JSON it wrote to ``out`` plus ``"log"``: the output. Fails the test with the log's tail
+    when it exits non-zero."""
+    with open(log, "w") as logf:
+        rc = subprocess.run([python, script, *args, out], cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                            timeout=timeout_s, check=False).returncode
+    with open(log) as f:
+        text = f.read()
+    if rc != 0:
+        pytest.fail(f"{os.path.basename(script)} {' '.join(args)} exited with {rc}; log tail:\n{text[-6000:]}")
+    with open(out) as f:
+        return {**json.load(f), "log": text}
 

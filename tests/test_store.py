@@ -3,7 +3,6 @@
 import os
 import time
 
-import lmdb
 import pytest
 
 from kvstore.config import StoreConfig

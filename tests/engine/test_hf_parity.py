@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.model import AttnMetadata
 from engine.model_runner import ModelRunner, load_model_config
 

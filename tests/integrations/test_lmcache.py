@@ -14,9 +14,7 @@ LMCache lives in its own venv (``make setup-lmcache``).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import pytest
 
@@ -26,7 +24,7 @@ from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
-from tests.helpers import ROOT, require_venv, venv_python, wait_for
+from tests.helpers import ROOT, require_venv, run_json_script, venv_python, wait_for
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "lmcache_run.py")
 PROMPT_TOKENS, CHUNK = 53, 16  # lmcache_run.py's PROMPT and chunk_size
@@ -54,15 +52,7 @@ def _run(tmp, name: str, mode: str, address: str) -> dict:
         f.write(CONFIG.format(chunk=CHUNK, address=address))
     env = dict(os.environ, LMCACHE_CONFIG_FILE=config, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
                DO_NOT_TRACK="1")
-    with open(log, "w") as logf:
-        rc = subprocess.run([venv_python("lmcache"), SCRIPT, mode, out], check=False, cwd=ROOT, env=env, stdout=logf,
-                            stderr=subprocess.STDOUT, timeout=300).returncode
-    with open(log) as f:
-        text = f.read()
-    if rc != 0:
-        pytest.fail(f"LMCache {name} exited with {rc}; log tail:\n{text[-6000:]}")
-    with open(out) as f:
-        return {**json.load(f), "log": text}
+    return run_json_script(venv_python("lmcache"), SCRIPT, [mode], out, log, env=env, timeout_s=300)
 
 
 @pytest.fixture(scope="module")

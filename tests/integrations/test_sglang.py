@@ -12,9 +12,7 @@ SGLang lives in its own venv (``make setup-sglang``).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import pytest
 
@@ -24,7 +22,7 @@ from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
 from kvstore.store import Tier
-from tests.helpers import ROOT, require_venv, wait_for
+from tests.helpers import ROOT, require_venv, run_json_script, wait_for
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "sglang_run.py")
 pytestmark = pytest.mark.timeout(900)
@@ -32,15 +30,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def _run(python: str, tmp: str, phase: str, *args: str) -> dict:
     out, log = os.path.join(tmp, f"{phase}.json"), os.path.join(tmp, f"{phase}.log")
-    with open(log, "w") as logf:
-        rc = subprocess.run([python, SCRIPT, phase, *args, out], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                            timeout=600, check=False).returncode
-    with open(log) as f:
-        text = f.read()
-    if rc != 0:
-        pytest.fail(f"sglang_run.py {phase} exited with {rc}; log tail:\n{text[-6000:]}")
-    with open(out) as f:
-        return {**json.load(f), "log": text}
+    return run_json_script(python, SCRIPT, [phase, *args], out, log)
 
 
 @pytest.fixture(scope="module")
