@@ -213,6 +213,16 @@ class EngineConfig:
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
 
+    speculative: Literal["none", "ngram"] = "none"
+    """Speculative decoding: ``ngram`` drafts from the sequence's own earlier tokens (prompt lookup) and
+    verifies the drafts in one forward; greedy output stays token for token the same
+    (docs/engine.md, "Speculative decoding")."""
+    num_speculative_tokens: int = 4
+    """With ``speculative``: most tokens drafted per sequence per step."""
+    ngram_max: int = 3
+    """With ``speculative ngram``: the longest and the shortest n-gram looked up (longest first)."""
+    ngram_min: int = 1
+
     def __post_init__(self) -> None:
         from kvstore.config import check_etcd, parse_size
 
@@ -224,6 +234,12 @@ class EngineConfig:
             raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.speculative not in ("none", "ngram"):
+            raise ValueError(f"speculative must be none or ngram, got {self.speculative!r}")
+        if self.speculative != "none" and not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         if self.store_load_batch <= 0 or self.store_save_buffers <= 0:
             raise ValueError("store_load_batch and store_save_buffers must be positive")
         from kvstore.transport.identity import REQUESTS

@@ -104,6 +104,15 @@ class LLMEngine:
         self.num_generated = 0
         """Tokens sampled, and requests finished, since the engine started (P:D sizing's output lengths)."""
         self.num_finished = 0
+        self.drafter = None
+        if cfg.speculative == "ngram":
+            from engine.spec_decode import NgramDrafter
+
+            self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+        self.num_spec_steps = 0
+        """Sequence-steps that verified drafts; draft tokens verified, and of those accepted."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- requests -------------------------------------------------------------
 
@@ -195,7 +204,20 @@ class LLMEngine:
             hs.append(chunk_key(hs[-1] if hs else ROOT_KEY, ns, toks[i * page : (i + 1) * page]))
         return hs[:upto_pages]
 
+    def _draft(self) -> None:
+        """Proposes speculative tokens for every decoding sequence that takes them."""
+        k_max = self.cfg.num_speculative_tokens
+        limit = self.model_config.max_position_embeddings
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative:
+                continue
+            # drafts past max_tokens or the context would be thrown away: the bonus token needs none
+            k = min(k_max, seq.params.max_tokens - len(seq.output) - 1, limit - seq.num_tokens - 1)
+            seq.draft = self.drafter.propose(seq.tokens, k) if k > 0 else []
+
     def step(self) -> list[StepOutput]:
+        if self.drafter is not None:
+            self._draft()
         if self.cfg.enable_prefix_caching:
             out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size))
         else:
@@ -214,39 +236,68 @@ class LLMEngine:
         before = {id(s.seq): s.seq.num_computed for s in scheduled}
         logits = self.runner.run(scheduled)
         results: list[StepOutput] = []
-        rows, params, ids = [], [], []
-        for i, s in enumerate(scheduled):
-            s.seq.num_computed += s.num_new_tokens
-            if s.seq.num_computed == s.seq.num_tokens:
-                rows.append(i)
-                params.append(s.seq.params)
-                ids.append(s.seq.seq_id)
-        tokens = self.sampler.sample(logits[rows], params, ids) if rows else []
+        rows, params, ids, first_row = [], [], [], []
+        row = 0
+        for s in scheduled:
+            first_row.append(row)
+            if s.num_draft:  # verified below; its drafts' KV counts once accepted
+                s.seq.num_computed += 1
+            else:
+                s.seq.num_computed += s.num_new_tokens
+                if s.seq.num_computed == s.seq.num_tokens:
+                    rows.append(row)
+                    params.append(s.seq.params)
+                    ids.append(s.seq.seq_id)
+            row += 1 + s.num_draft
+        sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
-        sampled = dict(zip(rows, tokens))
-        for i, s in enumerate(scheduled):
+        for s, r in zip(scheduled, first_row):
             seq = s.seq
-            self._after_compute(seq, before[id(seq)])
-            if i not in sampled:
+            if s.num_draft:
+                new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id)
+                self.num_spec_steps += 1
+                self.num_draft_tokens += s.num_draft
+                self.num_accepted_tokens += len(new) - 1
+                seq.num_draft_tokens += s.num_draft
+                seq.num_accepted_tokens += len(new) - 1
+                seq.draft = []
+            elif r in sampled:
+                new = [sampled[r]]
+            else:
+                self._after_compute(seq, before[id(seq)])
                 continue
-            tok = sampled[i]
-            seq.output.append(tok)
-            self.num_generated += 1
+            reason = None
+            for n, tok in enumerate(new, 1):
+                seq.output.append(tok)
+                self.num_generated += 1
+                if len(seq.output) >= seq.params.max_tokens:
+                    reason = "length"
+                elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
+                    reason = "stop"
+                if reason:
+                    break
+            new = new[:n]
+            if s.num_draft:  # the accepted drafts' KV is in the pages; the rejected ones' is not counted
+                seq.num_computed = seq.num_tokens - 1
+                self._trim_pages(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = None
-            if len(seq.output) >= seq.params.max_tokens:
-                reason = "length"
-            elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
-                reason = "stop"
+            self._after_compute(seq, before[id(seq)])
             if reason:
                 self.num_finished += 1
                 self.scheduler.finish(seq, reason)
                 seq.finish_time = now
                 self.seqs.pop(seq.seq_id, None)
                 self._forget(seq)
-            results.append(StepOutput(seq, tok, reason is not None))
+            results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1) for j, tok in enumerate(new)]
         return results
+
+    def _trim_pages(self, seq: Sequence) -> None:
+        """Frees the pages a verification took for drafts that were rejected."""
+        extra = len(seq.pages) - self.blocks.pages_for(seq.num_tokens)
+        if extra > 0:
+            self.blocks.free(seq.pages[-extra:])
+            del seq.pages[-extra:]
 
     def _load(self, seq: Sequence, scheduled):
         first = seq.num_local_tokens // self.cfg.chunk_tokens

@@ -47,18 +47,20 @@ class ModelRunner:
         return (mc.num_hidden_layers, 2, mc.num_key_value_heads, self.cfg.chunk_tokens, mc.head_dim)
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Computes the step's tokens; returns ``[B, vocab]`` logits of each sequence's last token."""
+        """Computes the step's tokens; returns the logits of each sequence's last ``1 + num_draft``
+        tokens, in order: ``[B, vocab]`` when nothing is speculative."""
         page = self.cfg.page_size
-        ids, pos, slots, cu, ctx = [], [], [], [0], []
+        ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
         max_pages = max(len(s.seq.pages) for s in scheduled)
         tables = torch.zeros(len(scheduled), max_pages, dtype=torch.int32)
         for b, s in enumerate(scheduled):
             seq, start, n = s.seq, s.seq.num_computed, s.num_new_tokens
-            toks = seq.tokens
+            toks = seq.tokens + seq.draft if s.num_draft else seq.tokens
             ids += toks[start : start + n]
             pos += range(start, start + n)
             slots += [seq.pages[p // page] * page + p % page for p in range(start, start + n)]
             cu.append(cu[-1] + n)
+            rows += range(cu[-1] - 1 - s.num_draft, cu[-1])
             ctx.append(start)
             tables[b, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
         dev = self.device
@@ -72,8 +74,7 @@ class ModelRunner:
             max_q_len=max(s.num_new_tokens for s in scheduled),
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), meta, self.kv_caches)
-        last = torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1
-        return self.model.logits(hidden[last])
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)])
 
     def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
         """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.spec_decode import target_probs, verify
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     """Keep generating past the model's EOS token."""
+    speculative: bool = True
+    """Let an engine with speculative decoding (``--speculative``) draft for this request."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,15 +55,20 @@ class Sampler:
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
                 continue
-            probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-            if p.top_p < 1.0:
-                sorted_p, idx = probs.sort(descending=True)
-                keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the top token
-                probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-            gen = self._generators.get(sid)
-            if gen is None:
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed(p.seed if p.seed is not None else torch.seed())
-                self._generators[sid] = gen
-            out[i] = int(torch.multinomial(probs, 1, generator=gen))
+            probs = target_probs(logits[i], p.temperature, p.top_p)
+            out[i] = int(torch.multinomial(probs, 1, generator=self.generator(sid, p, logits.device)))
         return out
+
+    def generator(self, seq_id: int, p: SamplingParams, device: torch.device) -> torch.Generator:
+        """The request's generator, made (seeded) on first use."""
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(p.seed if p.seed is not None else torch.seed())
+            self._generators[seq_id] = gen
+        return gen
+
+    def verify(self, logits: torch.Tensor, draft: list[int], p: SamplingParams, seq_id: int) -> list[int]:
+        """The tokens a verification step emits (engine/spec_decode.py ``verify``)."""
+        gen = self.generator(seq_id, p, logits.device) if p.temperature > 0 else None
+        return verify(logits, draft, p.temperature, p.top_p, gen)

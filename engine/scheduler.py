@@ -1,6 +1,6 @@
 """Continuous batching with chunked prefill, under a per-step token budget. No tensors.
 
-Each step: running decodes first (one token each), then prefill chunks of
+Each step: running decodes first (one token each, plus its speculative tokens), then prefill chunks of
 running sequences, then newly admitted ones, each chunk at most ``chunk_size``
 tokens and the step at most ``max_num_batched_tokens``. So a 32k-token prompt
 costs the running decodes at most one chunk's worth of delay per step.
@@ -24,6 +24,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     """Tokens computed this step, starting at ``seq.num_computed``."""
+    num_draft: int = 0
+    """Of them, speculative tokens after the last real one (``seq.draft``), verified by this step."""
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft = []
         self.blocks.free(seq.pages)
         seq.pages = []
         seq.num_computed = 0
@@ -110,14 +113,15 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self.budget
-        # 1. decodes
+        # 1. decodes, each with its speculative tokens (``seq.draft``) as far as the budget goes
         for seq in list(self.running):
             if seq.num_tokens - seq.num_computed != 1 or budget == 0:
                 continue
-            if not self._pages_or_preempt(seq, seq.num_tokens, out):
+            del seq.draft[budget - 1:]
+            if not self._pages_or_preempt(seq, seq.num_tokens + len(seq.draft), out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, 1))
-            budget -= 1
+            out.scheduled.append(ScheduledSeq(seq, 1 + len(seq.draft), len(seq.draft)))
+            budget -= 1 + len(seq.draft)
         # 2. prefill chunks of running sequences
         for seq in list(self.running):
             remaining = seq.num_tokens - seq.num_computed

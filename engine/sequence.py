@@ -46,6 +46,11 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    draft: list[int] = field(default_factory=list)
+    """Speculative tokens proposed for the next step (not part of ``tokens`` until verified)."""
+    num_draft_tokens: int = 0
+    """Speculative tokens verified for this request, and of those accepted."""
+    num_accepted_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -119,7 +119,7 @@ class Gateway:
     def generate(self, prompt: list[int], req: ParsedRequest) -> Iterator[tuple[list[int], str | None, int]]:
         """Yields ``(new token ids, finish reason or None, cached prompt tokens)``."""
         sampling = pb.SamplingOptions(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                      seed=req.seed, ignore_eos=req.ignore_eos)
+                                      seed=req.seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative)
         route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         first, keys, cached = None, [], 0
         if route.prefill is not None:

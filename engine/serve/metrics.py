@@ -61,6 +61,16 @@ class EngineMetrics:
         r = GaugeMetricFamily("crescent_engine_kv_usage_ratio", "KV pages in use / all KV pages", labels=["role"])
         r.add_metric([self.role], used / total if total else 0.0)
         yield r
+        if eng.drafter is not None:
+            s = CounterMetricFamily("crescent_engine_spec_tokens", "Speculative tokens verified (drafted) and of "
+                                    "those accepted", labels=["role", "kind"])
+            s.add_metric([self.role, "drafted"], eng.num_draft_tokens)
+            s.add_metric([self.role, "accepted"], eng.num_accepted_tokens)
+            yield s
+            n = CounterMetricFamily("crescent_engine_spec_steps", "Sequence-steps that verified drafts (each "
+                                    "emits its accepted tokens plus one)", labels=["role"])
+            n.add_metric([self.role], eng.num_spec_steps)
+            yield n
         if eng.connector is not None:
             st = eng.connector.stats
             b = GaugeMetricFamily("crescent_engine_store_bytes", "Bytes moved to/from the store",

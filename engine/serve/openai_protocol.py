@@ -32,6 +32,7 @@ class ParsedRequest:
     stop: list[str]
     ignore_eos: bool
     cache_salt: str | None
+    speculative: bool
     user: str | None
 
 
@@ -94,6 +95,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
         stop=stop, ignore_eos=bool(body.get("ignore_eos", False)), cache_salt=salt,
+        speculative=bool(body.get("speculative", True)),
         user=body.get("user") if isinstance(body.get("user"), str) else None)
 
 

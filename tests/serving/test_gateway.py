@@ -7,6 +7,7 @@ import urllib.parse
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
@@ -28,14 +29,14 @@ STOP_PROMPT = [61, 194, 204, 210, 194, 43, 49, 66, 64, 21, 13, 220]  # → "g^??
 UTF8_PROMPT = [146, 63, 227, 129, 150, 235, 241, 178, 230, 184, 15, 103]  # → bytes d5 80 ("Հ"), then <|454|>
 
 
-def engine_cfg(store: str | None = None) -> EngineConfig:
-    return EngineConfig(model=MODEL, dtype="float32", chunk_tokens=64, kv_cache_memory="16MiB", store=store)
+def engine_cfg(store: str | None = None, **kw) -> EngineConfig:
+    return EngineConfig(model=MODEL, dtype="float32", chunk_tokens=64, kv_cache_memory="16MiB", store=store, **kw)
 
 
 class Setup:
     """Engines (and optionally a store node) plus a gateway serving on 127.0.0.1:0; ``close`` stops all."""
 
-    def __init__(self, with_store: bool, prefill: bool = True) -> None:
+    def __init__(self, with_store: bool, prefill: bool = True, **decode_cfg) -> None:
         self.parts = []
         self.store = None
         if with_store:
@@ -45,7 +46,7 @@ class Setup:
         self.prefill = EngineNode("prefill", engine_cfg(addr)).start() if prefill else None
         if self.prefill:
             self.parts.append(self.prefill.stop)
-        self.decode = EngineNode("decode", engine_cfg(addr)).start()
+        self.decode = EngineNode("decode", engine_cfg(addr, **decode_cfg)).start()
         self.parts.append(self.decode.stop)
         self.gw = Gateway(MODEL, [self.prefill.address] if self.prefill else [], [self.decode.address],
                           timeout_s=300)
@@ -322,3 +323,36 @@ def test_a_prefill_engine_whose_saves_fail_names_no_chunks_and_requests_still_co
         assert got == want
     finally:
         s.close()
+
+
+def test_a_speculating_decode_engine_streams_the_plain_tokens_and_counts_them():
+    """Disaggregated: the decode engine loads the prompt's KV from the store and drafts (n-gram) what
+    it copies; the client sees exactly the tokens and counts of a store-less, non-speculative pair."""
+    spec, plain = Setup(with_store=True, speculative="ngram", num_speculative_tokens=4), Setup(with_store=False)
+    try:
+        prompt = [17, 250, 3, 88, 140, 9, 301, 77, 45, 260, 12, 199] * 6
+        c, ref_c = spec.client(), plain.client()
+        for stream in (False, True):
+            text, reason, _ = completion(c, prompt, stream, max_tokens=48)
+            assert (text, reason) == completion(ref_c, prompt, stream, max_tokens=48)[:2]
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 48 and r.usage.prompt_tokens == len(prompt)
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.completion_tokens == 48
+        eng = spec.decode.engine
+        assert eng.num_accepted_tokens > 0 and eng.num_spec_steps > 0
+        exported = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(
+            generate_latest(spec.decode.metrics.registry).decode()) for s in fam.samples}
+        assert exported[("crescent_engine_spec_tokens_total", (("kind", "accepted"), ("role", "decode")))] \
+            == eng.num_accepted_tokens
+        assert exported[("crescent_engine_spec_steps_total", (("role", "decode"),))] == eng.num_spec_steps
+        drafted = eng.num_draft_tokens
+        # a request that opts out is not drafted for
+        text, _, _ = completion(c, prompt, False, max_tokens=24, extra_body={"ignore_eos": True, "speculative": False})
+        assert text == completion(ref_c, prompt, False, max_tokens=24)[0] and eng.num_draft_tokens == drafted
+    finally:
+        spec.close()
+        plain.close()
+

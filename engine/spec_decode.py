@@ -1,0 +1,98 @@
+"""Speculative decoding: draft a few tokens cheaply, verify them in one target forward.
+
+Decode is memory-bound: a step reads every weight and the whole KV once, whatever the number of query
+tokens, so checking ``k`` drafted tokens costs about one step. The engine (engine/llm_engine.py) asks a
+drafter for up to ``k`` tokens per decoding sequence, schedules the last real token plus the drafts as
+one multi-token query over the sequence's paged KV (the chunked-prefill path), and ``verify`` turns the
+``k + 1`` rows of logits into the tokens to emit: the accepted prefix of the draft plus one token of the
+target's own. The KV written for rejected drafts is never counted as computed: the next step writes
+over it.
+
+- Greedy (temperature 0): a draft token is accepted while it equals the target's argmax, then the
+  target's argmax follows, so the output is token for token what decoding one token a step gives.
+- Sampling: the rejection rule of Leviathan et al. / Chen et al. with the drafter's distribution a point
+  mass ``q = δ(d)``: ``d`` is accepted with probability ``min(1, p(d) / q(d)) = p(d)``; a rejection
+  samples from the residual ``max(0, p - q)`` normalised, which is ``p`` with ``d`` removed; after ``k``
+  acceptances one more token comes from ``p``. Every emitted token is distributed as the target's
+  (temperature and top-p applied), whatever the drafter proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the sequence's
+    last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``), in its own prompt and output. Strong
+    where outputs copy their context (RAG, code edits, multi-turn chat); no model, no state.
+
+    Args:
+        max_n, min_n: the n-gram sizes tried, longest first.
+        window: how many trailing tokens are searched (bounds the per-step cost).
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= ngram_min ({min_n}) <= ngram_max ({max_n})")
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``tokens``; empty when no n-gram recurs."""
+        if k <= 0:
+            return []
+        toks = tokens[-self.window:]
+        n_tokens = len(toks)
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            suffix = toks[n_tokens - n:]
+            first = suffix[0]
+            for start in range(n_tokens - n - 1, -1, -1):  # the most recent occurrence first
+                if toks[start] == first and toks[start:start + n] == suffix:
+                    return toks[start + n:start + n + k]
+        return []
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution sampling draws from for one row of logits: softmax at ``temperature``, then the
+    nucleus of ``top_p`` (the smallest set of tokens whose probability reaches it; the top one always)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        probs = probs / probs.sum()
+    return probs
+
+
+def verify(logits: torch.Tensor, draft: list[int], temperature: float, top_p: float,
+           generator: torch.Generator | None) -> list[int]:
+    """The tokens to emit after a verification forward: the accepted prefix of ``draft``, then one
+    token of the target's (a correction, or the bonus after a fully accepted draft).
+
+    Args:
+        logits: ``[len(draft) + 1, vocab]``: row ``i`` predicts the token after draft token ``i - 1``
+            (row 0: after the last real token).
+        generator: the request's generator (sampling only).
+    """
+    k = len(draft)
+    if temperature == 0:
+        target = logits[:k + 1].argmax(dim=-1).tolist()
+        out = []
+        for i, d in enumerate(draft):
+            out.append(target[i])
+            if target[i] != d:
+                return out
+        out.append(target[k])
+        return out
+    out = []
+    for i, d in enumerate(draft):
+        probs = target_probs(logits[i], temperature, top_p)
+        if torch.rand((), generator=generator, device=probs.device) < probs[d]:
+            out.append(d)
+            continue
+        residual = probs.clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs(logits[k], temperature, top_p), 1, generator=generator)))
+    return out
