@@ -36,5 +36,9 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -2
 step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid"
 timeout 100 python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | tail -30
 
+step "speculative decoding: a step verifying K drafts vs a plain decode step, random:llama3-8b cut to 8 layers, 4k context"
+timeout 60 python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --context 4096 --batch 1,8 --ks 1,2,4,8 --kv-cache-memory 8GiB --json "$OUT/spec_verify_gpu.json" 2>&1 | grep -v Warning
+
 step "done"
 ls -la "$OUT"

@@ -83,6 +83,47 @@ def run(model: str, prompts: list[list[int]], k: int, max_tokens: int, concurren
             "accepted": eng.num_accepted_tokens, "spec_steps": eng.num_spec_steps}
 
 
+def verify_cost(model: str, hf_overrides: dict | None, batch: int, context: int, ks: list[int], reps: int,
+                kv_cache_memory: str) -> list:
+    """Seconds of one step verifying K drafts per sequence (``1 + K`` query tokens each) against a plain
+    decode step, for ``batch`` sequences of ``context`` tokens: the cost side of speculation."""
+    import torch
+
+    from engine.scheduler import ScheduledSeq
+
+    cfg = EngineConfig(model=model, hf_overrides=hf_overrides, max_num_seqs=batch, chunk_size=min(context, 8192),
+                       max_num_batched_tokens=max(8192, batch * 9), kv_cache_memory=kv_cache_memory)
+    eng = LLMEngine(cfg)
+    vocab = eng.model_config.vocab_size
+    rng = random.Random(0)
+    seqs = [eng.add_request([rng.randrange(3, vocab) for _ in range(context)], SamplingParams(max_tokens=64,
+                            ignore_eos=True)) for _ in range(batch)]
+    while any(not s.output for s in seqs):  # prefill every sequence: each has its first token
+        eng.step()
+    for s in seqs:  # pages for the drafts' KV
+        s.pages += eng.blocks.allocate(eng.blocks.pages_for(s.num_tokens + max(ks)) - len(s.pages))
+    cuda = eng.runner.device.type == "cuda"
+    out = []
+    for k in [0, *ks]:
+        for s in seqs:
+            s.draft = [rng.randrange(3, vocab) for _ in range(k)]
+        sched = [ScheduledSeq(s, 1 + k, k) for s in seqs]
+        times = []
+        for i in range(reps + 2):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.runner.run(sched)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= 2:  # two warm-ups
+                times.append(time.perf_counter() - t)
+        out.append((k, median(times)))
+    for s in seqs:
+        s.draft = []
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="random:small")
@@ -92,7 +133,29 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians")
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="only time a step verifying K drafts against a plain decode step (--batch, --context)")
+    ap.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON, e.g. '{\"num_hidden_layers\": 8}'")
+    ap.add_argument("--batch", default="1,8", help="with --verify-cost: batch sizes")
+    ap.add_argument("--context", type=int, default=4096, help="with --verify-cost: tokens per sequence")
+    ap.add_argument("--json", help="with --verify-cost: also write the figures here")
+    ap.add_argument("--kv-cache-memory", default="1GiB", help="with --verify-cost: the engine's KV pool")
     args = ap.parse_args()
+    if args.verify_cost:
+        ks = [int(k) for k in args.ks.split(",")]
+        rows, raw = [], {}
+        for b in (int(x) for x in args.batch.split(",")):
+            print(f"verify cost: batch {b}, context {args.context} ...", file=sys.stderr, flush=True)
+            res = verify_cost(args.model, args.hf_overrides, b, args.context, ks, 10, args.kv_cache_memory)
+            raw[b] = res
+            plain = res[0][1]
+            rows += [[b, k, f"{t * 1e3:.2f}", f"{t / plain:.2f}x", f"{(1 + k) / (t / plain):.2f}"] for k, t in res]
+        print(table(["batch", "K", "step ms", "vs plain step", "tokens per plain-step time if all accepted"], rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "hf_overrides": args.hf_overrides, "context": args.context,
+                           "steps": {str(b): r for b, r in raw.items()}}, f, indent=1)
+        return
     from engine.model_runner import load_model_config
 
     vocab = load_model_config(args.model).vocab_size
