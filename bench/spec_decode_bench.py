@@ -54,9 +54,13 @@ def workloads(n: int, vocab: int, max_blocks: int = 8) -> dict[str, list[list[in
     return {"copy-heavy": copy, "free": free}
 
 
-def run(model: str, prompts: list[list[int]], k: int, max_tokens: int, concurrency: int) -> dict:
-    cfg = EngineConfig(model=model, dtype="float32", max_num_seqs=concurrency,
-                       speculative="ngram" if k else "none", num_speculative_tokens=max(k, 1))
+def run(model: str, prompts: list[list[int]], method: str, k: int, max_tokens: int, concurrency: int,
+        draft: dict | None = None) -> dict:
+    """One engine, ``method`` (plain, ngram or draft) at ``k`` drafted tokens per step, over ``prompts``."""
+    spec = {} if method == "plain" else {"speculative": method, "num_speculative_tokens": k}
+    if method == "draft":
+        spec.update(draft or {})
+    cfg = EngineConfig(model=model, dtype="float32", max_num_seqs=concurrency, **spec)
     eng = LLMEngine(cfg)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.add_request(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -131,6 +135,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft model for the 'draft' method, with the target's vocabulary (default: the target "
+                         "itself: a random model agrees with no other, so this shows the mechanism's cost at "
+                         "full acceptance)")
+    ap.add_argument("--draft-hf-overrides", type=json.loads, default=None, help="the draft model's overrides")
+    ap.add_argument("--draft-ks", default="2,4", help="K for the draft-model method ('' skips it)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--verify-cost", action="store_true",
@@ -160,26 +170,28 @@ def main() -> None:
 
     vocab = load_model_config(args.model).vocab_size
     ks = [int(k) for k in args.ks.split(",")]
+    methods = [("plain", 0)] + [("ngram", k) for k in ks] + [("draft", int(k)) for k in args.draft_ks.split(",") if k]
+    args.draft_model = args.draft_model or args.model
+    draft = {"draft_model": args.draft_model, "draft_hf_overrides": args.draft_hf_overrides}
     loads = workloads(args.requests, vocab)
-    runs: dict[tuple[str, int], list[dict]] = {}
-    todo = [(r, w, k) for r in range(args.rounds) for w in loads for k in [0, *ks]]
-    for i, (r, w, k) in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] round {r + 1}: {w} {'plain' if k == 0 else f'ngram K={k}'} ...", file=sys.stderr,
-              flush=True)
-        res = run(args.model, loads[w], k, args.max_tokens, args.concurrency)
-        runs.setdefault((w, k), []).append(res)
-        assert res["tokens"] == runs[w, 0][0]["tokens"], f"{w} K={k}: tokens differ from plain decoding"
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    todo = [(r, w, m, k) for r in range(args.rounds) for w in loads for m, k in methods]
+    for i, (r, w, m, k) in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] round {r + 1}: {w} {m}{f' K={k}' if k else ''} ...", file=sys.stderr, flush=True)
+        res = run(args.model, loads[w], m, k, args.max_tokens, args.concurrency, draft)
+        runs.setdefault((w, m, k), []).append(res)
+        assert res["tokens"] == runs[w, "plain", 0][0]["tokens"], f"{w} {m} K={k}: tokens differ from plain decoding"
     results = {key: {**rs[0], **{f: median([x[f] for x in rs]) for f in ("tok_s", "itl_p50", "itl_p99")}}
                for key, rs in runs.items()}
 
     rows = []
     for w in loads:
-        base = results[w, 0]
-        for k in [0, *ks]:
-            r = results[w, k]
+        base = results[w, "plain", 0]
+        for m, k in methods:
+            r = results[w, m, k]
             acc = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
             per_step = (r["accepted"] + r["spec_steps"]) / r["spec_steps"] if r["spec_steps"] else 1.0
-            rows.append([w, "plain" if k == 0 else f"ngram K={k}", f"{r['tok_s']:.0f}",
+            rows.append([w, m if k == 0 else f"{m} K={k}", f"{r['tok_s']:.0f}",
                          f"{r['tok_s'] / base['tok_s']:.2f}x", f"{r['itl_p50'] * 1e3:.2f}", f"{r['itl_p99'] * 1e3:.2f}",
                          r["steps"], "-" if k == 0 else f"{acc:.2f}", "-" if k == 0 else f"{per_step:.2f}"])
     headers = ["workload", "method", "tokens/s", "vs plain", "ITL p50 ms", "ITL p99 ms", "engine steps",
@@ -194,23 +206,30 @@ def main() -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for w, marker in zip(loads, "os"):
-        base = results[w, 0]["tok_s"]
-        ax1.plot(ks, [results[w, k]["tok_s"] / base for k in ks], marker=marker, label=w)
-        ax2.plot(ks, [results[w, k]["accepted"] / max(results[w, k]["drafted"], 1) for k in ks], marker=marker,
-                 label=w)
+        base = results[w, "plain", 0]["tok_s"]
+        for m, ls in (("ngram", "-"), ("draft", ":")):
+            mk = [k for mm, k in methods if mm == m]
+            if not mk:
+                continue
+            ax1.plot(mk, [results[w, m, k]["tok_s"] / base for k in mk], marker=marker, ls=ls, label=f"{w}, {m}")
+            ax2.plot(mk, [results[w, m, k]["accepted"] / max(results[w, m, k]["drafted"], 1) for k in mk],
+                     marker=marker, ls=ls, label=f"{w}, {m}")
     ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax1.set(xlabel="drafted tokens per step (K)", ylabel="tokens/s vs plain decoding", title="throughput")
     ax2.set(xlabel="drafted tokens per step (K)", ylabel="accepted / drafted", title="acceptance", ylim=(0, 1))
     for ax in (ax1, ax2):
         ax.set_xticks(ks)
         ax.legend()
-    fig.suptitle(f"n-gram speculative decoding, {args.model}, {args.concurrency} concurrent, CPU")
+    fig.suptitle(f"speculative decoding, {args.model}, {args.concurrency} concurrent, CPU")
     fig.tight_layout()
     body = (f"## Speculative decoding (bench/spec_decode_bench.py)\n\n"
             f"{args.model} on this 2-core CPU (float32), {args.requests} requests per workload, "
             f"medians of {args.rounds} interleaved rounds, "
-            f"{args.concurrency} at a time, {args.max_tokens} greedy tokens each; plain decoding and n-gram "
-            f"drafting at each K in the same run; every speculative run's tokens equal the plain run's. "
+            f"{args.concurrency} at a time, {args.max_tokens} greedy tokens each; plain decoding, n-gram "
+            f"drafting and a draft model ({args.draft_model}"
+            f"{' with ' + json.dumps(args.draft_hf_overrides) if args.draft_hf_overrides else ''}"
+            f"{': the target itself, which accepts everything and so shows what drafting and verifying cost' if args.draft_model == args.model and not args.draft_hf_overrides else ''}"
+            f") at each K in the same run; every speculative run's tokens equal the plain run's. "
             f"Copy-heavy prompts are the shared trace's blocks with one block quoted again; free prompts are "
             f"random tokens of the same lengths. Command: `.venv/bin/python bench/spec_decode_bench.py "
             f"--write-docs`.\n\n{text}\n")

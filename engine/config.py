@@ -213,10 +213,15 @@ class EngineConfig:
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
 
-    speculative: Literal["none", "ngram"] = "none"
-    """Speculative decoding: ``ngram`` drafts from the sequence's own earlier tokens (prompt lookup) and
-    verifies the drafts in one forward; greedy output stays token for token the same
-    (docs/engine.md, "Speculative decoding")."""
+    speculative: Literal["none", "ngram", "draft"] = "none"
+    """Speculative decoding: ``ngram`` drafts from the sequence's own earlier tokens (prompt lookup),
+    ``draft`` with a small model (``draft_model``); the drafts are verified in one forward, and greedy
+    output stays token for token the same (docs/engine.md, "Speculative decoding")."""
+    draft_model: str | None = None
+    """With ``speculative draft``: the draft model, a checkpoint folder or random preset with the
+    target's vocabulary (its KV takes pages of its own, as many as the target's)."""
+    draft_hf_overrides: dict | None = None
+    """Model config fields of the draft model to replace, as JSON."""
     num_speculative_tokens: int = 4
     """With ``speculative``: most tokens drafted per sequence per step."""
     ngram_max: int = 3
@@ -234,8 +239,10 @@ class EngineConfig:
             raise ValueError("need 0 < chunk_size <= max_num_batched_tokens")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
-        if self.speculative not in ("none", "ngram"):
-            raise ValueError(f"speculative must be none or ngram, got {self.speculative!r}")
+        if self.speculative not in ("none", "ngram", "draft"):
+            raise ValueError(f"speculative must be none, ngram or draft, got {self.speculative!r}")
+        if (self.speculative == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
         if self.speculative != "none" and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -20,6 +20,7 @@ from engine.model_runner import ModelRunner, load_model_config
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
+from engine.spec_decode import NgramDrafter
 from engine.tokenizer import load_tokenizer
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, make_namespace
 
@@ -109,6 +110,18 @@ class LLMEngine:
             from engine.spec_decode import NgramDrafter
 
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+        elif cfg.speculative == "draft":
+            import dataclasses
+
+            from engine.spec_decode import DraftModelDrafter
+
+            draft_cfg = dataclasses.replace(cfg, model=cfg.draft_model, hf_overrides=cfg.draft_hf_overrides,
+                                            num_pages=self.runner.num_pages, speculative="none", draft_model=None,
+                                            draft_hf_overrides=None)
+            dmc = load_model_config(draft_cfg.model, draft_cfg.hf_overrides)
+            if dmc.vocab_size != mc.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({dmc.vocab_size}) is not the target's ({mc.vocab_size})")
+            self.drafter = DraftModelDrafter(ModelRunner(draft_cfg, dmc))
         self.num_spec_steps = 0
         """Sequence-steps that verified drafts; draft tokens verified, and of those accepted."""
         self.num_draft_tokens = 0
@@ -208,12 +221,26 @@ class LLMEngine:
         """Proposes speculative tokens for every decoding sequence that takes them."""
         k_max = self.cfg.num_speculative_tokens
         limit = self.model_config.max_position_embeddings
+        wanted = []
         for seq in self.scheduler.running:
+            seq.draft = []  # (one the budget left unscheduled last step is stale)
             if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative:
                 continue
             # drafts past max_tokens or the context would be thrown away: the bonus token needs none
             k = min(k_max, seq.params.max_tokens - len(seq.output) - 1, limit - seq.num_tokens - 1)
-            seq.draft = self.drafter.propose(seq.tokens, k) if k > 0 else []
+            if k > 0:
+                wanted.append((seq, k))
+        if isinstance(self.drafter, NgramDrafter):
+            for seq, k in wanted:
+                seq.draft = self.drafter.propose(seq.tokens, k)
+            return
+        fits = []  # a draft model writes its KV for the drafts into the sequence's pages: take them now
+        for seq, k in wanted:
+            need = self.blocks.pages_for(seq.num_tokens + k) - len(seq.pages)
+            if need <= 0 or self.blocks.can_allocate(need):
+                seq.pages += self.blocks.allocate(need) if need > 0 else []
+                fits.append((seq, k))
+        self.drafter.draft(fits)
 
     def step(self) -> list[StepOutput]:
         if self.drafter is not None:
@@ -279,6 +306,7 @@ class LLMEngine:
             new = new[:n]
             if s.num_draft:  # the accepted drafts' KV is in the pages; the rejected ones' is not counted
                 seq.num_computed = seq.num_tokens - 1
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)
                 self._trim_pages(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -54,8 +54,9 @@ class ModelRunner:
         max_pages = max(len(s.seq.pages) for s in scheduled)
         tables = torch.zeros(len(scheduled), max_pages, dtype=torch.int32)
         for b, s in enumerate(scheduled):
-            seq, start, n = s.seq, s.seq.num_computed, s.num_new_tokens
-            toks = seq.tokens + seq.draft if s.num_draft else seq.tokens
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed if s.start is None else s.start
+            toks = seq.tokens + seq.draft if seq.draft else seq.tokens
             ids += toks[start : start + n]
             pos += range(start, start + n)
             slots += [seq.pages[p // page] * page + p % page for p in range(start, start + n)]

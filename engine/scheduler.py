@@ -26,6 +26,9 @@ class ScheduledSeq:
     """Tokens computed this step, starting at ``seq.num_computed``."""
     num_draft: int = 0
     """Of them, speculative tokens after the last real one (``seq.draft``), verified by this step."""
+    start: int | None = None
+    """First position computed (None: ``seq.num_computed``); a draft model's pass starts where its own
+    KV of the sequence ends."""
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.draft = []
+        seq.num_draft_computed = 0
         self.blocks.free(seq.pages)
         seq.pages = []
         seq.num_computed = 0

@@ -48,6 +48,8 @@ class Sequence:
     num_preemptions: int = 0
     draft: list[int] = field(default_factory=list)
     """Speculative tokens proposed for the next step (not part of ``tokens`` until verified)."""
+    num_draft_computed: int = 0
+    """Leading tokens whose KV the draft model holds (``--speculative draft``), in the same pages."""
     num_draft_tokens: int = 0
     """Speculative tokens verified for this request, and of those accepted."""
     num_accepted_tokens: int = 0

@@ -52,6 +52,36 @@ class NgramDrafter:
         return []
 
 
+class DraftModelDrafter:
+    """A small model sharing the target's vocabulary drafts greedily, all drafting sequences batched per
+    pass. Its KV lives in a cache of its own with the target's page ids, so a sequence's block table
+    serves both; ``seq.num_draft_computed`` says how far its KV of the sequence reaches. The first pass
+    catches up on what the draft model has not seen (the prompt, or tokens the target accepted); each
+    further pass feeds the token just drafted. A greedy drafter is a point mass, so ``verify`` keeps the
+    target's distribution for it as for the n-gram drafter.
+    """
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def draft(self, wanted: list[tuple[object, int]]) -> None:
+        """Sets ``seq.draft`` to ``k`` drafted tokens for each ``(seq, k)``; the sequences' pages must
+        already cover ``num_tokens + k`` tokens."""
+        from engine.scheduler import ScheduledSeq
+
+        for seq, _ in wanted:
+            seq.draft = []
+            # its KV past the last real token is of drafts never verified (the budget left them out)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_tokens - 1)
+        for _ in range(max((k for _, k in wanted), default=0)):
+            batch = [seq for seq, k in wanted if len(seq.draft) < k]
+            sched = [ScheduledSeq(seq, seq.num_tokens + len(seq.draft) - seq.num_draft_computed,
+                                  start=seq.num_draft_computed) for seq in batch]
+            for seq, tok in zip(batch, self.runner.run(sched).argmax(dim=-1).tolist()):
+                seq.num_draft_computed = seq.num_tokens + len(seq.draft)
+                seq.draft.append(tok)
+
+
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The distribution sampling draws from for one row of logits: softmax at ``temperature``, then the
     nucleus of ``top_p`` (the smallest set of tokens whose probability reaches it; the top one always)."""

@@ -188,8 +188,28 @@ def test_sampled_speculation_is_reproducible_per_seed():
     assert a == b and all(len(x) == 30 for x in a)
 
 
+def test_a_draft_model_drafts_with_its_own_paged_kv_and_the_output_stays_exact():
+    """The target itself as the draft model: every draft is the target's own greedy continuation, so all
+    are accepted only if the draft model's KV (catch-up over the prompt, one pass per drafted token,
+    rolled back to what was accepted) is right. A different (1-layer) draft model: few accepted, the
+    same tokens."""
+    prompts = copy_heavy_prompts(seed=10, n=3) + free_prompts(seed=11, n=2)
+    plain, _ = generate(prompts)
+    same, (steps, drafted, accepted) = generate(prompts, speculative="draft", draft_model=MODEL)
+    assert same == plain and steps > 0 and accepted >= 0.9 * drafted
+    other, (_, drafted, accepted) = generate(prompts, speculative="draft", draft_model=MODEL,
+                                             draft_hf_overrides={"num_hidden_layers": 1}, num_speculative_tokens=3)
+    assert other == plain and drafted > 0 and accepted < drafted
+    # beside chunked prefill, and under preemption (the draft model's KV is recomputed with the pages)
+    chunked, _ = generate(prompts, speculative="draft", draft_model=MODEL, chunk_size=32, max_num_batched_tokens=64)
+    small, (_, drafted, accepted) = generate(prompts, speculative="draft", draft_model=MODEL, num_pages=40)
+    assert chunked == plain and small == plain and accepted >= 0.9 * drafted
+
+
 def test_bad_speculative_settings_are_refused():
     for kw in ({"speculative": "eagle"}, {"speculative": "ngram", "num_speculative_tokens": 0},
-               {"ngram_min": 3, "ngram_max": 2}):
+               {"ngram_min": 3, "ngram_max": 2}, {"speculative": "draft"}, {"draft_model": MODEL}):
         with pytest.raises(ValueError):
             EngineConfig(model=MODEL, **kw)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(EngineConfig(model=MODEL, speculative="draft", draft_model="random:small"))
