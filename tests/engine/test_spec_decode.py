@@ -35,8 +35,8 @@ def free_prompts(seed: int = 1, n: int = 2) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(30, 90))] for _ in range(n)]
 
 
-def generate(prompts, max_tokens=40, **cfg):
-    with LLM(MODEL, dtype="float32", **cfg) as llm:
+def generate(prompts, max_tokens=40, model=MODEL, **cfg):
+    with LLM(model, dtype="float32", **cfg) as llm:
         outs = llm.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
         e = llm.engine
         return [o.token_ids for o in outs], (e.num_spec_steps, e.num_draft_tokens, e.num_accepted_tokens)
@@ -186,6 +186,26 @@ def test_sampled_speculation_is_reproducible_per_seed():
 
     a, b = run(), run()
     assert a == b and all(len(x) == 30 for x in a)
+
+
+@pytest.mark.parametrize("case", ["llama3-rope-tied", "qwen2-bias", "mistral"])
+def test_greedy_speculation_is_exact_for_every_model_family(case, tmp_path):
+    """Checkpoints of each family the engine loads (saved by transformers, as in test_hf_parity)."""
+    import transformers
+
+    from tests.engine.test_hf_parity import CASES, _save
+
+    model_cls, cfg_cls, kw = CASES[case]
+    _save(getattr(transformers, model_cls), getattr(transformers, cfg_cls), tmp_path, **kw)
+    rng = random.Random(12)
+    passage = [rng.randrange(3, 300) for _ in range(30)]
+    prompts = [passage * 3, [rng.randrange(3, 300) for _ in range(50)]]
+    folder = str(tmp_path)
+    plain, _ = generate(prompts, model=folder)
+    for spec in ({"speculative": "ngram"}, {"speculative": "draft", "draft_model": folder}):
+        out, (steps, _, accepted) = generate(prompts, model=folder, **spec)
+        assert out == plain and steps > 0, spec
+    assert accepted > 0
 
 
 def test_a_draft_model_drafts_with_its_own_paged_kv_and_the_output_stays_exact():
