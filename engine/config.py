@@ -227,6 +227,9 @@ class EngineConfig:
     ngram_max: int = 3
     """With ``speculative ngram``: the longest and the shortest n-gram looked up (longest first)."""
     ngram_min: int = 1
+    ngram_history: int = 0
+    """With ``speculative ngram``: finished sequences kept to draft from when a sequence's own tokens
+    have no match for its last ``ngram_max`` tokens (requests sharing a prefix often go on alike); 0: none."""
 
     def __post_init__(self) -> None:
         from kvstore.config import check_etcd, parse_size
@@ -245,6 +248,8 @@ class EngineConfig:
             raise ValueError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
         if self.speculative != "none" and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
+        if self.ngram_history < 0:
+            raise ValueError(f"ngram_history must be >= 0, got {self.ngram_history}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         if self.store_load_batch <= 0 or self.store_save_buffers <= 0:

@@ -109,7 +109,7 @@ class LLMEngine:
         if cfg.speculative == "ngram":
             from engine.spec_decode import NgramDrafter
 
-            self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+            self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min, history=cfg.ngram_history)
         elif cfg.speculative == "draft":
             import dataclasses
 
@@ -313,6 +313,8 @@ class LLMEngine:
             self._after_compute(seq, before[id(seq)])
             if reason:
                 self.num_finished += 1
+                if isinstance(self.drafter, NgramDrafter):
+                    self.drafter.remember(seq.tokens)
                 self.scheduler.finish(seq, reason)
                 seq.finish_time = now
                 self.seqs.pop(seq.seq_id, None)

@@ -27,15 +27,39 @@ class NgramDrafter:
     last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``), in its own prompt and output. Strong
     where outputs copy their context (RAG, code edits, multi-turn chat); no model, no state.
 
+    With ``history``, when a sequence's own tokens have no match, the drafter looks in the last
+    ``history`` finished sequences (``remember``), most recent first, for its last ``max_n`` tokens:
+    requests that share a prompt prefix (a document, a system prompt) often go on alike.
+
     Args:
         max_n, min_n: the n-gram sizes tried, longest first.
         window: how many trailing tokens are searched (bounds the per-step cost).
+        history: finished sequences kept to draft from (0: none).
     """
 
-    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096, history: int = 0) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= ngram_min ({min_n}) <= ngram_max ({max_n})")
         self.max_n, self.min_n, self.window = max_n, min_n, window
+        import collections
+
+        self.history: collections.deque[list[int]] = collections.deque(maxlen=history)
+        self.num_history_drafts = 0
+        """Drafts that came from another sequence."""
+
+    def remember(self, tokens: list[int]) -> None:
+        """Keeps a finished sequence's tokens to draft from (with ``history``)."""
+        if self.history.maxlen:
+            self.history.append(tokens[-self.window:])
+
+    @staticmethod
+    def _lookup(toks: list[int], suffix: list[int], end: int, k: int) -> list[int]:
+        """What followed the last occurrence of ``suffix`` starting before ``end`` in ``toks``."""
+        n, first = len(suffix), suffix[0]
+        for start in range(end - 1, -1, -1):  # the most recent occurrence first
+            if toks[start] == first and toks[start:start + n] == suffix:
+                return toks[start + n:start + n + k]
+        return []
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens to follow ``tokens``; empty when no n-gram recurs."""
@@ -44,11 +68,14 @@ class NgramDrafter:
         toks = tokens[-self.window:]
         n_tokens = len(toks)
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            suffix = toks[n_tokens - n:]
-            first = suffix[0]
-            for start in range(n_tokens - n - 1, -1, -1):  # the most recent occurrence first
-                if toks[start] == first and toks[start:start + n] == suffix:
-                    return toks[start + n:start + n + k]
+            if out := self._lookup(toks, toks[n_tokens - n:], n_tokens - n, k):
+                return out
+        if self.history and n_tokens >= self.max_n:
+            suffix = toks[n_tokens - self.max_n:]
+            for other in reversed(self.history):
+                if out := self._lookup(other, suffix, len(other) - self.max_n, k):
+                    self.num_history_drafts += 1
+                    return out
         return []
 
 

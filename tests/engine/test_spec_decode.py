@@ -60,6 +60,21 @@ def test_ngram_drafter_continues_the_most_recent_occurrence_of_the_longest_suffi
         NgramDrafter(1, 2)
 
 
+def test_ngram_drafter_with_history_drafts_from_finished_sequences():
+    d = NgramDrafter(max_n=3, min_n=1, history=2)
+    assert d.propose([1, 2, 3, 4], 3) == []
+    d.remember([9, 1, 2, 3, 4, 50, 51, 52, 53])
+    assert d.propose([7, 7, 2, 3, 4], 3) == [50, 51, 52]  # its own tokens have no "2 3 4" before
+    assert d.propose([2, 3, 4, 8, 2, 3, 4], 2) == [8, 2]  # its own tokens come first
+    assert d.propose([5, 3, 4], 3) == []  # across sequences only the full max_n-gram counts
+    d.remember([2, 3, 4, 60])
+    assert d.propose([7, 7, 2, 3, 4], 3) == [60]  # the most recent first
+    d.remember([0])
+    d.remember([0])  # history=2: the first two are gone
+    assert d.propose([7, 7, 2, 3, 4], 3) == [] and d.num_history_drafts == 2
+    assert NgramDrafter().history.maxlen == 0
+
+
 # ---- verification -----------------------------------------------------------------------------------
 
 
