@@ -118,7 +118,40 @@ def _register_conductor(sub) -> None:
 
 # Each adds its subcommands: ``register(subparsers)`` sets ``handler(ns) -> exit code``.
 # Keep imports inside handlers so `crescent --help` stays fast.
-BUILTIN = [_register_store, _register_conductor]
+def _register_certs(sub) -> None:
+    p = sub.add_parser("certs", help="development TLS certificates",
+                       description="Development TLS certificates for --tls-cert/--tls-key/--tls-ca (kvstore/tls.py).")
+    cmds = p.add_subparsers(dest="certs_command", required=True)
+    c = cmds.add_parser("init", help="write a CA, a node certificate (server + client) and a client certificate",
+                        description="Writes DIR/ca.pem, ca-key.pem, node.pem, node-key.pem (server and client "
+                                    "authentication, for the given hosts plus localhost and 127.0.0.1), "
+                                    "client.pem, client-key.pem (client authentication only). Keys are 0600; "
+                                    "an existing CA is never overwritten.")
+    c.add_argument("dir", help="folder to write (created if missing)")
+    c.add_argument("--host", action="append", default=[], metavar="NAME",
+                   help="a host name or IP the node certificate is valid for (repeatable)")
+    c.add_argument("--days", type=float, default=365.0, help="validity of the node and client certificates")
+    c.set_defaults(handler=_run_certs_init)
+
+
+def _run_certs_init(ns: argparse.Namespace) -> int:
+    from kvstore import tls
+
+    if not ns.days > 0:
+        print("crescent certs init: error: --days must be > 0", file=sys.stderr)
+        return 2
+    try:
+        paths = tls.init_dir(ns.dir, ns.host, ns.days)
+    except (FileExistsError, OSError) as exc:
+        print(f"crescent certs init: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(os.path.basename(p) for p in paths.values())} to {ns.dir}")
+    print(f"serve with: crescent --tls-cert {paths['node']} --tls-key {paths['node_key']} --tls-ca {paths['ca']} "
+          "--tls-client-auth ...")
+    return 0
+
+
+BUILTIN = [_register_store, _register_conductor, _register_certs]
 ENTRY_POINT_GROUP = "crescent.commands"
 
 
@@ -146,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-id", default=None, metavar="NAME",
                         help="this process's host, for same-host movers (default: $CRESCENT_HOST_ID, else the "
                              "hostname): processes with different host ids never use shared memory")
+    tls = parser.add_argument_group("TLS (every gRPC server and client of this process and its children; "
+                                    "$CRESCENT_TLS_CERT, _KEY, _CA, _CLIENT_AUTH)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="this process's certificate chain")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--tls-ca", metavar="PEM", help="the CA that peers' certificates must chain to")
+    tls.add_argument("--tls-client-auth", action="store_true",
+                     help="servers: accept only clients with a certificate of that CA (mTLS)")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in BUILTIN + plugin_registrars():
         register(sub)
@@ -164,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[HOST_ID_ENV] = ns.host_id  # children (crescent up's parts) inherit it
         host_identity.cache_clear()
+    if ns.tls_cert or ns.tls_key or ns.tls_ca or ns.tls_client_auth:
+        from kvstore import tls
+
+        try:  # through the environment: children (crescent up's parts) inherit it
+            tls.configure(ns.tls_cert, ns.tls_key, ns.tls_ca, ns.tls_client_auth)
+        except ValueError as exc:
+            print(f"crescent: error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return ns.handler(ns)
 

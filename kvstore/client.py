@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, Union
 
-import grpc
-
+from kvstore import tls
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.datachannel import Status, _Connections
 from kvstore.liveness import channel_options
@@ -125,12 +124,16 @@ class StoreClient:
                  data_channel: bool = True, transport: str = "auto", local_reads: bool = True) -> None:
         if transport not in REQUESTS:
             raise InvalidArgumentError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
+        secure = tls.config() is not None
+        if secure and transport == "tcp":
+            raise InvalidArgumentError("transport tcp: the TCP data channel carries no TLS; under TLS use auto, "
+                                       "shm or grpc")
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._channel = tls.channel(address, _OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._want_dc = data_channel and transport != "grpc"
+        self._want_dc = data_channel and transport != "grpc" and not secure  # (its bytes would be plaintext)
         self._dc: _Connections | None = None
         self._dc_lock = threading.Lock()
         self._limits: pb.HealthResponse | None = None

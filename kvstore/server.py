@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 
+from kvstore import tls
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.dataserver import DataChannelServer
@@ -252,10 +253,7 @@ class StoreNode:
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]
-        try:
-            self.port = self.server.add_insecure_port(config.listen)
-        except RuntimeError:  # grpc raises on a failed bind
-            self.port = 0
+        self.port = tls.add_port(self.server, config.listen)
         if self.port == 0:
             if self.kv_events is not None:
                 self.kv_events.stop()
@@ -266,7 +264,7 @@ class StoreNode:
         self.address = f"{advertised_host(host, config.advertise_host)}:{self.port}"
         self.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         self.data_server = None
-        if config.data_port >= 0:
+        if config.data_port >= 0 and tls.config() is None:  # under TLS chunk bytes move over gRPC (or shm)
             self.data_server = DataChannelServer(
                 self.store, host, config.data_port,
                 on_op=self._on_tcp_op, grants=self.transport)

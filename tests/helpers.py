@@ -82,8 +82,8 @@ class Proc:
 class StoreProcess(Proc):
     """``crescent store`` as a real subprocess on 127.0.0.1:0; the address is read from its banner."""
 
-    def __init__(self, *args: str, host_id: str | None = None) -> None:
-        top = ["--host-id", host_id] if host_id else []
+    def __init__(self, *args: str, host_id: str | None = None, top: list[str] | tuple = ()) -> None:
+        top = (["--host-id", host_id] if host_id else []) + list(top)
         super().__init__([sys.executable, "-m", "kvstore.cli", *top, "store", "--listen", "127.0.0.1:0", *args],
                          "listening on")
         self.address = re.search(r"listening on ([^\s,]+)", self.line).group(1)

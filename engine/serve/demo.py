@@ -22,6 +22,7 @@ import sys
 import time
 
 from engine.serve.workload import ROOT, TENANTS, load_workload, pct, run_workload
+from kvstore import tls
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,8 +73,6 @@ def main() -> int:
 
 
 def report(results, state, wall, data) -> None:
-    import grpc
-
     from kvstore.client import StoreClient
     from proto.crescent.v1 import engine_pb2, engine_pb2_grpc
 
@@ -96,7 +95,7 @@ def report(results, state, wall, data) -> None:
     for role in ("prefill", "decode"):
         addr = state.get(f"{role}_engine")
         if addr:
-            with grpc.insecure_channel(addr) as ch:
+            with tls.channel(addr) as ch:
                 engines[role] = engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.EngineStatsRequest(), timeout=30)
     mib = 1 / 2**20
     print("\nbytes moved")

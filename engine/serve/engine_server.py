@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
+from kvstore import tls
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.liveness import server_options
 from proto.crescent.v1 import engine_pb2 as pb
@@ -159,10 +160,7 @@ class EngineNode:
         self.metrics = EngineMetrics(role, self.engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
                                   options=server_options())
-        try:
-            self.port = self.server.add_insecure_port(listen)
-        except RuntimeError:
-            self.port = 0
+        self.port = tls.add_port(self.server, listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or not local)")
         self.host = listen.rpartition(":")[0]

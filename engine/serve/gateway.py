@@ -25,6 +25,7 @@ from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_respon
                                           stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.tokenizer import load_tokenizer
+from kvstore import tls
 from kvstore.liveness import channel_options
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ class Engines:
     @staticmethod
     def _stub(address: str) -> pb_grpc.EngineStub:
         # keepalive: a Prefill on a cut engine fails in seconds (then the decode engine prefills)
-        return pb_grpc.EngineStub(grpc.insecure_channel(address, options=channel_options()))
+        return pb_grpc.EngineStub(tls.channel(address, channel_options()))
 
     def __getitem__(self, address: str) -> pb_grpc.EngineStub:
         with self._lock:

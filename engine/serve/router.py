@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstore import tls
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +89,7 @@ class ConductorRouter:
         for m in self.client.members():
             if m.kind in (MemberKind.PREFILL, MemberKind.DECODE) and m.state != "dead":
                 try:
-                    with grpc.insecure_channel(m.address, options=channel_options()) as ch:
+                    with tls.channel(m.address, channel_options()) as ch:
                         h = engine_pb2_grpc.EngineStub(ch).Health(engine_pb2.EngineHealthRequest(), timeout=5)
                     fp = ModelFingerprint.decode(h.fingerprint)
                 except (grpc.RpcError, ValueError):

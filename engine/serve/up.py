@@ -25,6 +25,7 @@ import urllib.request
 
 import grpc
 
+from kvstore import tls
 from kvstore.procs import stop_process
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -129,7 +130,7 @@ class Part:
 
 def _healthy_grpc(stub_cls, req, address: str) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with tls.channel(address) as ch:
             return bool(stub_cls(ch).Health(req, timeout=2).serving)
     except grpc.RpcError:
         return False

@@ -25,6 +25,7 @@ import threading
 
 import grpc
 
+from kvstore import tls
 from kvstore.conductor.client import CHANNEL_OPTIONS, discover, split_addresses
 from kvstore.conductor.membership import EngineLoad, MemberKind
 from kvstore.errors import CrescentError, leader_hint
@@ -137,7 +138,7 @@ class MemberAgent:
     def _connect(self, address: str) -> None:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = tls.channel(address, CHANNEL_OPTIONS)
         self.conductor = address
         self._stub = cpb_grpc.ConductorStub(ch)
 

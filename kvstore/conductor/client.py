@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import grpc
 
+from kvstore import tls
 from kvstore.conductor.membership import EngineLoad, MemberKind
 from kvstore.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, call_grpc
 from kvstore.liveness import channel_options
@@ -154,7 +155,7 @@ class ConductorClient:
     def _connect(self, address: str) -> None:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = tls.channel(address, CHANNEL_OPTIONS)
         self.address = address
         self._stub = cpb_grpc.ConductorStub(ch)
 

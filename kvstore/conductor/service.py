@@ -22,6 +22,7 @@ from concurrent import futures
 
 import grpc
 
+from kvstore import tls
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.console import ConsoleLog, ConsoleServer, finite
 from kvstore.conductor.costmodel import CostModel, DecodeSample, HardwareProfile, PrefillSample
@@ -110,10 +111,7 @@ class Conductor(cpb_grpc.ConductorServicer):
                                   options=server_options(64 << 20))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
-        try:
-            self.port = self.server.add_insecure_port(config.listen)
-        except RuntimeError:
-            self.port = 0
+        self.port = tls.add_port(self.server, config.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
         self.host = config.listen.rpartition(":")[0]

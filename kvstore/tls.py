@@ -1,0 +1,216 @@
+"""TLS and mutual TLS for every Crescent gRPC hop, and development certificates.
+
+One setting per process, from ``crescent --tls-cert FILE --tls-key FILE --tls-ca FILE
+[--tls-client-auth]`` or the environment (``CRESCENT_TLS_CERT``, ``CRESCENT_TLS_KEY``,
+``CRESCENT_TLS_CA``, ``CRESCENT_TLS_CLIENT_AUTH=1``; the flags set these, so the processes
+``crescent up`` starts inherit them). With it, every gRPC server (store node, conductor, engine)
+listens with TLS only, and every client channel (``StoreClient``, ``ConductorClient``, member
+agents, the gateway's and router's engine channels, ``crescent ctl``) verifies the server's
+certificate against the CA and presents its own certificate, so servers started with
+``--tls-client-auth`` accept only clients holding a certificate of that CA (mTLS). Without it,
+nothing changes: plaintext, as before.
+
+Certificates name the hosts they serve (subject alternative names); gRPC checks the name a client
+dialled against them. ``crescent certs init DIR --host NAME ...`` writes a development CA
+(``ca.pem``, ``ca-key.pem``) and one certificate + key pair (``node.pem``, ``node-key.pem``) valid
+for both ends (server and client authentication) for the given hosts plus ``localhost`` and
+``127.0.0.1``, and a client-only pair (``client.pem``, ``client-key.pem``) for tools.
+
+The TCP data channel (kvstore/datachannel.py) carries chunk bytes outside gRPC; under TLS a client
+does not use it (``transport=auto`` moves bytes through shared memory on the node's host, else
+through gRPC, which is encrypted), and an explicit ``--transport tcp`` is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import ipaddress
+import os
+
+import grpc
+
+ENV = {"cert": "CRESCENT_TLS_CERT", "key": "CRESCENT_TLS_KEY", "ca": "CRESCENT_TLS_CA",
+       "client_auth": "CRESCENT_TLS_CLIENT_AUTH"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    cert: bytes
+    """This process's certificate chain (PEM)."""
+    key: bytes
+    """Its private key (PEM)."""
+    ca: bytes
+    """The CA bundle peers' certificates are checked against (PEM)."""
+    client_auth: bool = False
+    """Servers: require a client certificate signed by ``ca``."""
+
+
+def _read(name: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"--tls-{name} {path}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"--tls-{name} {path}: not a PEM file")
+    return data
+
+
+@functools.lru_cache(maxsize=8)
+def _load(cert: str, key: str, ca: str, client_auth: bool) -> TlsConfig:
+    return TlsConfig(_read("cert", cert), _read("key", key), _read("ca", ca), client_auth)
+
+
+def config() -> TlsConfig | None:
+    """This process's TLS setting (from the environment), or None for plaintext.
+
+    Raises:
+        ValueError: some but not all of the files are given, or one cannot be read.
+    """
+    paths = {k: os.environ.get(v) or None for k, v in ENV.items() if k != "client_auth"}
+    if not any(paths.values()):
+        return None
+    missing = [f"--tls-{k}" for k, v in paths.items() if not v]
+    if missing:
+        raise ValueError(f"TLS needs --tls-cert, --tls-key and --tls-ca; missing {', '.join(missing)}")
+    client_auth = os.environ.get(ENV["client_auth"], "") not in ("", "0", "false")
+    return _load(paths["cert"], paths["key"], paths["ca"], client_auth)
+
+
+def configure(cert: str | None, key: str | None, ca: str | None, client_auth: bool = False) -> None:
+    """Sets this process's (and its children's) TLS setting; checks the files at once.
+
+    Raises:
+        ValueError: as ``config``.
+    """
+    for name, value in (("cert", cert), ("key", key), ("ca", ca)):
+        if value:
+            os.environ[ENV[name]] = os.path.abspath(value)
+        else:
+            os.environ.pop(ENV[name], None)
+    os.environ[ENV["client_auth"]] = "1" if client_auth else ""
+    config()
+
+
+def add_port(server: grpc.Server, address: str) -> int:
+    """``server.add_secure_port`` under TLS, else ``add_insecure_port``: the bound port, 0 on failure."""
+    tls = config()
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                            require_client_auth=tls.client_auth)
+        return server.add_secure_port(address, creds)
+    except RuntimeError:  # grpc raises on a failed bind
+        return 0
+
+
+def channel(address: str, options=None) -> grpc.Channel:
+    """A client channel to ``address``: TLS (with this process's certificate) or plaintext."""
+    tls = config()
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+    return grpc.secure_channel(address, creds, options=options)
+
+
+# ---- development certificates (crescent certs init) -------------------------------------
+
+
+def _name(common_name: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Crescent (development)"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(hosts: list[str]):
+    from cryptography import x509
+
+    out = []
+    for h in dict.fromkeys(hosts):
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            out.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(out)
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def issue(ca_cert, ca_key, common_name: str, hosts: list[str], *, server: bool, client: bool,
+          not_before: datetime.datetime | None = None, days: float = 365.0):
+    """A new EC key and a certificate for it signed by the CA: ``(cert PEM, key PEM)``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server else []) + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])
+    b = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+         .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+    if hosts:
+        b = b.add_extension(_san(hosts), critical=False)
+    cert = b.sign(ca_key, hashes.SHA256())
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def new_ca(common_name: str = "Crescent development CA", days: float = 3650.0):
+    """A self-signed CA: ``(cert, key)`` objects."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    cert = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(_name(common_name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert, key
+
+
+def init_dir(folder: str, hosts: list[str], days: float = 365.0) -> dict[str, str]:
+    """Writes a development CA, a node pair (server + client) and a client pair into ``folder``; keys 0600.
+    Returns file role → path.
+
+    Raises:
+        FileExistsError: ``folder`` already holds a CA (never overwritten).
+    """
+    from cryptography.hazmat.primitives import serialization
+
+    os.makedirs(folder, exist_ok=True)
+    paths = {n: os.path.join(folder, f) for n, f in (("ca", "ca.pem"), ("ca_key", "ca-key.pem"),
+                                                     ("node", "node.pem"), ("node_key", "node-key.pem"),
+                                                     ("client", "client.pem"), ("client_key", "client-key.pem"))}
+    if os.path.exists(paths["ca"]):
+        raise FileExistsError(f"{paths['ca']} exists: use another folder, or remove it first")
+    ca_cert, ca_key = new_ca()
+    node = issue(ca_cert, ca_key, "crescent-node", ["localhost", "127.0.0.1", *hosts], server=True, client=True,
+                 days=days)
+    client = issue(ca_cert, ca_key, "crescent-client", [], server=False, client=True, days=days)
+    files = {"ca": ca_cert.public_bytes(serialization.Encoding.PEM), "ca_key": _pem_key(ca_key),
+             "node": node[0], "node_key": node[1], "client": client[0], "client_key": client[1]}
+    for role, data in files.items():
+        fd = os.open(paths[role], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if role.endswith("key") else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return paths

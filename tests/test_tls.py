@@ -1,0 +1,202 @@
+"""TLS and mTLS on the gRPC hops (kvstore/tls.py), with real handshakes: a store node, a conductor and
+its member agent, the clients, and real `crescent` processes. Wrong CA, expired certificates (either
+end), a missing client certificate, plaintext to a TLS port: each call fails cleanly and the server
+keeps serving the clients that hold the right certificates."""
+
+import datetime
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from kvstore import tls
+from kvstore.client import ClusterClient, Retry, StoreClient
+from kvstore.conductor.client import ConductorClient
+from kvstore.conductor.config import ConductorConfig
+from kvstore.conductor.service import Conductor
+from kvstore.config import StoreConfig
+from kvstore.errors import CrescentError, InvalidArgumentError
+from kvstore.server import StoreNode
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.helpers import ROOT, Proc, StoreProcess, wait_for
+
+ONCE = Retry(attempts=1)
+
+
+@pytest.fixture(autouse=True)
+def no_tls_leaks():
+    """Each test sets the process's TLS setting itself; none leaks into the next."""
+    saved = {v: os.environ.get(v) for v in tls.ENV.values()}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """Two development CAs (`crescent certs init`, the real CLI), and odd certificates of the first."""
+    from cryptography import x509
+
+    root = tmp_path_factory.mktemp("certs")
+    for name in ("a", "b"):
+        r = subprocess.run([sys.executable, "-m", "kvstore.cli", "certs", "init", str(root / name)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    a = {p.stem: str(p) for p in (root / "a").iterdir()}
+    ca_cert = x509.load_pem_x509_certificate(open(a["ca"], "rb").read())
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    ca_key = load_pem_private_key(open(a["ca-key"], "rb").read(), None)
+    long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=30)
+    for name, kw in (("expired-node", dict(server=True, client=True, not_before=long_ago, days=1)),):
+        cert, key = tls.issue(ca_cert, ca_key, name, ["localhost", "127.0.0.1"], **kw)
+        (root / f"{name}.pem").write_bytes(cert)
+        (root / f"{name}-key.pem").write_bytes(key)
+    return {"a": a, "b": {p.stem: str(p) for p in (root / "b").iterdir()}, "root": root}
+
+
+def use(certs, cert="node", ca="a", client_auth=True, key=None):
+    """Sets this process's TLS setting: a certificate of CA a (or a file under root), trusting ``ca``."""
+    if cert in ("node", "client"):
+        cert_path, key_path = certs["a"][cert], certs["a"][f"{cert}-key"]
+    else:
+        cert_path, key_path = str(certs["root"] / f"{cert}.pem"), str(certs["root"] / f"{cert}-key.pem")
+    tls.configure(cert_path, key or key_path, certs[ca]["ca"], client_auth)
+
+
+def plaintext():
+    tls.configure(None, None, None)
+
+
+def fails(address: str) -> bool:
+    """Whether a Health call from a client with the current setting fails (cleanly, in time)."""
+    try:
+        with StoreClient(address, timeout_s=10, retry=ONCE) as c:
+            c.health()
+    except CrescentError:
+        return True
+    return False
+
+
+def test_certs_init_writes_a_ca_and_pairs_and_never_overwrites(certs):
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    a = certs["a"]
+    assert sorted(a) == ["ca", "ca-key", "client", "client-key", "node", "node-key"]
+    assert all(os.stat(a[k]).st_mode & 0o777 == 0o600 for k in a if k.endswith("key"))
+    node = x509.load_pem_x509_certificate(open(a["node"], "rb").read())
+    san = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    usage = node.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in usage and ExtendedKeyUsageOID.CLIENT_AUTH in usage
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "certs", "init", os.path.dirname(a["ca"])], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "exists" in r.stderr
+    with pytest.raises(ValueError, match="missing --tls-ca"):
+        tls.configure(a["node"], a["node-key"], None)
+    with pytest.raises(ValueError, match="not a PEM file"):
+        tls.configure(a["node"], a["node-key"], __file__)
+
+
+def test_mtls_store_node_serves_certified_clients_and_refuses_the_others(certs):
+    use(certs)  # the node: its certificate, clients must hold one of CA a
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+    try:
+        with StoreClient(node.address, timeout_s=30) as c:
+            c.put(b"k", b"secret prompt")
+            assert c.get(b"k") == b"secret prompt" and c.batch_get([b"k", b"x"]) == [b"secret prompt", None]
+            assert c.health()["data_port"] == 0  # no plaintext data channel under TLS
+            assert c.transport in ("shm", "grpc")
+        with pytest.raises(InvalidArgumentError, match="no TLS"):
+            StoreClient(node.address, transport="tcp")
+
+        plaintext()
+        assert fails(node.address)  # plaintext to a TLS port
+        use(certs, ca="b")
+        assert fails(node.address)  # a client that trusts another CA: the server's certificate is not valid
+        tls.configure(certs["b"]["node"], certs["b"]["node-key"], certs["a"]["ca"])
+        assert fails(node.address)  # a certificate of another CA
+        use(certs, cert="expired-node")
+        assert fails(node.address)  # an expired client certificate
+        # no client certificate at all (TLS, but not mutual)
+        with grpc.secure_channel(node.address, grpc.ssl_channel_credentials(open(certs["a"]["ca"], "rb").read())) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        use(certs, cert="client")  # the tools' client-only certificate: served, all along
+        with StoreClient(node.address, timeout_s=30) as c:
+            assert c.get(b"k") == b"secret prompt"
+    finally:
+        node.stop(grace=0)
+
+
+def test_an_expired_server_certificate_is_refused_and_tls_without_client_auth_takes_any_tls_client(certs):
+    use(certs, cert="expired-node", client_auth=False)
+    expired = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+    use(certs, client_auth=False)
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+    try:
+        assert fails(expired.address)
+        ca = open(certs["a"]["ca"], "rb").read()
+        with grpc.secure_channel(node.address, grpc.ssl_channel_credentials(ca)) as ch:
+            assert pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=30).serving
+    finally:
+        expired.stop(grace=0)
+        node.stop(grace=0)
+
+
+def test_a_conductor_its_store_nodes_and_cluster_clients_under_mtls(certs):
+    use(certs)
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
+    nodes = [StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address, dram="16MiB"))
+             .start() for n in ("a", "b")]
+    try:
+        with ConductorClient(conductor.address) as cc:
+            wait_for(lambda: len(cc.members()) == 2, what="both nodes registered over mTLS")
+        with ClusterClient(conductor.address, timeout_s=30) as c:
+            keys = [bytes([i]) * 16 for i in range(8)]
+            assert all(c.batch_put([(k, k * 4) for k in keys]))
+            with ConductorClient(conductor.address) as cc:
+                wait_for(lambda: cc.locate(keys).num_prefix == 8, what="the chunks indexed")
+            assert c.batch_get(keys) == [k * 4 for k in keys]
+        plaintext()
+        with pytest.raises(CrescentError):
+            with ConductorClient(conductor.address, timeout_s=10, retry=ONCE) as cc:
+                cc.members()
+    finally:
+        use(certs)
+        for n in nodes:
+            n.stop(grace=0)
+        conductor.stop()
+
+
+def test_real_processes_with_the_tls_flags(certs):
+    a = certs["a"]
+    flags = ["--tls-cert", a["node"], "--tls-key", a["node-key"], "--tls-ca", a["ca"], "--tls-client-auth"]
+    conductor = Proc([sys.executable, "-m", "kvstore.cli", *flags, "conductor", "--listen", "127.0.0.1:0",
+                      "--heartbeat-interval", "0.2"], "listening on")
+    address = conductor.line.split("listening on ")[1].split()[0].rstrip(",")
+    store = StoreProcess("--node-id", "n1", "--conductor", address, "--dram", "16MiB", top=flags)
+    try:
+        def ctl(*top):
+            return subprocess.run([sys.executable, "-m", "kvstore.cli", *top, "ctl", "nodes", "--conductor", address,
+                                   "--timeout", "10"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+        wait_for(lambda: "n1" in ctl(*flags).stdout, timeout_s=60, what="ctl nodes over mTLS to list n1")
+        client_flags = ["--tls-cert", a["client"], "--tls-key", a["client-key"], "--tls-ca", a["ca"]]
+        assert "n1" in ctl(*client_flags).stdout
+        r = ctl()  # plaintext
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        r = ctl("--tls-cert", a["node"], "--tls-key", a["node-key"])
+        assert r.returncode == 2 and "missing --tls-ca" in r.stderr
+    finally:
+        store.stop()
+        conductor.stop()
