@@ -174,7 +174,9 @@ def plugin_registrars() -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving")
+    # NOTE: no abbreviations: a subcommand flag such as `up --tls` must not read as a prefix of --tls-cert
+    parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving",
+                                     allow_abbrev=False)
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     parser.add_argument("--host-id", default=None, metavar="NAME",
                         help="this process's host, for same-host movers (default: $CRESCENT_HOST_ID, else the "

@@ -76,6 +76,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "ports (root only); the gateway stays on --host, reachable as usual (default: on when "
                         "run as root with --nodes > 1 and namespaces can be made, else distinct loopback ports)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS on every gRPC hop: development certificates in <data>/tls (made on first use, "
+                        "`crescent certs init`), every part started with them and --tls-client-auth")
 
 
 def _free_port(host: str) -> int:
@@ -215,6 +218,14 @@ def run_up(ns: argparse.Namespace) -> int:
               "choose other ports with --*-port", file=sys.stderr)
         return 2
 
+    tls_dir = None
+    if ns.tls:  # the parts inherit the setting through the environment (kvstore/tls.py)
+        tls_dir = os.path.join(data, "tls")
+        if not os.path.exists(os.path.join(tls_dir, "ca.pem")):
+            tls.init_dir(tls_dir, [ns.host, socket.gethostname(), *(f"{NETNS_SUBNET}.{i}" for i in range(1, 17)),
+                                   f"{NETNS_SUBNET}.254"])
+        tls.configure(os.path.join(tls_dir, "node.pem"), os.path.join(tls_dir, "node-key.pem"),
+                      os.path.join(tls_dir, "ca.pem"), client_auth=True)
     py = [sys.executable, "-m", "kvstore.cli"]
     metrics_at: dict[str, str] = {}  # each part's Prometheus /metrics host:port (the gateway's: its HTTP port)
 
@@ -340,7 +351,8 @@ def run_up(ns: argparse.Namespace) -> int:
                  "console": metrics["conductor"].removesuffix("/metrics") + "/ui" if conductor else None,
                  "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None),
                  "hosts": ({f"h{i}": {"namespace": h, "address": hosts.addr(i)} for i, h in enumerate(hosts.hosts)}
-                           if hosts else None)}
+                           if hosts else None),
+                 "tls": tls_dir}
         if etcd is not None:
             state["pids"]["etcd"] = etcd.pid
         with open(state_path + ".tmp", "w") as f:
@@ -357,7 +369,11 @@ def run_up(ns: argparse.Namespace) -> int:
             print(f"  hosts        {', '.join(f'h{i} {hosts.addr(i)} ({h})' for i, h in enumerate(hosts.hosts))}",
                   flush=True)
         if conductor:
-            print(f"  conductor    {conductor}   (crescent ctl nodes --conductor {conductor})", flush=True)
+            ctl_tls = (f"--tls-cert {tls_dir}/client.pem --tls-key {tls_dir}/client-key.pem --tls-ca {tls_dir}/ca.pem "
+                       if tls_dir else "")
+            print(f"  conductor    {conductor}   (crescent {ctl_tls}ctl nodes --conductor {conductor})", flush=True)
+        if tls_dir:
+            print(f"  mTLS         every gRPC hop; certificates in {tls_dir}", flush=True)
         if state["console"]:
             print(f"  console      {state['console']}   (the conductor's web console)", flush=True)
         if state["etcd"]:

@@ -328,3 +328,41 @@ def test_up_nodes_on_loopback_serves_across_store_nodes(tmp_path, storeless):
         assert loaded and float(loaded.group(1)) > 0
     finally:
         assert cl.stop() == 0, cl.output()
+
+
+def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens(tmp_path, storeless):
+    from kvstore import tls
+    from kvstore.client import Retry, StoreClient
+    from kvstore.errors import CrescentError
+
+    c = Cluster(str(tmp_path), "--tls")
+    saved = {v: os.environ.get(v) for v in tls.ENV.values()}
+    try:
+        ids = _ids(41, 150)
+        r = client(c).completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        want = storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
+        assert r.choices[0].text == want
+        d = c.state["tls"]
+        assert d and "mTLS" in c.output()
+        for address in (c.state["store"], c.state["prefill_engine"], c.state["decode_engine"]):
+            with grpc.insecure_channel(address) as ch:  # plaintext to each TLS port
+                with pytest.raises(grpc.RpcError) as err:
+                    epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
+                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with pytest.raises(CrescentError):
+            with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
+                s.health()
+        tls.configure(f"{d}/client.pem", f"{d}/client-key.pem", f"{d}/ca.pem")  # the tools' certificate
+        with StoreClient(c.state["store"], timeout_s=30) as s:
+            st = s.stats()  # the engines' saves came over mTLS, through shm or gRPC (no TCP data channel)
+            assert s.health()["serving"] and s.health()["data_port"] == 0
+            assert sum(t["num_entries"] for t in st["tiers"].values()) > 0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        assert c.stop() == 0, c.output()
+
