@@ -124,16 +124,12 @@ class StoreClient:
                  data_channel: bool = True, transport: str = "auto", local_reads: bool = True) -> None:
         if transport not in REQUESTS:
             raise InvalidArgumentError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
-        secure = tls.config() is not None
-        if secure and transport == "tcp":
-            raise InvalidArgumentError("transport tcp: the TCP data channel carries no TLS; under TLS use auto, "
-                                       "shm or grpc")
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry
         self._channel = tls.channel(address, _OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._want_dc = data_channel and transport != "grpc" and not secure  # (its bytes would be plaintext)
+        self._want_dc = data_channel and transport != "grpc"
         self._dc: _Connections | None = None
         self._dc_lock = threading.Lock()
         self._limits: pb.HealthResponse | None = None

@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 import hmac
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -115,8 +116,13 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
-    """Gather-writes every view in order (``sendmsg``, resuming after partial sends)."""
+    """Gather-writes every view in order (``sendmsg``, resuming after partial sends; a TLS socket
+    has no ``sendmsg``: one ``sendall`` per view)."""
     pending = [memoryview(v).cast("B") for v in views if len(v)]
+    if isinstance(sock, ssl.SSLSocket):
+        for v in pending:
+            sock.sendall(v)
+        return
     while pending:
         batch = pending[:_IOV_MAX]
         sent = sock.sendmsg(batch)
@@ -154,7 +160,12 @@ def encode_response(items: Sequence[tuple[Status, int]], msg: str = "", grant: b
 def read_request(sock: socket.socket) -> tuple[Op, list[bytes], list[int], int] | None:
     """Reads one request header and body: ``(op, keys, args, mover)``; None when the
     peer closed cleanly between requests."""
-    first = sock.recv(_REQ.size, socket.MSG_WAITALL)
+    if isinstance(sock, ssl.SSLSocket):  # (no recv flags on TLS sockets)
+        first = sock.recv(_REQ.size)
+        if first and len(first) < _REQ.size:
+            first += recv_exact(sock, _REQ.size - len(first))
+    else:
+        first = sock.recv(_REQ.size, socket.MSG_WAITALL)
     if not first:
         return None
     if len(first) < _REQ.size:
@@ -263,11 +274,16 @@ class DataChannelClient:
     """
 
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0) -> None:
+        from kvstore import tls
+
         try:
             self.sock = connect(host, port, timeout_s)
-        except OSError as exc:
+            tune(self.sock)
+            ctx = tls.client_context()
+            if ctx is not None:
+                self.sock = ctx.wrap_socket(self.sock, server_hostname=host)
+        except OSError as exc:  # ssl.SSLError included: a failed handshake
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
-        tune(self.sock)
         self.sock.sendall(HELLO + token)
         self._deferred: list[tuple[int, Callable | None]] = []
 

@@ -37,6 +37,10 @@ class DataChannelServer:
         self.grants = grants
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._on_op = on_op  # callback(op_name, seconds, nbytes) for metrics
+        from kvstore import tls
+
+        self._tls = tls.server_context()
+        """Under TLS: every connection is wrapped (``--tls-cert``; kvstore/tls.py)."""
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -76,6 +80,12 @@ class DataChannelServer:
             self._conns.add(conn)
         try:
             tune(conn)
+            if self._tls is not None:  # the handshake runs here, on the connection's own thread
+                conn.settimeout(30)
+                plain, conn = conn, self._tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(plain)
+                    self._conns.add(conn)
             conn.settimeout(None)
             hello = recv_exact(conn, len(HELLO) + TOKEN_BYTES)
             if hello[:4] != HELLO or not check_token(hello[4:], self.token):

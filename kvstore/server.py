@@ -264,7 +264,7 @@ class StoreNode:
         self.address = f"{advertised_host(host, config.advertise_host)}:{self.port}"
         self.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         self.data_server = None
-        if config.data_port >= 0 and tls.config() is None:  # under TLS chunk bytes move over gRPC (or shm)
+        if config.data_port >= 0:
             self.data_server = DataChannelServer(
                 self.store, host, config.data_port,
                 on_op=self._on_tcp_op, grants=self.transport)

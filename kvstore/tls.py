@@ -16,9 +16,10 @@ dialled against them. ``crescent certs init DIR --host NAME ...`` writes a devel
 for both ends (server and client authentication) for the given hosts plus ``localhost`` and
 ``127.0.0.1``, and a client-only pair (``client.pem``, ``client-key.pem``) for tools.
 
-The TCP data channel (kvstore/datachannel.py) carries chunk bytes outside gRPC; under TLS a client
-does not use it (``transport=auto`` moves bytes through shared memory on the node's host, else
-through gRPC, which is encrypted), and an explicit ``--transport tcp`` is refused.
+The TCP data channel (kvstore/datachannel.py), which carries chunk bytes outside gRPC, speaks TLS
+with the same certificates (``server_context`` / ``client_context``: Python's ``ssl``, TLS 1.2 or
+newer, the client checking the node's name, the node requiring client certificates under
+``--tls-client-auth``). Shared memory stays same-host only.
 """
 
 from __future__ import annotations
@@ -92,6 +93,40 @@ def configure(cert: str | None, key: str | None, ca: str | None, client_auth: bo
             os.environ.pop(ENV[name], None)
     os.environ[ENV["client_auth"]] = "1" if client_auth else ""
     config()
+
+
+def _paths() -> tuple[str, str, str]:
+    return os.environ[ENV["cert"]], os.environ[ENV["key"]], os.environ[ENV["ca"]]
+
+
+def server_context():
+    """An ``ssl.SSLContext`` for the data channel's server side under TLS, else None."""
+    import ssl
+
+    tls = config()
+    if tls is None:
+        return None
+    cert, key, ca = _paths()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    ctx.load_verify_locations(ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED if tls.client_auth else ssl.CERT_NONE
+    return ctx
+
+
+def client_context():
+    """An ``ssl.SSLContext`` for data-channel clients under TLS (checks the node's name), else None."""
+    import ssl
+
+    if config() is None:
+        return None
+    cert, key, ca = _paths()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_verify_locations(ca)
+    ctx.load_cert_chain(cert, key)
+    return ctx
 
 
 def add_port(server: grpc.Server, address: str) -> int:

@@ -17,7 +17,7 @@ from kvstore.conductor.client import ConductorClient
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
-from kvstore.errors import CrescentError, InvalidArgumentError
+from kvstore.errors import CrescentError
 from kvstore.server import StoreNode
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
@@ -112,10 +112,34 @@ def test_mtls_store_node_serves_certified_clients_and_refuses_the_others(certs):
         with StoreClient(node.address, timeout_s=30) as c:
             c.put(b"k", b"secret prompt")
             assert c.get(b"k") == b"secret prompt" and c.batch_get([b"k", b"x"]) == [b"secret prompt", None]
-            assert c.health()["data_port"] == 0  # no plaintext data channel under TLS
-            assert c.transport in ("shm", "grpc")
-        with pytest.raises(InvalidArgumentError, match="no TLS"):
-            StoreClient(node.address, transport="tcp")
+            data_port = c.health()["data_port"]
+        # the TCP data channel speaks TLS too: big values both ways, batches, gets into buffers
+        big = [os.urandom(3 << 20), os.urandom(1 << 16), b""]
+        with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
+            assert c.transport == "tcp"
+            assert all(c.batch_put([(b"b%d" % i, v) for i, v in enumerate(big)]))
+            assert c.batch_get([b"b0", b"b1", b"b2", b"nope"]) == big + [None]
+            bufs = [bytearray(len(v)) for v in big[:2]]
+            assert c.batch_get_into([b"b0", b"b1"], bufs) == [len(v) for v in big[:2]] and bufs == big[:2]
+        # a plaintext or wrongly certified peer of the data channel gets nothing, and the node goes on
+        import socket
+        import ssl
+
+        with socket.create_connection(("127.0.0.1", data_port), timeout=30) as s:
+            try:
+                s.sendall(b"CRDC" + bytes(32))  # a plaintext hello
+                got = s.recv(100)
+            except ConnectionResetError:
+                got = b""
+            assert got == b"" or got[0] == 0x15  # closed, or a TLS alert record: never a plaintext answer
+        tls.configure(certs["b"]["node"], certs["b"]["node-key"], certs["b"]["ca"])
+        ctx = tls.client_context()
+        with socket.create_connection(("127.0.0.1", data_port), timeout=10) as s:
+            with pytest.raises(ssl.SSLError):  # the node's certificate is not of CA b
+                ctx.wrap_socket(s, server_hostname="127.0.0.1")
+        use(certs)
+        with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
+            assert c.get(b"b1") == big[1]
 
         plaintext()
         assert fails(node.address)  # plaintext to a TLS port

@@ -355,9 +355,8 @@ def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens
                 s.health()
         tls.configure(f"{d}/client.pem", f"{d}/client-key.pem", f"{d}/ca.pem")  # the tools' certificate
         with StoreClient(c.state["store"], timeout_s=30) as s:
-            st = s.stats()  # the engines' saves came over mTLS, through shm or gRPC (no TCP data channel)
-            assert s.health()["serving"] and s.health()["data_port"] == 0
-            assert sum(t["num_entries"] for t in st["tiers"].values()) > 0
+            st = s.stats()  # the engines' saves came over mTLS
+            assert s.health()["serving"] and sum(t["num_entries"] for t in st["tiers"].values()) > 0
     finally:
         for k, v in saved.items():
             if v is None:
