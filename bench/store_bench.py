@@ -135,9 +135,13 @@ def memcpy_gbps(total: int, block: int, distinct_sources: bool = False, threads:
 # ---- Crescent -----------------------------------------------------------------
 
 class Server:
-    def __init__(self, dram: str) -> None:
+    """A ``crescent store`` process; with ``tls_dir``, under mTLS with that folder's node certificate."""
+
+    def __init__(self, dram: str, tls_dir: str | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="crescent-bench-")
-        cmd = [sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", "--dram", dram,
+        top = (["--tls-cert", f"{tls_dir}/node.pem", "--tls-key", f"{tls_dir}/node-key.pem", "--tls-ca",
+                f"{tls_dir}/ca.pem", "--tls-client-auth"] if tls_dir else [])
+        cmd = [sys.executable, "-m", "kvstore.cli", *top, "store", "--listen", "127.0.0.1:0", "--dram", dram,
                "--disk", os.path.join(self.dir, "disk"), "--disk-size", "4GiB", "--transport", "auto"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -317,7 +321,21 @@ def main() -> None:
     batch_bytes = (32 if args.quick else 64) * MiB
     os.makedirs(OUT, exist_ok=True)
     results: dict = {}
+    from kvstore import tls
+
+    tls_dir = tempfile.mkdtemp(prefix="crescent-bench-tls-")
+    tls.init_dir(tls_dir, [])
     server = Server(dram="1GiB")
+    tls_server = Server(dram="1GiB", tls_dir=tls_dir)
+
+    def under_tls(fn):
+        """``fn()`` with this process's clients on mTLS (the client certificate of ``tls_dir``)."""
+        tls.configure(f"{tls_dir}/client.pem", f"{tls_dir}/client-key.pem", f"{tls_dir}/ca.pem")
+        try:
+            return fn()
+        finally:
+            tls.configure(None, None, None)
+
     try:
         for size in SIZES:
             r = results[size] = {}
@@ -343,10 +361,18 @@ def main() -> None:
             r["crescent_tcp"] = bench_crescent(server.address, size, batch_bytes, reps, "tcp")
             log(f"{human(size)}: Crescent over gRPC only")
             r["crescent_grpc"] = bench_crescent(server.address, size, batch_bytes, reps, "grpc")
+            log(f"{human(size)}: Crescent over the TCP data channel, mTLS")
+            r["crescent_tcp_tls"] = under_tls(lambda: bench_crescent(tls_server.address, size, batch_bytes, reps,
+                                                                     "tcp"))
+            log(f"{human(size)}: Crescent over gRPC only, mTLS")
+            r["crescent_grpc_tls"] = under_tls(lambda: bench_crescent(tls_server.address, size, batch_bytes, reps,
+                                                                      "grpc"))
             log(f"{human(size)}: Redis")
             r["redis"] = bench_redis(size, batch_bytes, reps)
     finally:
         server.stop()
+        tls_server.stop()
+        shutil.rmtree(tls_dir, ignore_errors=True)
 
     rows = []
     for size in SIZES:
@@ -367,7 +393,9 @@ def main() -> None:
                           ("Crescent (shm, every read granted)", "crescent_shm_granted"),
                           ("Crescent (shm, grants over gRPC)", "crescent_shm_grpc"),
                           ("Crescent (TCP channel)", "crescent_tcp"),
-                          ("Crescent (gRPC only)", "crescent_grpc"), ("Redis", "redis")):
+                          ("Crescent (TCP channel, mTLS)", "crescent_tcp_tls"),
+                          ("Crescent (gRPC only)", "crescent_grpc"),
+                          ("Crescent (gRPC only, mTLS)", "crescent_grpc_tls"), ("Redis", "redis")):
             if not r.get(key):
                 continue
             for op in ("put", "get", "batch_get_into"):
@@ -390,6 +418,10 @@ def main() -> None:
                 f"(which itself reaches {m['memcpy_par_gbps'] / m['memcpy_gbps']:.2f}× memcpy: the ceiling here); "
                 f"{shm_granted / m['memcpy_gbps']:.2f}× memcpy with every read granted, "
                 f"{shm_grpc / m['memcpy_gbps']:.2f}× with the grant calls over gRPC")
+    t, p_ = m["crescent_tcp_tls"], m["crescent_tcp"]
+    summary += (f"; mTLS on the TCP channel, 1 MiB values: batch_get_into {t['batch_get_into']['gbps']:.2f} GB/s = "
+                f"{t['batch_get_into']['gbps'] / p_['batch_get_into']['gbps']:.2f}× plaintext, put "
+                f"{t['put']['gbps'] / p_['put']['gbps']:.2f}× plaintext (same run)")
     if not results[MiB].get("redis"):
         summary += "; Redis not installed, no Redis rows"
     print()
