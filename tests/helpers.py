@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,4 +150,29 @@ def run_json_script(python: str, script: str, args: list[str], out: str, log: st
         pytest.fail(f"{os.path.basename(script)} {' '.join(args)} exited with {rc}; log tail:\n{text[-6000:]}")
     with open(out) as f:
         return {**json.load(f), "log": text}
+
+
+@contextlib.contextmanager
+def conductor_and_nodes(node_ids=("a", "b"), dram: str = "16MiB"):
+    """An in-process conductor (heartbeat 0.2 s) and store nodes registered with it:
+    ``(conductor, nodes)``; all stopped on exit."""
+    from kvstore.conductor.client import ConductorClient
+    from kvstore.conductor.config import ConductorConfig
+    from kvstore.conductor.service import Conductor
+    from kvstore.config import StoreConfig
+    from kvstore.server import StoreNode
+
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
+    nodes = []
+    try:
+        for n in node_ids:
+            nodes.append(StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address,
+                                               dram=dram)).start())
+        with ConductorClient(conductor.address) as cc:
+            wait_for(lambda: len(cc.members()) == len(nodes), what=f"{len(nodes)} store nodes registered")
+        yield conductor, nodes
+    finally:
+        for n in nodes:
+            n.stop(grace=0)
+        conductor.stop(0)
 

@@ -14,14 +14,12 @@ import pytest
 from kvstore import tls
 from kvstore.client import ClusterClient, Retry, StoreClient
 from kvstore.conductor.client import ConductorClient
-from kvstore.conductor.config import ConductorConfig
-from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
 from kvstore.errors import CrescentError
 from kvstore.server import StoreNode
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.helpers import ROOT, Proc, StoreProcess, wait_for
+from tests.helpers import ROOT, Proc, StoreProcess, conductor_and_nodes, wait_for
 
 ONCE = Retry(attempts=1)
 
@@ -179,12 +177,7 @@ def test_an_expired_server_certificate_is_refused_and_tls_without_client_auth_ta
 
 def test_a_conductor_its_store_nodes_and_cluster_clients_under_mtls(certs):
     use(certs)
-    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
-    nodes = [StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address, dram="16MiB"))
-             .start() for n in ("a", "b")]
-    try:
-        with ConductorClient(conductor.address) as cc:
-            wait_for(lambda: len(cc.members()) == 2, what="both nodes registered over mTLS")
+    with conductor_and_nodes() as (conductor, _):  # registered over mTLS
         with ClusterClient(conductor.address, timeout_s=30) as c:
             keys = [bytes([i]) * 16 for i in range(8)]
             assert all(c.batch_put([(k, k * 4) for k in keys]))
@@ -195,11 +188,7 @@ def test_a_conductor_its_store_nodes_and_cluster_clients_under_mtls(certs):
         with pytest.raises(CrescentError):
             with ConductorClient(conductor.address, timeout_s=10, retry=ONCE) as cc:
                 cc.members()
-    finally:
-        use(certs)
-        for n in nodes:
-            n.stop(grace=0)
-        conductor.stop()
+        use(certs)  # (to stop them)
 
 
 def test_real_processes_with_the_tls_flags(certs):

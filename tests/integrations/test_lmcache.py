@@ -19,12 +19,9 @@ import os
 import pytest
 
 from kvstore.client import StoreClient
-from kvstore.conductor.client import ConductorClient
-from kvstore.conductor.config import ConductorConfig
-from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
-from tests.helpers import ROOT, require_venv, run_json_script, venv_python, wait_for
+from tests.helpers import ROOT, conductor_and_nodes, require_venv, run_json_script, venv_python
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "lmcache_run.py")
 PROMPT_TOKENS, CHUNK = 53, 16  # lmcache_run.py's PROMPT and chunk_size
@@ -123,12 +120,7 @@ def test_the_connector_made_by_lmcache(runs):
 
 def test_through_a_conductor_over_two_store_nodes(tmp_path):
     require_venv("lmcache")
-    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
-    nodes = [StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address, dram="16MiB"))
-             .start() for n in ("a", "b")]
-    try:
-        with ConductorClient(conductor.address) as cc:
-            wait_for(lambda: len(cc.members()) == 2, what="2 nodes registered")
+    with conductor_and_nodes() as (conductor, nodes):
         store = _run(str(tmp_path), "store", "store", conductor.address)
         assert store["lookup"] == PROMPT_TOKENS
         held = [sum(n.store.exists([k.encode()])[0] for n in nodes) for k in store["keys"]]
@@ -136,7 +128,3 @@ def test_through_a_conductor_over_two_store_nodes(tmp_path):
         load = _run(str(tmp_path), "load", "load", conductor.address)
         assert load["prompt"] == {"lookup": PROMPT_TOKENS, "retrieved": PROMPT_TOKENS, "prefix": True,
                                   "equal": True, "rest_untouched": True}
-    finally:
-        for n in nodes:
-            n.stop(grace=0)
-        conductor.stop(0)

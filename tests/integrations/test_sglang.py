@@ -16,13 +16,10 @@ import os
 
 import pytest
 
-from kvstore.conductor.client import ConductorClient
-from kvstore.conductor.config import ConductorConfig
-from kvstore.conductor.service import Conductor
 from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
 from kvstore.store import Tier
-from tests.helpers import ROOT, require_venv, run_json_script, wait_for
+from tests.helpers import ROOT, conductor_and_nodes, require_venv, run_json_script
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "sglang_run.py")
 pytestmark = pytest.mark.timeout(900)
@@ -38,21 +35,14 @@ def runs(tmp_path_factory):
     python = require_venv("sglang")
     tmp = str(tmp_path_factory.mktemp("sglang"))
     node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="64MiB")).start()
-    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", heartbeat_interval=0.2)).start()
-    nodes = [StoreNode(StoreConfig(listen="127.0.0.1:0", node_id=n, conductor=conductor.address, dram="16MiB"))
-             .start() for n in ("a", "b")]
     try:
-        with ConductorClient(conductor.address) as cc:
-            wait_for(lambda: len(cc.members()) == 2, what="2 store nodes registered")
-        res = {"write": _run(python, tmp, "write", node.address),
-               "read": _run(python, tmp, "read", node.address, conductor.address)}
-        res["held"] = [n.store.stats()["tiers"][Tier.DRAM]["num_entries"] for n in nodes]
-        return res
+        with conductor_and_nodes() as (conductor, nodes):
+            res = {"write": _run(python, tmp, "write", node.address),
+                   "read": _run(python, tmp, "read", node.address, conductor.address)}
+            res["held"] = [n.store.stats()["tiers"][Tier.DRAM]["num_entries"] for n in nodes]
+            return res
     finally:
-        for n in nodes:
-            n.stop(grace=0)
         node.stop(grace=0)
-        conductor.stop(0)
 
 
 def test_sglang_builds_the_backend_and_its_zero_copy_path_round_trips(runs):
