@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--tls-ca", metavar="PEM", help="the CA that peers' certificates must chain to")
     tls.add_argument("--tls-client-auth", action="store_true",
                      help="servers: accept only clients with a certificate of that CA (mTLS)")
+    auth = parser.add_argument_group("bearer tokens (kvstore/auth.py)")
+    auth.add_argument("--auth-file", metavar="JSON", help="servers: take only calls with one of this file's tokens "
+                                                          "($CRESCENT_AUTH_FILE)")
+    auth.add_argument("--token", metavar="TOKEN", help="clients: send this bearer token ($CRESCENT_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in BUILTIN + plugin_registrars():
         register(sub)
@@ -211,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
 
         try:  # through the environment: children (crescent up's parts) inherit it
             tls.configure(ns.tls_cert, ns.tls_key, ns.tls_ca, ns.tls_client_auth)
+        except ValueError as exc:
+            print(f"crescent: error: {exc}", file=sys.stderr)
+            return 2
+    if ns.auth_file or ns.token:
+        from kvstore import auth
+
+        try:  # (the environment again, for children)
+            auth.configure(ns.auth_file, ns.token)
         except ValueError as exc:
             print(f"crescent: error: {exc}", file=sys.stderr)
             return 2

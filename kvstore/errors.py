@@ -62,9 +62,23 @@ class FailedPreconditionError(CrescentError):
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class UnauthenticatedError(CrescentError):
+    """The server needs a bearer token, and the call carried none it knows (kvstore/auth.py)."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(CrescentError):
+    """The call's token lacks the scope the operation needs (kvstore/auth.py)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE = {
     cls.grpc_code: cls
     for cls in (
+        UnauthenticatedError,
+        PermissionDeniedError,
         InvalidArgumentError,
         NotFoundError,
         ResourceExhaustedError,

@@ -17,7 +17,7 @@ from concurrent import futures
 
 import grpc
 
-from kvstore import tls
+from kvstore import auth, tls
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.dataserver import DataChannelServer
@@ -249,7 +249,7 @@ class StoreNode:
         self.stopping = False
         self._drained = threading.Event()  # set: cut a drain short (a second signal)
         self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
-        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS)
+        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]

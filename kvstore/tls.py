@@ -143,12 +143,15 @@ def add_port(server: grpc.Server, address: str) -> int:
 
 
 def channel(address: str, options=None) -> grpc.Channel:
-    """A client channel to ``address``: TLS (with this process's certificate) or plaintext."""
+    """A client channel to ``address``: TLS (with this process's certificate) or plaintext, sending this
+    process's bearer token when it has one (kvstore/auth.py)."""
+    from kvstore.auth import with_token
+
     tls = config()
     if tls is None:
-        return grpc.insecure_channel(address, options=options)
+        return with_token(grpc.insecure_channel(address, options=options))
     creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
-    return grpc.secure_channel(address, creds, options=options)
+    return with_token(grpc.secure_channel(address, creds, options=options))
 
 
 # ---- development certificates (crescent certs init) -------------------------------------

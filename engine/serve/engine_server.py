@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
-from kvstore import tls
+from kvstore import auth, tls
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.liveness import server_options
 from proto.crescent.v1 import engine_pb2 as pb
@@ -159,6 +159,7 @@ class EngineNode:
         self.engine = LLMEngine(cfg)
         self.metrics = EngineMetrics(role, self.engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
+                                  interceptors=auth.server_interceptors(),
                                   options=server_options())
         self.port = tls.add_port(self.server, listen)
         if self.port == 0:

@@ -22,7 +22,7 @@ from concurrent import futures
 
 import grpc
 
-from kvstore import tls
+from kvstore import auth, tls
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.console import ConsoleLog, ConsoleServer, finite
 from kvstore.conductor.costmodel import CostModel, DecodeSample, HardwareProfile, PrefillSample
@@ -108,6 +108,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
+                                  interceptors=auth.server_interceptors(),
                                   options=server_options(64 << 20))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
