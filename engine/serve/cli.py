@@ -41,6 +41,9 @@ def register(sub) -> None:
                    help="route each request by the conductor's Schedule (cache-aware); replicas comma-separated")
     g.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
                    help="etcd where conductor replicas register: route through them (default: $CRESCENT_ETCD)")
+    g.add_argument("--api-keys", default=None, metavar="JSON",
+                   help="take only requests with one of this file's OpenAI-style API keys, each bound to a tenant "
+                        "and its cache salt (docs/serving.md)")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -68,11 +71,12 @@ def _run_engine(ns: argparse.Namespace) -> int:
 
 
 def _run_gateway(ns: argparse.Namespace) -> int:
-    from engine.serve.gateway import Gateway, serve
+    from engine.serve.gateway import Gateway, load_api_keys, serve
 
     try:
+        keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
-                     etcd=ns.etcd)
+                     etcd=ns.etcd, api_keys=keys)
         serve(gw, ns.listen)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

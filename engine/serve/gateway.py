@@ -10,6 +10,9 @@ locally: the request still completes.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import signal
@@ -67,11 +70,51 @@ class Engines:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ApiTenant:
+    name: str
+    cache_salt: str | None
+    """The salt of this tenant's chunk keys: its name, the group it shares prefixes with, or None
+    (``"share_prefixes": true``: the shared namespace)."""
+
+
+def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
+    """SHA-256 of each OpenAI-style API key → its tenant, from ``--api-keys FILE``:
+    ``{"keys": [{"key": "sk-...", "tenant": "acme"}, {"key": ..., "tenant": "b", "cache_salt": "group1"},
+    {"key": ..., "tenant": "c", "share_prefixes": true}]}``.
+
+    Raises:
+        ValueError: the file cannot be read or is malformed.
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--api-keys {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--api-keys {path}: not JSON ({exc.msg})") from None
+    entries = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f'--api-keys {path}: needs {{"keys": [{{"key", "tenant"}}, ...]}}')
+    out = {}
+    for i, e in enumerate(entries):
+        key, tenant = (e.get("key"), e.get("tenant")) if isinstance(e, dict) else (None, None)
+        if not isinstance(key, str) or len(key) < 8 or not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"--api-keys {path}: keys[{i}] needs a key of at least 8 characters and a tenant")
+        salt = None if e.get("share_prefixes") else e.get("cache_salt", tenant)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"--api-keys {path}: keys[{i}].cache_salt must be a string")
+        out[hashlib.sha256(key.encode()).digest()] = ApiTenant(tenant, salt)
+    return out
+
+
 class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
-                 etcd: str | None = None) -> None:
+                 etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None) -> None:
         self.model_name = served_model_name or model
+        self.api_keys = api_keys
+        """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self.tokenizer = load_tokenizer(model)
         static = RoundRobinRouter(prefill, decode) if decode else None
         if router is None and (conductor or etcd):
@@ -94,6 +137,13 @@ class Gateway:
         self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
+
+    def tenant(self, authorization: str | None) -> ApiTenant | None:
+        """The tenant of a request's ``Authorization: Bearer <key>`` (None: no such key)."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        digest = hashlib.sha256(authorization[len("Bearer "):].strip().encode()).digest()
+        return next((t for d, t in self.api_keys.items() if hmac.compare_digest(d, digest)), None)
 
     def health(self) -> tuple[bool, dict]:
         """Serving when every known engine answers (with a conductor: when it knows a live engine)."""
@@ -248,6 +298,14 @@ def make_handler(gw: Gateway):
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise BadRequest(f"the body is not valid JSON: {exc}") from None
                 req = parse_request(body, chat, gw.model_name)
+                if gw.api_keys is not None:
+                    tenant = gw.tenant(self.headers.get("Authorization"))
+                    if tenant is None:
+                        gw.m_requests.labels(endpoint, "401").inc()
+                        return self._error(401, "a valid API key is needed (Authorization: Bearer <key>)",
+                                           code="invalid_api_key")
+                    # the tenant's cache salt comes from its key, never from the request
+                    req = dataclasses.replace(req, cache_salt=tenant.cache_salt)
                 prompt = gw.encode(req)
                 if req.stream:
                     self._stream(req, prompt)

@@ -36,7 +36,7 @@ def engine_cfg(store: str | None = None, **kw) -> EngineConfig:
 class Setup:
     """Engines (and optionally a store node) plus a gateway serving on 127.0.0.1:0; ``close`` stops all."""
 
-    def __init__(self, with_store: bool, prefill: bool = True, **decode_cfg) -> None:
+    def __init__(self, with_store: bool, prefill: bool = True, api_keys=None, **decode_cfg) -> None:
         self.parts = []
         self.store = None
         if with_store:
@@ -49,13 +49,13 @@ class Setup:
         self.decode = EngineNode("decode", engine_cfg(addr, **decode_cfg)).start()
         self.parts.append(self.decode.stop)
         self.gw = Gateway(MODEL, [self.prefill.address] if self.prefill else [], [self.decode.address],
-                          timeout_s=300)
+                          timeout_s=300, api_keys=api_keys)
         self.server = GatewayServer(self.gw, "127.0.0.1:0").start()
         self.parts.append(self.server.stop)
         self.url = self.server.url
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=300, max_retries=0)
 
     def close(self) -> None:
         for stop in reversed(self.parts):
@@ -354,5 +354,45 @@ def test_a_speculating_decode_engine_streams_the_plain_tokens_and_counts_them():
         assert text == completion(ref_c, prompt, False, max_tokens=24)[0] and eng.num_draft_tokens == drafted
     finally:
         spec.close()
+        plain.close()
+
+
+def test_api_keys_bind_each_request_to_its_tenant_and_cache_salt(tmp_path):
+    """With --api-keys: no key or an unknown one is a 401 (the client's AuthenticationError); each key's
+    tenant salts its chunk keys whatever the request says, so tenants never reuse each other's prefixes,
+    except those the file lets share; outputs stay the store-less pair's."""
+    from engine.serve.gateway import load_api_keys
+
+    keys = {"acme": "sk-acme-000000", "globex": "sk-globex-0000", "c": "sk-shared-c-000", "d": "sk-shared-d-000"}
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": keys["acme"], "tenant": "acme"},
+                                         {"key": keys["globex"], "tenant": "globex"},
+                                         {"key": keys["c"], "tenant": "c", "share_prefixes": True},
+                                         {"key": keys["d"], "tenant": "d", "share_prefixes": True}]}))
+    for bad, why in (('{"keys": []}', "needs"), ('{"keys": [{"key": "short", "tenant": "x"}]}', "at least 8")):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_api_keys(str(tmp_path / "bad.json"))
+    s, plain = Setup(with_store=True, api_keys=load_api_keys(str(path))), Setup(with_store=False)
+    try:
+        prompt = list(range(3, 203))  # 200 tokens: 3 chunks of 64
+
+        def cached(tenant: str) -> int:
+            r = s.client(keys[tenant]).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                                          extra_body={"ignore_eos": True, "cache_salt": "acme"})
+            assert r.choices[0].text == completion(plain.client(), prompt, False, max_tokens=4)[0]
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        status, body = request(s.url, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                               {"Content-Type": "application/json"})  # no Authorization header at all
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            s.client("sk-unknown-000").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert cached("acme") == 0 and cached("acme") > 0  # its own prefix, reused
+        assert cached("globex") == 0  # the same prompt, another tenant (its "cache_salt": "acme" ignored)
+        assert cached("c") == 0 and cached("d") > 0  # the two sharing tenants reuse each other's
+        assert metrics(s.url)[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "401")))] == 2
+    finally:
+        s.close()
         plain.close()
 
