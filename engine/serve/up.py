@@ -76,6 +76,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "ports (root only); the gateway stays on --host, reachable as usual (default: on when "
                         "run as root with --nodes > 1 and namespaces can be made, else distinct loopback ports)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then")
+    p.add_argument("--auth", action="store_true",
+                   help="bearer tokens on every gRPC server: <data>/auth.json (made on first use) with an admin "
+                        "token the parts use and a tenant token for clients (docs/cli.md, \"Bearer tokens\")")
     p.add_argument("--tls", action="store_true",
                    help="mutual TLS on every gRPC hop: development certificates in <data>/tls (made on first use, "
                         "`crescent certs init`), every part started with them and --tls-client-auth")
@@ -226,6 +229,27 @@ def run_up(ns: argparse.Namespace) -> int:
                                    f"{NETNS_SUBNET}.254"])
         tls.configure(os.path.join(tls_dir, "node.pem"), os.path.join(tls_dir, "node-key.pem"),
                       os.path.join(tls_dir, "ca.pem"), client_auth=True)
+    auth_tokens = None
+    if ns.auth:  # the parts inherit the file and the admin token through the environment (kvstore/auth.py)
+        import secrets
+
+        from kvstore import auth
+
+        auth_path = os.path.join(data, "auth.json")
+        if not os.path.exists(auth_path):
+            doc = {"tokens": [{"token": secrets.token_urlsafe(24), "tenant": "cluster", "scopes": ["admin", "tenant"]},
+                              {"token": secrets.token_urlsafe(24), "tenant": "default", "scopes": ["tenant"]}]}
+            fd = os.open(auth_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+        with open(auth_path) as f:
+            tokens = json.load(f)["tokens"]
+        auth_tokens = {"file": auth_path, "admin": tokens[0]["token"], "tenant": tokens[1]["token"]}
+        try:
+            auth.configure(auth_path, auth_tokens["admin"])
+        except ValueError as exc:
+            print(f"crescent up: error: {exc}", file=sys.stderr)
+            return 2
     py = [sys.executable, "-m", "kvstore.cli"]
     metrics_at: dict[str, str] = {}  # each part's Prometheus /metrics host:port (the gateway's: its HTTP port)
 
@@ -352,7 +376,7 @@ def run_up(ns: argparse.Namespace) -> int:
                  "etcd": etcd.endpoint if etcd else (ns.etcd if ns.etcd != "local" else None),
                  "hosts": ({f"h{i}": {"namespace": h, "address": hosts.addr(i)} for i, h in enumerate(hosts.hosts)}
                            if hosts else None),
-                 "tls": tls_dir}
+                 "tls": tls_dir, "auth": auth_tokens}
         if etcd is not None:
             state["pids"]["etcd"] = etcd.pid
         with open(state_path + ".tmp", "w") as f:
@@ -374,6 +398,9 @@ def run_up(ns: argparse.Namespace) -> int:
             print(f"  conductor    {conductor}   (crescent {ctl_tls}ctl nodes --conductor {conductor})", flush=True)
         if tls_dir:
             print(f"  mTLS         every gRPC hop; certificates in {tls_dir}", flush=True)
+        if auth_tokens:
+            print(f"  tokens       {auth_tokens['file']} (admin: crescent --token <admin token> ctl ...; clients: "
+                  "the tenant token)", flush=True)
         if state["console"]:
             print(f"  console      {state['console']}   (the conductor's web console)", flush=True)
         if state["etcd"]:

@@ -365,3 +365,38 @@ def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens
                 os.environ[k] = v
         assert c.stop() == 0, c.output()
 
+
+def test_up_with_auth_needs_tokens_on_every_grpc_server_and_still_serves(tmp_path, storeless):
+    from kvstore import auth
+    from kvstore.client import Retry, StoreClient
+    from kvstore.errors import PermissionDeniedError, UnauthenticatedError
+
+    c = Cluster(str(tmp_path), "--auth")
+    saved = os.environ.get(auth.TOKEN_ENV)
+    try:
+        ids = _ids(43, 150)
+        r = client(c).completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert r.choices[0].text == storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
+        tokens = c.state["auth"]
+        assert tokens and os.stat(tokens["file"]).st_mode & 0o777 == 0o600
+        os.environ.pop(auth.TOKEN_ENV, None)
+        with pytest.raises(UnauthenticatedError):
+            with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
+                s.health()
+        with grpc.insecure_channel(c.state["decode_engine"]) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        os.environ[auth.TOKEN_ENV] = tokens["tenant"]
+        with StoreClient(c.state["store"], timeout_s=30) as s:
+            assert s.health()["serving"]
+            with pytest.raises(PermissionDeniedError):
+                s.clear()
+    finally:
+        if saved is None:
+            os.environ.pop(auth.TOKEN_ENV, None)
+        else:
+            os.environ[auth.TOKEN_ENV] = saved
+        assert c.stop() == 0, c.output()
+
