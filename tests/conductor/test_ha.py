@@ -168,7 +168,9 @@ def test_a_member_whose_etcd_lease_ends_leaves_and_rejoins(etcd):
             s.batch_put([(k, b"v" * 64) for k in keys])
         cc = ConductorClient(c.address, timeout_s=30)
         wait_for(lambda: cc.locate(keys).num_prefix == 4, what="the chunks in the index")
-        (m,) = cc.members()
+        # the member's lease-held key is written by its agent right after it registers: wait for it
+        m = wait_for(lambda: next((x for x in cc.members() if x.lease_ttl_s > 0), None), what="the member's etcd lease")
+        assert len(cc.members()) == 1
         assert m.member_id == "store-p" and 0 < m.lease_ttl_s <= 2 and m.host_id == "host-p"
         expired = c.counters["expired"]
 
