@@ -55,6 +55,25 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def json_entries(path: str, flag: str, field: str, shape: str) -> list:
+    """The non-empty list ``field`` of the JSON object in ``path`` (an auth or API-key file).
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or has no such list (naming ``flag``).
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    entries = doc.get(field) if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f'{flag} {path}: needs {{"{field}": [{shape}, ...]}}')
+    return entries
+
+
 @functools.lru_cache(maxsize=4)
 def load(path: str) -> dict[bytes, Principal]:
     """Token digest → principal, from an auth file.
@@ -62,16 +81,7 @@ def load(path: str) -> dict[bytes, Principal]:
     Raises:
         ValueError: the file cannot be read or is malformed (the message names what).
     """
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"--auth-file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--auth-file {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
-    entries = doc.get("tokens") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f'--auth-file {path}: needs {{"tokens": [{{"token", "tenant", "scopes"}}, ...]}}')
+    entries = json_entries(path, "--auth-file", "tokens", '{"token", "tenant", "scopes"}')
     out: dict[bytes, Principal] = {}
     for i, e in enumerate(entries):
         token, tenant, scopes = (e.get(k) if isinstance(e, dict) else None for k in ("token", "tenant", "scopes"))

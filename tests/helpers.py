@@ -176,3 +176,18 @@ def conductor_and_nodes(node_ids=("a", "b"), dram: str = "16MiB"):
             n.stop(grace=0)
         conductor.stop(0)
 
+
+@contextlib.contextmanager
+def restored_env(*names: str):
+    """Puts the environment variables ``names`` back as they were on exit (process-wide settings
+    such as TLS and tokens live there)."""
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+

@@ -18,7 +18,7 @@ from kvstore.conductor.client import ConductorClient
 from kvstore.config import StoreConfig
 from kvstore.errors import PermissionDeniedError, UnauthenticatedError
 from kvstore.server import StoreNode
-from tests.helpers import ROOT, Proc, StoreProcess, conductor_and_nodes, wait_for
+from tests.helpers import ROOT, Proc, StoreProcess, conductor_and_nodes, restored_env, wait_for
 
 ADMIN, TENANT = "ops-0123456789abcdef", "acme-0123456789abcdef"
 ONCE = Retry(attempts=1)
@@ -26,13 +26,8 @@ ONCE = Retry(attempts=1)
 
 @pytest.fixture(autouse=True)
 def no_auth_leaks():
-    saved = {v: os.environ.get(v) for v in (auth.FILE_ENV, auth.TOKEN_ENV)}
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with restored_env(auth.FILE_ENV, auth.TOKEN_ENV):
+        yield
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from kvstore.errors import CrescentError
 from kvstore.server import StoreNode
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.helpers import ROOT, Proc, StoreProcess, conductor_and_nodes, wait_for
+from tests.helpers import ROOT, Proc, StoreProcess, conductor_and_nodes, restored_env, wait_for
 
 ONCE = Retry(attempts=1)
 
@@ -27,13 +27,8 @@ ONCE = Retry(attempts=1)
 @pytest.fixture(autouse=True)
 def no_tls_leaks():
     """Each test sets the process's TLS setting itself; none leaks into the next."""
-    saved = {v: os.environ.get(v) for v in tls.ENV.values()}
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with restored_env(*tls.ENV.values()):
+        yield
 
 
 @pytest.fixture(scope="module")

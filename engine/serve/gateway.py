@@ -86,16 +86,9 @@ def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
     Raises:
         ValueError: the file cannot be read or is malformed.
     """
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"--api-keys {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--api-keys {path}: not JSON ({exc.msg})") from None
-    entries = doc.get("keys") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f'--api-keys {path}: needs {{"keys": [{{"key", "tenant"}}, ...]}}')
+    from kvstore.auth import json_entries
+
+    entries = json_entries(path, "--api-keys", "keys", '{"key", "tenant"}')
     out = {}
     for i, e in enumerate(entries):
         key, tenant = (e.get("key"), e.get("tenant")) if isinstance(e, dict) else (None, None)
