@@ -17,9 +17,19 @@ call only with ``authorization: Bearer <token>`` naming one of its tokens:
 Every client channel of a process started with ``crescent --token TOKEN`` (or ``$CRESCENT_TOKEN``)
 sends that token: store and cluster clients, member agents, the gateway's engine channels,
 ``crescent ctl``. The processes of a cluster therefore run with an ``admin`` token. Tokens are kept
-as SHA-256 digests and compared in constant time; the file is read once at start. Not yet: deriving a
-tenant's key namespace from its token (so that a tenant cannot read another's chunks even knowing
-their keys), and per-tenant quotas.
+as SHA-256 digests and compared in constant time; the file is read once at start.
+
+**Key namespaces.** The node derives a caller's key space from its token, never from its word: the
+keys of a token without the ``admin`` scope are stored under its namespace's prefix
+(``namespace_prefix``: a mark and 8 bytes of a BLAKE2b of the name), on store nodes (gRPC and the data
+channel, whose per-namespace session token ``Health`` hands out) and in the conductor's index
+(``Schedule``, ``Locate``). A tenant that knows another's keys reads misses. The namespace is the
+tenant's name unless the entry says ``"namespace"``: tokens naming the same one share their chunks.
+``admin`` tokens (the cluster's own processes) work on the keys as they are.
+
+**Quotas.** An entry's ``"quota": {"dram": "1GiB", "disk": "4GiB"}`` bounds the bytes its namespace
+holds on each node (``dram`` counts the arena tiers, HBM included; either may be left out). Tokens
+naming the same namespace must agree on it.
 """
 
 from __future__ import annotations
@@ -45,10 +55,34 @@ ADMIN_ONLY = frozenset({
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+NS_MARK = b"\x00ns:"
+"""How every namespaced key begins (raw content-hash keys do not start with a zero byte and this)."""
+NS_PREFIX_BYTES = len(NS_MARK) + 8
+
+
+def namespace_prefix(namespace: str) -> bytes:
+    """The bytes a namespace's keys are stored under."""
+    return NS_MARK + hashlib.blake2b(namespace.encode(), digest_size=8, person=b"crescent-ns").digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Quota:
+    """A namespace's byte limits on one node (None: no limit)."""
+
+    namespace: str
+    dram_bytes: int | None = None
+    disk_bytes: int | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Principal:
     tenant: str
     scopes: frozenset[str]
+    namespace: str | None = None
+    """Its key space; None for ``admin`` tokens (keys as they are)."""
+    prefix: bytes = b""
+    """``namespace_prefix(namespace)``, or empty."""
+    quota: Quota | None = None
 
 
 def _digest(token: str) -> bytes:
@@ -93,8 +127,76 @@ def load(path: str) -> dict[bytes, Principal]:
             raise ValueError(f"--auth-file {path}: tokens[{i}].scopes must list some of {', '.join(SCOPES)}")
         if _digest(token) in out:
             raise ValueError(f"--auth-file {path}: tokens[{i}] repeats an earlier token")
-        out[_digest(token)] = Principal(tenant, frozenset(scopes))
+        namespace = e.get("namespace", tenant)
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"--auth-file {path}: tokens[{i}].namespace must be a non-empty string")
+        if "admin" in scopes:
+            namespace = None
+        quota = _quota(path, i, namespace, e.get("quota"))
+        out[_digest(token)] = Principal(tenant, frozenset(scopes), namespace,
+                                        namespace_prefix(namespace) if namespace else b"", quota)
+    quotas: dict[str, Quota | None] = {}
+    for p in out.values():
+        if p.namespace is not None and quotas.setdefault(p.namespace, p.quota) != p.quota:
+            raise ValueError(f"--auth-file {path}: the tokens of namespace {p.namespace!r} give different quotas")
     return out
+
+
+def _quota(path: str, i: int, namespace: str | None, doc) -> Quota | None:
+    if doc is None:
+        return None
+    from kvstore.config import parse_size
+
+    where = f"--auth-file {path}: tokens[{i}].quota"
+    if namespace is None:
+        raise ValueError(f"{where}: an admin token has no namespace to bound")
+    if not isinstance(doc, dict) or not doc or set(doc) - {"dram", "disk"}:
+        raise ValueError(f'{where} must be {{"dram": SIZE, "disk": SIZE}} (either may be left out)')
+    try:
+        sizes = {k: parse_size(v) for k, v in doc.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return Quota(namespace, sizes.get("dram"), sizes.get("disk"))
+
+
+def quotas(principals: dict[bytes, Principal] | None) -> dict[bytes, Quota]:
+    """Namespace prefix → quota, of ``principals`` (``table()``; empty for None)."""
+    return {p.prefix: p.quota for p in (principals or {}).values() if p.quota is not None}
+
+
+def caller(context, principals: dict[bytes, Principal] | None) -> Principal | None:
+    """The principal of a call that ``ServerAuth(principals)`` let through (None: no auth)."""
+    if principals is None:
+        return None
+    header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
+    return principals.get(_digest(header[len("Bearer "):].strip()))
+
+
+def scoped(prefix: bytes, keys) -> list[bytes]:
+    """``keys`` in the key space of ``prefix`` (a principal's).
+
+    Raises:
+        InvalidArgumentError: a key would exceed the key limit with the prefix.
+    """
+    if not prefix:
+        return list(keys)
+    from kvstore.config import MAX_KEY_BYTES
+    from kvstore.errors import InvalidArgumentError
+
+    out = []
+    for k in keys:
+        if isinstance(k, (bytes, bytearray)) and len(k) + len(prefix) > MAX_KEY_BYTES:
+            raise InvalidArgumentError(
+                f"key of {len(k)} bytes exceeds the limit of {MAX_KEY_BYTES - len(prefix)} for a tenant's keys")
+        out.append(prefix + k if isinstance(k, (bytes, bytearray)) and k else k)
+    return out
+
+
+def prefix_of(context, principals: dict[bytes, Principal] | None) -> bytes:
+    """The key prefix of a call's principal (empty: keys as they are); ``principals`` are the
+    server's (``table()`` when it was made)."""
+    p = caller(context, principals)
+    return p.prefix if p is not None else b""
 
 
 def table() -> dict[bytes, Principal] | None:
@@ -162,9 +264,8 @@ class ServerAuth(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def server_interceptors() -> list:
-    """``interceptors=`` for a ``grpc.server`` of this process (empty without an auth file)."""
-    principals = table()
+def server_interceptors(principals: dict[bytes, Principal] | None) -> list:
+    """``interceptors=`` for a ``grpc.server`` taking ``principals`` (``table()``; empty: every call)."""
     return [ServerAuth(principals)] if principals is not None else []
 
 

@@ -6,7 +6,8 @@ between the node's DRAM arena and the caller's own buffers with one
 ``sendmsg`` from the arena slots on the node and ``recv_into`` the destination
 buffer on the client: no intermediate copy on either side.
 
-A client learns the port and a per-node token from ``KVStore.Health`` and
+A client learns the port and a session token from ``KVStore.Health`` (per node, and
+under auth per namespace: the session works in the caller's key space) and
 opens a TCP connection that starts with ``b"CRDC" + token``. Then, any number
 of requests, each answered before the next (all integers little-endian)::
 
@@ -43,7 +44,6 @@ not all arrive becomes visible (its reservations are aborted).
 from __future__ import annotations
 
 import enum
-import hmac
 import socket
 import ssl
 import struct
@@ -415,7 +415,3 @@ class _Connections:
             for c in self._all:
                 c.close()
             self._all.clear()
-
-
-def check_token(got: bytes, want: bytes) -> bool:
-    return hmac.compare_digest(got, want)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 import socket
 import threading
 import time
 
-from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status, check_token,
+from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
                                  encode_grant, encode_response, read_request, recv_exact, recv_exact_into,
                                  send_views, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -36,6 +38,9 @@ class DataChannelServer:
         self.store = store
         self.grants = grants
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        """The session token of the keys as they are (no auth, or an admin caller)."""
+        self._prefixes: dict[bytes, bytes] = {self.token: b""}
+        """Session token → the key prefix of its namespace (``token_for``)."""
         self._on_op = on_op  # callback(op_name, seconds, nbytes) for metrics
         from kvstore import tls
 
@@ -47,6 +52,16 @@ class DataChannelServer:
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="data-accept", daemon=True)
+
+    def token_for(self, prefix: bytes) -> bytes:
+        """The session token of a namespace (``Health`` hands it to the namespace's callers): a session
+        opened with it works on that namespace's keys only."""
+        if not prefix:
+            return self.token
+        token = hmac.new(self.token, prefix, hashlib.sha256).digest()[:TOKEN_BYTES]
+        with self._lock:
+            self._prefixes[token] = prefix
+        return token
 
     def start(self) -> DataChannelServer:
         self._thread.start()
@@ -88,13 +103,16 @@ class DataChannelServer:
                     self._conns.add(conn)
             conn.settimeout(None)
             hello = recv_exact(conn, len(HELLO) + TOKEN_BYTES)
-            if hello[:4] != HELLO or not check_token(hello[4:], self.token):
+            prefix = self._prefixes.get(hello[4:]) if hello[:4] == HELLO else None
+            if prefix is None:
                 return
             while not self._closed:
                 req = read_request(conn)
                 if req is None:
                     return
                 op, keys, args, mover = req
+                if prefix:
+                    keys = [prefix + k if k else k for k in keys]
                 t0 = time.perf_counter()
                 path = "tcp"
                 if op is Op.GET:

@@ -43,8 +43,20 @@ class StoreCollector:
                           ("demotions_clean", "Demotions that wrote nothing (the value's disk copy was kept)"),
                           ("disk_full", "Disk writes refused for want of room (map or file system full)"),
                           ("disk_errors", "Disk writes or deletes that failed otherwise"),
-                          ("written_behind", "DRAM values written to disk in the background ahead of eviction")):
+                          ("written_behind", "DRAM values written to disk in the background ahead of eviction"),
+                          ("quota_refused", "Writes refused: the tenant's namespace was at its quota"),
+                          ("quota_evictions", "A tenant's own values evicted to keep its namespace within its quota")):
             yield CounterMetricFamily(f"crescent_store_{name}", doc, value=s[name])
+        held = GaugeMetricFamily("crescent_store_tenant_bytes", "Bytes a quota'd namespace holds, by tier group",
+                                 labels=["namespace", "tier"])
+        bound = GaugeMetricFamily("crescent_store_tenant_quota_bytes", "A namespace's quota, by tier group",
+                                  labels=["namespace", "tier"])
+        for ns, mem, disk, qmem, qdisk in self.store.tenant_usage():
+            for tier, used, q in (("dram", mem, qmem), ("disk", disk, qdisk)):
+                held.add_metric([ns, tier], used)
+                if q is not None:
+                    bound.add_metric([ns, tier], q)
+        yield from (held, bound)
         yield GaugeMetricFamily("crescent_store_leases", "Read leases held", value=s["num_leases"])
         yield GaugeMetricFamily("crescent_store_pinned", "Values pinned", value=s["num_pinned"])
 

@@ -95,6 +95,7 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         pending: list[Reservation] = []
         filler: _Filler | None = None
         committed = False
+        prefix = auth.prefix_of(context, self.node.principals)
         try:
             for frame in request_iterator:
                 which = frame.WhichOneof("frame")
@@ -103,7 +104,8 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
                         raise InvalidArgumentError(
                             f"value for key {filler.res.key.hex()} truncated: "
                             f"{filler.remaining} bytes missing before the next header")
-                    filler = _Filler(self.store.reserve(frame.header.key, frame.header.size))
+                    key, = auth.scoped(prefix, [frame.header.key])
+                    filler = _Filler(self.store.reserve(key, frame.header.size))
                 elif which == "data":
                     if filler is None:
                         raise InvalidArgumentError("a data frame without a header")
@@ -130,12 +132,12 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
     def Get(self, request, context):
         t0 = time.perf_counter()
         try:
-            for key in request.keys:
+            keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
+            for key in keys:
                 check_key(key)
         except CrescentError as exc:
             context.abort(exc.grpc_code, str(exc))
         nbytes = 0
-        keys = list(request.keys)
         for w in range(0, len(keys), _GET_WINDOW):  # a window's disk values are read in parallel
             leases = self.store.acquire_many(keys[w : w + _GET_WINDOW])
             try:
@@ -156,22 +158,25 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
 
     @_rpc("lookup")
     def Lookup(self, request, context):
-        for k in request.keys:
+        keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
+        for k in keys:
             check_key(k)
-        n, tiers = self.store.lookup(request.keys)
+        n, tiers = self.store.lookup(keys)
         return pb.LookupResponse(num_prefix=n, tiers=[int(t) for t in tiers])
 
     @_rpc("exists")
     def Exists(self, request, context):
-        for k in request.keys:
+        keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
+        for k in keys:
             check_key(k)
-        return pb.ExistsResponse(present=self.store.exists(request.keys))
+        return pb.ExistsResponse(present=self.store.exists(keys))
 
     @_rpc("delete")
     def Delete(self, request, context):
-        for k in request.keys:
+        keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
+        for k in keys:
             check_key(k)
-        return pb.DeleteResponse(num_deleted=self.store.delete(request.keys))
+        return pb.DeleteResponse(num_deleted=self.store.delete(keys))
 
     @_rpc("clear")
     def Clear(self, request, context):
@@ -179,11 +184,12 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
 
     @_rpc("pin")
     def Pin(self, request, context):
-        for k in request.keys:
+        keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
+        for k in keys:
             check_key(k)
         if not request.ttl_s >= 0:  # also rejects NaN
             raise InvalidArgumentError("ttl_s must be >= 0")
-        return pb.PinResponse(num_pinned=self.store.pin(request.keys, request.ttl_s))
+        return pb.PinResponse(num_pinned=self.store.pin(keys, request.ttl_s))
 
     @_rpc("stats")
     def Stats(self, request, context):
@@ -200,10 +206,11 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
     @_rpc("health")
     def Health(self, request, context):
         dc = self.node.data_server
+        prefix = auth.prefix_of(context, self.node.principals)  # the data channel session works in the caller's key space
         return pb.HealthResponse(serving=not self.node.stopping, node_id=self.node.node_id,
-                                 version=VERSION, max_key_bytes=MAX_KEY_BYTES,
+                                 version=VERSION, max_key_bytes=MAX_KEY_BYTES - len(prefix),
                                  max_value_bytes=self.store.config.max_value_size,
-                                 data_port=dc.port if dc else 0, data_token=dc.token if dc else b"")
+                                 data_port=dc.port if dc else 0, data_token=dc.token_for(prefix) if dc else b"")
 
 
 def _frames(views: list[memoryview]):
@@ -243,13 +250,15 @@ class StoreNode:
             except Exception as exc:  # zmq.ZMQError: a bad or busy endpoint
                 raise OSError(f"cannot publish KV events on {config.kv_events_endpoint}: {exc}") from None
             listener = self.kv_events.listener(listener)
-        self.store = TieredStore(config, listener=listener)
+        self.store = TieredStore(config, listener=listener, quotas=auth.quotas(auth.table()))
         self.metrics = StoreMetrics(self.store)
         self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
         self._drained = threading.Event()  # set: cut a drain short (a second signal)
         self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
-        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
+        self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
+        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS,
+                                  interceptors=auth.server_interceptors(self.principals))
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]

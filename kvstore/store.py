@@ -25,6 +25,12 @@ slot arena) and DISK (LMDB). Each key lives in exactly one tier.
 - Disk reads of a batch run in parallel (``DiskTier.read_many``).
 - A read lease keeps its value in place: it is neither evicted nor freed while
   leased; a delete or replace under a lease frees the old bytes on release.
+- Quotas (``quotas``: a namespace's key prefix → ``auth.Quota``) bound the bytes a
+  tenant's namespace holds in the arena tiers and on disk. A write that would pass
+  a bound first evicts the namespace's own least recently used values (arena values
+  are demoted to disk, within its disk bound); if they are leased or pinned, or the
+  value is larger than the bound, it is refused (RESOURCE_EXHAUSTED). Promotions stay
+  within the bound. Other tenants' values are never evicted to make a tenant room.
 
 All index and allocator state is guarded by one lock; bulk copies into and out
 of DRAM slots happen outside it, protected by reservations and leases.
@@ -127,8 +133,13 @@ class TieredStore:
     """A node's tiers behind one index. Thread-safe."""
 
     def __init__(self, config: StoreConfig,
-                 listener: Callable[[StoreEvent], None] | None = None) -> None:
+                 listener: Callable[[StoreEvent], None] | None = None, quotas: dict | None = None) -> None:
         self.config = config
+        self._quotas = dict(quotas or {})
+        """Namespace key prefix → ``auth.Quota``."""
+        self._usage: dict[bytes, list[int]] = {p: [0, 0] for p in self._quotas}
+        """Namespace key prefix → [arena bytes, disk bytes] held or reserved (quota'd namespaces only)."""
+        self._prefix_len = len(next(iter(self._quotas), b""))
         self._listener = listener
         self._lock = threading.Lock()
         self._arenas: list[tuple[Tier, SlotAllocator]] = []
@@ -150,7 +161,8 @@ class TieredStore:
                          "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
                          "corrupt": 0, "bytes_in": 0, "bytes_out": 0,
                          "disk_bytes_read": 0, "disk_bytes_written": 0, "promotions_deferred": 0,
-                         "demotions_clean": 0, "disk_full": 0, "disk_errors": 0, "written_behind": 0}
+                         "demotions_clean": 0, "disk_full": 0, "disk_errors": 0, "written_behind": 0,
+                         "quota_refused": 0, "quota_evictions": 0}
         self._disk_reads: OrderedDict[bytes, int] = OrderedDict()
         """Keys recently read from disk and not promoted -> reads counted (``promote_after``)."""
         self._copies: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -165,6 +177,7 @@ class TieredStore:
                 self._index[key] = e
                 self._lru[Tier.DISK][key] = e
                 self._disk_used += disk_cost(loc.size)
+                self._charge(key, Tier.DISK, loc.size)
         if self.disk is not None and config.write_behind:
             self._flusher = threading.Thread(target=self._write_behind, name="crescent-write-behind", daemon=True)
             self._flusher.start()
@@ -190,13 +203,20 @@ class TieredStore:
                 f"value of {size} bytes exceeds the limit of {self.config.max_value_size}")
         only = tier
         with self._lock:
+            ns, bounded = self._ns(key), False
             for pos, (tier, arena) in enumerate(self._arenas):
                 if only is not None and tier is not only:
                     continue
                 n = arena.slots_for(size)
-                if n <= arena.num_slots and self._make_room(pos, n):
+                if n > arena.num_slots:
+                    continue
+                if ns is not None and not self._quota_room(ns, tier, size):
+                    bounded = True
+                    continue
+                if self._make_room(pos, n):
                     slots = arena.alloc(n)
                     assert slots is not None
+                    self._charge(key, tier, size)
                     res = Reservation(key, size, tier, slots=slots)
                     if isinstance(arena, HostArena):
                         res.views = arena.views(slots, size)
@@ -204,12 +224,18 @@ class TieredStore:
                         res.buffer = bytearray(size)
                         res.views = [memoryview(res.buffer)]
                     return res
+            if only in (None, Tier.DISK) and self.disk is not None:
+                if ns is not None and not self._quota_room(ns, Tier.DISK, size):
+                    self._quota_refusal(ns, size)
+                if self._make_disk_room(disk_cost(size)):
+                    self._disk_used += disk_cost(size)
+                    self._charge(key, Tier.DISK, size)
+                    buf = bytearray(size)
+                    return Reservation(key, size, Tier.DISK, buffer=buf, views=[memoryview(buf)])
+            if bounded:
+                self._quota_refusal(ns, size)
             if only not in (None, Tier.DISK):
                 raise ResourceExhaustedError(f"the {only.name} tier cannot hold {size} bytes now")
-            if self.disk is not None and self._make_disk_room(disk_cost(size)):
-                self._disk_used += disk_cost(size)
-                buf = bytearray(size)
-                return Reservation(key, size, Tier.DISK, buffer=buf, views=[memoryview(buf)])
         raise ResourceExhaustedError(
             f"no tier can hold {size} bytes: every resident value is leased or pinned, or the store is full")
 
@@ -509,6 +535,7 @@ class TieredStore:
                     "promotions_deferred": c["promotions_deferred"],
                     "demotions_clean": c["demotions_clean"], "disk_full": c["disk_full"],
                     "disk_errors": c["disk_errors"], "written_behind": c["written_behind"],
+                    "quota_refused": c["quota_refused"], "quota_evictions": c["quota_evictions"],
                     "num_leases": self._num_leases,
                     "num_pinned": sum(e.pinned_until > now for e in self._index.values())}
 
@@ -545,6 +572,7 @@ class TieredStore:
             e.pinned_until = max(e.pinned_until, old.pinned_until)  # a pin is the key's, not one value's
             old.live = False
             del self._lru[old.tier][old.key]
+            self._charge(old.key, old.tier, -old.size)
         self._index[e.key] = e
         self._lru[e.tier][e.key] = e
         if old is not None:
@@ -556,6 +584,7 @@ class TieredStore:
         e.live = False
         del self._index[e.key]
         del self._lru[e.tier][e.key]
+        self._charge(e.key, e.tier, -e.size)
         self._emit("removed", e.key, e.tier, reason)
         self._unlinked(e)
 
@@ -667,6 +696,7 @@ class TieredStore:
         if r.done:
             return
         r.done = True
+        self._charge(r.key, r.tier, -r.size)
         if r.tier is Tier.DISK:
             self._disk_used -= disk_cost(r.size)
         else:
@@ -793,6 +823,11 @@ class TieredStore:
                     self._evicted(e)
             return
         if self.disk is not None:
+            for e in [e for e in victims if self._ns(e.key) is not None]:  # within its namespace's disk bound
+                if not self._quota_room(self._ns(e.key), Tier.DISK, e.size):
+                    self.counters["evictions"][tier] -= 1
+                    self._evicted(e)
+            victims = [e for e in victims if e.live]
             for e in [e for e in victims if e.on_disk]:  # its record is still there: nothing to write
                 self.counters["demotions_clean"] += 1
                 self._move(e, Tier.DISK, None)
@@ -832,6 +867,8 @@ class TieredStore:
                 del self._copies[e.key]
         e.tier, e.slots = tier, slots
         self._lru[tier][e.key] = e
+        self._charge(e.key, old_tier, -e.size)
+        self._charge(e.key, tier, e.size)
         if tier > old_tier:
             self.counters["demotions"] += 1
         else:
@@ -874,10 +911,71 @@ class TieredStore:
         """``(pos, tier, arena, slots needed)`` of each arena, fastest first, that a disk read of
         ``e`` (its ``reads``-th recent one) may move it into: one where it fits without
         demoting anything, or any once it has earned it (``promote_after``)."""
+        ns = self._ns(e.key)
         for pos, (tier, arena) in enumerate(self._arenas):
             n = arena.slots_for(e.size)
+            if ns is not None and self._usage[ns][0] + e.size > (self._quotas[ns].dram_bytes or float("inf")):
+                continue  # promotions stay within the namespace's bound (they evict none of its values)
             if n <= arena.num_slots and (self._fits(arena, n) or reads >= self.config.promote_after):
                 yield pos, tier, arena, n
+
+    def _ns(self, key: bytes) -> bytes | None:
+        """The quota'd namespace (its key prefix) ``key`` belongs to, or None."""
+        if not self._quotas:
+            return None
+        p = key[: self._prefix_len]
+        return p if p in self._quotas else None
+
+    def _charge(self, key: bytes, tier: Tier, nbytes: int) -> None:
+        """Counts ``nbytes`` more (or fewer) of ``key``'s namespace in ``tier``."""
+        if self._quotas:
+            ns = self._ns(key)
+            if ns is not None:
+                self._usage[ns][tier is Tier.DISK] += nbytes
+
+    def _quota_room(self, ns: bytes, tier: Tier, size: int) -> bool:
+        """Whether namespace ``ns`` may hold ``size`` more bytes in ``tier`` (its arena tiers share one
+        bound); makes the room by evicting its own least recently used values there if it must."""
+        q, on_disk = self._quotas[ns], tier is Tier.DISK
+        limit = q.disk_bytes if on_disk else q.dram_bytes
+        if limit is None:
+            return True
+        over = self._usage[ns][on_disk] + size - limit
+        if over <= 0:
+            return True
+        if size > limit:
+            return False
+        tiers = [Tier.DISK] if on_disk else [t for t, _ in reversed(self._arenas)]  # DRAM (demoted) first
+        now, picked, freed = time.monotonic(), [], 0
+        for t in tiers:
+            for e in self._lru[t].values():
+                if freed >= over:
+                    break
+                if e.key.startswith(ns) and not e.leases and e.pinned_until <= now:
+                    picked.append(e)
+                    freed += e.size
+        if freed < over:
+            return False
+        self.counters["quota_evictions"] += len(picked)
+        pos = len(self._arenas) - 1
+        for e in picked:  # disk and HBM values are dropped; DRAM ones demoted to disk (within its bound)
+            if e.tier is not self._arenas[pos][0]:
+                self._evicted(e)
+        self._demote(pos, [e for e in picked if e.live and e.tier is self._arenas[pos][0]])
+        return self._usage[ns][on_disk] + size <= limit
+
+    def _quota_refusal(self, ns: bytes, size: int) -> None:
+        """Refuses a write that namespace ``ns``'s bounds leave no room for."""
+        q = self._quotas[ns]
+        self.counters["quota_refused"] += 1
+        raise ResourceExhaustedError(
+            f"namespace {q.namespace!r} is at its quota ({_bound(q)}): its own values are leased or pinned, "
+            f"or {size} bytes exceed it")
+
+    def tenant_usage(self) -> list[tuple[str, int, int, int | None, int | None]]:
+        """``(namespace, arena bytes, disk bytes, dram quota, disk quota)`` of each quota'd namespace."""
+        with self._lock:
+            return [(q.namespace, *self._usage[p], q.dram_bytes, q.disk_bytes) for p, q in self._quotas.items()]
 
     def _fits(self, arena, num_slots: int) -> bool:
         """Whether ``num_slots`` more fit in ``arena`` without evicting (under the high watermark)."""
@@ -891,6 +989,13 @@ class TieredStore:
 
 _FLUSH_BYTES = 8 << 20
 """Largest write-behind batch."""
+
+
+def _bound(q) -> str:
+    from kvstore.config import format_size
+
+    return ", ".join(f"{name} {format_size(v)}" for name, v in (("dram", q.dram_bytes), ("disk", q.disk_bytes))
+                     if v is not None)
 
 
 def _split(data, step: int) -> list[memoryview]:

@@ -159,7 +159,7 @@ class EngineNode:
         self.engine = LLMEngine(cfg)
         self.metrics = EngineMetrics(role, self.engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-rpc"),
-                                  interceptors=auth.server_interceptors(),
+                                  interceptors=auth.server_interceptors(auth.table()),
                                   options=server_options())
         self.port = tls.add_port(self.server, listen)
         if self.port == 0:

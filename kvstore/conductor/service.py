@@ -107,8 +107,9 @@ class Conductor(cpb_grpc.ConductorServicer):
         self.counters = collections.Counter()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
+        self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
-                                  interceptors=auth.server_interceptors(),
+                                  interceptors=auth.server_interceptors(self.principals),
                                   options=server_options(64 << 20))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
@@ -407,7 +408,7 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     @_rpc
     def Schedule(self, request, context):
-        keys = _keys(request.keys)
+        keys = _keys(auth.scoped(auth.prefix_of(context, self.principals), request.keys))  # a tenant's chunks: its namespace
         chunk_tokens = request.chunk_tokens or self.config.chunk_tokens
         if request.num_tokens < max(1, len(keys) * chunk_tokens):
             raise InvalidArgumentError(
@@ -479,7 +480,7 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     @_rpc
     def Locate(self, request, context):
-        keys = _keys(request.keys)
+        keys = _keys(auth.scoped(auth.prefix_of(context, self.principals), request.keys))
         resp = cpb.LocateResponse()
         with self._lock:
             for k in keys:  # store nodes, then engines' own caches (vLLM instances)

@@ -16,6 +16,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore import auth
 from kvstore.config import StoreConfig
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError
 from kvstore.store import Tier, TieredStore
@@ -196,7 +197,7 @@ class DescriptorRpcs:
     def AcquireRead(self, request, context):
         t = self.node.transport
         mover = t.check_mover(request.mover)
-        g = t.leases.acquire(list(request.keys), mover)
+        g = t.leases.acquire(auth.scoped(auth.prefix_of(context, self.node.principals), request.keys), mover)
         return _grant_pb(pb.AcquireReadResponse, g, t.arena.name), mover.value
 
     @_rpc("release_read")
@@ -208,7 +209,8 @@ class DescriptorRpcs:
     def ReserveWrite(self, request, context):
         t = self.node.transport
         mover = t.check_mover(request.mover)
-        g = t.leases.reserve([(v.key, v.size) for v in request.values], mover)
+        keys = auth.scoped(auth.prefix_of(context, self.node.principals), [v.key for v in request.values])
+        g = t.leases.reserve([(k, v.size) for k, v in zip(keys, request.values)], mover)
         return _grant_pb(pb.ReserveWriteResponse, g, t.arena.name), mover.value
 
     @_rpc("commit_write")
