@@ -44,6 +44,9 @@ def register(sub) -> None:
     g.add_argument("--api-keys", default=None, metavar="JSON",
                    help="take only requests with one of this file's OpenAI-style API keys, each bound to a tenant "
                         "and its cache salt (docs/serving.md)")
+    g.add_argument("--https-cert", default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --https-key); default: plain HTTP")
+    g.add_argument("--https-key", default=None, metavar="PEM", help="the private key of --https-cert")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -71,13 +74,16 @@ def _run_engine(ns: argparse.Namespace) -> int:
 
 
 def _run_gateway(ns: argparse.Namespace) -> int:
-    from engine.serve.gateway import Gateway, load_api_keys, serve
+    from engine.serve.gateway import Gateway, https_context, load_api_keys, serve
 
     try:
+        if bool(ns.https_cert) != bool(ns.https_key):
+            raise ValueError("HTTPS needs both --https-cert and --https-key")
+        ctx = https_context(ns.https_cert, ns.https_key) if ns.https_cert else None
         keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
                      etcd=ns.etcd, api_keys=keys)
-        serve(gw, ns.listen)
+        serve(gw, ns.listen, ctx)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)
         return 2

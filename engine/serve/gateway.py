@@ -35,6 +35,12 @@ from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_BODY = 8 << 20
+RETRY_AFTER_S = 1
+"""The Retry-After of a 429 or 503."""
+
+
+class StreamCut(Exception):
+    """A stream ended early with an error event (its engine went away)."""
 MAX_DISCARD = 64 << 20
 """An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
 
@@ -243,6 +249,8 @@ def make_handler(gw: Gateway):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status in (429, 503):  # overloaded or an engine away: worth retrying shortly
+                self.send_header("Retry-After", str(RETRY_AFTER_S))
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
@@ -320,6 +328,9 @@ def make_handler(gw: Gateway):
             except grpc.RpcError as exc:
                 gw.m_requests.labels(endpoint, "503").inc()
                 self._error(503, f"engine unavailable: {exc.code().name}", "server_error")
+            except StreamCut:
+                gw.m_requests.labels(endpoint, "503").inc()
+                self.close_connection = True
 
         def _run(self, req, prompt):
             t0 = time.perf_counter()
@@ -386,6 +397,13 @@ def make_handler(gw: Gateway):
                         break
                 if req.include_usage:
                     emit(stream_chunk(req, rid, gw.model_name, None, None, use=usage(len(prompt), n, cached)))
+            except grpc.RpcError as exc:  # the engine went away mid-stream: say so in the stream, end it
+                emit({"error": {"message": f"engine unavailable mid-stream: {exc.code().name}; retry the request",
+                                "type": "server_error", "param": None, "code": "engine_unavailable"}})
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                raise StreamCut(exc.code().name) from None
+            else:
                 self._send_chunk(b"data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
@@ -403,16 +421,59 @@ def _chain(first, rest):
     yield from rest
 
 
-class GatewayServer:
-    def __init__(self, gw: Gateway, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
+class _HttpsServer(ThreadingHTTPServer):
+    """HTTPS: each connection's TLS handshake runs on its own thread (a slow or broken client never
+    holds up the accept loop) and a failed one just closes that connection."""
+
+    ssl_context = None
+
+    def finish_request(self, request, client_address):
         try:
-            self.httpd = ThreadingHTTPServer((host, int(port)), make_handler(gw))
+            request.settimeout(30)
+            request = self.ssl_context.wrap_socket(request, server_side=True)
+            request.settimeout(None)
+        except OSError as exc:  # ssl.SSLError included: plaintext, a wrong CA, a dropped connection
+            log.debug("gateway: TLS handshake with %s failed: %s", client_address, exc)
+            return
+        try:
+            super().finish_request(request, client_address)
+        finally:
+            try:
+                request.close()
+            except OSError:
+                pass
+
+
+def https_context(cert: str, key: str):
+    """The gateway's server ``ssl.SSLContext`` (TLS 1.2+) from a certificate chain and key (PEM).
+
+    Raises:
+        ValueError: a file is missing or not a matching certificate and key.
+    """
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--https-cert {cert} / --https-key {key}: {getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
+class GatewayServer:
+    def __init__(self, gw: Gateway, listen: str, ssl_context=None) -> None:
+        host, _, port = listen.rpartition(":")
+        cls = ThreadingHTTPServer
+        if ssl_context is not None:
+            cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context})
+        try:
+            self.httpd = cls((host, int(port)), make_handler(gw))
         except OSError as exc:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"{'https' if ssl_context is not None else 'http'}://{host}:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="gateway", daemon=True)
 
     def start(self) -> GatewayServer:
@@ -424,8 +485,8 @@ class GatewayServer:
         self.httpd.server_close()
 
 
-def serve(gw: Gateway, listen: str) -> None:
-    srv = GatewayServer(gw, listen).start()
+def serve(gw: Gateway, listen: str, ssl_context=None) -> None:
+    srv = GatewayServer(gw, listen, ssl_context).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

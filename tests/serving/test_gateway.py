@@ -3,6 +3,7 @@ stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no
 
 import http.client
 import json
+import ssl
 import urllib.parse
 
 import grpc
@@ -265,7 +266,47 @@ def test_decode_engine_down_is_503_not_a_hang(fresh):
     assert status == 503 and json.loads(data)["engines"][fresh.decode.address] is False
     with pytest.raises(openai.InternalServerError, match="engine unavailable") as e:
         c.completions.create(model=MODEL, prompt="x", max_tokens=3)
-    assert e.value.status_code == 503
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+
+
+def test_a_decode_engine_lost_mid_stream_ends_the_stream_with_an_error_event(fresh):
+    stream = fresh.client().completions.create(model=MODEL, prompt="a long one", max_tokens=4000, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+    got = []
+    with pytest.raises(openai.APIError, match="engine unavailable mid-stream"):
+        for ch in stream:
+            got.append(ch)
+            if len(got) == 3:
+                fresh.decode.stop()
+    assert 3 <= len(got) < 4000
+    m = metrics(fresh.url)
+    assert m[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "503")))] == 1
+
+
+def test_https_gateway_serves_clients_that_trust_its_ca_and_refuses_plaintext(tmp_path):
+    from engine.serve.gateway import https_context
+    from kvstore import tls
+
+    paths = tls.init_dir(str(tmp_path / "tls"), ["127.0.0.1"])
+    decode = EngineNode("decode", engine_cfg()).start()
+    gw = Gateway(MODEL, [], [decode.address], timeout_s=300)
+    server = GatewayServer(gw, "127.0.0.1:0", https_context(paths["node"], paths["node_key"])).start()
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0,
+                          http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=paths["ca"])))
+        text, reason, _ = completion(c, "over TLS", stream=True, max_tokens=5)
+        assert reason == "length" and text == completion(c, "over TLS", stream=False, max_tokens=5)[0]
+        with pytest.raises(openai.APIConnectionError):  # its CA is not the system's
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0).models.list()
+        with pytest.raises((http.client.HTTPException, OSError)):  # plaintext to the HTTPS port
+            request(server.url.replace("https", "http"), "GET", "/v1/models")
+        assert c.models.list().data[0].id == MODEL  # still serving
+    finally:
+        server.stop()
+        decode.stop()
+    with pytest.raises(ValueError, match="--https-cert"):
+        https_context(str(tmp_path / "missing.pem"), paths["node_key"])
 
 
 def test_no_route_is_503_and_health_says_why():

@@ -4,6 +4,7 @@ import http.client
 import json
 import os
 import signal
+import ssl
 import urllib.parse
 
 import grpc
@@ -339,11 +340,20 @@ def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens
     saved = {v: os.environ.get(v) for v in tls.ENV.values()}
     try:
         ids = _ids(41, 150)
-        r = client(c).completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
+        d = c.state["tls"]
+        assert c.base_url.startswith("https://")  # the gateway too, with the development CA
+        https = openai.OpenAI(base_url=c.base_url, api_key="unused", timeout=300, max_retries=0,
+                              http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=f"{d}/ca.pem")))
+        r = https.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
         want = storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
         assert r.choices[0].text == want
-        d = c.state["tls"]
+        with pytest.raises(openai.APIConnectionError):  # a client that does not trust the CA
+            client(c).models.list()
+        with pytest.raises(openai.APIConnectionError):  # plain HTTP to the HTTPS port
+            openai.OpenAI(base_url=c.base_url.replace("https://", "http://"), api_key="unused", timeout=60,
+                          max_retries=0).models.list()
+        assert https.models.list().data  # the gateway is still serving
         assert d and "mTLS" in c.output()
         for address in (c.state["store"], c.state["prefill_engine"], c.state["decode_engine"]):
             with grpc.insecure_channel(address) as ch:  # plaintext to each TLS port
