@@ -53,6 +53,8 @@ class ConnectorStats:
     load_failures: int = 0
     """Chunks that were reported present but failed to load or verify."""
     save_failures: int = 0
+    verify_failures: int = 0
+    """Chunks read from the store whose header or payload failed verification (corrupt or mislabelled)."""
     store_errors: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -238,6 +240,7 @@ class StoreConnector:
             try:
                 hdr = verify_chunk(view, **expected(i), payload=False)
             except CrescentError as exc:
+                self.stats.verify_failures += 1
                 self._error(f"chunk {first + i} failed verification", exc)
                 return False, None
             payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
@@ -253,6 +256,7 @@ class StoreConnector:
                 if hdr.check == CHECK_XXH3:
                     check_payload(hdr, payload)  # read in place
             except CrescentError as exc:
+                self.stats.verify_failures += 1
                 self._error(f"chunk {first + i} failed verification", exc)
                 return False, None
             return land_verified(i, hdr, payload, size, lambda: bytes(head) + bytes(tensor_bytes(payload)))
@@ -269,6 +273,7 @@ class StoreConnector:
         self.runner.end_landing()
         bad = _first_mismatch(device_checks)
         if bad is not None and bad < loaded:  # its KV (and what followed) is recomputed over
+            self.stats.verify_failures += 1
             self._error(f"chunk {first + bad} failed verification", "payload checksum mismatch where it landed")
             loaded = bad
         if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error

@@ -84,10 +84,12 @@ class EngineMetrics:
             c.add_metric([self.role, "saved"], st.chunks_saved)
             yield c
             f = CounterMetricFamily("crescent_engine_store_failures",
-                                    "Chunks the store reported present that failed to load or verify (load), "
-                                    "chunks that could not be saved (save), failed store calls (error)",
+                                    "Chunks the store reported present that failed to load or verify (load; "
+                                    "of those, verify: corrupt or mislabelled), chunks that could not be saved "
+                                    "(save), failed store calls (error)",
                                     labels=["role", "op"])
             f.add_metric([self.role, "load"], st.load_failures)
+            f.add_metric([self.role, "verify"], st.verify_failures)
             f.add_metric([self.role, "save"], st.save_failures)
             f.add_metric([self.role, "error"], st.store_errors)
             yield f

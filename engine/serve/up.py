@@ -30,6 +30,8 @@ from kvstore.procs import stop_process
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 NETNS_SUBNET = "10.251.78"
+RESTARTS_PER_MINUTE = 10
+"""--restart: a part that exits this often within a minute stops the cluster instead (a crash loop)."""
 """--netns: the hosts' network (the machine itself is .254 on it)."""
 
 
@@ -79,9 +81,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth", action="store_true",
                    help="bearer tokens on every gRPC server: <data>/auth.json (made on first use) with an admin "
                         "token the parts use and a tenant token for clients (docs/cli.md, \"Bearer tokens\")")
+    p.add_argument("--restart", action="store_true",
+                   help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
+                        "is not restarted, and a part exiting 10 times within a minute stops the cluster")
     p.add_argument("--tls", action="store_true",
                    help="mutual TLS on every gRPC hop: development certificates in <data>/tls (made on first use, "
-                        "`crescent certs init`), every part started with them and --tls-client-auth")
+                        "`crescent certs init`), every part started with them and --tls-client-auth; the gateway serves HTTPS")
 
 
 def _free_port(host: str) -> int:
@@ -107,10 +112,24 @@ class Part:
 
     def __init__(self, name: str, cmd: list[str], log_dir: str) -> None:
         self.name = name
+        self.cmd = cmd
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.address: str | None = None
+        self.restarts: list[float] = []
+        """When it was restarted (``--restart``)."""
+
+    def restart(self) -> None:
+        """Starts the part again with its command, on the address it had (its clients keep theirs)."""
+        self.proc.wait()
+        cmd = list(self.cmd)
+        if self.address and "--listen" in cmd and not self.address.startswith("http"):
+            cmd[cmd.index("--listen") + 1] = self.address
+        self.log.write(f"\n--- crescent up: {self.name} exited ({self.proc.returncode}); restarting ---\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.restarts.append(time.monotonic())
 
     def wait_banner(self, pattern: str, deadline: float) -> str:
         rx = re.compile(pattern)
@@ -142,9 +161,12 @@ def _healthy_grpc(stub_cls, req, address: str) -> bool:
         return False
 
 
-def _healthy_http(url: str) -> bool:
+def _healthy_http(url: str, ca: str | None = None) -> bool:
+    import ssl
+
     try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        ctx = ssl.create_default_context(cafile=ca) if ca else None
+        with urllib.request.urlopen(url + "/health", timeout=5, context=ctx) as r:
             return r.status == 200
     except OSError:
         return False
@@ -353,10 +375,14 @@ def run_up(ns: argparse.Namespace) -> int:
         if prefills:
             gw_cmd += ["--prefill", *prefills]
         gw_cmd += join
+        if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
+            gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
+                       "--https-key", os.path.join(tls_dir, "node-key.pem")]
         gw = Part("gateway", gw_cmd, logs)
         parts.append(gw)
-        gw_url = gw.wait_banner(r"on (http://\S+?)/v1", deadline)
-        checks = [lambda: _healthy_http(gw_url)]
+        gw_url = gw.wait_banner(r"on (https?://\S+?)/v1", deadline)
+        ca = os.path.join(tls_dir, "ca.pem") if tls_dir else None
+        checks = [lambda: _healthy_http(gw_url, ca)]
         checks += [lambda a=a: _healthy_grpc(engine_pb2_grpc.EngineStub, engine_pb2.EngineHealthRequest(), a)
                    for a in addrs.values()]
         checks += [lambda a=a: _healthy_grpc(kvstore_pb2_grpc.KVStoreStub, kvstore_pb2.HealthRequest(), a)
@@ -397,7 +423,7 @@ def run_up(ns: argparse.Namespace) -> int:
                        if tls_dir else "")
             print(f"  conductor    {conductor}   (crescent {ctl_tls}ctl nodes --conductor {conductor})", flush=True)
         if tls_dir:
-            print(f"  mTLS         every gRPC hop; certificates in {tls_dir}", flush=True)
+            print(f"  mTLS         every gRPC hop, HTTPS at the gateway; certificates in {tls_dir} (CA: ca.pem)", flush=True)
         if auth_tokens:
             print(f"  tokens       {auth_tokens['file']} (admin: crescent --token <admin token> ctl ...; clients: "
                   "the tenant token)", flush=True)
@@ -412,6 +438,22 @@ def run_up(ns: argparse.Namespace) -> int:
         store_down = False
         while not stop.wait(0.5):
             dead = [p for p in parts if p.proc.poll() is not None]
+            if ns.restart and dead and gw not in dead:
+                now = time.monotonic()
+                for p in dead:
+                    if sum(t > now - 60 for t in p.restarts) >= RESTARTS_PER_MINUTE:
+                        print(f"crescent up: error: {p.name} keeps exiting ({p.proc.returncode}); stopping:\n"
+                              f"{p.tail()}", file=sys.stderr)
+                        return 1
+                    print(f"crescent up: {p.name} exited ({p.proc.returncode}); restarting it", file=sys.stderr,
+                          flush=True)
+                    p.restart()
+                    state["pids"][p.name] = p.proc.pid
+                    state.setdefault("restarts", {})[p.name] = len(p.restarts)
+                with open(state_path + ".tmp", "w") as f:
+                    json.dump(state, f, indent=1)
+                os.replace(state_path + ".tmp", state_path)
+                continue
             if dead and all(p.name.startswith(("store", "conductor")) for p in dead):
                 if not store_down:  # NOTE: the engines carry on without them (recompute, round-robin)
                     for p in dead:
