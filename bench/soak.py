@@ -301,9 +301,11 @@ class Chaos:
     def _slow_client(self, _: str) -> str:
         import grpc
 
+        from kvstore.arena import SECRET_BYTES, shm_proof
+        from kvstore.client import StoreClient
+        from kvstore.transport.descriptors import SHM_PROOF_HEADER
         from proto.crescent.v1 import kvstore_pb2 as pb
         from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
-        from kvstore.client import StoreClient
 
         address = self.cluster.state()["store"]
         keys = [b"soak-slow-%d" % i for i in range(8)]
@@ -311,7 +313,12 @@ class Chaos:
             c.batch_put([(k, os.urandom(256 << 10)) for k in keys])
         ch = grpc.insecure_channel(address)
         self._held.append(ch)
-        r = pb_grpc.KVStoreStub(ch).AcquireRead(pb.AcquireReadRequest(keys=keys, mover=pb.MOVER_SHM), timeout=30)
+        paths = glob.glob(f"/dev/shm/crescent-{self.cluster.state()['pids']['store']}-*")
+        with open(paths[0], "rb") as f:  # a same-host client proves it can open the arena (kvstore/arena.py)
+            f.seek(-SECRET_BYTES, os.SEEK_END)
+            proof = shm_proof(f.read())
+        r = pb_grpc.KVStoreStub(ch).AcquireRead(pb.AcquireReadRequest(keys=keys, mover=pb.MOVER_SHM), timeout=30,
+                                                metadata=[(SHM_PROOF_HEADER, proof.hex())])
         return f"lease {r.lease_id} on {len(keys)} values, never released"
 
     def _cut_transfer(self, _: str) -> str:

@@ -18,6 +18,8 @@ treats it as recently used (``TieredStore``: a second chance).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import mmap
 import os
 import secrets
@@ -58,6 +60,16 @@ def reap_stale_segments() -> list[str]:
 def table_bytes(num_slots: int) -> int:
     """Bytes of the slot tables after a host arena's slots: u64 generations, then u8 touched."""
     return 9 * num_slots
+
+
+SECRET_BYTES = 32
+"""The arena's secret, after its slot tables: only a process that can open the file (0600, the
+node's user) reads it, and it proves so to the node before its first shm grant (``shm_proof``)."""
+
+
+def shm_proof(secret: bytes) -> bytes:
+    """What a client sends to show it read the arena's secret (not the secret itself)."""
+    return hmac.new(secret, b"crescent shm grant", hashlib.sha256).digest()[:16]
 
 
 def slot_tables(buf, offset: int, num_slots: int) -> tuple[memoryview, memoryview]:
@@ -146,11 +158,16 @@ class HostArena(SlotAllocator):
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.table_offset = num_slots * slot_bytes
-        file_bytes = self.table_offset + table_bytes(num_slots)
+        secret_at = self.table_offset + table_bytes(num_slots)
+        file_bytes = secret_at + SECRET_BYTES
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, file_bytes)
-            self._mmap = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            secret = secrets.token_bytes(SECRET_BYTES)
+            os.pwrite(fd, secret, secret_at)
+            self.shm_proof = shm_proof(secret)
+            """What a same-host client that read the file's secret sends before its shm grants."""
+            self._mmap = mmap.mmap(fd, secret_at, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(self.path)
             raise

@@ -28,6 +28,7 @@ of requests, each answered before the next (all integers little-endian)::
     RELEASE  lease id (key empty; any number)   bytes released
     COMMIT   lease id (one key, empty)          bytes stored
     ABORT    lease id (one key, empty)          values aborted
+    PROVE    0 (one key: the shm proof)         0
 
     grant     u64 lease_id  f64 ttl_s  u16 arena_len  u32 num_slots  arena
               u32 slot_count[n]  u32 slots[num_slots]  u64 generations[num_slots]
@@ -37,7 +38,10 @@ movers (kvstore/transport/): the same grants as the ``KVStore`` RPCs of the
 same names, without gRPC's per-call cost (a round trip here costs a few tens
 of microseconds; a Python gRPC call, about a millisecond).
 
-A malformed request closes the connection; nothing of a PUT whose bytes did
+A connection takes shm ACQUIRE/RESERVE only after a PROVE whose key is the
+node's ``shm_proof``: an HMAC of the secret at the end of its arena file, which
+only a process that can open that file (0600, the node's user) reads. A wrong
+proof is FAILED_PRECONDITION. A malformed request closes the connection; nothing of a PUT whose bytes did
 not all arrive becomes visible (its reservations are aborted).
 """
 
@@ -55,7 +59,7 @@ from contextlib import contextmanager
 from itertools import chain
 
 from kvstore.config import MAX_KEY_BYTES
-from kvstore.errors import CrescentError, DataLossError, UnavailableError
+from kvstore.errors import CrescentError, DataLossError, FailedPreconditionError, UnavailableError
 from kvstore.liveness import connect, tune_socket
 
 HELLO = b"CRDC"
@@ -84,6 +88,7 @@ class Op(enum.IntEnum):
     COMMIT = 6
     ABORT = 7
     REPORT = 8  # reads a same-host client made with no call (values, bytes, batches): the node counts them
+    PROVE = 9  # one key: the shm proof (kvstore/arena.py, ``shm_proof``); shm grants need it first
 
 
 class Status(enum.IntEnum):
@@ -273,7 +278,7 @@ class DataChannelClient:
     next request's own answer, never on the caller's critical path.
     """
 
-    def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0, proof: bytes = b"") -> None:
         from kvstore import tls
 
         try:
@@ -286,6 +291,10 @@ class DataChannelClient:
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
         self.sock.sendall(HELLO + token)
         self._deferred: list[tuple[int, Callable | None]] = []
+        if proof:  # its answer is read before the next request's, off the critical path
+            with self._guard():
+                self.sock.sendall(encode_request(Op.PROVE, [proof], [0]))
+            self._deferred.append((1, _proved))
 
     def close(self) -> None:
         """Closes the connection once the node has answered every deferred release,
@@ -392,11 +401,16 @@ def _end_request(op: Op, lease_ids: Sequence[int]) -> bytes:
     return _REQ.pack(b"CRRQ", op, 0, 0, len(lease_ids), len(body)) + body
 
 
-class _Connections:
-    """Per-thread connections to one node."""
+def _proved(items: list[tuple[Status, int]], msg: str) -> None:
+    if items[0][0] is not Status.OK:
+        raise FailedPreconditionError(f"data channel: the node refused this client's shm proof: {msg}")
 
-    def __init__(self, host: str, port: int, token: bytes) -> None:
-        self.host, self.port, self.token = host, port, token
+
+class _Connections:
+    """Per-thread connections to one node (``proof``: sent on each, for shm grants)."""
+
+    def __init__(self, host: str, port: int, token: bytes, proof: bytes = b"") -> None:
+        self.host, self.port, self.token, self.proof = host, port, token, proof
         self._local = threading.local()
         self._all: list[DataChannelClient] = []
         self._lock = threading.Lock()
@@ -404,7 +418,7 @@ class _Connections:
     def get(self) -> DataChannelClient:
         conn = getattr(self._local, "conn", None)
         if conn is None or conn.sock.fileno() < 0:
-            conn = DataChannelClient(self.host, self.port, self.token)
+            conn = DataChannelClient(self.host, self.port, self.token, proof=self.proof)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)

@@ -106,12 +106,13 @@ class DataChannelServer:
             prefix = self._prefixes.get(hello[4:]) if hello[:4] == HELLO else None
             if prefix is None:
                 return
+            proven = False  # shm grants wait for a PROVE (kvstore/datachannel.py)
             while not self._closed:
                 req = read_request(conn)
                 if req is None:
                     return
                 op, keys, args, mover = req
-                if prefix:
+                if prefix and op is not Op.PROVE:
                     keys = [prefix + k if k else k for k in keys]
                 t0 = time.perf_counter()
                 path = "tcp"
@@ -119,8 +120,12 @@ class DataChannelServer:
                     self._get(conn, keys, args)
                 elif op is Op.PUT:
                     self._put(conn, keys, args)
+                elif op is Op.PROVE:
+                    proven = self._prove(keys)
+                    conn.sendall(encode_response([(Status.OK if proven else Status.FAILED_PRECONDITION, 0)],
+                                                 "" if proven else "wrong shm proof"))
                 else:
-                    conn.sendall(self._descriptor_op(op, keys, args, mover))
+                    conn.sendall(self._descriptor_op(op, keys, args, mover, proven))
                     if op in (Op.ACQUIRE, Op.RESERVE):
                         path = _MOVER_NAMES.get(mover, path)
                 if self._on_op is not None:
@@ -204,7 +209,11 @@ class DataChannelServer:
                     if r is not None:
                         self.store.abort(r)
 
-    def _descriptor_op(self, op: Op, keys: list[bytes], args: list[int], mover: int) -> bytes:
+    def _prove(self, keys: list[bytes]) -> bool:
+        want = getattr(self.grants, "shm_proof", None)
+        return len(keys) == 1 and want is not None and hmac.compare_digest(bytes(keys[0]), want)
+
+    def _descriptor_op(self, op: Op, keys: list[bytes], args: list[int], mover: int, proven: bool) -> bytes:
         """One descriptor request, answered as the KVStore RPC of the same name would be."""
         t = self.grants
         try:
@@ -213,9 +222,9 @@ class DataChannelServer:
             if op in (Op.ACQUIRE, Op.RESERVE):
                 m = t.check_mover(mover)
                 if op is Op.ACQUIRE:
-                    g = t.leases.acquire(keys, m)
+                    g = t.leases.acquire(keys, m, proven)
                 else:
-                    g = t.leases.reserve(list(zip(keys, args)), m)
+                    g = t.leases.reserve(list(zip(keys, args)), m, proven)
                 items = [(_GRANT_STATUS[d.status], d.size) for d in g.items]
                 grant = encode_grant(g.lease_id, g.ttl_s, t.arena.name, [d.slots for d in g.items],
                                      [d.generations for d in g.items])

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 _GET_WINDOW = 16
 """Values a streamed Get leases (and reads from disk, in parallel) ahead of sending them."""
 _CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve": "reserve_write",
-                "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads"}
+                "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads",
+                "prove": "prove_shm"}
 VERSION = "0.1.0"
 FRAME_BYTES = 4 << 20
 GRPC_OPTIONS = server_options(FRAME_BYTES + (1 << 20))

@@ -57,6 +57,12 @@ class ItemStatus(enum.IntEnum):
     EXHAUSTED = 4  # write: the arena cannot make room
 
 
+SHM_PROOF_NEEDED = ("shm grants need proof that this client can open the node's arena file (0600, the node's user): "
+                    "its HMAC of the file's secret, sent first (clients of this project do; others use tcp)")
+SHM_PROOF_HEADER = "crescent-shm-proof"
+"""gRPC metadata carrying the proof (hex) on AcquireRead/ReserveWrite with the shm mover."""
+
+
 @dataclass(frozen=True, slots=True)
 class ArenaRef:
     """How a client reaches a node's DRAM arena."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, Tier, TieredStore, check_key
-from kvstore.transport.descriptors import ItemStatus, Mover, SlotDescriptor, gather
+from kvstore.transport.descriptors import SHM_PROOF_NEEDED, ItemStatus, Mover, SlotDescriptor, gather
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,15 @@ class LeaseTable:
 
     # ---- reads ----------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[bytes], mover: Mover) -> GrantResult:
-        """Leases each present DRAM value in place; other keys get NOT_FOUND or ELSEWHERE."""
+    def acquire(self, keys: Sequence[bytes], mover: Mover, proven: bool = True) -> GrantResult:
+        """Leases each present DRAM value in place; other keys get NOT_FOUND or ELSEWHERE.
+
+        ``proven``: the caller showed the arena's shm proof (needed for the shm mover).
+        """
         _check_batch(keys)
         for k in keys:
             check_key(k)
+        _check_proven(mover, proven)
         gen = self.store.dram.generation
         items: list[SlotDescriptor] = []
         g = _Grant(0, mover, 0.0, [], [], 0, leases=[])
@@ -159,7 +163,7 @@ class LeaseTable:
 
     # ---- writes ---------------------------------------------------------------
 
-    def reserve(self, values: Sequence[tuple[bytes, int]], mover: Mover) -> GrantResult:
+    def reserve(self, values: Sequence[tuple[bytes, int]], mover: Mover, proven: bool = True) -> GrantResult:
         """Reserves DRAM slots per value; a value the arena cannot take now is EXHAUSTED.
 
         Raises:
@@ -171,6 +175,7 @@ class LeaseTable:
             check_key(k)
             if not 0 <= size <= limit:
                 raise InvalidArgumentError(f"value of {size} bytes exceeds the limit of {limit}")
+        _check_proven(mover, proven)
         gen = self.store.dram.generation
         items: list[SlotDescriptor] = []
         msg = ""
@@ -312,3 +317,9 @@ class LeaseTable:
 def _check_batch(items: Sequence) -> None:
     if len(items) > MAX_KEYS:
         raise InvalidArgumentError(f"a batch of {len(items)} keys exceeds the limit of {MAX_KEYS}")
+
+
+def _check_proven(mover: Mover, proven: bool) -> None:
+    """shm grants go only to a client that proved it can open the arena file (kvstore/arena.py)."""
+    if mover is Mover.SHM and not proven:
+        raise FailedPreconditionError(SHM_PROOF_NEEDED)

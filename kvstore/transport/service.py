@@ -9,6 +9,7 @@ serves the descriptor RPCs from it.
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 import threading
@@ -20,7 +21,7 @@ from kvstore import auth
 from kvstore.config import StoreConfig
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError
 from kvstore.store import Tier, TieredStore
-from kvstore.transport.descriptors import Mover, descriptor_pb
+from kvstore.transport.descriptors import SHM_PROOF_HEADER, Mover, descriptor_pb
 from kvstore.transport.identity import host_identity
 from kvstore.transport.leases import GrantResult, LeaseTable
 from proto.crescent.v1 import kvstore_pb2 as pb
@@ -67,6 +68,8 @@ class NodeTransport:
                                   rdma_addr=self.rdma.addr if self.rdma else 0,
                                   rdma_rkey=self.rdma.rkey if self.rdma else 0,
                                   table_offset=store.dram.table_offset)
+        self.shm_proof = store.dram.shm_proof
+        """What a same-host client proves before shm grants (``kvstore/arena.py``)."""
         if metrics is not None:
             metrics.registry.register(MoverCollector(self))
 
@@ -179,6 +182,15 @@ def _grant_pb(cls, g: GrantResult, arena: str):
     return cls(lease_id=g.lease_id, expires_in_s=g.ttl_s, arena=arena, items=items, **kw)
 
 
+def _proven(t: NodeTransport, context) -> bool:
+    """Whether the call carries the arena's shm proof (``SHM_PROOF_HEADER``, hex)."""
+    got = next((v for k, v in context.invocation_metadata() or () if k == SHM_PROOF_HEADER), "")
+    try:
+        return hmac.compare_digest(bytes.fromhex(got), t.shm_proof)
+    except ValueError:
+        return False
+
+
 class DescriptorRpcs:
     """The descriptor RPCs of ``KVStore``; mixed into the servicer (needs ``self.node``, ``self.metrics``)."""
 
@@ -197,7 +209,8 @@ class DescriptorRpcs:
     def AcquireRead(self, request, context):
         t = self.node.transport
         mover = t.check_mover(request.mover)
-        g = t.leases.acquire(auth.scoped(auth.prefix_of(context, self.node.principals), request.keys), mover)
+        g = t.leases.acquire(auth.scoped(auth.prefix_of(context, self.node.principals), request.keys), mover,
+                             _proven(t, context))
         return _grant_pb(pb.AcquireReadResponse, g, t.arena.name), mover.value
 
     @_rpc("release_read")
@@ -210,7 +223,7 @@ class DescriptorRpcs:
         t = self.node.transport
         mover = t.check_mover(request.mover)
         keys = auth.scoped(auth.prefix_of(context, self.node.principals), [v.key for v in request.values])
-        g = t.leases.reserve([(k, v.size) for k, v in zip(keys, request.values)], mover)
+        g = t.leases.reserve([(k, v.size) for k, v in zip(keys, request.values)], mover, _proven(t, context))
         return _grant_pb(pb.ReserveWriteResponse, g, t.arena.name), mover.value
 
     @_rpc("commit_write")

@@ -45,7 +45,7 @@ from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
 from kvstore.store import Tier
-from kvstore.transport.descriptors import (ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
+from kvstore.transport.descriptors import (SHM_PROOF_HEADER, ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
                                            value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
@@ -112,7 +112,10 @@ def select(stub, call: Callable, timeout_s: float, requested: str,
             notes.append(f"{mover.value}: {exc}")
             continue
         conns = channel() if channel is not None else None
-        control = ChannelControl(conns) if conns is not None else GrpcControl(stub, call, timeout_s)
+        proof = getattr(m, "proof", b"")  # shm: this client read the arena's secret (the node checks it)
+        if conns is not None:
+            conns.proof = proof  # sent on each connection before its first grant
+        control = ChannelControl(conns) if conns is not None else GrpcControl(stub, call, timeout_s, proof)
         session = DescriptorSession(stub, call, timeout_s, m, arena, requested, control, channel)
         return Selection(session, "; ".join(notes))
     return Selection(None, "; ".join(notes))
@@ -123,20 +126,21 @@ class GrpcControl:
 
     lane = "grpc"
 
-    def __init__(self, stub, call: Callable, timeout_s: float) -> None:
+    def __init__(self, stub, call: Callable, timeout_s: float, proof: bytes = b"") -> None:
         self._stub, self._call, self.timeout_s = stub, call, timeout_s
+        self._meta = [(SHM_PROOF_HEADER, proof.hex())] if proof else None
 
     def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
         sent = time.monotonic()
         r = self._call(lambda: self._stub.AcquireRead(pb.AcquireReadRequest(keys=keys, mover=mover.pb),
-                                                      timeout=self.timeout_s))
+                                                      timeout=self.timeout_s, metadata=self._meta))
         return Grant.from_pb(r, sent)
 
     def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
         headers = [pb.ValueHeader(key=k, size=n) for k, n in items]
         sent = time.monotonic()
         r = self._call(lambda: self._stub.ReserveWrite(pb.ReserveWriteRequest(values=headers, mover=mover.pb),
-                                                       timeout=self.timeout_s))
+                                                       timeout=self.timeout_s, metadata=self._meta))
         return Grant.from_pb(r, sent)
 
     def release(self, lease_id: int) -> None:

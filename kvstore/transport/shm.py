@@ -17,7 +17,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from kvstore.arena import SHM_DIR, slot_tables, table_bytes
+from kvstore.arena import SECRET_BYTES, SHM_DIR, shm_proof, slot_tables, table_bytes
 from kvstore.errors import DataLossError, FailedPreconditionError
 from kvstore.transport.descriptors import ArenaRef, Mover
 from kvstore.transport.memcopy import DEFAULT_THREADS, CopyEngine, Op, buffer_address
@@ -68,8 +68,13 @@ class ShmMover:
         self.base = buffer_address(self._mmap)
         self.generations = self.touched = None
         """The node's slot tables (``kvstore/arena.py``), when it shares them: read-mostly views."""
+        self.proof = b""
+        """Shows the node this client read its arena's secret (sent with every shm grant call)."""
         if arena.table_offset:
             self.generations, self.touched = slot_tables(self._mmap, arena.table_offset, num_slots)
+            secret = os.pread(fd, SECRET_BYTES, length)
+            if len(secret) == SECRET_BYTES:
+                self.proof = shm_proof(secret)
         self._engine = CopyEngine(threads)
         self._tensor = None  # the whole arena as a CPU tensor, made on first use (tensor())
         self._registered = False

@@ -18,10 +18,61 @@ from tests.helpers import wait_for
 SLOT = 64 << 10
 
 
-def _conn(node):
+def _conn(node, prove=True):
+    """A raw data-channel connection; ``prove``: it sends the node's shm proof first (a same-host
+    client read it from the arena file), as the project's clients do."""
     s = socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30)
     s.sendall(HELLO + node.data_server.token)
+    if prove:
+        s.sendall(encode_request(Op.PROVE, [node.transport.shm_proof], [0]))
+        assert read_response(s) == ([(Status.OK, 0)], "")
     return s
+
+
+def test_shm_grants_need_the_proof_that_only_a_reader_of_the_arena_file_has(make_node):
+    import grpc
+
+    from kvstore.arena import SECRET_BYTES, shm_proof
+    from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+
+    node = make_node()
+    StoreClient(node.address).put(b"k", b"v")
+    s = _conn(node, prove=False)
+    s.sendall(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_SHM))
+    items, msg, _ = read_grant_response(s)
+    assert items == [(Status.FAILED_PRECONDITION, 0)] and "shm grants need proof" in msg
+    s.sendall(encode_request(Op.PROVE, [b"x" * 16], [0]))  # a guess
+    assert read_response(s) == ([(Status.FAILED_PRECONDITION, 0)], "wrong shm proof")
+    s.sendall(encode_request(Op.RESERVE, [b"w"], [10], pb.MOVER_SHM))
+    items, msg, _ = read_grant_response(s)
+    assert items == [(Status.FAILED_PRECONDITION, 0)]
+    with open(node.store.dram.path, "rb") as f:  # what a client that can open the file (0600) reads
+        assert os.stat(f.fileno()).st_mode & 0o777 == 0o600
+        f.seek(-SECRET_BYTES, os.SEEK_END)
+        proof = shm_proof(f.read())
+    s.sendall(encode_request(Op.PROVE, [proof], [0]))
+    assert read_response(s) == ([(Status.OK, 0)], "")
+    s.sendall(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_SHM))
+    items, _, blob = read_grant_response(s)
+    assert items == [(Status.OK, 1)]
+    s.sendall(_end(Op.RELEASE, decode_grant(blob, 1)[0]))
+    assert read_response(s)[0] == [(Status.OK, 1)]
+    s.close()
+    with grpc.insecure_channel(node.address) as ch:  # the same over gRPC, in the call's metadata
+        stub = pb_grpc.KVStoreStub(ch)
+        for meta in (None, [("crescent-shm-proof", "00" * 16)], [("crescent-shm-proof", "not hex")]):
+            try:
+                stub.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_SHM), timeout=30, metadata=meta)
+                raise AssertionError("granted without the proof")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "proof" in exc.details()
+        r = stub.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_SHM), timeout=30,
+                             metadata=[("crescent-shm-proof", proof.hex())])
+        stub.ReleaseRead(pb.LeaseRequest(lease_id=r.lease_id), timeout=30)
+    assert _leases(node)["num_remote_leases"] == 0
+    c = StoreClient(node.address, transport="shm")  # the project's client proves on its own
+    assert c.get(b"k") == b"v" and c.transport == "shm"
+    c.close()
 
 
 def _end(op, *lease_ids):
@@ -105,7 +156,7 @@ def test_bad_descriptor_requests_get_precise_statuses_and_keep_the_connection(ma
     assert _leases(node)["num_remote_leases"] == 0 and _leases(node)["num_remote_reservations"] == 0
     s.close()
     tcp_only = make_node(transport="tcp")
-    s = _conn(tcp_only)
+    s = _conn(tcp_only, prove=False)
     s.sendall(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_SHM))
     items, msg, _ = read_grant_response(s)
     assert items == [(Status.FAILED_PRECONDITION, 0)] and "--transport tcp" in msg
