@@ -82,12 +82,14 @@ class ApiTenant:
     cache_salt: str | None
     """The salt of this tenant's chunk keys: its name, the group it shares prefixes with, or None
     (``"share_prefixes": true``: the shared namespace)."""
+    max_concurrent: int | None = None
+    """Its quota of requests in flight at once (over it: 429 with Retry-After); None: no bound."""
 
 
 def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
     """SHA-256 of each OpenAI-style API key → its tenant, from ``--api-keys FILE``:
     ``{"keys": [{"key": "sk-...", "tenant": "acme"}, {"key": ..., "tenant": "b", "cache_salt": "group1"},
-    {"key": ..., "tenant": "c", "share_prefixes": true}]}``.
+    {"key": ..., "tenant": "c", "share_prefixes": true, "max_concurrent": 4}]}``.
 
     Raises:
         ValueError: the file cannot be read or is malformed.
@@ -95,7 +97,7 @@ def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
     from kvstore.auth import json_entries
 
     entries = json_entries(path, "--api-keys", "keys", '{"key", "tenant"}')
-    out = {}
+    out, limits = {}, {}
     for i, e in enumerate(entries):
         key, tenant = (e.get("key"), e.get("tenant")) if isinstance(e, dict) else (None, None)
         if not isinstance(key, str) or len(key) < 8 or not isinstance(tenant, str) or not tenant:
@@ -103,7 +105,12 @@ def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
         salt = None if e.get("share_prefixes") else e.get("cache_salt", tenant)
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"--api-keys {path}: keys[{i}].cache_salt must be a string")
-        out[hashlib.sha256(key.encode()).digest()] = ApiTenant(tenant, salt)
+        limit = e.get("max_concurrent")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"--api-keys {path}: keys[{i}].max_concurrent must be a positive integer")
+        if limit != limits.setdefault(tenant, limit):
+            raise ValueError(f"--api-keys {path}: the keys of tenant {tenant!r} give different max_concurrent")
+        out[hashlib.sha256(key.encode()).digest()] = ApiTenant(tenant, salt, limit)
     return out
 
 
@@ -114,6 +121,8 @@ class Gateway:
         self.model_name = served_model_name or model
         self.api_keys = api_keys
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
+        self._inflight: dict[str, int] = {}
+        self._inflight_lock = threading.Lock()
         self.tokenizer = load_tokenizer(model)
         static = RoundRobinRouter(prefill, decode) if decode else None
         if router is None and (conductor or etcd):
@@ -136,6 +145,19 @@ class Gateway:
         self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
+
+    def admit(self, tenant: ApiTenant) -> bool:
+        """Counts one more request of ``tenant`` in flight, unless that passes its quota."""
+        with self._inflight_lock:
+            n = self._inflight.get(tenant.name, 0)
+            if tenant.max_concurrent is not None and n >= tenant.max_concurrent:
+                return False
+            self._inflight[tenant.name] = n + 1
+            return True
+
+    def done(self, tenant: ApiTenant) -> None:
+        with self._inflight_lock:
+            self._inflight[tenant.name] -= 1
 
     def tenant(self, authorization: str | None) -> ApiTenant | None:
         """The tenant of a request's ``Authorization: Bearer <key>`` (None: no such key)."""
@@ -307,11 +329,22 @@ def make_handler(gw: Gateway):
                                            code="invalid_api_key")
                     # the tenant's cache salt comes from its key, never from the request
                     req = dataclasses.replace(req, cache_salt=tenant.cache_salt)
-                prompt = gw.encode(req)
-                if req.stream:
-                    self._stream(req, prompt)
+                    if not gw.admit(tenant):
+                        gw.m_requests.labels(endpoint, "429").inc()
+                        return self._error(429, f"tenant {tenant.name!r} has {tenant.max_concurrent} requests in "
+                                                "flight, its quota; retry shortly", "rate_limit_error",
+                                           code="tenant_quota_exceeded")
                 else:
-                    self._complete(req, prompt)
+                    tenant = None
+                try:
+                    prompt = gw.encode(req)
+                    if req.stream:
+                        self._stream(req, prompt)
+                    else:
+                        self._complete(req, prompt)
+                finally:
+                    if tenant is not None:
+                        gw.done(tenant)
                 gw.m_requests.labels(endpoint, "200").inc()
             except BadRequest as exc:
                 gw.m_requests.labels(endpoint, "400").inc()

@@ -20,6 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
 from proto.crescent.v1 import engine_pb2 as epb
 from proto.crescent.v1 import engine_pb2_grpc as epb_grpc
+from tests.helpers import wait_for
 
 openai = pytest.importorskip("openai")  # the official client drives the gateway
 
@@ -437,3 +438,33 @@ def test_api_keys_bind_each_request_to_its_tenant_and_cache_salt(tmp_path):
         s.close()
         plain.close()
 
+
+
+def test_a_tenant_over_its_concurrency_quota_gets_429_with_retry_after_and_others_do_not(tmp_path):
+    from engine.serve.gateway import load_api_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "sk-acme-000000", "tenant": "acme", "max_concurrent": 1},
+                                         {"key": "sk-acme-111111", "tenant": "acme", "max_concurrent": 1},
+                                         {"key": "sk-globex-0000", "tenant": "globex"}]}))
+    for bad, why in (({"key": "sk-x-00000000", "tenant": "x", "max_concurrent": 0}, "positive integer"),
+                     ({"key": "sk-acme-222222", "tenant": "acme", "max_concurrent": 2}, "different max_concurrent")):
+        (tmp_path / "bad.json").write_text(json.dumps({"keys": [json.loads(path.read_text())["keys"][0], bad]}))
+        with pytest.raises(ValueError, match=why):
+            load_api_keys(str(tmp_path / "bad.json"))
+    s = Setup(with_store=False, prefill=False, api_keys=load_api_keys(str(path)))
+    try:
+        held = s.client("sk-acme-000000").completions.create(model=MODEL, prompt="hold on", max_tokens=400,
+                                                             temperature=0, stream=True,
+                                                             extra_body={"ignore_eos": True})
+        next(iter(held))  # acme now has one request in flight
+        with pytest.raises(openai.RateLimitError) as e:  # its other key shares the quota
+            s.client("sk-acme-111111").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "tenant_quota_exceeded"
+        assert s.client("sk-globex-0000").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+        held.close()  # the client goes away mid-stream: the gateway counts the request done
+        wait_for(lambda: s.gw._inflight["acme"] == 0, what="acme's stream to end")
+        assert s.client("sk-acme-111111").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    finally:
+        s.close()
