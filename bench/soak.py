@@ -5,9 +5,10 @@
 The cluster: two conductors (leader-elected through a local etcd, where `etcd` is installed), two
 store nodes with disk tiers (the first on a tiny tmpfs that fills,
 where one can be mounted: it takes the prefill engine's saves), a prefill and a decode engine, the gateway. Load: trace-derived prompts
-(tests/data/synthetic_trace.jsonl: shared prefixes) streamed through the gateway with the official
-`openai` client, greedy, a few at a time; a request answered 429/503 (which must carry Retry-After)
-or cut mid-stream is retried after that pause.
+(tests/data/synthetic_trace.jsonl: shared prefixes, picked Zipf(0.9)) streamed through the gateway
+with the official `openai` client, greedy, a few at a time, as two tenants (API keys): one with a
+concurrency quota of 1 that two of the threads share, so it is answered 429 now and then. A request
+answered 429/503 (which must carry Retry-After) or cut mid-stream is retried after that pause.
 
 Faults, in a seeded order, one every ``--fault-every`` seconds:
     kill:<part>       kill -9 of the second store node, the prefill or decode engine, the first conductor (up
@@ -57,6 +58,9 @@ from bench.common import OUT, ROOT, pct, table, write_docs_section
 MODEL = "random:tiny"
 KINDS = ["kill:store-2", "kill:prefill", "kill:decode", "kill:conductor", "freeze:store-2",
          "corrupt:arena", "corrupt:disk", "slow-client", "cut-transfer"]
+KEYS = ("sk-soak-bounded-0000", "sk-soak-free-000000")
+"""The load's API keys: a tenant with a concurrency quota of 1 (two threads share it: some of its
+requests get 429 + Retry-After and are retried), and one without."""
 ZIPF_S = 0.9
 """Prompt popularity: the i-th most popular is picked with weight 1 / i**ZIPF_S."""
 FAULT_WINDOW_S = 5.0
@@ -68,7 +72,7 @@ def log(msg: str) -> None:
 
 
 class Cluster:
-    def __init__(self, data: str, tmpfs_mb: int, conductors: int) -> None:
+    def __init__(self, data: str, tmpfs_mb: int, conductors: int, slo_ttft: float | None, api_keys: str) -> None:
         self.data = data
         self.tmpfs = None
         os.makedirs(os.path.join(data, "store"), exist_ok=True)
@@ -85,7 +89,8 @@ class Cluster:
             [sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", MODEL, "--nodes", "2",
              "--no-netns", "--restart", "--store-port", "0", "--prefill-port", "0", "--decode-port", "0",
              "--gateway-port", "0", "--conductor-port", "0", "--dram", "8MiB", "--disk-size", "96MiB",
-             "--chunk-tokens", "64", "--kv-cache-memory", "8MiB", "--conductors", str(conductors)],
+             "--chunk-tokens", "64", "--kv-cache-memory", "8MiB", "--conductors", str(conductors),
+             "--api-keys", api_keys, *(["--slo-ttft", str(slo_ttft)] if slo_ttft else [])],
             cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 420
         while not os.path.exists(self.state_path):
@@ -147,14 +152,15 @@ class Load:
         import openai
 
         self.openai = openai
-        self.client = openai.OpenAI(base_url=base_url, api_key="soak", timeout=300, max_retries=0)
+        self.clients = [openai.OpenAI(base_url=base_url, api_key=k, timeout=300, max_retries=0) for k in KEYS]
         self.work, self.max_tokens = work, max_tokens
         self.records: list[dict] = []
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._cum = list(itertools.accumulate(1 / (rank + 1) ** ZIPF_S for rank in range(len(work))))
-        self.threads = [threading.Thread(target=self._worker, args=(random.Random(seed * 1000 + k),), daemon=True)
-                        for k in range(concurrency)]
+        self.threads = [threading.Thread(target=self._worker, daemon=True,
+                                         args=(random.Random(seed * 1000 + k), self.clients[k % 3 == 2]))
+                        for k in range(concurrency)]  # threads 0, 1 (and 3, 4, ...) share the bounded tenant
 
     def start(self) -> Load:
         for t in self.threads:
@@ -166,13 +172,13 @@ class Load:
         for t in self.threads:
             t.join(timeout=600)
 
-    def _worker(self, rng: random.Random) -> None:
+    def _worker(self, rng: random.Random, client) -> None:
         while not self.stop.is_set():
             i = rng.choices(range(len(self.work)), cum_weights=self._cum)[0]  # Zipf: hot prefixes, a long tail
             rec = {"prompt_index": i, "start": time.time(), "attempts": [], "text": None}
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline:
-                a = self._attempt(self.work[i])
+                a = self._attempt(client, self.work[i])
                 rec["attempts"].append(a)
                 if a["outcome"] == "ok":
                     rec["text"], rec["ttft"], rec["itl"] = a.pop("text"), a["ttft"], a.pop("itl")
@@ -181,12 +187,12 @@ class Load:
             with self._lock:
                 self.records.append(rec)
 
-    def _attempt(self, prompt: list[int]) -> dict:
+    def _attempt(self, client, prompt: list[int]) -> dict:
         openai = self.openai
         t0 = time.perf_counter()
         out = {"t": time.time()}
         try:
-            stream = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=self.max_tokens,
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=self.max_tokens,
                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
             text, first, last, gaps = [], None, None, []
             for ch in stream:
@@ -433,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="distinct trace prompts, picked Zipf(0.9) (default: 256)")
     p.add_argument("--max-prompt", type=int, default=640, help="prompt tokens at most (default: 640)")
     p.add_argument("--tmpfs-mb", type=int, default=6, help="the first node's disk tier tmpfs size (default: 6)")
+    p.add_argument("--slo-ttft", type=float, default=0.5,
+                   help="the conductor rejects (429) requests it predicts to miss this TTFT (default: 0.5 s; 0: none)")
     p.add_argument("--conductors", type=int, default=0,
                    help="conductor replicas (default: 2, leader-elected through a local etcd, where `etcd` is "
                         "installed; else 1)")
@@ -450,7 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     data = tempfile.mkdtemp(prefix="crescent-soak-")
     log(f"starting crescent up in {data} ({len(work)} prompts from the {source})")
     conductors = args.conductors if args.conductors else (2 if shutil.which("etcd") else 1)
-    cluster = Cluster(data, args.tmpfs_mb, conductors)
+    api_keys = os.path.join(data, "api-keys.json")
+    with open(api_keys, "w") as f:  # two of the load's threads share a tenant allowed one request at a time
+        json.dump({"keys": [{"key": KEYS[0], "tenant": "bounded", "max_concurrent": 1},
+                            {"key": KEYS[1], "tenant": "free"}]}, f)
+    cluster = Cluster(data, args.tmpfs_mb, conductors, args.slo_ttft, api_keys)
     chaos = None
     try:
         st = cluster.state()

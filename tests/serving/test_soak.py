@@ -24,6 +24,7 @@ def test_two_minutes_of_chaos_serve_only_right_tokens_and_leak_nothing(tmp_path)
     failed = [c for c in report["checks"] if not c["pass"]]
     assert r.returncode == 0 and not failed, json.dumps(failed, indent=1) + r.stdout[-3000:]
     assert report["wrong"] == 0 and report["served"] >= 50
+    assert report["outcomes"].get("429", 0) > 0  # the bounded tenant's quota answered, with Retry-After
     from bench.soak import KINDS
 
     injected = {k for k, n in report["faults"].items() if n > 0}
