@@ -64,6 +64,16 @@ requests get 429 + Retry-After and are retried), and one without."""
 ZIPF_S = 0.9
 """Prompt popularity: the i-th most popular is picked with weight 1 / i**ZIPF_S."""
 FAULT_WINDOW_S = 5.0
+DOCS_INTRO = (    'Machine: the 2-core development VM. `sudo .venv/bin/python -m bench.soak --minutes 10 --fault-every '
+    '15 --docs`: `crescent up --restart` with two conductors (etcd), two store nodes (8 MiB DRAM; the fir'
+    "st's disk tier on a 6 MiB tmpfs that fills), a prefill and a decode engine (random:tiny, 8 MiB KV po"
+    'ols, so chunks move through the store all the time), the gateway; three client threads stream 8-toke'
+    'n greedy completions of 256 trace prompts (Zipf 0.9) as two API-key tenants, one with a concurrency '
+    "quota of 1 (its 429s are the quota's, retried after Retry-After). 'During faults' is a request that "
+    "started within 5 s after a fault. Every output is compared with a store-less engine's afterwards. No"
+    't every flipped byte is read again (free slots, values evicted before their next read), so corruptio'
+    'n counted is less than corruption injected; what was read was caught. Network partitions are tested '
+    'separately, in namespaces (tests/cluster/test_partitions.py, docs/conductor.md).')
 """A request that starts within this long after a fault counts as 'during faults'."""
 
 
@@ -558,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.docs:
         shutil.copy(os.path.join(args.out, "soak.png"), os.path.join(ROOT, "docs", "soak.png"))
-        write_docs_section("soak", "### Chaos soak (`bench/soak.py`)\n\n" + text + "\n\n![chaos soak timeline](soak.png)")
+        write_docs_section("soak", "### Chaos soak (`bench/soak.py`)\n\n" + DOCS_INTRO + "\n\n" + text
+                           + "\n\n![chaos soak timeline](soak.png)")
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 
