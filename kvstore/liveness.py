@@ -72,7 +72,11 @@ def channel_options(max_message_bytes: int | None = None) -> list[tuple[str, int
             # NOTE: also gRPC's connect timeout (default 20 s): an attempt to a cut host gives up soon,
             # so calls fail fast (UNAVAILABLE) instead of waiting on it for their whole deadline
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000))]
+            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000)),
+            # a channel's own connections: by default channels to one address share them, so a new
+            # channel to a server that came back on an address another channel saw die would inherit
+            # that channel's reconnect backoff and fail its first calls (UNAVAILABLE) until it ends
+            ("grpc.use_local_subchannel_pool", 1)]
     if max_message_bytes is not None:
         opts += [("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", max_message_bytes)]
