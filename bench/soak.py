@@ -2,9 +2,11 @@
 
     python -m bench.soak --minutes 10 [--seed 0] [--out bench/out/soak] [--docs]
 
-The cluster: two conductors (leader-elected through a local etcd, where `etcd` is installed), two
-store nodes with disk tiers (the first on a tiny tmpfs that fills,
-where one can be mounted: it takes the prefill engine's saves), a prefill and a decode engine, the gateway. Load: trace-derived prompts
+The cluster, on two hosts (network namespaces where they can be made, as root; else loopback ports):
+two conductors (leader-elected through a local etcd, where `etcd` is installed), two store nodes with
+disk tiers (the first on a tiny tmpfs that fills, where one can be mounted: it takes the prefill
+engine's saves), a prefill engine (host 0) and a decode engine (host 1), the gateway (on the machine).
+Load: trace-derived prompts
 (tests/data/synthetic_trace.jsonl: shared prefixes, picked Zipf(0.9)) streamed through the gateway
 with the official `openai` client, greedy, a few at a time, as two tenants (API keys): one with a
 concurrency quota of 1 that two of the threads share, so it is answered 429 now and then. A request
@@ -14,11 +16,12 @@ Faults, in a seeded order, one every ``--fault-every`` seconds:
     kill:<part>       kill -9 of the second store node, the prefill or decode engine, the first conductor (up
                       restarts it); the first store node is never killed, so its memory can be compared
     freeze:store-2    SIGSTOP for a few seconds, then SIGCONT (a member that stops answering)
+    partition:h1      the second host's link cut for 6 s (its store node, decode engine, a conductor),
+                      where the hosts are network namespaces (``--netns``, the default as root)
     corrupt:arena     bytes flipped across the first store node's DRAM arena (/dev/shm)
     corrupt:disk      bytes flipped in the first store node's disk values file
     slow-client       a client takes read leases on the first store node over shm, never releasing them
     cut-transfer      a client announces a 2 MiB put on store-2's data channel, sends part, disconnects
-(network partitions of a member run in tests/cluster/test_partitions.py, in network namespaces).
 
 Checked (each a line of the report, PASS or FAIL; exit status 1 on any FAIL):
     zero wrong outputs: every completed request's text equals a store-less reference engine's on
@@ -56,7 +59,7 @@ import urllib.request
 from bench.common import OUT, ROOT, pct, table, write_docs_section
 
 MODEL = "random:tiny"
-KINDS = ["kill:store-2", "kill:prefill", "kill:decode", "kill:conductor", "freeze:store-2",
+KINDS = ["kill:store-2", "kill:prefill", "kill:decode", "kill:conductor", "freeze:store-2", "partition:h1",
          "corrupt:arena", "corrupt:disk", "slow-client", "cut-transfer"]
 KEYS = ("sk-soak-bounded-0000", "sk-soak-free-000000")
 """The load's API keys: a tenant with a concurrency quota of 1 (two threads share it: some of its
@@ -64,17 +67,19 @@ requests get 429 + Retry-After and are retried), and one without."""
 ZIPF_S = 0.9
 """Prompt popularity: the i-th most popular is picked with weight 1 / i**ZIPF_S."""
 FAULT_WINDOW_S = 5.0
-DOCS_INTRO = (    'Machine: the 2-core development VM. `sudo .venv/bin/python -m bench.soak --minutes 10 --fault-every '
-    '15 --docs`: `crescent up --restart` with two conductors (etcd), two store nodes (8 MiB DRAM; the fir'
-    "st's disk tier on a 6 MiB tmpfs that fills), a prefill and a decode engine (random:tiny, 8 MiB KV po"
-    'ols, so chunks move through the store all the time), the gateway; three client threads stream 8-toke'
-    'n greedy completions of 256 trace prompts (Zipf 0.9) as two API-key tenants, one with a concurrency '
-    "quota of 1 (its 429s are the quota's, retried after Retry-After). 'During faults' is a request that "
-    "started within 5 s after a fault. Every output is compared with a store-less engine's afterwards. No"
-    't every flipped byte is read again (free slots, values evicted before their next read), so corruptio'
-    'n counted is less than corruption injected; what was read was caught. Network partitions are tested '
-    'separately, in namespaces (tests/cluster/test_partitions.py, docs/conductor.md).')
 """A request that starts within this long after a fault counts as 'during faults'."""
+PARTITION_S = 6.0
+"""How long partition:h1 keeps the host cut off (longer than the keepalive's ~6 s detection)."""
+DOCS_INTRO = (
+    "Machine: the 2-core development VM. `sudo .venv/bin/python -m bench.soak --minutes 10 --fault-every 15 "
+    "--docs`: `crescent up --restart --netns` with two emulated hosts (network namespaces), two conductors "
+    "(etcd), two store nodes (8 MiB DRAM; the first's disk tier on a 6 MiB tmpfs that fills), a prefill and a "
+    "decode engine (random:tiny, 8 MiB KV pools, so chunks move through the store all the time), the gateway; "
+    "three client threads stream 8-token greedy completions of 256 trace prompts (Zipf 0.9) as two API-key "
+    "tenants, one with a concurrency quota of 1 (its 429s are the quota's, retried after Retry-After). "
+    "'During faults' is a request that started within 5 s after a fault. Every output is compared with a "
+    "store-less engine's afterwards. Not every flipped byte is read again (free slots, values evicted before "
+    "their next read), so corruption counted is less than corruption injected; what was read was caught.")
 
 
 def log(msg: str) -> None:
@@ -82,7 +87,8 @@ def log(msg: str) -> None:
 
 
 class Cluster:
-    def __init__(self, data: str, tmpfs_mb: int, conductors: int, slo_ttft: float | None, api_keys: str) -> None:
+    def __init__(self, data: str, tmpfs_mb: int, conductors: int, slo_ttft: float | None, api_keys: str,
+                 netns: bool) -> None:
         self.data = data
         self.tmpfs = None
         os.makedirs(os.path.join(data, "store"), exist_ok=True)
@@ -97,7 +103,7 @@ class Cluster:
         self.out = open(os.path.join(data, "up.out"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", MODEL, "--nodes", "2",
-             "--no-netns", "--restart", "--store-port", "0", "--prefill-port", "0", "--decode-port", "0",
+             "--netns" if netns else "--no-netns", "--restart", "--store-port", "0", "--prefill-port", "0", "--decode-port", "0",
              "--gateway-port", "0", "--conductor-port", "0", "--dram", "8MiB", "--disk-size", "96MiB",
              "--chunk-tokens", "64", "--kv-cache-memory", "8MiB", "--conductors", str(conductors),
              "--api-keys", api_keys, *(["--slo-ttft", str(slo_ttft)] if slo_ttft else [])],
@@ -266,6 +272,20 @@ class Chaos:
         pid = self.cluster.state()["pids"][part]
         os.kill(pid, signal.SIGKILL)
         return f"pid {pid}"
+
+    def _partition(self, host: str) -> str:
+        hosts = self.cluster.state().get("hosts")
+        if not hosts:
+            return "not injected: the cluster runs without network namespaces (--no-netns, or not root)"
+        ns = hosts[host]["namespace"]  # <tag>-h<i>, on the bridge in <tag>-sw at port p<i> (kvstore/netns.py)
+        tag, i = ns.rsplit("-h", 1)
+        link = ["ip", "-n", f"{tag}-sw", "link", "set", f"p{i}"]
+        subprocess.run([*link, "down"], check=True, capture_output=True)
+        try:
+            self.stop.wait(PARTITION_S)
+        finally:
+            subprocess.run([*link, "up"], check=True, capture_output=True)
+        return f"{host} ({hosts[host]['address']}: store-2, decode, a conductor) cut off for {PARTITION_S:g} s"
 
     def _freeze(self, part: str) -> str:
         pid = self.cluster.state()["pids"][part]
@@ -451,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmpfs-mb", type=int, default=6, help="the first node's disk tier tmpfs size (default: 6)")
     p.add_argument("--slo-ttft", type=float, default=0.5,
                    help="the conductor rejects (429) requests it predicts to miss this TTFT (default: 0.5 s; 0: none)")
+    p.add_argument("--netns", action=argparse.BooleanOptionalAction, default=None,
+                   help="the two hosts as network namespaces, so that partition:h1 can cut one off (default: "
+                        "where they can be made: root)")
     p.add_argument("--conductors", type=int, default=0,
                    help="conductor replicas (default: 2, leader-elected through a local etcd, where `etcd` is "
                         "installed; else 1)")
@@ -472,7 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(api_keys, "w") as f:  # two of the load's threads share a tenant allowed one request at a time
         json.dump({"keys": [{"key": KEYS[0], "tenant": "bounded", "max_concurrent": 1},
                             {"key": KEYS[1], "tenant": "free"}]}, f)
-    cluster = Cluster(data, args.tmpfs_mb, conductors, args.slo_ttft, api_keys)
+    netns = args.netns
+    if netns is None:
+        from kvstore.netns import unavailable
+
+        netns = unavailable() is None
+    cluster = Cluster(data, args.tmpfs_mb, conductors, args.slo_ttft, api_keys, netns)
     chaos = None
     try:
         st = cluster.state()
