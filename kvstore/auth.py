@@ -57,7 +57,6 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 NS_MARK = b"\x00ns:"
 """How every namespaced key begins (raw content-hash keys do not start with a zero byte and this)."""
-NS_PREFIX_BYTES = len(NS_MARK) + 8
 
 
 def namespace_prefix(namespace: str) -> bytes:

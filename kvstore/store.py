@@ -823,8 +823,9 @@ class TieredStore:
                     self._evicted(e)
             return
         if self.disk is not None:
-            for e in [e for e in victims if self._ns(e.key) is not None]:  # within its namespace's disk bound
-                if not self._quota_room(self._ns(e.key), Tier.DISK, e.size):
+            for e in victims:  # a quota'd namespace's within its disk bound
+                ns = self._ns(e.key)
+                if ns is not None and not self._quota_room(ns, Tier.DISK, e.size):
                     self.counters["evictions"][tier] -= 1
                     self._evicted(e)
             victims = [e for e in victims if e.live]
@@ -914,7 +915,8 @@ class TieredStore:
         ns = self._ns(e.key)
         for pos, (tier, arena) in enumerate(self._arenas):
             n = arena.slots_for(e.size)
-            if ns is not None and self._usage[ns][0] + e.size > (self._quotas[ns].dram_bytes or float("inf")):
+            bound = self._quotas[ns].dram_bytes if ns is not None else None
+            if bound is not None and self._usage[ns][0] + e.size > bound:
                 continue  # promotions stay within the namespace's bound (they evict none of its values)
             if n <= arena.num_slots and (self._fits(arena, n) or reads >= self.config.promote_after):
                 yield pos, tier, arena, n
@@ -928,10 +930,9 @@ class TieredStore:
 
     def _charge(self, key: bytes, tier: Tier, nbytes: int) -> None:
         """Counts ``nbytes`` more (or fewer) of ``key``'s namespace in ``tier``."""
-        if self._quotas:
-            ns = self._ns(key)
-            if ns is not None:
-                self._usage[ns][tier is Tier.DISK] += nbytes
+        ns = self._ns(key)
+        if ns is not None:
+            self._usage[ns][tier is Tier.DISK] += nbytes
 
     def _quota_room(self, ns: bytes, tier: Tier, size: int) -> bool:
         """Whether namespace ``ns`` may hold ``size`` more bytes in ``tier`` (its arena tiers share one

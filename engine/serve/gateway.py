@@ -35,14 +35,14 @@ from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_BODY = 8 << 20
+MAX_DISCARD = 64 << 20
+"""An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
 RETRY_AFTER_S = 1
 """The Retry-After of a 429 or 503."""
 
 
 class StreamCut(Exception):
     """A stream ended early with an error event (its engine went away)."""
-MAX_DISCARD = 64 << 20
-"""An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
 
 
 class Engines:

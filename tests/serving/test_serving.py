@@ -13,7 +13,7 @@ import pytest
 from engine import LLM
 from proto.crescent.v1 import engine_pb2 as epb
 from proto.crescent.v1 import engine_pb2_grpc as epb_grpc
-from tests.helpers import wait_for
+from tests.helpers import restored_env, wait_for
 from tests.serving.conftest import Cluster
 
 openai = pytest.importorskip("openai")  # the official client drives the gateway
@@ -336,44 +336,40 @@ def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens
     from kvstore.client import Retry, StoreClient
     from kvstore.errors import CrescentError
 
-    c = Cluster(str(tmp_path), "--tls")
-    saved = {v: os.environ.get(v) for v in tls.ENV.values()}
-    try:
-        ids = _ids(41, 150)
-        d = c.state["tls"]
-        assert c.base_url.startswith("https://")  # the gateway too, with the development CA
-        https = openai.OpenAI(base_url=c.base_url, api_key="unused", timeout=300, max_retries=0,
-                              http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=f"{d}/ca.pem")))
-        r = https.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
-        want = storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
-        assert r.choices[0].text == want
-        with pytest.raises(openai.APIConnectionError):  # a client that does not trust the CA
-            client(c).models.list()
-        with pytest.raises(openai.APIConnectionError):  # plain HTTP to the HTTPS port
-            openai.OpenAI(base_url=c.base_url.replace("https://", "http://"), api_key="unused", timeout=60,
-                          max_retries=0).models.list()
-        assert https.models.list().data  # the gateway is still serving
-        assert d and "mTLS" in c.output()
-        for address in (c.state["store"], c.state["prefill_engine"], c.state["decode_engine"]):
-            with grpc.insecure_channel(address) as ch:  # plaintext to each TLS port
-                with pytest.raises(grpc.RpcError) as err:
-                    epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
-                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        with pytest.raises(CrescentError):
-            with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
-                s.health()
-        tls.configure(f"{d}/client.pem", f"{d}/client-key.pem", f"{d}/ca.pem")  # the tools' certificate
-        with StoreClient(c.state["store"], timeout_s=30) as s:
-            st = s.stats()  # the engines' saves came over mTLS
-            assert s.health()["serving"] and sum(t["num_entries"] for t in st["tiers"].values()) > 0
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        assert c.stop() == 0, c.output()
+    with restored_env(*tls.ENV.values()):  # the test takes the tools' certificate below
+        c = Cluster(str(tmp_path), "--tls")
+        try:
+            ids = _ids(41, 150)
+            d = c.state["tls"]
+            assert c.base_url.startswith("https://")  # the gateway too, with the development CA
+            https = openai.OpenAI(base_url=c.base_url, api_key="unused", timeout=300, max_retries=0,
+                                  http_client=openai.DefaultHttpxClient(
+                                      verify=ssl.create_default_context(cafile=f"{d}/ca.pem")))
+            r = https.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+            want = storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
+            assert r.choices[0].text == want
+            with pytest.raises(openai.APIConnectionError):  # a client that does not trust the CA
+                client(c).models.list()
+            with pytest.raises(openai.APIConnectionError):  # plain HTTP to the HTTPS port
+                openai.OpenAI(base_url=c.base_url.replace("https://", "http://"), api_key="unused", timeout=60,
+                              max_retries=0).models.list()
+            assert https.models.list().data  # the gateway is still serving
+            assert d and "mTLS" in c.output()
+            for address in (c.state["store"], c.state["prefill_engine"], c.state["decode_engine"]):
+                with grpc.insecure_channel(address) as ch:  # plaintext to each TLS port
+                    with pytest.raises(grpc.RpcError) as err:
+                        epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
+                    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            with pytest.raises(CrescentError):
+                with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
+                    s.health()
+            tls.configure(f"{d}/client.pem", f"{d}/client-key.pem", f"{d}/ca.pem")  # the tools' certificate
+            with StoreClient(c.state["store"], timeout_s=30) as s:
+                st = s.stats()  # the engines' saves came over mTLS
+                assert s.health()["serving"] and sum(t["num_entries"] for t in st["tiers"].values()) > 0
+        finally:
+            assert c.stop() == 0, c.output()
 
 
 def test_up_with_auth_needs_tokens_on_every_grpc_server_and_still_serves(tmp_path, storeless):
@@ -381,32 +377,28 @@ def test_up_with_auth_needs_tokens_on_every_grpc_server_and_still_serves(tmp_pat
     from kvstore.client import Retry, StoreClient
     from kvstore.errors import PermissionDeniedError, UnauthenticatedError
 
-    c = Cluster(str(tmp_path), "--auth")
-    saved = os.environ.get(auth.TOKEN_ENV)
-    try:
-        ids = _ids(43, 150)
-        r = client(c).completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        assert r.choices[0].text == storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
-        tokens = c.state["auth"]
-        assert tokens and os.stat(tokens["file"]).st_mode & 0o777 == 0o600
-        os.environ.pop(auth.TOKEN_ENV, None)
-        with pytest.raises(UnauthenticatedError):
-            with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
-                s.health()
-        with grpc.insecure_channel(c.state["decode_engine"]) as ch:
-            with pytest.raises(grpc.RpcError) as err:
-                epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        os.environ[auth.TOKEN_ENV] = tokens["tenant"]
-        with StoreClient(c.state["store"], timeout_s=30) as s:
-            assert s.health()["serving"]
-            with pytest.raises(PermissionDeniedError):
-                s.clear()
-    finally:
-        if saved is None:
+    with restored_env(auth.TOKEN_ENV):  # the test acts as several clients below
+        c = Cluster(str(tmp_path), "--auth")
+        try:
+            ids = _ids(43, 150)
+            r = client(c).completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})
+            assert r.choices[0].text == storeless.generate(ids, max_tokens=12, ignore_eos=True)[0].text
+            tokens = c.state["auth"]
+            assert tokens and os.stat(tokens["file"]).st_mode & 0o777 == 0o600
             os.environ.pop(auth.TOKEN_ENV, None)
-        else:
-            os.environ[auth.TOKEN_ENV] = saved
-        assert c.stop() == 0, c.output()
+            with pytest.raises(UnauthenticatedError):
+                with StoreClient(c.state["store"], timeout_s=10, retry=Retry(attempts=1)) as s:
+                    s.health()
+            with grpc.insecure_channel(c.state["decode_engine"]) as ch:
+                with pytest.raises(grpc.RpcError) as err:
+                    epb_grpc.EngineStub(ch).Health(epb.EngineHealthRequest(), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            os.environ[auth.TOKEN_ENV] = tokens["tenant"]
+            with StoreClient(c.state["store"], timeout_s=30) as s:
+                assert s.health()["serving"]
+                with pytest.raises(PermissionDeniedError):
+                    s.clear()
+        finally:
+            assert c.stop() == 0, c.output()
 
