@@ -18,8 +18,8 @@ Faults, in a seeded order, one every ``--fault-every`` seconds:
     freeze:store-2    SIGSTOP for a few seconds, then SIGCONT (a member that stops answering)
     partition:h1      the second host's link cut for 6 s (its store node, decode engine, a conductor),
                       where the hosts are network namespaces (``--netns``, the default as root)
-    corrupt:arena     bytes flipped across the first store node's DRAM arena (/dev/shm)
-    corrupt:disk      bytes flipped in the first store node's disk values file
+    corrupt:arena     bytes flipped across the first store node's DRAM arena (/dev/shm), then a probe
+    corrupt:disk      bytes flipped in the first store node's disk values file, then a probe
     slow-client       a client takes read leases on the first store node over shm, never releasing them
     cut-transfer      a client announces a 2 MiB put on store-2's data channel, sends part, disconnects
 
@@ -31,9 +31,12 @@ Checked (each a line of the report, PASS or FAIL; exit status 1 on any FAIL):
     no leak once load stops: no read lease, remote lease or reservation held on any store node, every
       engine's KV pages free, nothing running;
     store RSS (anonymous memory) within 10% of its pre-load value, for nodes that were not restarted;
-    corruption seen: verification failures counted by the stores (disk checksums) and engines (chunk
-      checks); a flipped byte in a value no one reads again is never seen, so this is reported, and
-      required to be nonzero only when a corrupted value was read.
+    flipped values never pass as good: each corrupt fault also probes values whose place it knows
+      (arena: canary chunks found through a shm read lease; disk: values the node's LMDB index
+      places), flips a byte in each and reads them back at once: every one must fail the chunk check,
+      read as a miss (the disk checksum failed, counted by the node) or come back intact (a kept DRAM
+      copy), and at least one must be caught. The random flips meet the engines or not (a value no one
+      reads again is never seen): what they counted is reported; zero wrong outputs covers them.
 
 Writes ``soak.json``, ``soak.md`` and ``soak.png`` (TTFT of every request over time, faults marked)
 under ``--out``; ``--docs`` puts the table in docs/benchmarks.md and the plot in docs/soak.png.
@@ -78,8 +81,9 @@ DOCS_INTRO = (
     "three client threads stream 8-token greedy completions of 256 trace prompts (Zipf 0.9) as two API-key "
     "tenants, one with a concurrency quota of 1 (its 429s are the quota's, retried after Retry-After). "
     "'During faults' is a request that started within 5 s after a fault. Every output is compared with a "
-    "store-less engine's afterwards. Not every flipped byte is read again (free slots, values evicted before "
-    "their next read), so corruption counted is less than corruption injected; what was read was caught.")
+    "store-less engine's afterwards. Not every randomly flipped byte is read again (free slots, values evicted "
+    "before their next read), so what the engines and stores counted is less than what was injected; each "
+    "corrupt fault's probe reads back values it flipped on purpose, and none passed as good.")
 
 
 def log(msg: str) -> None:
@@ -246,6 +250,7 @@ class Chaos:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self._held = []  # the slow client's channels, closed at the end
+        self.probes: list[dict] = []  # what each corrupt fault's probe read back (_corrupt)
 
     def start(self) -> Chaos:
         self.thread.start()
@@ -306,6 +311,9 @@ class Chaos:
             os.close(fd)
 
     def _corrupt(self, where: str) -> str:
+        """Flips random bytes (for the engines to meet, or not) and probes: values whose place is known
+        get a flipped byte each and are read back at once; each must read as a miss, a verification
+        failure or an intact copy, never as good bytes that are not (``self.probes``)."""
         st = self.cluster.state()
         if where == "arena":
             pid = st["pids"]["store"]
@@ -314,8 +322,12 @@ class Chaos:
                 return "no arena file found"
             size = os.path.getsize(paths[0])
             offs = [self.rng.randrange(size) for _ in range(256)]
-            return f"{self._flip(paths[0], offs)} bytes of {os.path.basename(paths[0])}"
-        path = os.path.join(self.cluster.data, "store", "values.dat")
+            flipped = self._flip(paths[0], offs)
+            probe = self._probe_arena(st["store"], paths[0])
+            self.probes.append({"where": where, **probe})
+            return f"{flipped} bytes of {os.path.basename(paths[0])}; probe {probe}"
+        folder = os.path.join(self.cluster.data, "store")
+        path = os.path.join(folder, "values.dat")
         fd = os.open(path, os.O_RDONLY)
         try:  # only where values were written (the file is sparse)
             regions, off = [], 0
@@ -332,7 +344,109 @@ class Chaos:
         if not regions:
             return "the disk tier holds nothing yet"
         offs = [self.rng.randrange(*self.rng.choice(regions)) for _ in range(64)]
-        return f"{self._flip(path, offs)} bytes of values.dat"
+        flipped = self._flip(path, offs)
+        probe = self._probe_disk(st["store"], folder)
+        self.probes.append({"where": where, **probe})
+        return f"{flipped} bytes of values.dat; probe {probe}"
+
+    def _probe_arena(self, address: str, path: str) -> dict:
+        """Canary chunks (the engines' format) put on the first node, found through a shm read lease,
+        one byte flipped in each while leased, then read back: each must fail the chunk check."""
+        import grpc
+        import numpy as np
+        import torch
+        import xxhash
+
+        from kvstore.arena import SECRET_BYTES, shm_proof
+        from kvstore.chunk import encode_chunk, verify_chunk
+        from kvstore.client import StoreClient
+        from kvstore.errors import ChunkVerificationError
+        from kvstore.keys import ROOT_KEY, Namespace, chunk_key
+        from kvstore.transport.descriptors import SHM_PROOF_HEADER
+        from proto.crescent.v1 import kvstore_pb2 as pb
+        from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
+
+        ns = Namespace(xxhash.xxh3_128_digest(b"soak-canary"))
+        canaries = []
+        for _ in range(8):
+            tokens = np.array([self.rng.randrange(1 << 30) for _ in range(16)], dtype=np.int32)
+            kv = torch.randn(1, 2, 1, 16, 64)
+            canaries.append((chunk_key(ROOT_KEY, ns, tokens), tokens, b"".join(bytes(s) for s in encode_chunk(kv, ns, ROOT_KEY, tokens))))
+        out = {"probed": len(canaries), "caught": 0, "gone": 0, "served_corrupt": 0}
+        with StoreClient(address, timeout_s=30) as c:
+            c.batch_put([(k, v) for k, _, v in canaries])
+            with grpc.insecure_channel(address) as ch:
+                stub = pb_grpc.KVStoreStub(ch)
+                arena = stub.Transports(pb.TransportsRequest(), timeout=30).arena
+                with open(path, "rb") as f:
+                    f.seek(-SECRET_BYTES, os.SEEK_END)
+                    proof = shm_proof(f.read())
+                r = stub.AcquireRead(pb.AcquireReadRequest(keys=[k for k, _, _ in canaries], mover=pb.MOVER_SHM),
+                                     timeout=30, metadata=[(SHM_PROOF_HEADER, proof.hex())])
+                try:
+                    offs = [it.slots[0] * arena.slot_bytes + self.rng.randrange(min(it.size, arena.slot_bytes))
+                            for it in r.items if it.slots]
+                    self._flip(path, offs)
+                finally:
+                    if r.lease_id:
+                        stub.ReleaseRead(pb.LeaseRequest(lease_id=r.lease_id), timeout=30)
+            got = c.batch_get([k for k, _, _ in canaries])
+        for (key, tokens, _), data in zip(canaries, got):
+            if data is None:
+                out["gone"] += 1
+                continue
+            try:
+                verify_chunk(data, key=key, namespace=ns, parent=ROOT_KEY, tokens=tokens)
+                out["served_corrupt"] += 1
+            except ChunkVerificationError:
+                out["caught"] += 1
+        out["flipped"] = len(offs)
+        return out
+
+    def _probe_disk(self, address: str, folder: str) -> dict:
+        """Values the first node's disk index (LMDB, opened read-only beside the node) places: one byte
+        flipped in each, then read back through the node: each must read as a miss (its checksum
+        failed, counted) or as its intact bytes (a kept DRAM copy), never as other bytes."""
+        import lmdb
+        import xxhash
+
+        from kvstore.client import StoreClient
+        from kvstore.disk import DATA_FILE, Loc
+
+        env = lmdb.open(folder, readonly=True, lock=True, subdir=True, max_dbs=2)
+        try:
+            db = env.open_db(b"extents", create=False)
+            with env.begin(db=db) as txn:
+                records = [(bytes(k), Loc.decode(bytes(v))) for k, v in txn.cursor()]
+        finally:
+            env.close()
+        picked = self.rng.sample(records, min(16, len(records)))
+        path = os.path.join(folder, DATA_FILE)
+        offs, probed = [], []
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for key, loc in picked:
+                data = b"".join(os.pread(fd, n, o) for o, n in loc.extents)[:loc.size]
+                if loc.size and xxhash.xxh3_64_intdigest(data) == loc.digest:  # whole (not being rewritten)
+                    o, n = loc.extents[0]
+                    offs.append(o + self.rng.randrange(min(n, loc.size)))
+                    probed.append((key, loc))
+        finally:
+            os.close(fd)
+        self._flip(path, offs)
+        before = self.cluster.metric("store", "crescent_store_corrupt_total")
+        with StoreClient(address, timeout_s=30) as c:
+            got = c.batch_get([k for k, _ in probed])
+        out = {"probed": len(probed), "missed": 0, "intact": 0, "served_corrupt": 0}
+        for (_, loc), data in zip(probed, got):
+            if data is None:
+                out["missed"] += 1
+            elif xxhash.xxh3_64_intdigest(bytes(data)) == loc.digest:
+                out["intact"] += 1
+            else:
+                out["served_corrupt"] += 1
+        out["counted"] = self.cluster.metric("store", "crescent_store_corrupt_total") - before
+        return out
 
     def _slow_client(self, _: str) -> str:
         import grpc
@@ -550,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     split = {"outside faults": [r for r in served if not during(r["start"])],
              "during faults": [r for r in served if during(r["start"])]}
     corrupted = faults.get("corrupt:arena", 0) + faults.get("corrupt:disk", 0)
+    probe = {k: sum(p.get(k, 0) for p in chaos.probes)
+             for k in ("probed", "caught", "missed", "counted", "intact", "gone", "served_corrupt")}
     checks = [
         ("zero wrong outputs (vs a store-less engine)", not wrong, f"{len(wrong)} of {len(served)}"),
         ("every request completed or ended 429/503/cut", not bad_unfinished,
@@ -559,8 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         ("store RSS within 10% of pre-load (nodes not restarted)",
          all(rss_after[n] <= 1.1 * rss_before[n] for n in rss_after),
          ", ".join(f"{n} {rss_before[n] >> 20}→{rss_after[n] >> 20} MiB" for n in rss_after) or "all restarted"),
-        ("corruption counted as verification failures", corrupted == 0 or sum(detected.values()) > 0,
-         f"{corrupted} corrupting faults, {sum(detected.values()):.0f} failures counted"),
+        ("flipped values read back never pass as good (probes)",
+         probe["served_corrupt"] == 0 and (probe["probed"] == 0 or probe["caught"] + probe["missed"] > 0),
+         ", ".join(f"{k} {v:.0f}" for k, v in probe.items())),
     ]
     if cluster.tmpfs:
         checks.append(("a full disk tier refuses writes, counted, and the node serves on", disk_full > 0,
@@ -569,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
               "attempts": len(attempts), "outcomes": {o: sum(a["outcome"] == o for a in attempts)
                                                       for o in sorted({a["outcome"] for a in attempts})},
               "faults": faults, "fault_events": chaos.events, "restarts": restarts,
-              "corruption": {"injected_faults": corrupted, **detected}, "disk_fill": cluster.disk_fill or
+              "corruption": {"injected_faults": corrupted, **detected, "probes": chaos.probes}, "disk_fill": cluster.disk_fill or
               f"tmpfs {args.tmpfs_mb} MiB under a 96 MiB tier: {disk_full:.0f} writes refused for room",
               "wrong": len(wrong), "checks": [{"check": c, "pass": bool(ok), "detail": d} for c, ok, d in checks],
               "latency": {k: {"n": len(v), "ttft_p50_ms": pct([r["ttft"] for r in v], 50) * 1e3,

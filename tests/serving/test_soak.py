@@ -2,7 +2,7 @@
 `crescent up --restart` cluster (two hosts, network namespaces as root) while every fault kind is
 injected once or more; the run must end
 with zero wrong outputs, every request completed or refused with Retry-After, nothing leaked, the
-store's memory back, corruption counted, and the full disk tier handled."""
+store's memory back, no flipped value read back as good, and the full disk tier handled."""
 
 import json
 import os
