@@ -9,9 +9,10 @@ disk's drift hits every row alike, all in one folder on one file system:
    fio, a Python O_DIRECT sequential ``preadv``/``pwritev`` loop stands in
    (labelled as such).
 2. Writes: a TieredStore with a small DRAM tier (``--dram-mib``) and a disk
-   tier takes every value (``put``), so nearly all are demoted; timed up to
-   and including an fdatasync of the tier's files (comparable to fio's
-   end_fsync): ``disk_bytes_written`` / wall time. The same bytes written with
+   tier takes every value (``put``), so nearly all are demoted (by the
+   store's demoter threads; once more with each put writing its own); timed up
+   to the demoters' last run and an fdatasync of the tier's files (comparable
+   to fio's end_fsync): ``disk_bytes_written`` / wall time. The same bytes written with
    ``DiskTier.put_many`` in ~8 MiB batches (the disk write path alone), and
    with the old disk tier's writes (below). Each twice: right after a cache
    drop and again at once (on this VM, writes into just-freed memory are
@@ -192,18 +193,21 @@ def batches(n: int, value_bytes: int, values: Values):
         yield [(key(i), bytes(values.set(i))) for i in range(s, min(n, s + per))]
 
 
-def store_writes(folder: str, n: int, values: Values, dram: int, disk_size: int):
-    """Every value ``put`` into a TieredStore whose DRAM holds ``dram`` bytes; timed through a sync
-    of the disk tier. Returns (store, GB/s of disk bytes written, fraction of the time in the sync, stats)."""
+def store_writes(folder: str, n: int, values: Values, dram: int, disk_size: int, background: bool = True):
+    """Every value ``put`` into a TieredStore whose DRAM holds ``dram`` bytes; timed through the end
+    of the demoter's last run and a sync of the disk tier. ``background=False``: each put writes the
+    demotions it needs itself. Returns (store, GB/s of disk bytes written, fraction of the time
+    after the last put, stats)."""
     from kvstore.config import StoreConfig
     from kvstore.store import TieredStore
 
     store = TieredStore(StoreConfig(dram=dram, slot_size=64 << 10, disk=folder, disk_size=disk_size,
-                                    disk_read_threads=8))
+                                    disk_read_threads=8, background_demotion=background))
     t0 = time.perf_counter()
     for i in range(n):
         store.put(key(i), values.set(i))
     t1 = time.perf_counter()
+    store.settle()
     sync_tier(folder, store.disk.env)
     dt = time.perf_counter() - t0
     st = store.stats()
@@ -381,6 +385,14 @@ def one_round(folder: str, value_bytes: int, n: int, args, cold: bool, rep: int)
         if p == "cold":
             store.close()
             shutil.rmtree(st_dir)
+        else:  # the same puts, each writing the demotions it needs itself (the store before the demoter)
+            sync_dir = os.path.join(folder, "store-sync")
+            s2, r["demotion_sync_write_warm"], _, st2 = store_writes(
+                sync_dir, n, values, args.dram_mib * MiB, disk_size, background=False)
+            s2.close()
+            shutil.rmtree(sync_dir)
+            log(f"{tag}: TieredStore, each put its own demotions ({st2['demotions']} values) + sync "
+                f"{r['demotion_sync_write_warm']:.2f} GB/s")
     idx = [i for i in range(n) if store.tier_of(key(i)) is Tier.DISK]
     r["demoted_values"], r["demotions"] = len(idx), st["demotions"]
 
@@ -424,6 +436,8 @@ ROWS = [  # (key, phase, ceiling key)
     ("old_get", "cold read: old path, per-key get (what the old store did)", "fio_read_1m"),
     ("demotion_write_cold", "write: TieredStore demotions + sync, right after a cache drop", "fio_write"),
     ("demotion_write_warm", "write: TieredStore demotions + sync, again at once", "fio_write"),
+    ("demotion_sync_write_warm", "write: TieredStore, each put writing its own demotions (no demoter) + sync, "
+     "again at once", "fio_write"),
     ("put_many_write_cold", "write: DiskTier.put_many (~8 MiB batches) + sync, right after a cache drop", "fio_write"),
     ("put_many_write_warm", "write: DiskTier.put_many (~8 MiB batches) + sync, again at once", "fio_write"),
     ("old_write_cold", "write: old path (LMDB values, ~8 MiB txns) + sync, right after a cache drop", "fio_write"),
@@ -523,7 +537,10 @@ def main() -> None:
                f"(64 KiB) the old store's per-key gets ({r1['new_read_t8'] / r1['old_read_t8']:.1f}× and "
                f"{r64['new_read_t8'] / r64['old_read_t8']:.1f}× the old path given the same 8 reads in flight); "
                f"demotion writes {r1['demotion_write_warm'] / r1['old_write_warm']:.1f}× and "
-               f"{r64['demotion_write_warm'] / r64['old_write_warm']:.1f}× its LMDB puts.")
+               f"{r64['demotion_write_warm'] / r64['old_write_warm']:.1f}× its LMDB puts; the demoter "
+               f"{r1['demotion_write_warm'] / r1['demotion_sync_write_warm']:.2f}× (1 MiB) and "
+               f"{r64['demotion_write_warm'] / r64['demotion_sync_write_warm']:.2f}× (64 KiB) each put writing "
+               f"its own demotions.")
     print()
     print(verdict)
     print(f"wall time {wall:.0f} s")
@@ -551,6 +568,7 @@ def main() -> None:
     write_bars = [("fio_write", f"{'fio' if FIO else 'py'} seq write (ceiling, pooled)"),
                   ("demotion_write_cold", "new: TieredStore demotions, after a cache drop"),
                   ("demotion_write_warm", "new: TieredStore demotions, again"),
+                  ("demotion_sync_write_warm", "new: TieredStore, no demoter, again"),
                   ("put_many_write_warm", "new: DiskTier.put_many, again"),
                   ("old_write_warm", "old: LMDB value puts, again")]
     for ax, bars, title in ((a, read_bars, "cold batch reads"), (b, write_bars, "writes (through the sync)")):
@@ -584,8 +602,11 @@ def main() -> None:
         "and the target is judged on the second. Ratios are to the ceilings pooled over every round and both "
         "value sizes (one quantity measured 2 × rounds times). "
         f"{args.mib_1m} MiB of 1 MiB values, {args.mib_64k} MiB of 64 KiB values. Writes: every value `put` into a "
-        f"TieredStore with {args.dram_mib} MiB of DRAM (nearly all are demoted to disk), timed through an "
-        "fdatasync of the tier's files (data file and LMDB index), GB/s of `disk_bytes_written`; `put_many` "
+        f"TieredStore with {args.dram_mib} MiB of DRAM (nearly all are demoted to disk: by the store's two "
+        "demoter threads, in 4 MiB runs, while the puts go on; and, for comparison, by each put itself, "
+        "`--no-background-demotion`), timed through the demoters' last run and an "
+        "fdatasync of the tier's files (data file and LMDB index), GB/s of `disk_bytes_written` (the values "
+        "left in DRAM are not counted, the time that put them there is); `put_many` "
         "writes the same values straight into a DiskTier in ~8 MiB batches. Reads: every disk-resident value, "
         f"cold, in batches of {args.batch} keys (`acquire_many`/`read_many`, released per batch, some bytes "
         "checked). The old path is the disk tier before issue 19, reproduced in the bench with the same py-lmdb "

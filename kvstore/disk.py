@@ -392,6 +392,9 @@ class DiskTier:
             for off, views, _ in segs:
                 _pwrite(self._fd, views, off)
             return
+        if all(sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views) for _, views, n in segs):
+            self._write_direct(segs)  # e.g. DRAM slots: no staging buffer, so no lock (demoters write at once)
+            return
         with self._wlock:
             stage = memoryview(self._stage)
             # a run: contiguous on disk, either staged bytes or aligned views written as they are
@@ -415,6 +418,20 @@ class DiskTier:
                 length += n
             if length:
                 _pwrite(self._dfd, [stage[:length]] if staged else views_run, start)
+
+    def _write_direct(self, segs: list) -> None:
+        """``_write`` of pieces that are all aligned views: adjacent ones in runs of up to RUN bytes."""
+        start, length, run = -1, 0, []
+        for off, views, n in segs:
+            if length and (start + length != off or length + n > RUN or len(run) + len(views) > _IOV_MAX):
+                _pwrite(self._dfd, run, start)
+                length, run = 0, []
+            if not length:
+                start = off
+            run += views
+            length += n
+        if length:
+            _pwrite(self._dfd, run, start)
 
     def _write_error(self, exc: BaseException) -> CrescentError:
         code = getattr(exc, "errno", None)

@@ -178,6 +178,17 @@ class TieredStore:
                 self._lru[Tier.DISK][key] = e
                 self._disk_used += disk_cost(loc.size)
                 self._charge(key, Tier.DISK, loc.size)
+        self._reclaim = threading.Condition(self._lock)
+        """The demoter waits on it for DRAM to pass its high watermark; puts wait on it for a run."""
+        self._demoting = 0  # DRAM slots of the runs being written now
+        self._runs = 0  # demoter passes finished
+        self._demoters: list[threading.Thread] = []
+        if self.disk is not None and config.background_demotion:
+            # NOTE: two, so that one hashes and commits a run while the other's is on its way to the device
+            self._demoters = [threading.Thread(target=self._demote_behind, name=f"crescent-demoter-{i}", daemon=True)
+                              for i in range(_DEMOTERS)]
+            for t in self._demoters:
+                t.start()
         if self.disk is not None and config.write_behind:
             self._flusher = threading.Thread(target=self._write_behind, name="crescent-write-behind", daemon=True)
             self._flusher.start()
@@ -203,6 +214,9 @@ class TieredStore:
                 f"value of {size} bytes exceeds the limit of {self.config.max_value_size}")
         only = tier
         with self._lock:
+            if (self._demoters and only in (None, Tier.DRAM) and self._arenas[0][0] is Tier.DRAM
+                    and self.dram.num_free < self.dram.slots_for(size)):
+                self._await_run(self.dram.slots_for(size))
             ns, bounded = self._ns(key), False
             for pos, (tier, arena) in enumerate(self._arenas):
                 if only is not None and tier is not only:
@@ -542,12 +556,33 @@ class TieredStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def settle(self, timeout_s: float = 60.0) -> bool:
+        """Waits until the demoter has nothing left to do: DRAM at or under its high watermark (or
+        nothing over it evictable: leased or pinned) and no run being written. True unless it
+        timed out. For tests and benchmarks that look at where values are."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._demoters and (self._demoting or self._over_high()):
+                if not self._demoting:
+                    now = time.monotonic()
+                    if all(e.leases or e.pinned_until > now for e in self._lru[Tier.DRAM].values()):
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._reclaim.notify_all()
+                self._reclaim.wait(timeout=min(left, 0.1))
+            return True
+
     def close(self) -> None:
         with self._lock:
             self._closing = True
             self._wake.notify_all()
+            self._reclaim.notify_all()
         if self._flusher is not None:
             self._flusher.join()
+        for t in self._demoters:
+            t.join()
         with self._lock:
             for _, arena in self._arenas:
                 arena.close()
@@ -628,6 +663,133 @@ class TieredStore:
             with self._lock:
                 for e, loc in zip(batch, locs):
                     self._flush_done(e, loc)
+
+    def _demote_behind(self) -> None:
+        """The demoter: while DRAM is over its high watermark, writes its coldest values to disk a
+        run at a time (the store's lock released meanwhile; the values stay readable), then frees
+        their slots, down to the low watermark. A value leased or pinned by then keeps its disk
+        copy (its eviction later writes nothing); one deleted or replaced meanwhile loses it."""
+        while True:
+            with self._lock:
+                while not self._closing and not self._over_high():
+                    self._reclaim.wait()
+                if self._closing:
+                    return
+                run = self._demotion_run()
+                if not run:  # nothing to write (moved clean, dropped, or all leased): a pass all the same
+                    self._runs += 1
+                    self._reclaim.notify_all()
+                    if self._over_high():
+                        self._reclaim.wait(timeout=0.05)
+                    continue
+                self._demoting += sum(len(e.slots) for e in run)
+                items = [(e.key, self.dram.views(e.slots, disk_cost(e.size)), e.size) for e in run]
+            locs, error = None, None
+            try:  # only_new: a record that appeared meanwhile is a newer value's, never overwritten
+                locs = self.disk.put_many(items, only_new=True)
+            except (DiskFullError, DiskWriteError) as exc:
+                error = exc
+            with self._lock:
+                self._demoting -= sum(len(e.slots) for e in run)
+                self._finish_run(run, locs, error)
+                self._runs += 1
+                self._reclaim.notify_all()
+
+    def _over_high(self) -> bool:
+        """Whether the demoter has work: DRAM past the midpoint of its watermarks (so that a run is
+        written while puts still find free slots above it)."""
+        arena = self.dram
+        return arena.num_slots - arena.num_free - self._demoting > self._demote_from()
+
+    def _demote_from(self) -> int:
+        """DRAM slots in use past which the demoter works: the midpoint of the watermarks."""
+        cfg = self.config
+        return int((cfg.low_watermark + cfg.high_watermark) / 2 * self.dram.num_slots + 1e-9)
+
+    def _demotion_run(self) -> list[_Entry]:
+        """The next run: DRAM's least recently used evictable values down to the low watermark, at
+        most 8 MiB. Values with a disk copy move down now (nothing to write); values over their
+        namespace's disk bound are evicted; the rest are held and their disk room is taken."""
+        arena, cfg = self.dram, self.config
+        # NOTE: at most half the room above the midpoint, so that puts go on while two runs are written
+        need = min(arena.num_slots - arena.num_free - self._demoting - int(cfg.low_watermark * arena.num_slots),
+                   max(1, min(_RUN_BYTES // arena.slot_bytes, (arena.num_slots - self._demote_from()) // 2)))
+        run = []
+        for e in self._victims(Tier.DRAM, lambda freed: freed >= need, lambda e: len(e.slots)):
+            ns = self._ns(e.key)
+            if e.on_disk:  # its record is still there: nothing to write
+                self.counters["evictions"][Tier.DRAM] += 1
+                self.counters["demotions_clean"] += 1
+                self._move(e, Tier.DISK, None)
+            elif ns is not None and not self._quota_room(ns, Tier.DISK, e.size):
+                self._evicted(e)
+            else:
+                run.append(e)
+        cost = sum(disk_cost(e.size) for e in run)
+        if run and not self._make_disk_room(cost):
+            for e in run:
+                self._evicted(e)
+            return []
+        for e in run:
+            e.leases += 1  # held: neither evicted nor freed while its slots are being written
+        self._disk_used += cost
+        return run
+
+    def _finish_run(self, run: list[_Entry], locs: list[Loc | None] | None, error: BaseException | None) -> None:
+        """Moves a written run's values to disk (or keeps their copies). After a failed write, makes
+        disk room the way a put's demotion does and leaves the run in DRAM for the next one, or,
+        with nothing left to evict on disk, drops it (as a put's demotion does)."""
+        now = time.monotonic()
+        if locs is None:
+            cost = sum(disk_cost(e.size) for e in run)
+            self._disk_used -= cost
+            retry = False
+            if isinstance(error, DiskFullError):
+                self.counters["disk_full"] += 1
+                log.warning("%s; evicting from the disk tier", error)
+                retry = self._drop_copies(cost) > 0
+                if not retry:
+                    victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
+                    for v in victims:
+                        self._evicted(v)
+                    retry = bool(victims)
+            else:
+                self.counters["disk_errors"] += 1
+                log.warning("%s", error)
+            for e in run:
+                e.leases -= 1
+                if not e.live:
+                    if e.leases == 0:
+                        self._free_storage(e)
+                elif not retry and e.leases == 0 and e.pinned_until <= now and e.tier is Tier.DRAM:
+                    self._evicted(e)
+            return
+        for e, loc in zip(run, locs):
+            e.leases -= 1
+            if loc is not None:
+                self.counters["disk_bytes_written"] += loc.size
+            if loc is not None and e.live and e.tier is Tier.DRAM and not e.on_disk:
+                e.loc = loc
+                self._copies[e.key] = e
+                if e.leases == 0 and e.pinned_until <= now:
+                    self.counters["evictions"][Tier.DRAM] += 1
+                    self._move(e, Tier.DISK, None)  # a clean demotion now: the copy is the value
+                # else read or pinned meanwhile: it stays, and its eviction later writes nothing
+                continue
+            self._disk_used -= disk_cost(e.size)  # not stored, or deleted or replaced meanwhile
+            if loc is not None:
+                self._disk_delete([(e.key, loc)])
+            if not e.live and e.leases == 0:
+                self._free_storage(e)
+
+    def _await_run(self, num_slots: int) -> None:
+        """A put that finds DRAM full waits for the demoter's next run to end, instead of writing one
+        itself under the store's lock; then it goes on (a put's own demotion is the fallback)."""
+        runs = self._runs
+        self._reclaim.notify_all()
+        while (self._runs == runs and self.dram.num_free < num_slots and not self._closing
+               and (self._demoting or self._over_high())):
+            self._reclaim.wait(timeout=1.0)
 
     def _flush_batch(self) -> list[_Entry]:
         """Dirty DRAM values to write behind now (held, charged to the disk), coldest first."""
@@ -737,8 +899,13 @@ class TieredStore:
         return out
 
     def _make_room(self, pos: int, num_slots: int) -> bool:
-        """Evicts from arena ``pos`` so that ``num_slots`` more fit; True if they do."""
+        """Evicts from arena ``pos`` so that ``num_slots`` more fit; True if they do. With the
+        demoter, DRAM's free slots above the high watermark are taken while it demotes."""
         tier, arena = self._arenas[pos]
+        if self._demoters and tier is Tier.DRAM and arena.num_free >= num_slots:
+            if arena.num_slots - arena.num_free + num_slots > self._demote_from():
+                self._reclaim.notify_all()  # the demoter's turn
+            return True
         if self._fits(arena, num_slots):
             return True
         in_use = arena.num_slots - arena.num_free
@@ -990,6 +1157,11 @@ class TieredStore:
 
 _FLUSH_BYTES = 8 << 20
 """Largest write-behind batch."""
+_DEMOTERS = 2
+"""Demoter threads (runs in flight)."""
+_RUN_BYTES = 4 << 20
+"""Largest run the demoter writes at once: small enough that puts go on into the room left
+while it is written, large enough for sequential writes."""
 
 
 def _bound(q) -> str:

@@ -2,6 +2,7 @@
 
 import os
 import random
+import threading
 import subprocess
 import time
 import uuid
@@ -21,6 +22,7 @@ SLOT = 4096
 
 def make(path, slots=4, **kw):
     kw.setdefault("write_behind", False)  # deterministic unless a test asks for the background writer
+    kw.setdefault("background_demotion", False)  # each put's own demotion, unless a test asks for the demoter
     cfg = StoreConfig(dram=slots * SLOT, slot_size=SLOT, high_watermark=kw.pop("high", 1.0),
                       low_watermark=kw.pop("low", 1.0), disk=str(path), disk_size=kw.pop("disk_size", 8 << 20), **kw)
     s = TieredStore(cfg)
@@ -373,8 +375,9 @@ def test_a_full_file_system_is_a_clear_error_and_nothing_committed_is_lost(small
     assert bytes(d.get(b"again")) == val(99, 200 << 10)
 
 
-def test_the_store_keeps_serving_when_the_disk_fills(small_fs):
-    s = make(small_fs / "d", slots=8, disk_size=64 << 20, high=0.95, low=0.85)
+@pytest.mark.parametrize("background", [False, True], ids=["put-demotes", "demoter"])
+def test_the_store_keeps_serving_when_the_disk_fills(small_fs, background):
+    s = make(small_fs / "d", slots=8, disk_size=64 << 20, high=0.95, low=0.85, background_demotion=background)
     size = 3 * SLOT
     acked = {}
     for i in range(200):  # far more than DRAM and the file system hold together
@@ -391,3 +394,109 @@ def test_the_store_keeps_serving_when_the_disk_fills(small_fs):
     for k in present:  # every value the store still lists reads back exactly
         assert s.get(k) == acked[k]
     assert os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize < 1 << 20
+    if background:
+        assert s.settle()
+        _accounting(s)
+
+
+# ---- the demoter (background demotion) ---------------------------------------------------
+
+
+class Gate:
+    """Holds the demoters' disk writes until opened: each then goes on to the real
+    ``DiskTier.put_many`` (the bytes really reach the data file)."""
+
+    def __init__(self, disk) -> None:
+        self.real, self.opened, self.entered = disk.put_many, threading.Event(), threading.Semaphore(0)
+        disk.put_many = self
+
+    def __call__(self, items, only_new=False):
+        if threading.current_thread().name.startswith("crescent-demoter"):
+            self.entered.release()
+            assert self.opened.wait(120), "the gate was never opened"
+        return self.real(items, only_new=only_new)
+
+
+def _accounting(s) -> None:
+    """The disk's charge is what its values and kept copies take, once nothing is in flight (reads
+    promote: the demoter may have runs to write first)."""
+    assert s.settle()
+    with s._lock:
+        want = sum(disk_cost(e.size) for e in s._lru[Tier.DISK].values())
+        want += sum(disk_cost(e.size) for e in s._copies.values())
+        assert s._disk_used == want and s._demoting == 0
+
+
+def test_the_demoter_writes_runs_while_their_values_stay_readable_and_puts_go_on(tmp_path):
+    s = make(tmp_path / "d", slots=64, high=0.95, low=0.85, background_demotion=True)
+    gate = Gate(s.disk)
+    done = threading.Event()
+    try:
+        for i in range(64):  # past the midpoint of the watermarks (57 of 64): runs start, held at the gate
+            s.put(b"k%d" % i, val(i))
+        assert gate.entered.acquire(timeout=120)
+        st = s.stats()
+        assert st["demotions"] == 0 and st["tiers"][Tier.DRAM]["num_entries"] == 64  # all 64 slots taken
+        assert all(s.get(b"k%d" % i) == val(i) for i in range(64))  # being written, and readable
+
+        def put_one_more():  # DRAM is full: waits for a run, never fails
+            s.put(b"k64", val(64))
+            done.set()
+
+        t = threading.Thread(target=put_one_more)
+        t.start()
+        assert not done.wait(0.5) and t.is_alive()  # held by the gate: it cannot have gone through
+        gate.opened.set()
+        t.join(120)
+        assert done.is_set()
+    finally:
+        gate.opened.set()
+    assert s.settle()
+    st = s.stats()
+    used = st["tiers"][Tier.DRAM]["used_bytes"] // SLOT
+    assert used <= int(0.9 * 64) and st["demotions"] == 65 - used
+    assert st["disk_bytes_written"] == st["demotions"] * SLOT and st["demotions_clean"] == 0
+    assert all(s.get(b"k%d" % i) == val(i) for i in range(65))
+    _accounting(s)
+    s.close()
+    s = make(tmp_path / "d", slots=64)  # restart: every demoted value is on disk
+    assert all(s.get(b"k%d" % i) == val(i) for i in range(st["demotions"]))
+
+
+def test_a_value_leased_deleted_or_replaced_during_its_run_keeps_a_copy_goes_or_stays_new(tmp_path):
+    s = make(tmp_path / "d", slots=64, high=0.95, low=0.85, background_demotion=True)
+    gate = Gate(s.disk)
+    try:
+        for i in range(58):  # 58 > 57 (the watermarks' midpoint): a run of the 3 coldest (half the room above it)
+            s.put(b"k%d" % i, val(i))
+        assert gate.entered.acquire(timeout=120)
+        run = [e.key for e in s._lru[Tier.DRAM].values() if e.leases]
+        assert run == [b"k0", b"k1", b"k2"], run
+        lease = s.acquire(b"k0")  # read during its run
+        s.delete([b"k1"])
+        s.put(b"k2", val(1002))  # replaced: the new value in a free slot
+        gate.opened.set()
+        assert s.settle()
+    finally:
+        gate.opened.set()
+    e0 = s._index[b"k0"]
+    assert e0.tier is Tier.DRAM and e0.on_disk  # stays (leased), with its disk copy
+    assert bytes(b"".join(lease.views)) == val(0)
+    s.release(lease)
+    assert s.get(b"k1") is None and s.get(b"k2") == val(1002)
+    assert s.stats()["demotions"] == 0 and s.stats()["disk_bytes_written"] == 3 * SLOT
+    _accounting(s)
+    i = 58
+    while s._index[b"k0"].tier is Tier.DRAM and i < 400:  # until k0 (read last, so not the coldest) goes
+        s.put(b"k%d" % i, val(i))
+        i += 1
+        assert s.settle()
+    st = s.stats()
+    assert s._index[b"k0"].tier is Tier.DISK and st["demotions_clean"] == 1  # its copy was there: no write
+    # the first run wrote 3 values (k0's copy, k1 and the old k2, which then went); every later
+    # demotion but k0's wrote its value
+    assert st["disk_bytes_written"] == (3 + st["demotions"] - 1) * SLOT and s.get(b"k0") == val(0)
+    _accounting(s)
+    s.close()
+    s = make(tmp_path / "d", slots=64)  # restart: the deleted key is gone, the replaced one never old
+    assert s.get(b"k1") is None and s.get(b"k2") in (None, val(1002)) and s.get(b"k0") == val(0)

@@ -69,7 +69,8 @@ class StoreMachine(RuleBasedStateMachine):
             # NOTE: exclusive tiers (no disk copies of promoted values): the model checks each
             # eviction round exactly; the kept copies have their own tests in test_store.py
             StoreConfig(dram=6 * SLOT, slot_size=SLOT, disk=self.dir, disk_size=96 << 10,
-                        high_watermark=0.9, low_watermark=0.6, disk_copies=False, write_behind=False),
+                        high_watermark=0.9, low_watermark=0.6, disk_copies=False, write_behind=False,
+                        background_demotion=False),  # each round by the put that needs it: the model's
             listener=self.events.append)
 
     # ---- the model's reading of the store's events ---------------------------------
