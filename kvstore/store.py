@@ -215,7 +215,7 @@ class TieredStore:
         only = tier
         with self._lock:
             if (self._demoters and only in (None, Tier.DRAM) and self._arenas[0][0] is Tier.DRAM
-                    and self.dram.num_free < self.dram.slots_for(size)):
+                    and self.dram.num_free < self.dram.slots_for(size) <= self.dram.num_slots):
                 self._await_run(self.dram.slots_for(size))
             ns, bounded = self._ns(key), False
             for pos, (tier, arena) in enumerate(self._arenas):
