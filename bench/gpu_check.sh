@@ -30,6 +30,12 @@ timeout 200 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-ov
   --json "$OUT/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu.png "$OUT/" 2>/dev/null
 
+step "Disk -> GPU: the same, the prefix on the node's disk tier (O_DIRECT, --no-promote, DRAM 128MiB < the prompt's 250 MiB of KV)"
+timeout 100 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 128MiB --kv-cache-memory 8GiB --disk-tier --disk-size 8GiB \
+  --json "$OUT/prefix_reuse_gpu_disk.json" 2>&1 | grep -v Warning
+cp bench/out/prefix_reuse_gpu_disk.png "$OUT/" 2>/dev/null
+
 step "pytest -m gpu (engine data path, CUDA movers, device tier, kernels on sm_90)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
 

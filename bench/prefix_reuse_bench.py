@@ -25,7 +25,9 @@ import json
 import mmap
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -104,6 +106,11 @@ def registered_shm_h2d_gbps(nbytes: int = 256 << 20) -> float:
         os.unlink(path)
 
 
+def disk_hits(conn) -> int:
+    """Reads the store node served from its disk tier so far (0 without one)."""
+    return conn.client.stats()["tiers"].get("disk", {}).get("hits", 0)
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -118,6 +125,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dram", default="2GiB", help="the store node's DRAM tier")
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--disk-tier", action="store_true",
+                    help="the prefix on the node's disk tier: give it a disk tier (O_DIRECT where the file system "
+                         "takes it) and --no-promote, and a --dram too small for the prompts (e.g. 64MiB), so every "
+                         "load reads the chunks from disk (the Disk -> GPU path on CUDA)")
+    ap.add_argument("--disk-size", default="16GiB", help="the node's disk tier with --disk-tier")
     ap.add_argument("--quick", action="store_true", help="random:small, 1024 tokens, 1 rep")
     ap.add_argument("--json", default=os.path.join(OUT, "prefix_reuse.json"), help="where the figures go")
     ap.add_argument("--write-docs", action="store_true")
@@ -141,8 +153,10 @@ def main() -> None:
             log(f"registered /dev/shm copy: {exc}")
     log("  " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
 
+    disk_dir = tempfile.mkdtemp(prefix="crescent-prefix-disk-") if args.disk_tier else None
+    disk = ["--disk", disk_dir, "--disk-size", args.disk_size, "--no-promote"] if disk_dir else []
     store = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0",
-                              "--dram", args.dram], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                              "--dram", args.dram, *disk], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     address = store.stdout.readline().split("listening on ")[1].split(",")[0]
     try:
         log(f"loading {args.model} {args.hf_overrides or ''} on {device}")
@@ -188,6 +202,8 @@ def main() -> None:
         llm.generate([base], max_tokens=1)
         saved = conn.stats.chunks_saved - before
         log(f"  {saved} chunks stored ({conn.stats.bytes_saved / 2**20:.0f} MiB in all)")
+        if args.disk_tier:  # two more prompts' chunks push the prompt's out of a DRAM smaller than one prompt
+            llm.generate([fresh(n), fresh(n)], max_tokens=1)
         conn.save_enabled = False
 
         def shape(frac: float) -> tuple[int, int]:
@@ -207,30 +223,34 @@ def main() -> None:
         results = []
         for frac in (0.0, 0.5, 0.9):
             cached, total = shape(frac)
-            ttft_store, ttft_recompute, moved, hits, load_s = [], [], [], [], []
+            ttft_store, ttft_recompute, moved, hits, load_s, from_disk = [], [], [], [], [], []
             for rep in range(args.reps):
                 prompt = base[:cached] + fresh(total - cached)
                 for mode in ("store", "recompute"):
                     conn.load_enabled = mode == "store"
                     b0, s0 = conn.stats.bytes_loaded, conn.stats.load_s
+                    d0 = disk_hits(conn)
                     out = llm.generate([prompt], max_tokens=1)[0]
                     (ttft_store if mode == "store" else ttft_recompute).append(out.ttft_s)
                     if mode == "store":
                         moved.append(conn.stats.bytes_loaded - b0)
                         load_s.append(conn.stats.load_s - s0)
                         hits.append(out.num_cached_tokens)
+                        from_disk.append(disk_hits(conn) - d0)
                 log(f"{frac:.0%} cached, rep {rep + 1}/{args.reps}: store {ttft_store[-1]:.3f}s, "
                     f"recompute {ttft_recompute[-1]:.3f}s, {hits[-1]} tokens from the store")
             s, r = median(ttft_store), median(ttft_recompute)
             nbytes, secs = median(moved), median(load_s)
             results.append({"target": frac, "cached_tokens": hits[0], "fraction": hits[0] / total,
                             "prompt_tokens": total, "ttft_store": s, "ttft_recompute": r, "ratio": s / r,
-                            "bytes": nbytes, "load_s": secs,
+                            "bytes": nbytes, "load_s": secs, "chunks_from_disk": median(from_disk),
                             "load_gbps": nbytes / secs / 1e9 if nbytes and secs else 0.0})
         llm.close()
     finally:
         store.terminate()
         store.wait(timeout=60)
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
 
     at90 = results[-1]
     ref = ceilings.get("registered_shm_h2d_gbps") or ceilings.get("pinned_h2d_gbps") or ceilings["host_memcpy_gbps"]
@@ -248,9 +268,11 @@ def main() -> None:
 
     rows = [[f"{x['target']:.0%}", x["prompt_tokens"], f"{x['cached_tokens']} ({x['fraction']:.1%})",
              f"{x['ttft_recompute']:.3f}", f"{x['ttft_store']:.3f}", f"{x['ratio']:.2f}×",
-             f"{x['bytes'] / 2**20:.0f} MiB", f"{x['load_gbps']:.2f}" if x["bytes"] else "–"] for x in results]
+             f"{x['bytes'] / 2**20:.0f} MiB", f"{x['load_gbps']:.2f}" if x["bytes"] else "–",
+             *([f"{x['chunks_from_disk']:.0f}"] if args.disk_tier else [])] for x in results]
     md = table(["cached (target)", "prompt tokens", "tokens from store", "TTFT recompute s", "TTFT with store s",
-                "× recompute", "bytes from store", "load GB/s"], rows)
+                "× recompute", "bytes from store", "load GB/s", *(["chunks from the node's disk"] if args.disk_tier
+                                                                   else [])], rows)
     save_cost = figures["save_prefill_on_s"] / figures["save_prefill_off_s"] - 1
     lines = [f"at {at90['fraction']:.1%} cached, TTFT is {at90['ratio']:.2f}× recompute",
              f"effective load {at90['load_gbps']:.2f} GB/s = {figures['load_gbps_over_ceiling']:.2f}× "
@@ -285,9 +307,11 @@ def main() -> None:
     body = (f"`{args.model}` ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}, "
             f"{mc.num_attention_heads}/{mc.num_key_value_heads} heads of {mc.head_dim}), {dtype} on {where}, "
             f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of {args.chunk_size}, "
-            f"store node on this host ({transport} transport), "
+            f"store node on this host ({transport} transport"
+            + (f"; the prefix on its disk tier: DRAM {args.dram}, `--no-promote`, so each load reads it from disk"
+               if args.disk_tier else "") + "), "
             f"median of {args.reps}.\n\n{md}\n\n" + "\n".join(f"- {x}." for x in lines))
-    name = "prefix_reuse" if device == "cpu" else "prefix_reuse_gpu"
+    name = ("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_disk" if args.disk_tier else "")
     publish(fig, name, body, args.write_docs)
 
 

@@ -263,13 +263,18 @@ class StoreConnector:
 
         self.runner.begin_landing()
         session = self._in_place_session() if not staged else None
+        in_place, elsewhere = 0, not session
         if session is not None:
-            loaded = self._load_in_place(session, keys, land_in_place)
-            in_place = True
-        else:
-            in_place = False
-            loaded = pipelined_load(self.pool, len(keys), self.load_batch, fetch, land,
-                                    lambda exc: self._error("load", exc))
+            in_place, elsewhere = self._load_in_place(session, keys, land_in_place)
+        loaded = in_place
+        if elsewhere and loaded < len(keys):
+            # NOTE: from the first chunk not in the node's arena (on its disk or GPU tier) on, or
+            # for every chunk without an shm session: through the staging pool (pinned on CUDA),
+            # the node streaming disk values straight into it, then a DMA into the pages
+            off = loaded
+            loaded += pipelined_load(self.pool, len(keys) - off, self.load_batch,
+                                     lambda s, c, v: fetch(off + s, c, v), lambda i, b, n: land(off + i, b, n),
+                                     lambda exc: self._error("load", exc))
         self.runner.end_landing()
         bad = _first_mismatch(device_checks)
         if bad is not None and bad < loaded:  # its KV (and what followed) is recomputed over
@@ -279,8 +284,7 @@ class StoreConnector:
         if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error
             self.stats.load_failures += 1
         self.stats.chunks_loaded += loaded
-        if in_place:
-            self.stats.chunks_loaded_in_place += loaded
+        self.stats.chunks_loaded_in_place += min(in_place, loaded)
         self.stats.bytes_loaded += sum(sizes[:loaded])
         if replicate and loaded and self.save_enabled:
             # NOTE: the verified bytes as they are: a put through the cluster client
@@ -298,11 +302,13 @@ class StoreConnector:
             return None
         return session if session is not None and session.mover is Mover.SHM else None
 
-    def _load_in_place(self, session, keys: list[bytes], land) -> int:
+    def _load_in_place(self, session, keys: list[bytes], land) -> tuple[int, bool]:
         """Loads ``keys`` in batches, each under one read lease, from the node's arena as mapped
         here: a chunk's header is copied out, its payload lands from the leased slots (on CUDA a
         DMA from the registered mapping). The lease ends once every copy that read it has
-        completed; copies that ended after the lease's safe end make the batch a miss."""
+        completed; copies that ended after the lease's safe end make the batch a miss.
+        Returns ``(chunks landed, whether it stopped at a chunk the node holds elsewhere)``:
+        on its disk (or GPU) tier, for the caller to read another way."""
         loaded = 0
         for start in range(0, len(keys), self.load_batch):
             batch = keys[start : start + self.load_batch]
@@ -310,14 +316,14 @@ class StoreConnector:
                 g = session.acquire(batch)
             except CrescentError as exc:
                 self._error("load", exc)
-                return loaded
-            if not g.lease_id:
-                return loaded  # nothing of the batch in the arena (missing, or on disk)
+                return loaded, False
+            if not g.lease_id:  # nothing of the batch in the arena: missing, or on disk
+                return loaded, bool(g.items) and g.items[0].status is ItemStatus.ELSEWHERE
             landed, stop, events, in_time = 0, False, [], False
             try:
                 with session.in_place(g) as mover:
                     if mover is None:  # the node restarted between grant and read
-                        return loaded
+                        return loaded, False
                     landed, stop = land_in_order(self._leased_chunks(mover, g, start, session.arena.slot_bytes),
                                                  land, events)
                     for ev in events:
@@ -331,11 +337,11 @@ class StoreConnector:
                     self._error("load", exc)
             if not in_time:
                 self._error("load", "a read lease ran out before its copies ended")
-                return loaded
+                return loaded, False
             loaded += landed
-            if stop:
-                return loaded
-        return loaded
+            if stop:  # a miss, a chunk that failed its check, or one the node holds elsewhere
+                return loaded, landed < len(g.items) and g.items[landed].status is ItemStatus.ELSEWHERE
+        return loaded, False
 
     def _leased_chunks(self, mover, g, start: int, slot_bytes: int):
         """``(chunk index, header, payload, size)`` of each chunk ``g`` leased, in order: the

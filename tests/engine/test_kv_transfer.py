@@ -334,3 +334,40 @@ def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference):
         assert any("ran out" in e or "expired" in e for e in st.errors), st.errors
     finally:
         eng.close()
+
+
+@pytest.fixture
+def disk_nodes(tmp_path):
+    yield from store_nodes(tmp_path, with_disk=True)
+
+
+@pytest.mark.parametrize("lead_in_dram", [0, 3])
+def test_chunks_on_the_nodes_disk_load_through_the_staging_pool_after_those_in_place(disk_nodes, reference,
+                                                                                     lead_in_dram):
+    """A same-host load reads the node's arena in place up to the first chunk the node holds on
+    disk, then the rest through the staging pool (pinned on CUDA; the node streams disk values
+    into it): every chunk loads, and the tokens are the recomputed ones."""
+    from kvstore.store import Tier
+
+    node = disk_nodes(dram=8 * (32 << 10), slot_size=32 << 10, promote=False)
+    keys = _seed(node.address, reference)  # 10 chunks into 8 slots: the oldest go to disk
+    with StoreClient(node.address) as c:
+        again = c.batch_get(keys[:lead_in_dram])
+        assert all(v is not None for v in again)
+        c.batch_put(list(zip(keys[:lead_in_dram], again)))  # the same bytes, now the newest (in DRAM)
+    assert node.store.settle()
+    tiers = [node.store.tier_of(k) for k in keys]
+    lead = next(i for i, t in enumerate(tiers) if t is not Tier.DRAM)
+    assert lead == lead_in_dram and Tier.DISK in tiers[lead:], tiers
+    disk_hits = node.store.stats()["tiers"][Tier.DISK]["hits"]
+    eng = make_engine(node.address, batch=3)
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference and seq.num_store_tokens == 10 * CHUNK, st.errors
+        assert st.chunks_loaded == 10 and st.chunks_loaded_in_place == lead and st.load_failures == 0
+        assert node.store.stats()["tiers"][Tier.DISK]["hits"] - disk_hits == tiers.count(Tier.DISK)
+        assert eng.connector.pool.in_use == 0
+        assert node.transport.leases.stats()["num_remote_leases"] == 0
+    finally:
+        eng.close()
