@@ -100,10 +100,10 @@ class StoreConfig:
     nothing. Off by default: on a 2-core machine the writer competes with the puts for
     the cores and the GIL and made their p99 latency worse (bench/write_behind_bench.py)."""
     background_demotion: bool = True
-    """Demotions to disk are written by two background threads: once DRAM passes the midpoint
-    of its watermarks, its coldest values are written to disk in runs of up to 4 MiB while they
-    stay readable in DRAM, then their slots are freed, down to the low watermark. Puts take the
-    room left meanwhile and wait for a run only when DRAM is full, so copies into DRAM and disk
+    """Demotions to disk are written by two background threads: once DRAM passes its high
+    watermark, its coldest values are written to disk in runs of up to 4 MiB while they stay
+    readable in DRAM, then their slots are freed, down to the low watermark. Puts take the room
+    left above the watermark meanwhile and wait for a run only when DRAM is full, so copies into DRAM and disk
     writes overlap and no disk write holds the store's lock. Off: the put that passes the high
     watermark writes the run itself (docs/benchmarks.md, "Disk tier")."""
     max_value_size: int = field(default=256 << 20, metadata={"size": True})

@@ -321,14 +321,52 @@ class DiskTier:
 
     # ---- writes -----------------------------------------------------------------
 
-    def put_many(self, items: list[tuple], only_new: bool = False) -> list[Loc]:
+    def _alloc_locs(self, values: list, now: float) -> list[Loc]:
+        locs: list[Loc] = []
+        with self._lock:
+            for _, _, size, digest in values:
+                ext = self.space.alloc(disk_cost(size) if size else 0)
+                if ext is None:
+                    for loc in locs:
+                        self.space.free(loc.extents)
+                    raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
+                locs.append(Loc(ext, size, digest, now))
+        return locs
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
+        """Free blocks for values of ``sizes``, taken in order (first fit: one after another where
+        the free space allows), for ``put_many(..., extents=)``; ``free_many`` gives them back.
+
+        Raises:
+            DiskFullError: not enough free blocks (nothing is taken).
+        """
+        out: list[tuple[tuple[int, int], ...]] = []
+        with self._lock:
+            for size in sizes:
+                ext = self.space.alloc(disk_cost(size) if size else 0)
+                if ext is None:
+                    for x in out:
+                        self.space.free(x)
+                    raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
+                out.append(ext)
+        return out
+
+    def free_many(self, extents: Sequence[tuple[tuple[int, int], ...]]) -> None:
+        """Gives back blocks from ``alloc_many`` that no record uses."""
+        with self._lock:
+            for x in extents:
+                self.space.free(x)
+
+    def put_many(self, items: list[tuple], only_new: bool = False,
+                 extents: Sequence[tuple[tuple[int, int], ...]] | None = None) -> list[Loc]:
         """Writes each ``(key, value parts)`` or ``(key, parts, size)`` into free blocks, then
         commits their records in one transaction. With a size, the parts may run past it to the
         end of its last block (e.g. DRAM slots): page-aligned such parts go to the device as
         they are, with no copy through the staging buffer. A key already on disk now maps to
         the new value; its old blocks stay taken until ``delete_many`` frees them. With
         ``only_new``, a key that already has a record keeps it: that item is not stored and its
-        place in the result is None.
+        place in the result is None. ``extents`` (from ``alloc_many``, one per item) are the
+        blocks to write into; the call owns them: it frees those it does not use.
 
         Raises:
             DiskFullError: not enough free blocks, or the file system is full (nothing is written).
@@ -345,15 +383,10 @@ class DiskTier:
             for p in _slice(parts, 0, size):
                 h.update(p)
             values.append((key, parts, size, h.intdigest()))
-        locs: list[Loc] = []
-        with self._lock:
-            for key, parts, size, digest in values:
-                ext = self.space.alloc(disk_cost(size) if size else 0)
-                if ext is None:
-                    for loc in locs:
-                        self.space.free(loc.extents)
-                    raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
-                locs.append(Loc(ext, size, digest, now))
+        if extents is not None:
+            locs = [Loc(tuple(ext), size, digest, now) for (_, _, size, digest), ext in zip(values, extents)]
+        else:
+            locs = self._alloc_locs(values, now)
         try:
             self._write(values, locs)
             if self.sync:

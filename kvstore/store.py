@@ -675,7 +675,7 @@ class TieredStore:
                     self._reclaim.wait()
                 if self._closing:
                     return
-                run = self._demotion_run()
+                run, extents = self._demotion_run()
                 if not run:  # nothing to write (moved clean, dropped, or all leased): a pass all the same
                     self._runs += 1
                     self._reclaim.notify_all()
@@ -686,7 +686,7 @@ class TieredStore:
                 items = [(e.key, self.dram.views(e.slots, disk_cost(e.size)), e.size) for e in run]
             locs, error = None, None
             try:  # only_new: a record that appeared meanwhile is a newer value's, never overwritten
-                locs = self.disk.put_many(items, only_new=True)
+                locs = self.disk.put_many(items, only_new=True, extents=extents)
             except (DiskFullError, DiskWriteError) as exc:
                 error = exc
             with self._lock:
@@ -696,22 +696,22 @@ class TieredStore:
                 self._reclaim.notify_all()
 
     def _over_high(self) -> bool:
-        """Whether the demoter has work: DRAM past the midpoint of its watermarks (so that a run is
-        written while puts still find free slots above it)."""
+        """Whether the demoter has work: DRAM (less the runs being written) past its high watermark."""
         arena = self.dram
         return arena.num_slots - arena.num_free - self._demoting > self._demote_from()
 
     def _demote_from(self) -> int:
-        """DRAM slots in use past which the demoter works: the midpoint of the watermarks."""
+        """DRAM slots in use past which the demoter works: the high watermark's."""
         cfg = self.config
-        return int((cfg.low_watermark + cfg.high_watermark) / 2 * self.dram.num_slots + 1e-9)
+        return int(cfg.high_watermark * self.dram.num_slots + 1e-9)
 
-    def _demotion_run(self) -> list[_Entry]:
+    def _demotion_run(self) -> tuple[list[_Entry], list]:
         """The next run: DRAM's least recently used evictable values down to the low watermark, at
-        most 8 MiB. Values with a disk copy move down now (nothing to write); values over their
-        namespace's disk bound are evicted; the rest are held and their disk room is taken."""
+        most 4 MiB. Values with a disk copy move down now (nothing to write); values over their
+        namespace's disk bound are evicted; the rest are held and their disk blocks are taken now,
+        in LRU order (so the values of runs written at once still lie on disk in that order)."""
         arena, cfg = self.dram, self.config
-        # NOTE: at most half the room above the midpoint, so that puts go on while two runs are written
+        # NOTE: at most half the room above the high watermark, so that puts go on while two runs are written
         need = min(arena.num_slots - arena.num_free - self._demoting - int(cfg.low_watermark * arena.num_slots),
                    max(1, min(_RUN_BYTES // arena.slot_bytes, (arena.num_slots - self._demote_from()) // 2)))
         run = []
@@ -726,14 +726,32 @@ class TieredStore:
             else:
                 run.append(e)
         cost = sum(disk_cost(e.size) for e in run)
-        if run and not self._make_disk_room(cost):
+        extents = self._alloc_run(run, cost) if run and self._make_disk_room(cost) else None
+        if extents is None:
             for e in run:
                 self._evicted(e)
-            return []
+            return [], []
         for e in run:
             e.leases += 1  # held: neither evicted nor freed while its slots are being written
         self._disk_used += cost
-        return run
+        return run, extents
+
+    def _alloc_run(self, run: list[_Entry], cost: int) -> list | None:
+        """Disk blocks for a run; when there are too few free ones (fragmented), drops kept copies
+        or evicts the disk's LRU values, as a put's demotion does. None: nothing left to evict."""
+        while True:
+            try:
+                return self.disk.alloc_many([e.size for e in run])
+            except DiskFullError as exc:
+                self.counters["disk_full"] += 1
+                log.warning("%s; evicting from the disk tier", exc)
+                if self._drop_copies(cost):
+                    continue
+                victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
+                if not victims:
+                    return None
+                for v in victims:
+                    self._evicted(v)
 
     def _finish_run(self, run: list[_Entry], locs: list[Loc | None] | None, error: BaseException | None) -> None:
         """Moves a written run's values to disk (or keeps their copies). After a failed write, makes
