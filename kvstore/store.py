@@ -743,15 +743,20 @@ class TieredStore:
             try:
                 return self.disk.alloc_many([e.size for e in run])
             except DiskFullError as exc:
-                self.counters["disk_full"] += 1
-                log.warning("%s; evicting from the disk tier", exc)
-                if self._drop_copies(cost):
-                    continue
-                victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
-                if not victims:
+                if not self._relieve_disk(exc, cost):
                     return None
-                for v in victims:
-                    self._evicted(v)
+
+    def _relieve_disk(self, exc: DiskFullError, cost: int) -> bool:
+        """After a write the disk refused for want of room: counts it, then drops kept copies or
+        else evicts the disk's LRU values worth ``cost``. False when nothing could be freed."""
+        self.counters["disk_full"] += 1
+        log.warning("%s; evicting from the disk tier", exc)
+        if self._drop_copies(cost):
+            return True
+        victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
+        for v in victims:
+            self._evicted(v)
+        return bool(victims)
 
     def _finish_run(self, run: list[_Entry], locs: list[Loc | None] | None, error: BaseException | None) -> None:
         """Moves a written run's values to disk (or keeps their copies). After a failed write, makes
@@ -763,14 +768,7 @@ class TieredStore:
             self._disk_used -= cost
             retry = False
             if isinstance(error, DiskFullError):
-                self.counters["disk_full"] += 1
-                log.warning("%s; evicting from the disk tier", error)
-                retry = self._drop_copies(cost) > 0
-                if not retry:
-                    victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
-                    for v in victims:
-                        self._evicted(v)
-                    retry = bool(victims)
+                retry = self._relieve_disk(error, cost)
             else:
                 self.counters["disk_errors"] += 1
                 log.warning("%s", error)
@@ -967,15 +965,8 @@ class TieredStore:
                 self.counters["disk_bytes_written"] += sum(loc.size for loc in locs)
                 return locs
             except DiskFullError as exc:
-                self.counters["disk_full"] += 1
-                log.warning("%s; evicting from the disk tier", exc)
-                if self._drop_copies(cost):
-                    continue
-                victims = self._victims(Tier.DISK, lambda freed: freed >= cost, lambda e: disk_cost(e.size))
-                if not victims:
+                if not self._relieve_disk(exc, cost):
                     raise
-                for e in victims:
-                    self._evicted(e)
             except DiskWriteError as exc:
                 self.counters["disk_errors"] += 1
                 log.warning("%s", exc)
