@@ -321,21 +321,9 @@ class DiskTier:
 
     # ---- writes -----------------------------------------------------------------
 
-    def _alloc_locs(self, values: list, now: float) -> list[Loc]:
-        locs: list[Loc] = []
-        with self._lock:
-            for _, _, size, digest in values:
-                ext = self.space.alloc(disk_cost(size) if size else 0)
-                if ext is None:
-                    for loc in locs:
-                        self.space.free(loc.extents)
-                    raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
-                locs.append(Loc(ext, size, digest, now))
-        return locs
-
     def alloc_many(self, sizes: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
         """Free blocks for values of ``sizes``, taken in order (first fit: one after another where
-        the free space allows), for ``put_many(..., extents=)``; ``free_many`` gives them back.
+        the free space allows), for ``put_many(..., extents=)``.
 
         Raises:
             DiskFullError: not enough free blocks (nothing is taken).
@@ -350,12 +338,6 @@ class DiskTier:
                     raise DiskFullError(f"the disk tier is full ({self.space.free_bytes} bytes free)")
                 out.append(ext)
         return out
-
-    def free_many(self, extents: Sequence[tuple[tuple[int, int], ...]]) -> None:
-        """Gives back blocks from ``alloc_many`` that no record uses."""
-        with self._lock:
-            for x in extents:
-                self.space.free(x)
 
     def put_many(self, items: list[tuple], only_new: bool = False,
                  extents: Sequence[tuple[tuple[int, int], ...]] | None = None) -> list[Loc]:
@@ -383,10 +365,9 @@ class DiskTier:
             for p in _slice(parts, 0, size):
                 h.update(p)
             values.append((key, parts, size, h.intdigest()))
-        if extents is not None:
-            locs = [Loc(tuple(ext), size, digest, now) for (_, _, size, digest), ext in zip(values, extents)]
-        else:
-            locs = self._alloc_locs(values, now)
+        if extents is None:
+            extents = self.alloc_many([size for _, _, size, _ in values])
+        locs = [Loc(tuple(ext), size, digest, now) for (_, _, size, digest), ext in zip(values, extents)]
         try:
             self._write(values, locs)
             if self.sync:
@@ -425,15 +406,15 @@ class DiskTier:
             for off, views, _ in segs:
                 _pwrite(self._fd, views, off)
             return
-        if all(sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views) for _, views, n in segs):
+        as_is = [sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views) for _, views, n in segs]
+        if all(as_is):
             self._write_direct(segs)  # e.g. DRAM slots: no staging buffer, so no lock (demoters write at once)
             return
         with self._wlock:
             stage = memoryview(self._stage)
             # a run: contiguous on disk, either staged bytes or aligned views written as they are
             start, length, views_run, staged = -1, 0, [], False
-            for off, views, n in segs:
-                direct = sum(v.nbytes for v in views) == n and all(_aligned(v) for v in views)
+            for (off, views, n), direct in zip(segs, as_is):
                 if length and (start + length != off or length + n > RUN or staged == direct
                                or len(views_run) + len(views) > _IOV_MAX):
                     _pwrite(self._dfd, [stage[:length]] if staged else views_run, start)

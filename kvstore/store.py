@@ -214,9 +214,10 @@ class TieredStore:
                 f"value of {size} bytes exceeds the limit of {self.config.max_value_size}")
         only = tier
         with self._lock:
-            if (self._demoters and only in (None, Tier.DRAM) and self._arenas[0][0] is Tier.DRAM
-                    and self.dram.num_free < self.dram.slots_for(size) <= self.dram.num_slots):
-                self._await_run(self.dram.slots_for(size))
+            if self._demoters and only in (None, Tier.DRAM) and self._arenas[0][0] is Tier.DRAM:
+                n = self.dram.slots_for(size)
+                if self.dram.num_free < n <= self.dram.num_slots:
+                    self._await_run(n)
             ns, bounded = self._ns(key), False
             for pos, (tier, arena) in enumerate(self._arenas):
                 if only is not None and tier is not only:
@@ -682,7 +683,8 @@ class TieredStore:
                     if self._over_high():
                         self._reclaim.wait(timeout=0.05)
                     continue
-                self._demoting += sum(len(e.slots) for e in run)
+                nslots = sum(len(e.slots) for e in run)
+                self._demoting += nslots
                 items = [(e.key, self.dram.views(e.slots, disk_cost(e.size)), e.size) for e in run]
             locs, error = None, None
             try:  # only_new: a record that appeared meanwhile is a newer value's, never overwritten
@@ -690,7 +692,7 @@ class TieredStore:
             except (DiskFullError, DiskWriteError) as exc:
                 error = exc
             with self._lock:
-                self._demoting -= sum(len(e.slots) for e in run)
+                self._demoting -= nslots
                 self._finish_run(run, locs, error)
                 self._runs += 1
                 self._reclaim.notify_all()
