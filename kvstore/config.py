@@ -75,6 +75,11 @@ class StoreConfig:
     disk_sync: bool = False
     """fdatasync the data and fsync the index at each disk commit (survives power loss; kill -9
     is safe either way)."""
+    disk_preallocate: bool = True
+    """Reserve the disk tier's data file at start (``fallocate``) where the file system has room:
+    direct writes into reserved blocks allocate nothing and go to the device two at a time (1.2x
+    one at a time into a sparse file on ext4, docs/benchmarks.md), and a file system too small for
+    ``disk_size`` shows at start. Off, or without the room: a sparse file, taken as values land."""
     disk_read_threads: int = 8
     """Disk reads a batch keeps in flight (each one large direct read of a whole value)."""
     device: int = field(default=0, metadata={"size": True})

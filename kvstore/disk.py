@@ -62,6 +62,7 @@ RUN = 8 << 20
 """Largest single read or write: adjacent values of a batch move in runs up to this size."""
 _REC = struct.Struct("<QQdI")  # size, xxh3_64, unix time of the write, number of extents
 _EXT = struct.Struct("<QQ")  # offset, length (whole blocks)
+_REC1 = struct.Struct("<QQdIQQ")  # a record of one extent: _REC then _EXT, packed at once
 
 
 class DiskTierError(RuntimeError):
@@ -93,6 +94,8 @@ class Loc:
     written_at: float
 
     def encode(self) -> bytes:
+        if len(self.extents) == 1:
+            return _REC1.pack(self.size, self.digest, self.written_at, 1, *self.extents[0])
         return _REC.pack(self.size, self.digest, self.written_at, len(self.extents)) + b"".join(
             _EXT.pack(o, n) for o, n in self.extents)
 
@@ -181,11 +184,9 @@ class FreeSpace:
             return ()
         if nbytes > self.free_bytes:
             return None
-        for i, ln in enumerate(self.lens):
-            if ln >= nbytes:
-                off = self.starts[i]
-                self._cut(i, nbytes)
-                return ((off, nbytes),)
+        off = self.alloc_extent(nbytes)
+        if off is not None:
+            return ((off, nbytes),)
         out, need = [], nbytes
         while need:
             take = min(self.lens[0], need)
@@ -193,6 +194,15 @@ class FreeSpace:
             self._cut(0, take)
             need -= take
         return tuple(out)
+
+    def alloc_extent(self, nbytes: int) -> int | None:
+        """The offset of one free extent of ``nbytes`` (first fit), or None where none is that long."""
+        for i, ln in enumerate(self.lens):
+            if ln >= nbytes:
+                off = self.starts[i]
+                self._cut(i, nbytes)
+                return off
+        return None
 
     def _cut(self, i: int, n: int) -> None:
         self.free_bytes -= n
@@ -223,7 +233,7 @@ class DiskTier:
     """The disk tier of one node. Thread-safe."""
 
     def __init__(self, path: str, capacity_bytes: int, sync: bool = False,
-                 read_threads: int = 8, direct: bool = True) -> None:
+                 read_threads: int = 8, direct: bool = True, preallocate: bool = True) -> None:
         """
         Args:
             path: the tier's folder.
@@ -231,6 +241,8 @@ class DiskTier:
             sync: fdatasync the data and fsync each index commit (power-loss safe).
             read_threads: reads ``read_many`` keeps in flight.
             direct: O_DIRECT reads and writes where the file system takes them.
+            preallocate: reserve the data file's blocks at start (``fallocate``) where the file
+                system has room for them; else the file stays sparse.
 
         Raises:
             DiskTierError: the folder cannot be used (corrupt, locked, or an older format).
@@ -272,6 +284,7 @@ class DiskTier:
             self.env.close()
             raise DiskTierError(f"cannot open the disk tier's data file {data}: {exc}") from exc
         self._fd = fd
+        self.preallocated = preallocate and self._preallocate()
         self._dfd = self._open_direct(data) if direct else -1
         self._wlock = threading.Lock()
         self._stage = mmap.mmap(-1, RUN) if self._dfd >= 0 else None  # aligned, for direct writes
@@ -279,6 +292,28 @@ class DiskTier:
         self.read_threads = max(1, read_threads)
         self._pool: ThreadPoolExecutor | None = None
         self._buffers = _Buffers(keep=2 * self.read_threads + 4)
+
+    def _preallocate(self) -> bool:
+        """Reserves the data file's blocks (``fallocate``, no zeroing: they read as zeros until
+        written). Direct writes into reserved blocks need no block allocation, so two of them go
+        to the device at once (on ext4 a direct write that allocates holds the file's lock alone);
+        and a file system too small for the tier shows at start. Skipped, with a warning, where the
+        file system lacks the room (it keeps ``_INDEX_ROOM`` for the index) or the call."""
+        st = os.fstat(self._fd)
+        missing = self.capacity_bytes - st.st_blocks * 512
+        if missing <= 0:
+            return True
+        free = self._fs_free()
+        if free is not None and free < missing + _INDEX_ROOM:
+            log.warning("disk tier %s: the file system has %d bytes free, too few to reserve the tier's "
+                        "%d bytes; the data file stays sparse, and writes past the room fail as the disk full",
+                        self.path, free, self.capacity_bytes)
+            return False
+        err = _fallocate(self._fd, self.capacity_bytes)
+        if err:
+            log.warning("disk tier %s: cannot reserve the data file's blocks (%s); it stays sparse",
+                        self.path, os.strerror(err))
+        return not err
 
     def _open_direct(self, data: str) -> int:
         """An O_DIRECT descriptor of the data file, or -1 where the file system refuses direct I/O."""
@@ -322,16 +357,24 @@ class DiskTier:
     # ---- writes -----------------------------------------------------------------
 
     def alloc_many(self, sizes: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
-        """Free blocks for values of ``sizes``, taken in order (first fit: one after another where
-        the free space allows), for ``put_many(..., extents=)``.
+        """Free blocks for values of ``sizes``, taken in order, for ``put_many(..., extents=)``: one
+        extent for the whole batch where one is free (the values one after another), else each
+        value's first fit.
 
         Raises:
             DiskFullError: not enough free blocks (nothing is taken).
         """
+        costs = [disk_cost(size) if size else 0 for size in sizes]
         out: list[tuple[tuple[int, int], ...]] = []
         with self._lock:
-            for size in sizes:
-                ext = self.space.alloc(disk_cost(size) if size else 0)
+            pos = self.space.alloc_extent(sum(costs)) if len(costs) > 1 else None
+            if pos is not None:  # the whole batch in one extent: one search, and one sequential write
+                for cost in costs:
+                    out.append(((pos, cost),) if cost else ())
+                    pos += cost
+                return out
+            for cost in costs:
+                ext = self.space.alloc(cost)
                 if ext is None:
                     for x in out:
                         self.space.free(x)
@@ -361,10 +404,14 @@ class DiskTier:
                 parts = [parts]
             parts = [memoryview(p).cast("B") for p in parts]
             size = size[0] if size else sum(p.nbytes for p in parts)
-            h = xxhash.xxh3_64()
-            for p in _slice(parts, 0, size):
-                h.update(p)
-            values.append((key, parts, size, h.intdigest()))
+            if len(parts) == 1:  # NOTE: xxh3 of a 64 KiB value keeps the GIL; one call, no hasher object
+                digest = xxhash.xxh3_64_intdigest(parts[0][:size])
+            else:
+                h = xxhash.xxh3_64()
+                for p in _slice(parts, 0, size):
+                    h.update(p)
+                digest = h.intdigest()
+            values.append((key, parts, size, digest))
         if extents is None:
             extents = self.alloc_many([size for _, _, size, _ in values])
         locs = [Loc(tuple(ext), size, digest, now) for (_, _, size, digest), ext in zip(values, extents)]
@@ -372,10 +419,12 @@ class DiskTier:
             self._write(values, locs)
             if self.sync:
                 os.fdatasync(self._fd)
-            stored = []
             with self.env.begin(db=self.db, write=True) as txn:
-                for (key, *_), loc in zip(values, locs):
-                    stored.append(txn.put(key, loc.encode(), overwrite=not only_new))
+                # NOTE: py-lmdb lets go of the GIL in every call; one putmulti is one call for the batch
+                recs = [(key, loc.encode()) for (key, *_), loc in zip(values, locs)]
+                _, added = txn.cursor().putmulti(recs, overwrite=not only_new)
+                # a key that kept an older record (only_new) maps to another record than ours
+                stored = [True] * len(recs) if added == len(recs) else [txn.get(k) == r for k, r in recs]
         except (OSError, lmdb.Error) as exc:
             with self._lock:
                 for loc in locs:
@@ -395,6 +444,9 @@ class DiskTier:
         RUN bytes, through one aligned staging buffer when writing direct."""
         segs = []  # (file offset, source views, bytes on disk): pieces of at most RUN bytes
         for (_, parts, _, _), loc in zip(values, locs):
+            if len(loc.extents) == 1 and len(parts) == 1 and parts[0].nbytes == loc.extents[0][1] <= RUN:
+                segs.append((loc.extents[0][0], parts, parts[0].nbytes))  # e.g. a DRAM slot: as it is
+                continue
             pos = 0
             for off, n in loc.extents:
                 for k in range(0, n, RUN):
@@ -604,6 +656,22 @@ class DiskTier:
             return self.read(loc)
         except DataLossError as exc:
             return exc
+
+
+_INDEX_ROOM = 64 << 20
+"""Room a preallocating tier leaves free on its file system for the LMDB index to grow."""
+
+
+def _fallocate(fd: int, length: int) -> int:
+    """``fallocate(fd, 0, 0, length)``: 0, or the errno. The system call itself, not glibc's
+    ``posix_fallocate``, which where the file system lacks it writes every block instead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "fallocate", None)
+    if fn is None:
+        return errno.EOPNOTSUPP
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return 0 if fn(fd, 0, 0, length) == 0 else ctypes.get_errno()
 
 
 def _aligned(v: memoryview) -> bool:

@@ -148,8 +148,8 @@ class TieredStore:
         self.dram = HostArena(config.dram, config.slot_size)
         self._arenas.append((Tier.DRAM, self.dram))
         try:
-            self.disk = (DiskTier(config.disk, config.disk_size, config.disk_sync, config.disk_read_threads)
-                         if config.disk else None)
+            self.disk = (DiskTier(config.disk, config.disk_size, config.disk_sync, config.disk_read_threads,
+                                  preallocate=config.disk_preallocate) if config.disk else None)
         except BaseException:
             for _, arena in self._arenas:  # no arena file outlives a failed start
                 arena.close()
