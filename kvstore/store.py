@@ -181,6 +181,7 @@ class TieredStore:
         self._reclaim = threading.Condition(self._lock)
         """The demoter waits on it for DRAM to pass its high watermark; puts wait on it for a run."""
         self._demoting = 0  # DRAM slots of the runs being written now
+        self._draining = False  # the demoters work down to the low watermark (see _over_high)
         self._runs = 0  # demoter passes finished
         self._demoters: list[threading.Thread] = []
         if self.disk is not None and config.background_demotion:
@@ -698,9 +699,17 @@ class TieredStore:
                 self._reclaim.notify_all()
 
     def _over_high(self) -> bool:
-        """Whether the demoter has work: DRAM (less the runs being written) past its high watermark."""
+        """Whether the demoter has work: from when DRAM (less the runs being written) passes its high
+        watermark until it is down to the low one. Runs follow one another while puts stream in,
+        as a put's own demotion goes down to the low watermark at once; starting a run only when
+        puts lift DRAM past the high watermark again would leave the disk idle between runs."""
         arena = self.dram
-        return arena.num_slots - arena.num_free - self._demoting > self._demote_from()
+        held = arena.num_slots - arena.num_free - self._demoting
+        if held > self._demote_from():
+            self._draining = True
+        elif held <= int(self.config.low_watermark * arena.num_slots):
+            self._draining = False
+        return self._draining
 
     def _demote_from(self) -> int:
         """DRAM slots in use past which the demoter works: the high watermark's."""

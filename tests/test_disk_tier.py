@@ -489,6 +489,19 @@ def test_the_demoter_writes_runs_while_their_values_stay_readable_and_puts_go_on
     assert all(s.get(b"k%d" % i) == val(i) for i in range(st["demotions"]))
 
 
+def test_once_past_the_high_watermark_the_demoters_go_on_down_to_the_low_one(tmp_path):
+    s = make(tmp_path / "d", slots=64, high=0.95, low=0.85, background_demotion=True)
+    for i in range(int(0.95 * 64)):  # up to the high watermark: nothing to do
+        s.put(b"k%d" % i, val(i))
+    assert s.settle() and s.stats()["demotions"] == 0
+    s.put(b"one-more", val(99))  # past it: runs follow one another down to the low watermark (54 of 64)
+    assert s.settle()
+    st = s.stats()
+    assert st["tiers"][Tier.DRAM]["used_bytes"] // SLOT == int(0.85 * 64) and st["demotions"] == 61 - 54
+    assert [s.tier_of(b"k%d" % i) for i in range(8)] == [Tier.DISK] * 7 + [Tier.DRAM]  # the coldest went
+    _accounting(s)
+
+
 def test_a_value_leased_deleted_or_replaced_during_its_run_keeps_a_copy_goes_or_stays_new(tmp_path):
     s = make(tmp_path / "d", slots=128, high=0.95, low=0.85, background_demotion=True)
     gate = Gate(s.disk)
