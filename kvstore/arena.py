@@ -150,7 +150,20 @@ class HostArena(SlotAllocator):
     removes those of dead processes at the next start.
     """
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, populate: bool = False) -> None:
+        """
+        Args:
+            populate: reserve the file's memory and fault the mapping in now (``fallocate``,
+                ``MAP_POPULATE``). A first write into a fresh shared-memory page is a page fault
+                that allocates it: on the development VM a first pass over a fresh arena wrote
+                0.35-1.4 GB/s where a populated one takes 18 GB/s. Populated, that cost is paid
+                once at start, and a /dev/shm too small for the arena is an error now instead of
+                a SIGBUS at the put that finds it full.
+
+        Raises:
+            ValueError: no slot fits.
+            OSError: (``populate``) /dev/shm cannot hold the arena (ENOSPC).
+        """
         num_slots = capacity_bytes // slot_bytes
         if num_slots <= 0:
             raise ValueError(f"a DRAM arena of {capacity_bytes} B holds no {slot_bytes} B slot")
@@ -163,11 +176,20 @@ class HostArena(SlotAllocator):
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, file_bytes)
+            if populate:
+                try:
+                    os.posix_fallocate(fd, 0, file_bytes)
+                except OSError as exc:
+                    free = os.statvfs(SHM_DIR)
+                    raise OSError(exc.errno, f"cannot reserve {file_bytes} bytes for the DRAM arena in {SHM_DIR} "
+                                  f"({free.f_bavail * free.f_frsize} bytes free): lower --dram or enlarge "
+                                  f"{SHM_DIR}") from exc
             secret = secrets.token_bytes(SECRET_BYTES)
             os.pwrite(fd, secret, secret_at)
             self.shm_proof = shm_proof(secret)
             """What a same-host client that read the file's secret sends before its shm grants."""
-            self._mmap = mmap.mmap(fd, secret_at, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mmap = mmap.mmap(fd, secret_at, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(self.path)
             raise

@@ -68,6 +68,11 @@ class StoreConfig:
     """Capacity of the host DRAM tier (shared-memory arena)."""
     slot_size: int = field(default=64 << 10, metadata={"size": True})
     """Size of one DRAM arena slot; a value occupies ceil(size/slot_size) slots."""
+    dram_populate: bool = True
+    """Reserve the DRAM arena in /dev/shm and fault it in at start (about 1 s per GiB on the
+    development VM): otherwise the first write into each page allocates it, and the first pass of
+    puts over a fresh arena ran several times slower than later ones. A /dev/shm too small for
+    ``dram`` is then an error at start."""
     disk: str | None = None
     """Folder of the disk tier (a data file of values and its LMDB index); none disables the tier."""
     disk_size: int = field(default=16 << 30, metadata={"size": True})

@@ -145,7 +145,7 @@ class TieredStore:
         self._arenas: list[tuple[Tier, SlotAllocator]] = []
         if config.device > 0:
             self._arenas.append((Tier.DEVICE, DeviceArena(config.device, config.slot_size)))
-        self.dram = HostArena(config.dram, config.slot_size)
+        self.dram = HostArena(config.dram, config.slot_size, populate=config.dram_populate)
         self._arenas.append((Tier.DRAM, self.dram))
         try:
             self.disk = (DiskTier(config.disk, config.disk_size, config.disk_sync, config.disk_read_threads,

@@ -357,6 +357,34 @@ def test_disk_full_is_exhausted_and_the_store_keeps_serving(tmp_path):
     assert s.get(b"a") == val(1)
 
 
+def test_the_dram_arena_is_reserved_at_start_and_a_too_small_dev_shm_is_a_clear_error(tmp_path, monkeypatch):
+    import subprocess
+
+    import kvstore.arena as arena_mod
+
+    s = TieredStore(StoreConfig(dram=4 << 20, slot_size=64 << 10))
+    _OPEN.append(s)
+    st = os.stat(s.dram.path)
+    assert st.st_blocks * 512 >= 4 << 20  # reserved (fallocate) and mapped in at start
+    s.put(b"k", b"v" * 100_000)
+    assert s.get(b"k") == b"v" * 100_000
+    lazy = TieredStore(StoreConfig(dram=4 << 20, slot_size=64 << 10, dram_populate=False))
+    _OPEN.append(lazy)
+    assert os.stat(lazy.dram.path).st_blocks * 512 < 1 << 20  # taken page by page as values land
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(shm)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        monkeypatch.setattr(arena_mod, "SHM_DIR", str(shm))
+        with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for the DRAM arena in .*lower --dram"):
+            TieredStore(StoreConfig(dram=8 << 20, slot_size=64 << 10))
+        assert os.listdir(shm) == []  # nothing left behind
+    finally:
+        subprocess.run(["umount", str(shm)], check=True)
+
+
 def test_device_tier_without_cuda_is_a_clear_error():
     import torch
 
