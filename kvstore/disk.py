@@ -298,11 +298,14 @@ class DiskTier:
         written). Direct writes into reserved blocks need no block allocation, so two of them go
         to the device at once (on ext4 a direct write that allocates holds the file's lock alone);
         and a file system too small for the tier shows at start. Skipped, with a warning, where the
-        file system lacks the room (it keeps ``_INDEX_ROOM`` for the index) or the call."""
+        file system lacks the room (it keeps ``_INDEX_ROOM`` for the index) or the call, and on
+        tmpfs, whose blocks are memory."""
         st = os.fstat(self._fd)
         missing = self.capacity_bytes - st.st_blocks * 512
         if missing <= 0:
             return True
+        if _fs_type(self.path) == _TMPFS_MAGIC:  # memory: reserved, the whole tier would be held now
+            return False
         free = self._fs_free()
         if free is not None and free < missing + _INDEX_ROOM:
             log.warning("disk tier %s: the file system has %d bytes free, too few to reserve the tier's "
@@ -660,6 +663,18 @@ class DiskTier:
 
 _INDEX_ROOM = 64 << 20
 """Room a preallocating tier leaves free on its file system for the LMDB index to grow."""
+
+
+_TMPFS_MAGIC = 0x01021994
+
+
+def _fs_type(path: str) -> int | None:
+    """The file system type (``statfs``'s ``f_type``, its first field on Linux) of ``path``, or None."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(512)  # larger than struct statfs
+    if getattr(libc, "statfs", None) is None or libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return struct.unpack_from("l", buf)[0]
 
 
 def _fallocate(fd: int, length: int) -> int:

@@ -378,6 +378,39 @@ def test_the_data_file_is_reserved_at_start_where_the_file_system_has_room(tmp_p
     assert bytes(sparse.get(b"x")) == val(1, 70_000)
 
 
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A real 128 MiB ext4 file system on a loop device, mounted for the test and unmounted after."""
+    img, mnt = tmp_path / "fs.img", tmp_path / f"ext4-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(128 << 20)
+    r = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
+    if r.returncode == 0:
+        r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make and mount a small ext4 here (needs root and loop devices): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        close_opened()
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_tier_is_reserved_only_where_its_file_system_has_the_room(small_ext4, small_fs):
+    fits = DiskTier(str(small_ext4 / "fits"), 32 << 20)  # 32 MiB and the index's 64 MiB fit in ~120
+    _OPEN.append(fits)
+    assert fits.preallocated and os.stat(small_ext4 / "fits" / DATA_FILE).st_blocks * 512 >= 32 << 20
+    big = DiskTier(str(small_ext4 / "big"), 64 << 20)  # 64 + 64 do not fit beside the first
+    _OPEN.append(big)
+    assert not big.preallocated and os.stat(small_ext4 / "big" / DATA_FILE).st_blocks * 512 < 1 << 20
+    big.put_many([(b"k", val(1, 100_000))])  # sparse, it takes blocks as values land
+    assert bytes(big.get(b"k")) == val(1, 100_000)
+    mem = DiskTier(str(small_fs / "mem"), 1 << 20)  # tmpfs: its blocks are memory, never reserved
+    _OPEN.append(mem)
+    assert not mem.preallocated
+
+
 def test_a_full_file_system_is_a_clear_error_and_nothing_committed_is_lost(small_fs):
     d = DiskTier(str(small_fs / "d"), 64 << 20)  # the tier is far larger than the file system
     _OPEN.append(d)
