@@ -1,5 +1,6 @@
 """The disk tier: large offset reads, kept copies of promoted values, a full file system, no thrash."""
 
+import contextlib
 import os
 import random
 import threading
@@ -342,19 +343,27 @@ def test_put_many_only_new_keeps_an_existing_record(tmp_path):
 # ---- a full file system (ENOSPC) --------------------------------------------------
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 2 MiB file system (tmpfs), mounted for the test and unmounted after."""
-    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+@contextlib.contextmanager
+def _mounted(mnt, source: list[str], why: str):
+    """Mounts ``source`` (mount's arguments before the mount point) on ``mnt`` for a test, or skips
+    it with ``why``; after it, closes what the test opened there and unmounts it."""
+    r = subprocess.run(["mount", *source, str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+        pytest.skip(f"{why}: {r.stderr.strip()}")
     try:
         yield mnt
     finally:
         close_opened()
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2 MiB file system (tmpfs), mounted for the test and unmounted after."""
+    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    with _mounted(mnt, ["-t", "tmpfs", "-o", "size=2m", "tmpfs"], "cannot mount a small tmpfs here (needs root)"):
+        yield mnt
 
 
 def test_the_data_file_is_reserved_at_start_where_the_file_system_has_room(tmp_path):
@@ -386,15 +395,10 @@ def small_ext4(tmp_path):
     with open(img, "wb") as f:
         f.truncate(128 << 20)
     r = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
-    if r.returncode == 0:
-        r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot make and mount a small ext4 here (needs root and loop devices): {r.stderr.strip()}")
-    try:
+        pytest.skip(f"cannot make an ext4 file system here: {r.stderr.strip()}")
+    with _mounted(mnt, ["-o", "loop", str(img)], "cannot mount a small ext4 here (needs root and loop devices)"):
         yield mnt
-    finally:
-        close_opened()
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_tier_is_reserved_only_where_its_file_system_has_the_room(small_ext4, small_fs):
