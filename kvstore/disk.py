@@ -666,13 +666,13 @@ _INDEX_ROOM = 64 << 20
 
 
 _TMPFS_MAGIC = 0x01021994
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _fs_type(path: str) -> int | None:
     """The file system type (``statfs``'s ``f_type``, its first field on Linux) of ``path``, or None."""
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(512)  # larger than struct statfs
-    if getattr(libc, "statfs", None) is None or libc.statfs(os.fsencode(path), buf) != 0:
+    if getattr(_LIBC, "statfs", None) is None or _LIBC.statfs(os.fsencode(path), buf) != 0:
         return None
     return struct.unpack_from("l", buf)[0]
 
@@ -680,8 +680,7 @@ def _fs_type(path: str) -> int | None:
 def _fallocate(fd: int, length: int) -> int:
     """``fallocate(fd, 0, 0, length)``: 0, or the errno. The system call itself, not glibc's
     ``posix_fallocate``, which where the file system lacks it writes every block instead."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "fallocate", None)
+    fn = getattr(_LIBC, "fallocate", None)
     if fn is None:
         return errno.EOPNOTSUPP
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]

@@ -181,7 +181,7 @@ class TieredStore:
         self._reclaim = threading.Condition(self._lock)
         """The demoter waits on it for DRAM to pass its high watermark; puts wait on it for a run."""
         self._demoting = 0  # DRAM slots of the runs being written now
-        self._draining = False  # the demoters work down to the low watermark (see _over_high)
+        self._draining = False  # the demoters work down to the low watermark (see _demoter_has_work)
         self._runs = 0  # demoter passes finished
         self._demoters: list[threading.Thread] = []
         if self.disk is not None and config.background_demotion:
@@ -564,7 +564,7 @@ class TieredStore:
         timed out. For tests and benchmarks that look at where values are."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._demoters and (self._demoting or self._over_high()):
+            while self._demoters and (self._demoting or self._demoter_has_work()):
                 if not self._demoting:
                     now = time.monotonic()
                     if all(e.leases or e.pinned_until > now for e in self._lru[Tier.DRAM].values()):
@@ -673,7 +673,7 @@ class TieredStore:
         copy (its eviction later writes nothing); one deleted or replaced meanwhile loses it."""
         while True:
             with self._lock:
-                while not self._closing and not self._over_high():
+                while not self._closing and not self._demoter_has_work():
                     self._reclaim.wait()
                 if self._closing:
                     return
@@ -681,7 +681,7 @@ class TieredStore:
                 if not run:  # nothing to write (moved clean, dropped, or all leased): a pass all the same
                     self._runs += 1
                     self._reclaim.notify_all()
-                    if self._over_high():
+                    if self._demoter_has_work():
                         self._reclaim.wait(timeout=0.05)
                     continue
                 nslots = sum(len(e.slots) for e in run)
@@ -698,7 +698,7 @@ class TieredStore:
                 self._runs += 1
                 self._reclaim.notify_all()
 
-    def _over_high(self) -> bool:
+    def _demoter_has_work(self) -> bool:
         """Whether the demoter has work: from when DRAM (less the runs being written) passes its high
         watermark until it is down to the low one. Runs follow one another while puts stream in,
         as a put's own demotion goes down to the low watermark at once; starting a run only when
@@ -707,7 +707,7 @@ class TieredStore:
         held = arena.num_slots - arena.num_free - self._demoting
         if held > self._demote_from():
             self._draining = True
-        elif held <= int(self.config.low_watermark * arena.num_slots):
+        elif held <= self._demote_to():
             self._draining = False
         return self._draining
 
@@ -716,6 +716,10 @@ class TieredStore:
         cfg = self.config
         return int(cfg.high_watermark * self.dram.num_slots + 1e-9)
 
+    def _demote_to(self) -> int:
+        """DRAM slots in use down to which the demoter works once started: the low watermark's."""
+        return int(self.config.low_watermark * self.dram.num_slots)
+
     def _demotion_run(self) -> tuple[list[_Entry], list]:
         """The next run: DRAM's least recently used evictable values down to the low watermark, at
         most 4 MiB. Values with a disk copy move down now (nothing to write); values over their
@@ -723,7 +727,7 @@ class TieredStore:
         in LRU order (so the values of runs written at once still lie on disk in that order)."""
         arena, cfg = self.dram, self.config
         # NOTE: at most half the room above the high watermark, so that puts go on while two runs are written
-        need = min(arena.num_slots - arena.num_free - self._demoting - int(cfg.low_watermark * arena.num_slots),
+        need = min(arena.num_slots - arena.num_free - self._demoting - self._demote_to(),
                    max(1, min(_RUN_BYTES // arena.slot_bytes, (arena.num_slots - self._demote_from()) // 2)))
         run = []
         for e in self._victims(Tier.DRAM, lambda freed: freed >= need, lambda e: len(e.slots)):
@@ -815,7 +819,7 @@ class TieredStore:
         runs = self._runs
         self._reclaim.notify_all()
         while (self._runs == runs and self.dram.num_free < num_slots and not self._closing
-               and (self._demoting or self._over_high())):
+               and (self._demoting or self._demoter_has_work())):
             self._reclaim.wait(timeout=1.0)
 
     def _flush_batch(self) -> list[_Entry]:
