@@ -82,9 +82,10 @@ class StoreConfig:
     is safe either way)."""
     disk_preallocate: bool = True
     """Reserve the disk tier's data file at start (``fallocate``) where the file system has room:
-    direct writes into reserved blocks allocate nothing and go to the device two at a time (1.2x
-    one at a time into a sparse file on ext4, docs/benchmarks.md), and a file system too small for
-    ``disk_size`` shows at start. Off, or without the room: a sparse file, taken as values land."""
+    direct writes into reserved blocks allocate nothing and go to the device two at a time (raw
+    pairs 1.27x those into a sparse file on ext4, docs/architecture.md), and a file system too small
+    for ``disk_size`` is a warning at start. Off, without the room, or on tmpfs (its blocks are
+    memory): a sparse file, taken as values land."""
     disk_read_threads: int = 8
     """Disk reads a batch keeps in flight (each one large direct read of a whole value)."""
     device: int = field(default=0, metadata={"size": True})
