@@ -1,9 +1,16 @@
-"""Child processes are stopped by their own pid: SIGTERM first, SIGKILL when it does not end."""
+"""Processes: children are stopped by their own pid (SIGTERM first, SIGKILL when it does not end);
+a server's main thread waits for its own SIGTERM/SIGINT in a way that always sees them."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+import threading
+import time
+from typing import Callable
+
+_SLICE_S = 0.2
+"""How long a main thread's wait lasts before it runs bytecode again (and with it any signal handler)."""
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
@@ -16,3 +23,42 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
             proc.kill()
             proc.wait(timeout=30)
     return proc.returncode
+
+
+def wait_in_slices(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)`` for a process's main thread, in slices of ``_SLICE_S``.
+
+    The kernel hands a signal sent to a process to any one of its threads, and passes the main
+    thread over when that one already has a signal pending (as it has right after a SIGCONT). gRPC's
+    threads then take SIGTERM; CPython's C handler only flags it, and the Python handler runs once
+    the main thread executes bytecode again. In an untimed wait that is never: the process ignores
+    SIGTERM until it is killed. Waiting in slices runs the handler within ``_SLICE_S``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+        if left <= 0:
+            return event.is_set()
+        if event.wait(left):
+            return True
+
+
+class StopSignals:
+    """SIGTERM and SIGINT ask a server to stop: install before printing the banner, then ``wait()``.
+
+    ``on_again`` runs on every signal after the first (a store node: cut its drain short).
+    """
+
+    def __init__(self, on_again: Callable[[], None] | None = None) -> None:
+        self.event = threading.Event()
+        self._on_again = on_again
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, *_) -> None:
+        if self.event.is_set() and self._on_again is not None:
+            self._on_again()
+        self.event.set()
+
+    def wait(self) -> None:
+        wait_in_slices(self.event)

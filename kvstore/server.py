@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import socket
 import threading
 import time
@@ -25,6 +24,7 @@ from kvstore.liveness import server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics
+from kvstore.procs import StopSignals, wait_in_slices
 from kvstore.store import Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.service import DescriptorRpcs, NodeTransport
@@ -304,7 +304,7 @@ class StoreNode:
         self.stopping = True  # Health says serving=false from here
         self.health.stop()  # ... and so does grpc.health.v1 (NOT_SERVING: probes look away)
         if self.config.drain_s > 0:  # ... while every call is still served
-            self._drained.wait(self.config.drain_s)
+            wait_in_slices(self._drained, self.config.drain_s)  # a second signal ends it
         if self.agent is not None:
             self.agent.stop()  # deregisters: the conductor drops this node's chunks at once
         if self.data_server:
@@ -326,19 +326,11 @@ class StoreNode:
 def serve(config: StoreConfig) -> None:
     """Runs a node until SIGTERM or SIGINT, then stops it gracefully."""
     node = StoreNode(config).start()
-    done = threading.Event()
-
-    def on_signal(*_):
-        if done.is_set():
-            node._drained.set()  # a second signal: stop draining now
-        done.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = StopSignals(on_again=node._drained.set)  # a second signal: stop draining now
     dc = f", data channel :{node.data_server.port}" if node.data_server else ""
     tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
     ev = f", KV events {node.kv_events.endpoint}" if node.kv_events else ""
     print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers}){ev}", flush=True)
-    done.wait()
+    stop.wait()
     print("crescent store: stopping", flush=True)
     node.stop()

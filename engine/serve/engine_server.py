@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from concurrent import futures
@@ -18,6 +17,7 @@ from engine.serve.metrics import EngineMetrics
 from kvstore import auth, tls
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.liveness import server_options
+from kvstore.procs import StopSignals
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -226,11 +226,9 @@ class EngineNode:
 def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, fetch_timeout_s: float,
           advertise_host: str | None = None) -> None:
     node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s, advertise_host).start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    stop = StopSignals()
     store = f", store {cfg.store}" if cfg.store else ""
     print(f"crescent engine {role} ({cfg.model}) listening on {node.address}{store}", flush=True)
-    done.wait()
+    stop.wait()
     print(f"crescent engine {role}: stopping", flush=True)
     node.stop()

@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import json
 import logging
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRo
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
+from kvstore.procs import StopSignals
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -520,10 +520,8 @@ class GatewayServer:
 
 def serve(gw: Gateway, listen: str, ssl_context=None) -> None:
     srv = GatewayServer(gw, listen, ssl_context).start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    stop = StopSignals()
     print(f"crescent gateway serving {gw.model_name} on {srv.url}/v1", flush=True)
-    done.wait()
+    stop.wait()
     print("crescent gateway: stopping", flush=True)
     srv.stop()

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import logging
 import math
-import signal
 import threading
 import time
 from concurrent import futures
@@ -37,6 +36,7 @@ from kvstore.health import HealthStatus, advertised_host
 from kvstore.errors import (LEADER_METADATA, CrescentError, FailedPreconditionError, InvalidArgumentError,
                             NotFoundError)
 from kvstore.liveness import server_options
+from kvstore.procs import StopSignals
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -683,14 +683,12 @@ class Conductor(cpb_grpc.ConductorServicer):
 def serve(config: ConductorConfig) -> None:
     """Runs a conductor until SIGTERM or SIGINT, then stops it gracefully."""
     conductor = Conductor(config).start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    stop = StopSignals()
     metrics = f", metrics :{conductor.metrics_port}" if conductor.metrics_port is not None else ""
     if conductor.kv_events is not None:
         metrics += f", cluster KV events {conductor.kv_events.endpoint}"
     print(f"crescent conductor listening on {conductor.address}{metrics} (policy {config.policy}, "
           f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)", flush=True)
-    done.wait()
+    stop.wait()
     print("crescent conductor: stopping", flush=True)
     conductor.stop()
