@@ -12,9 +12,10 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
@@ -260,11 +261,15 @@ class EngineConfig:
             raise ValueError(f"store_transport must be one of {', '.join(REQUESTS)}, got {self.store_transport!r}")
 
     def torch_device(self) -> torch.device:
+        import torch  # here, not at the top: the CLI reads this module for its flags without torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

@@ -86,3 +86,30 @@ def test_a_broken_entry_point_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.startswith("crescent: error: cannot load the crescent.commands entry point 'broken_cmd'")
     assert out.stderr.count("\n") == 1
+
+
+def _loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_store_conductor_and_ctl_never_load_torch():
+    """torch is the engine's alone: importing it costs a store node, a conductor and every `crescent
+    ctl` call ~1.7 s at start and ~0.7 s more at exit (the last garbage collection walks its heap)."""
+    from tests.conductor.procs import ConductorProcess
+    from tests.helpers import StoreProcess
+
+    conductor = ConductorProcess()
+    store = StoreProcess("--dram", "8MiB", "--conductor", conductor.address)
+    try:
+        assert not _loads_torch(store.pid) and not _loads_torch(conductor.pid)
+        for args in (["ctl", "nodes", "--json"], ["ctl", "stats"], ["ctl", "lookup", "--keys", "ab" * 16]):
+            r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+                import sys
+                from kvstore.cli import main
+                rc = main({args + ["--conductor", conductor.address]!r})
+                print("torch" in sys.modules, rc)""")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert r.stdout.splitlines()[-1] == "False 0", (args, r.stdout[-2000:], r.stderr[-2000:])
+    finally:
+        store.stop()
+        conductor.stop()
