@@ -276,7 +276,9 @@ def test_full_dram_with_everything_leased_is_resource_exhausted(make_node):
 
 
 def test_full_disk_is_resource_exhausted(make_node):
-    node = make_node(dram=256 << 10, disk_size=1 * MiB)
+    # Puts demote in line: with a background demoter, a fresh value (the only unpinned one once
+    # the disk is full) can be evicted between its put and its pin, every time, and no put fails.
+    node = make_node(dram=256 << 10, disk_size=1 * MiB, background_demotion=False)
     c = StoreClient(node.address)
     c.put(b"pinned", bytes(200_000))
     c.pin([b"pinned"], 600)
@@ -409,6 +411,8 @@ def _refused(node) -> bool:
         pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=5)
         return False
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return False  # no answer either way (a loaded machine; CI saw one): probe again
         # UNAVAILABLE: refused; CANCELLED: a probe that arrived as gRPC stopped, cancelled with the rest
         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
         return True
