@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# No bytecode at install: pip would compile every module of torch, vLLM and SGLang (~30 s a venv on
-# 2 cores); Python writes the .pyc of what a test really imports on its first import instead.
-PIP_INSTALL := -m pip install -q --no-compile
+# pip compiles every module at install (~25 s a venv here). Keep it: where PYTHONDONTWRITEBYTECODE is
+# set (this machine's CI), a venv without .pyc files compiles vLLM and torch again in every process.
+PIP_INSTALL := -m pip install -q
 # vLLM (CPU build) for the integration tests, in its own venv: it pulls many packages.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
