@@ -4,9 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# pip compiles every module at install (~25 s a venv here). Keep it: where PYTHONDONTWRITEBYTECODE is
-# set (this machine's CI), a venv without .pyc files compiles vLLM and torch again in every process.
-PIP_INSTALL := -m pip install -q
+# Installs keep pip's bytecode compilation (~25 s a venv here): where PYTHONDONTWRITEBYTECODE is set
+# (this machine's CI), a venv installed with --no-compile compiles torch and vLLM again in every process.
 # vLLM (CPU build) for the integration tests, in its own venv: it pulls many packages.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -19,7 +18,7 @@ INTEGRATION_REQS := tests/integrations/requirements
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,7 +38,7 @@ setup-tools:
 $(VLLM_STAMP): pyproject.toml
 	rm -f $(VLLM_VENV)/.unavailable
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) $(PIP_INSTALL) -e '.[vllm]'
+	$(VLLM_PY) -m pip install -q -e '.[vllm]'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm, transformers, kvstore.integrations.vllm"
 	touch $(VLLM_STAMP)
@@ -58,9 +57,9 @@ define integration-venv
 .venv-$(1)/.installed-stamp: pyproject.toml $(INTEGRATION_REQS)/$(1).txt $(INTEGRATION_REQS)/constraints.txt
 	rm -f .venv-$(1)/.unavailable
 	test -x .venv-$(1)/bin/python || $(PYTHON) -m venv .venv-$(1)
-	.venv-$(1)/bin/python $(PIP_INSTALL) -c $(INTEGRATION_REQS)/constraints.txt -e '.$(3)'
-	.venv-$(1)/bin/python $(PIP_INSTALL) --no-deps '$(2)'
-	.venv-$(1)/bin/python $(PIP_INSTALL) -c $(INTEGRATION_REQS)/constraints.txt -r $(INTEGRATION_REQS)/$(1).txt
+	.venv-$(1)/bin/python -m pip install -q -c $(INTEGRATION_REQS)/constraints.txt -e '.$(3)'
+	.venv-$(1)/bin/python -m pip install -q --no-deps '$(2)'
+	.venv-$(1)/bin/python -m pip install -q -c $(INTEGRATION_REQS)/constraints.txt -r $(INTEGRATION_REQS)/$(1).txt
 	.venv-$(1)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; import kvstore.integrations.$(1)"
 	touch .venv-$(1)/.installed-stamp
 
