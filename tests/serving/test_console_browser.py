@@ -128,10 +128,13 @@ def test_console_shows_the_live_cluster_and_updates_as_requests_flow(cluster, br
         wait_for(lambda: _page(browser, "return document.querySelectorAll('#pins tbody tr code').length") == 3,
                  what="the pins on the page")
 
-        # The charts' series: reuse and bytes moved per second, from the conductor's samples.
+        # The charts' series: reuse and bytes moved per second, from the conductor's samples. Reuse
+        # is counted when the conductor schedules; bytes come with the store's next heartbeat (1 s),
+        # so either may reach the page first: wait for each.
         wait_for(lambda: _page(browser, "return window.crescentConsole.rates.some(r => r.reuse > 0)"),
                  what="a per-second sample with reused chunks")
-        assert _page(browser, "return window.crescentConsole.rates.some(r => r.bytesIn > 0)")
+        wait_for(lambda: _page(browser, "return window.crescentConsole.rates.some(r => r.bytesIn > 0)"),
+                 what="a per-second sample with bytes stored")
         os.makedirs(ARTIFACTS, exist_ok=True)
         shot = os.path.join(ARTIFACTS, "console.png")
         assert browser.save_screenshot(shot) and os.path.getsize(shot) > 10_000
