@@ -12,17 +12,30 @@ from typing import Callable
 _SLICE_S = 0.2
 """How long a main thread's wait lasts before it runs bytecode again (and with it any signal handler)."""
 
+HTTP_POLL_S = 0.05
+"""How often an HTTP server's loop (``serve_forever``) looks for a stop. ``socketserver``'s default,
+0.5 s, is how long ``shutdown()`` waited: each HTTP listener made its process stop ~0.5 s later."""
+
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """Asks ``proc`` to stop (SIGTERM), kills it after ``grace_s``; returns its exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    return stop_processes([proc], grace_s)[0]
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> list[int]:
+    """Asks every process of ``procs`` to stop (SIGTERM) at once, kills those still running
+    ``grace_s`` later; returns their exit statuses. They drain side by side, not one after another."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
-    return proc.returncode
+    return [proc.returncode for proc in procs]
 
 
 def wait_in_slices(event: threading.Event, timeout: float | None = None) -> bool:

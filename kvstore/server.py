@@ -23,7 +23,7 @@ from kvstore.dataserver import DataChannelServer
 from kvstore.liveness import server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.health import HealthStatus, advertised_host
-from kvstore.metrics import StoreMetrics
+from kvstore.metrics import StoreMetrics, stop_http
 from kvstore.procs import StopSignals, wait_in_slices
 from kvstore.store import Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import Mover
@@ -297,7 +297,7 @@ class StoreNode:
         if self.data_server:
             self.data_server.start()
         if self.config.metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(self.config.metrics_port, self.host)
+            self._metrics_server = self.metrics.serve(self.config.metrics_port, self.host)
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -316,7 +316,7 @@ class StoreNode:
         drain.start()
         drain.join(timeout=max(grace, 0.0) + 10.0)
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            stop_http(self._metrics_server)
         if self.kv_events is not None:
             self.kv_events.stop()
         self.transport.stop()

@@ -379,6 +379,27 @@ def test_metrics_endpoint(make_node):
     assert 'crescent_store_capacity_bytes{tier="disk"}' in text
 
 
+def test_a_restarted_node_serves_metrics_on_the_port_it_had(make_node):
+    """Stopping a node closes its /metrics listener, not only the loop: a node started again on the
+    same port (a restart with its config) binds it at once and serves its own counters."""
+    from kvstore.server import StoreNode
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 * MiB, metrics_port=port)).start()
+    try:
+        c = StoreClient(first.address, transport="tcp")
+        c.put(b"k", b"v")
+        c.close()
+        assert "crescent_store_entries" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    finally:
+        first.stop(grace=0)
+    make_node(metrics_port=port)  # raises EADDRINUSE if the first still held it
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    assert 'crescent_store_entries{tier="dram"} 0.0' in text  # its own counters, not the first's
+
+
 def test_disk_traffic_metrics(make_node):
     """Bytes written to and read from the disk tier, and deferred promotions, as a scan of
     the disk-resident values causes them: reads, no writes."""

@@ -18,6 +18,7 @@ from engine.serve.metrics import EngineMetrics
 from kvstore import auth, tls
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.liveness import server_options
+from kvstore.metrics import stop_http
 from kvstore.procs import StopSignals
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
@@ -210,7 +211,7 @@ class EngineNode:
         if self.agent is not None:
             self.agent.start()
         if self._metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(self._metrics_port, self.host)
+            self._metrics_server = self.metrics.serve(self._metrics_port, self.host)
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -220,7 +221,7 @@ class EngineNode:
         self.server.stop(grace).wait()
         self.loop.stop()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            stop_http(self._metrics_server)
         self.engine.close()
 
 

@@ -29,7 +29,7 @@ from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRo
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
-from kvstore.procs import StopSignals
+from kvstore.procs import HTTP_POLL_S, StopSignals
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -507,7 +507,8 @@ class GatewayServer:
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"{'https' if ssl_context is not None else 'http'}://{host}:{self.port}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="gateway", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S},
+                                        name="gateway", daemon=True)
 
     def start(self) -> GatewayServer:
         self._thread.start()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.metrics import serve_http
 
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -95,4 +97,5 @@ class EngineMetrics:
             yield f
 
     def serve(self, port: int, host: str = "127.0.0.1"):
-        return start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics HTTP endpoint; returns its server (``kvstore.metrics.stop_http`` stops it)."""
+        return serve_http(self.registry, port, host)

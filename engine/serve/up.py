@@ -26,7 +26,7 @@ import urllib.request
 import grpc
 
 from kvstore import tls
-from kvstore.procs import stop_process
+from kvstore.procs import stop_processes
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 NETNS_SUBNET = "10.251.78"
@@ -151,9 +151,23 @@ class Part:
         with open(self.log_path) as f:
             return "".join(f.readlines()[-n:])
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        stop_process(self.proc, grace_s)
-        self.log.close()
+
+def _stop_parts(parts: list[Part], grace_s: float = 30.0) -> None:
+    """Stops the parts a layer at a time, in the reverse of their start: the gateway, the engines,
+    the stores, the conductors. The processes of one layer drain side by side."""
+    def layer(p: Part) -> str:
+        return "engine" if p.name.startswith(("prefill", "decode")) else p.name.split("-")[0]
+
+    stages: list[list[Part]] = []
+    for p in reversed(parts):
+        if stages and layer(stages[-1][0]) == layer(p):
+            stages[-1].append(p)
+        else:
+            stages.append([p])
+    for stage in stages:
+        stop_processes([p.proc for p in stage], grace_s)
+        for p in stage:
+            p.log.close()
 
 
 def _healthy_grpc(stub_cls, req, address: str) -> bool:
@@ -476,8 +490,7 @@ def run_up(ns: argparse.Namespace) -> int:
         print(f"crescent up: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        for p in reversed(parts):
-            p.stop()
+        _stop_parts(parts)
         if etcd is not None:
             etcd.stop()
         if hosts is not None:

@@ -31,6 +31,7 @@ import urllib.parse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvstore.conductor.membership import MemberKind
+from kvstore.procs import HTTP_POLL_S
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 1.0
@@ -214,7 +215,8 @@ class ConsoleServer:
         self.httpd.registry, self.httpd.conductor = registry, conductor
         self.port = self.httpd.server_port
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self.httpd.serve_forever, name="conductor-http", daemon=True),
+        self._threads = [threading.Thread(target=self.httpd.serve_forever, name="conductor-http", daemon=True,
+                                          kwargs={"poll_interval": HTTP_POLL_S}),
                          threading.Thread(target=self._sample_loop, name="conductor-console", daemon=True)]
 
     def start(self) -> ConsoleServer:
