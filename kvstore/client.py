@@ -478,6 +478,10 @@ class StoreClient:
         return self.pin(keys, 0.0)
 
     def stats(self) -> dict:
+        """The node's counters, with every read this thread made through this client counted
+        (one-sided releases and local-read reports, sent without waiting, are settled first)."""
+        if self._selection is not None and self._selection.session is not None:
+            self._selection.session.settle()
         r = self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
         return {"node_id": r.node_id, "transport": self.transport, "node_transport": r.transport,
                 "movers": {pb.Mover.Name(m.mover).removeprefix("MOVER_").lower():

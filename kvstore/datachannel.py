@@ -333,6 +333,12 @@ class DataChannelClient:
             self.sock.sendall(_end_request(op, lease_ids))
         self._deferred.append((len(lease_ids), on_answer))
 
+    def settle(self) -> None:
+        """Waits for the answers of earlier ``end_later`` requests: once it returns, the node has
+        done every release and report this connection sent."""
+        with self._guard():
+            self._read_deferred()
+
     def _read_deferred(self) -> None:
         """Reads the answers of earlier ``end_later`` requests (they precede any other)."""
         while self._deferred:
@@ -423,6 +429,11 @@ class _Connections:
             with self._lock:
                 self._all.append(conn)
         return conn
+
+    def current(self) -> DataChannelClient | None:
+        """This thread's open connection, or None (opens none)."""
+        conn = getattr(self._local, "conn", None)
+        return conn if conn is not None and conn.sock.fileno() >= 0 else None
 
     def close(self) -> None:
         with self._lock:

@@ -149,6 +149,9 @@ class GrpcControl:
     release_later = None  # a unary RPC is answered before the next: releases wait
     report_later = None  # no RPC for it: local reads stay out of the node's counters
 
+    def settle(self) -> None:
+        pass  # nothing is sent without waiting
+
     def commit(self, lease_id: int) -> None:
         self._call(lambda: self._stub.CommitWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
 
@@ -192,6 +195,12 @@ class ChannelControl:
     def report_later(self, values: int, nbytes: int, batches: int) -> None:
         """Tells the node about local reads (it counts them as hits), without waiting."""
         self._run(lambda c: c.end_later(Op.REPORT, [values, nbytes, batches], None))
+
+    def settle(self) -> None:
+        """Waits for the node's answers to this thread's releases and reports sent without waiting."""
+        conn = self._conns.current()
+        if conn is not None:
+            conn.settle()
 
     def commit(self, lease_id: int) -> None:
         self._end(Op.COMMIT, lease_id)
@@ -635,6 +644,17 @@ class DescriptorSession:
             if self._staging is None:
                 self._staging = CudaStaging()
             return self._staging
+
+    def settle(self) -> None:
+        """Sends this session's unreported local reads and waits until the node has done this
+        thread's releases sent without waiting: its counters and lease table then include every
+        read this thread made (``StoreClient.stats`` calls it first)."""
+        with self._use() as h:
+            self._report(h)
+            try:
+                h.control.settle()
+            except CrescentError as exc:  # the channel broke: those leases end at their deadline
+                log.debug("could not settle the data channel: %s", exc)
 
     def close(self) -> None:
         """Reports the last local reads, and closes the mover once no copy uses it any more."""

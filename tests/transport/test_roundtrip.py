@@ -78,6 +78,43 @@ def test_value_larger_than_its_buffer_is_refused_and_the_lease_ends(client):
         client.batch_get_into([b"big"], [b"read-only"])
 
 
+def test_stats_count_every_read_this_client_made(node, mover, monkeypatch):
+    """On the data channel a read's release is sent without waiting, and local reads are reported
+    once a second: ``stats()`` settles both first, so it counts the reads just made and no lease is
+    left. The node's release is slowed down here so that a stats call that did not wait would
+    overtake it."""
+    import threading
+    import time
+
+    c = StoreClient(node.address, transport=mover)
+    assert c.descriptor_session().control_lane == "tcp"
+    try:
+        c.put(b"w", b"x" * 1000)  # remembered: read with no call to the node, reported later
+        other = StoreClient(node.address, transport="tcp")
+        other.put(b"r", b"y" * 2000)  # not known to c: read through a grant, released without waiting
+        other.close()
+        leases, release = node.transport.leases, node.transport.leases.release
+        released = threading.Event()
+
+        def slow_release(lease_id):
+            time.sleep(0.5)
+            try:
+                return release(lease_id)
+            finally:
+                released.set()
+
+        monkeypatch.setattr(leases, "release", slow_release)
+        before = node.store.stats()["tiers"][Tier.DRAM]["hits"]
+        assert c.get(b"w") == b"x" * 1000 and c.get(b"r") == b"y" * 2000
+        s = c.stats()
+        assert released.is_set() and s["num_remote_leases"] == 0
+        assert s["movers"][mover]["num_reads"] == 2  # one granted read, one batch of local reads
+        assert s["tiers"]["dram"]["hits"] - before == 2
+        assert c.descriptor_session().num_local_reads == 1
+    finally:
+        c.close()
+
+
 def test_replace_and_delete_under_a_lease_keep_the_leased_bytes(client, node):
     old = os.urandom(5 * SLOT)
     client.put(b"k", old)
