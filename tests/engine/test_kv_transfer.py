@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
 from kvstore.errors import UnavailableError
-from tests.helpers import StoreProcess, store_nodes
+from tests.helpers import StoreProcess, store_nodes, wait_for
 
 CHUNK = 32
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -368,6 +368,7 @@ def test_chunks_on_the_nodes_disk_load_through_the_staging_pool_after_those_in_p
         assert st.chunks_loaded == 10 and st.chunks_loaded_in_place == lead and st.load_failures == 0
         assert node.store.stats()["tiers"][Tier.DISK]["hits"] - disk_hits == tiers.count(Tier.DISK)
         assert eng.connector.pool.in_use == 0
-        assert node.transport.leases.stats()["num_remote_leases"] == 0
+        # batch_get_into's releases are sent without waiting for the node: it ends them on arrival
+        wait_for(lambda: node.transport.leases.stats()["num_remote_leases"] == 0, what="every lease to end")
     finally:
         eng.close()
