@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -158,13 +159,8 @@ def _stop_parts(parts: list[Part], grace_s: float = 30.0) -> None:
     def layer(p: Part) -> str:
         return "engine" if p.name.startswith(("prefill", "decode")) else p.name.split("-")[0]
 
-    stages: list[list[Part]] = []
-    for p in reversed(parts):
-        if stages and layer(stages[-1][0]) == layer(p):
-            stages[-1].append(p)
-        else:
-            stages.append([p])
-    for stage in stages:
+    for _, stage in itertools.groupby(reversed(parts), key=layer):
+        stage = list(stage)
         stop_processes([p.proc for p in stage], grace_s)
         for p in stage:
             p.log.close()

@@ -2,6 +2,8 @@
 
 import os
 import socket
+import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -83,9 +85,6 @@ def test_stats_count_every_read_this_client_made(node, mover, monkeypatch):
     once a second: ``stats()`` settles both first, so it counts the reads just made and no lease is
     left. The node's release is slowed down here so that a stats call that did not wait would
     overtake it."""
-    import threading
-    import time
-
     c = StoreClient(node.address, transport=mover)
     assert c.descriptor_session().control_lane == "tcp"
     try:
