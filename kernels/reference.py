@@ -258,7 +258,11 @@ def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = chunk.float()
     amax = x.abs().amax(dim=(-2, -1))  # [L, 2, KVH]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # NOTE: divide by a tensor, not the Python float: on CUDA, torch divides by a CPU scalar as
+    # a multiplication by its reciprocal (BinaryDivTrueKernel.cu, "may lose one bit"), which
+    # made the twin's scales 1 ulp off the kernel's IEEE division on the GPU (and with them
+    # ~0.02% of the codes). A tensor divisor is a true division on every device.
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (x / scales[..., None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scales
 
