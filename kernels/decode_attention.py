@@ -11,6 +11,9 @@ Twin: :func:`kernels.reference.paged_decode_attention`.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +33,21 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per slice of a sequence of ``seq_len``: whole key tiles, at least one.
+
+    NOTE: from the sequence's own length, not the block table's width: every
+    sequence spreads over all its slices, so the split count can be chosen once
+    for a padded table (a CUDA graph captured for the longest sequence) and a
+    short sequence still fills the grid.
+    """
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_acc_ptr, mid_m_ptr, mid_l_ptr,
-    qk_scale, split_len,
+    qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -46,6 +61,7 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * split_len
     # NOTE: the GQA group's query heads form the M side of the dot, so K/V are
     # read once per KV head (decode is bandwidth-bound). tl.dot needs M >= 16,
@@ -110,15 +126,15 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_acc_ptr, mid_m_ptr, mid_l_ptr, seq_lens_ptr, out_ptr, split_len,
+    mid_acc_ptr, mid_m_ptr, mid_l_ptr, seq_lens_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_valid = tl.cdiv(seq_len, split_len)
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
     valid = offs_s < num_valid
     offs_d = tl.arange(0, HEAD_DIM)
@@ -133,14 +149,50 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, cast(out, out_ptr.dtype.element_ty, INTERPRET))
 
 
-def _num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+def occupancy_splits(work: int, slots: int, max_splits: int) -> int:
+    """Key slices per sequence so that ``work * splits`` programs fill the device in whole waves.
+
+    FlashAttention's ``num_splits`` heuristic over program slots (SMs x programs resident
+    per SM): a grid that already fills 80% of the slots is not split (a split only adds the
+    partials' write-back and the reduce); otherwise take the fewest splits whose wave
+    efficiency (``waves / ceil(waves)``) is within 85% of the best any split count up to
+    ``max_splits`` reaches.
+
+    Args:
+        work: programs without splitting (sequences x KV heads).
+        slots: programs the device runs at once.
+        max_splits: most slices worth making.
+    """
+    if work >= 0.8 * slots or max_splits <= 1:
+        return 1
+
+    def efficiency(s: int) -> float:
+        waves = work * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
+
+
+# NOTE: a split program is 4 warps and ~39 KiB of shared memory on sm_90 (sm90_compile.py):
+# five fit an SM's 228 KiB, four leave room for the reduce and the next step's kernels.
+PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
     if device.type == "cpu":
         return max(1, min(4, triton.cdiv(max_seq_len, 64)))
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # NOTE: aim for ~4 programs per SM, but keep each slice >= 256 tokens so the
-    # partial write-back and the reduce stay small next to the K/V stream.
-    want = triton.cdiv(4 * num_sms, batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+    # NOTE: at least two key tiles per slice, so each program overlaps two tiles' loads;
+    # at most 64 slices, so the reduce's partials stay small next to the K/V stream.
+    max_splits = max(1, min(64, max_seq_len // (2 * block_n)))
+    # An H200 (132 SMs), 8 KV heads, 4k keys: batch 1 -> 28 slices, batch 8 -> 7, batch 16 -> 4,
+    # batch 32 -> 2, batch 64 and up -> 1 (tests/kernels/test_kernels_attention.py).
+    return occupancy_splits(batch * num_kv_heads, PROGRAMS_PER_SM * _sm_count(device), max_splits)
 
 
 def _launch_config(dtype: torch.dtype, device: torch.device) -> dict[str, int]:
@@ -175,7 +227,8 @@ def paged_decode_attention(
         scale: softmax scale.
         out: optional ``[B, H, D]`` buffer of ``q.dtype``, any strides.
         num_splits: key slices per sequence (split-K); chosen from the SM count
-            and ``max_pages * page_size`` (no host sync) when None.
+            and ``max_pages * page_size`` (no host sync) when None. Each sequence
+            cuts its own ``seq_lens[b]`` keys into this many slices of whole tiles.
         block_n: key tile override (power of two >= 16).
 
     Returns:
@@ -204,21 +257,20 @@ def paged_decode_attention(
     block_n = cfg["BLOCK_N"]
     max_seq_len = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = _num_splits(batch, num_kv_heads, max_seq_len, q.device)
+        num_splits = _num_splits(batch, num_kv_heads, max_seq_len, block_n, q.device)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
-    # Slices are whole key tiles, so only the last tile of a sequence is ragged.
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     group = num_heads // num_kv_heads
 
     if num_splits == 1:
         mid_acc = mid_m = mid_l = out  # unused
     else:
-        mid_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        mid_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        mid_l = torch.empty_like(mid_m)
+        # One allocation for the partials (acc, then max, then sum): fewer host calls per step.
+        rows = batch * num_heads * num_splits
+        mid = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=q.device)
+        mid_acc, mid_m, mid_l = mid[: rows * head_dim], mid[rows * head_dim : -rows], mid[-rows:]
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l,
-        scale * _LOG2E, split_len,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -230,10 +282,10 @@ def paged_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            mid_acc, mid_m, mid_l, seq_lens, out, split_len,
+            mid_acc, mid_m, mid_l, seq_lens, out,
             out.stride(0), out.stride(1), out.stride(2),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), INTERPRET=q.device.type == "cpu", num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, INTERPRET=q.device.type == "cpu", num_warps=4,
         )  # fmt: skip
     return out
 

@@ -90,7 +90,8 @@ def main() -> None:
         compile_kernel(
             decode_attention._decode_reduce_kernel, dt,
             {"mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dt}"},
-            {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "INTERPRET": False}, num_stages=1,
+            {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_N": 64, "INTERPRET": False},
+            num_stages=1,
         )  # fmt: skip
         for scatter in (False, True):
             compile_kernel(

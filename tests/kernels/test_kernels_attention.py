@@ -152,6 +152,33 @@ def test_paged_decode_matches_reference(case):
     _check(result, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, *args)
 
 
+def test_decode_slices_each_sequence_by_its_own_length_in_a_wide_table():
+    """A block table much wider than the sequences (a CUDA graph's, sized for the longest
+    sequence the engine allows): every sequence still spreads over all the slices."""
+    lens = [3, 40, 0, 97]
+    paged = make_paged_kv(lens, 2, 64, 16, BF16, seed=9)
+    spare = int(paged.block_tables[2, 0])  # the empty sequence's row: the poisoned padding page
+    wide = torch.full((len(lens), 64), spare, dtype=torch.int32)  # room for 1,024 keys
+    wide[:, : paged.block_tables.shape[1]] = paged.block_tables
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = _new_q(len(lens), 8, 64, BF16, True, seed=2)
+    for splits in (1, 5, 16):
+        out = paged_decode_attention(q, paged.k_cache, paged.v_cache, wide, seq_lens, 0.125, num_splits=splits)
+        _check(out, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, 0.125)
+
+
+def test_occupancy_splits_fill_the_device_in_whole_waves():
+    from kernels.decode_attention import occupancy_splits
+
+    # An H200: 132 SMs x 4 resident programs; 8 KV heads; 4k keys (<= 32 slices of two 64-key tiles).
+    got = {b: occupancy_splits(b * 8, 528, 32) for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert got == {1: 28, 2: 28, 4: 14, 8: 7, 16: 4, 32: 2, 64: 1}
+    for b, s in got.items():
+        assert s == 1 or b * 8 * s <= 528  # split grids stay within one wave here
+    assert occupancy_splits(8, 264, 1) == 1  # a short table: no room to split
+    assert occupancy_splits(1, 4, 64) == 4  # one program per slot
+
+
 def test_launchers_reject_bad_inputs():
     paged = make_paged_kv([20], 2, 64, 16, F16)
     q = torch.randn(1, 4, 64, dtype=F16)
