@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a bare GPU machine (an H200 lent for a few minutes): the GPU tests and every GPU
-# figure of issues 3/12, printed, with the raw figures left under $OUT. Prepare on the CPU
+# figure of issues 3/12/13, printed, with the raw figures left under $OUT. Prepare on the CPU
 # machine with `make gpu-wheels` (the wheels that machine lacks), then run there, carrying .whl:
 #     bash bench/gpu_check.sh            # under 8 minutes: each step has its own time limit
 # Python 3.12 + torch/CUDA + triton come with the machine; nothing is downloaded.
@@ -36,11 +36,12 @@ timeout 100 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-ov
   --json "$OUT/prefix_reuse_gpu_disk.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu_disk.png "$OUT/" 2>/dev/null
 
-step "pytest -m gpu (engine data path, CUDA movers, device tier, kernels on sm_90)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
+step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, compiled kernels on sm_90)"
+# NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.
+TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
 
-step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid"
-timeout 100 python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | tail -30
+step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid; engine ITL vs HBM floor"
+timeout 150 python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | grep -v Warning | tail -45
 
 step "speculative decoding: a step verifying K drafts vs a plain decode step, random:llama3-8b cut to 8 layers, 4k context"
 timeout 60 python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \

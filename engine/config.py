@@ -182,6 +182,10 @@ class EngineConfig:
     """Token budget of one step (decodes first, then prefill chunks)."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
+    enforce_eager: bool = False
+    """Launch decode steps kernel by kernel instead of replaying CUDA graphs captured at start
+    (CUDA only; graphs cover batches up to max_num_seqs, sequences up to the model's
+    max_position_embeddings)."""
     enable_prefix_caching: bool = True
     """Share full pages between sequences with a common prefix (local prefix cache)."""
     store: str | None = None

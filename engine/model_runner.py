@@ -6,6 +6,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig, apply_overrides, preset_config
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
 from engine.scheduler import ScheduledSeq
 from kvstore.chunk import wsum64
@@ -30,7 +31,9 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.page_bytes = 2 * mc.num_hidden_layers * cfg.page_size * mc.num_key_value_heads * mc.head_dim * elem
         self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_memory // self.page_bytes)
-        shape = (self.num_pages, cfg.page_size, mc.num_key_value_heads, mc.head_dim)
+        self.scratch_page = self.num_pages
+        """One page past the pool that no sequence owns: CUDA-graph padding rows write and read it."""
+        shape = (self.num_pages + 1, cfg.page_size, mc.num_key_value_heads, mc.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches))
@@ -39,6 +42,18 @@ class ModelRunner:
         """Loads from the store land on this stream, beside the compute stream (None on CPU)."""
         self.save_stream = torch.cuda.Stream(self.device) if cuda else None
         """Chunks on their way to the store leave on this one (the other copy direction)."""
+        self.decode_graphs: DecodeGraphs | None = None
+        """Pure decode steps replay these CUDA graphs (captured here, at start), on CUDA unless
+        ``enforce_eager``."""
+        if cuda and not cfg.enforce_eager:
+            self.decode_graphs = self.make_decode_graphs(capture=True)
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers for up to ``max_num_seqs`` sequences as long as the model allows."""
+        page = self.cfg.page_size
+        max_pages = min(self.num_pages, -(-self.model_config.max_position_embeddings // page))
+        return DecodeGraphs(self.model, self.kv_caches, max_batch=self.cfg.max_num_seqs, max_pages=max_pages,
+                            scratch_page=self.scratch_page, capture=capture)
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -50,8 +65,13 @@ class ModelRunner:
         """Computes the step's tokens; returns the logits of each sequence's last ``1 + num_draft``
         tokens, in order: ``[B, vocab]`` when nothing is speculative."""
         page = self.cfg.page_size
-        ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
         max_pages = max(len(s.seq.pages) for s in scheduled)
+        graphs = self.decode_graphs
+        if graphs is not None and all(s.num_new_tokens == 1 and not s.num_draft for s in scheduled):
+            if graphs.fits(len(scheduled), max_pages):
+                return self._run_decode_graph(graphs, scheduled)
+            graphs.fallbacks += 1
+        ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
         tables = torch.zeros(len(scheduled), max_pages, dtype=torch.int32)
         for b, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
@@ -76,6 +96,20 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), meta, self.kv_caches)
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)])
+
+    def _run_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        page = self.cfg.page_size
+        ids, pos, slots, tables = [], [], [], []
+        for s in scheduled:
+            seq = s.seq
+            p = seq.num_computed if s.start is None else s.start
+            n = seq.num_tokens  # a draft model's pass feeds the token it drafted last, past the real ones
+            ids.append(seq.prompt[p] if p < len(seq.prompt) else seq.output[p - len(seq.prompt)] if p < n
+                       else seq.draft[p - n])
+            pos.append(p)
+            slots.append(seq.pages[p // page] * page + p % page)
+            tables.append(seq.pages)
+        return self.model.logits(graphs.run(ids, pos, slots, pos, tables))
 
     def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
         """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor:
