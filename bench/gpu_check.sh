@@ -10,6 +10,10 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 SITE=/tmp/site
 step() { echo; echo "=== $* ($(date +%T))"; }
+# Every step's limit is cut to what is left of 470 s, so the whole script ends within 8 minutes; the
+# steps run most important first (issue 12's load path, issue 13's kernels, the GPU tests).
+DEADLINE=$(( $(date +%s) + 470 ))
+lim() { local left=$(( DEADLINE - $(date +%s) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tail -n +1
@@ -25,26 +29,32 @@ export PYTHONPATH="$SITE:$PWD"
 python3 -c 'import grpc, google.protobuf, lmdb, xxhash; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
 
 step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt (one prefill step), store node on this host"
-timeout 200 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+timeout $(lim 150) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --prompt-tokens 8000 --chunk-size 8192 --reps 3 --dram 4GiB --kv-cache-memory 8GiB \
   --json "$OUT/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu.png "$OUT/" 2>/dev/null
 
+step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid; engine ITL vs HBM floor"
+timeout $(lim 140) python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | grep -v Warning | tail -45
+
+step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, compiled kernels on sm_90)"
+# NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.
+TRITON_INTERPRET=0 timeout $(lim 140) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
+
+step "HBM -> GPU: the same, the prefix in the node's device tier, read device to device through CUDA IPC"
+timeout $(lim 80) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 4GiB --hbm 4GiB --kv-cache-memory 8GiB \
+  --json "$OUT/prefix_reuse_gpu_hbm.json" 2>&1 | grep -v Warning
+cp bench/out/prefix_reuse_gpu_hbm.png "$OUT/" 2>/dev/null
+
 step "Disk -> GPU: the same, the prefix on the node's disk tier (O_DIRECT, --no-promote, DRAM 128MiB < the prompt's 250 MiB of KV)"
-timeout 100 python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+timeout $(lim 80) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 128MiB --kv-cache-memory 8GiB --disk-tier --disk-size 8GiB \
   --json "$OUT/prefix_reuse_gpu_disk.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu_disk.png "$OUT/" 2>/dev/null
 
-step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, compiled kernels on sm_90)"
-# NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.
-TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
-
-step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid; engine ITL vs HBM floor"
-timeout 150 python3 bench/kernels_bench.py --quick --out "$OUT" 2>&1 | grep -v Warning | tail -45
-
 step "speculative decoding: a step verifying K drafts vs a plain decode step, random:llama3-8b cut to 8 layers, 4k context"
-timeout 60 python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+timeout $(lim 40) python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --context 4096 --batch 1,8 --ks 1,2,4,8 --kv-cache-memory 8GiB --json "$OUT/spec_verify_gpu.json" 2>&1 | grep -v Warning
 
 step "done"

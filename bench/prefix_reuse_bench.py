@@ -106,6 +106,13 @@ def registered_shm_h2d_gbps(nbytes: int = 256 << 20) -> float:
         os.unlink(path)
 
 
+def d2d_gbps(nbytes: int = 256 << 20) -> float:
+    """A device-to-device copy (the HBM tier's ceiling: read once, written once)."""
+    import torch
+
+    return _cuda_copy_gbps(torch.ones(nbytes, dtype=torch.uint8, device="cuda"))
+
+
 def disk_hits(conn) -> int:
     """Reads the store node served from its disk tier so far (0 without one)."""
     return conn.client.stats()["tiers"].get("disk", {}).get("hits", 0)
@@ -130,6 +137,9 @@ def main() -> None:
                          "takes it) and --no-promote, and a --dram too small for the prompts (e.g. 64MiB), so every "
                          "load reads the chunks from disk (the Disk -> GPU path on CUDA)")
     ap.add_argument("--disk-size", default="16GiB", help="the node's disk tier with --disk-tier")
+    ap.add_argument("--hbm", default="", metavar="SIZE",
+                    help="give the node a device (HBM) tier of SIZE and move the prompt's chunks there (a client "
+                         "on another host would put them there): loads read them device to device (cuda_ipc)")
     ap.add_argument("--quick", action="store_true", help="random:small, 1024 tokens, 1 rep")
     ap.add_argument("--json", default=os.path.join(OUT, "prefix_reuse.json"), help="where the figures go")
     ap.add_argument("--write-docs", action="store_true")
@@ -143,6 +153,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    if args.hbm and not cuda:
+        sys.exit("prefix_reuse_bench: --hbm needs a CUDA GPU (the node's device tier and the engine share it)")
     log(f"ceilings on {device}")
     ceilings = {"host_memcpy_gbps": host_memcpy_gbps()}
     if cuda:
@@ -151,12 +163,15 @@ def main() -> None:
             ceilings["registered_shm_h2d_gbps"] = registered_shm_h2d_gbps()
         except Exception as exc:  # noqa: BLE001 - a ceiling this host cannot measure is reported, not fatal
             log(f"registered /dev/shm copy: {exc}")
+        if args.hbm:
+            ceilings["d2d_gbps"] = d2d_gbps()
     log("  " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
 
     disk_dir = tempfile.mkdtemp(prefix="crescent-prefix-disk-") if args.disk_tier else None
     disk = ["--disk", disk_dir, "--disk-size", args.disk_size, "--no-promote"] if disk_dir else []
+    hbm = ["--device", args.hbm] if args.hbm else []
     store = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0",
-                              "--dram", args.dram, *disk], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                              "--dram", args.dram, *disk, *hbm], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     address = store.stdout.readline().split("listening on ")[1].split(",")[0]
     try:
         log(f"loading {args.model} {args.hf_overrides or ''} on {device}")
@@ -204,6 +219,17 @@ def main() -> None:
         log(f"  {saved} chunks stored ({conn.stats.bytes_saved / 2**20:.0f} MiB in all)")
         if args.disk_tier:  # two more prompts' chunks push the prompt's out of a DRAM smaller than one prompt
             llm.generate([fresh(n), fresh(n)], max_tokens=1)
+        if args.hbm:
+            # NOTE: this engine's saves fill the node's DRAM (shm reserves DRAM slots); a put through
+            # the node (tcp) lands in the fastest tier with room, the device tier.
+            from kvstore.client import StoreClient
+
+            with StoreClient(address, transport="tcp") as c:
+                for k in conn.keys(base, None):
+                    c.put(bytes(k), c.get(bytes(k)))
+                on_device = c.stats()["tiers"]["device"]["num_entries"]
+            log(f"  {on_device} chunks moved into the node's device tier; cuda_ipc mapped: "
+                f"{conn.client.descriptor_session().device_mapped}")
         conn.save_enabled = False
 
         def shape(frac: float) -> tuple[int, int]:
@@ -223,13 +249,13 @@ def main() -> None:
         results = []
         for frac in (0.0, 0.5, 0.9):
             cached, total = shape(frac)
-            ttft_store, ttft_recompute, moved, hits, load_s, from_disk = [], [], [], [], [], []
+            ttft_store, ttft_recompute, moved, hits, load_s, from_disk, from_hbm = [], [], [], [], [], [], []
             for rep in range(args.reps):
                 prompt = base[:cached] + fresh(total - cached)
                 for mode in ("store", "recompute"):
                     conn.load_enabled = mode == "store"
                     b0, s0 = conn.stats.bytes_loaded, conn.stats.load_s
-                    d0 = disk_hits(conn)
+                    d0, h0 = disk_hits(conn), conn.stats.chunks_loaded_from_device
                     out = llm.generate([prompt], max_tokens=1)[0]
                     (ttft_store if mode == "store" else ttft_recompute).append(out.ttft_s)
                     if mode == "store":
@@ -237,6 +263,7 @@ def main() -> None:
                         load_s.append(conn.stats.load_s - s0)
                         hits.append(out.num_cached_tokens)
                         from_disk.append(disk_hits(conn) - d0)
+                        from_hbm.append(conn.stats.chunks_loaded_from_device - h0)
                 log(f"{frac:.0%} cached, rep {rep + 1}/{args.reps}: store {ttft_store[-1]:.3f}s, "
                     f"recompute {ttft_recompute[-1]:.3f}s, {hits[-1]} tokens from the store")
             s, r = median(ttft_store), median(ttft_recompute)
@@ -244,6 +271,7 @@ def main() -> None:
             results.append({"target": frac, "cached_tokens": hits[0], "fraction": hits[0] / total,
                             "prompt_tokens": total, "ttft_store": s, "ttft_recompute": r, "ratio": s / r,
                             "bytes": nbytes, "load_s": secs, "chunks_from_disk": median(from_disk),
+                            "chunks_from_device": median(from_hbm),
                             "load_gbps": nbytes / secs / 1e9 if nbytes and secs else 0.0})
         llm.close()
     finally:
@@ -253,8 +281,9 @@ def main() -> None:
             shutil.rmtree(disk_dir, ignore_errors=True)
 
     at90 = results[-1]
-    ref = ceilings.get("registered_shm_h2d_gbps") or ceilings.get("pinned_h2d_gbps") or ceilings["host_memcpy_gbps"]
-    ref_name = next(k for k in ("registered_shm_h2d_gbps", "pinned_h2d_gbps", "host_memcpy_gbps") if k in ceilings)
+    order = ("d2d_gbps", "registered_shm_h2d_gbps", "pinned_h2d_gbps", "host_memcpy_gbps")
+    ref_name = next(k for k in order if k in ceilings)
+    ref = ceilings[ref_name]
     figures = {"model": args.model, "hf_overrides": args.hf_overrides, "device": device, "dtype": dtype,
                "layers": mc.num_hidden_layers, "prompt_tokens": n, "chunk_tokens": args.chunk_tokens,
                "ceilings": ceilings, "results": results, "first_load": first_load,
@@ -269,10 +298,12 @@ def main() -> None:
     rows = [[f"{x['target']:.0%}", x["prompt_tokens"], f"{x['cached_tokens']} ({x['fraction']:.1%})",
              f"{x['ttft_recompute']:.3f}", f"{x['ttft_store']:.3f}", f"{x['ratio']:.2f}×",
              f"{x['bytes'] / 2**20:.0f} MiB", f"{x['load_gbps']:.2f}" if x["bytes"] else "–",
-             *([f"{x['chunks_from_disk']:.0f}"] if args.disk_tier else [])] for x in results]
+             *([f"{x['chunks_from_disk']:.0f}"] if args.disk_tier else []),
+             *([f"{x['chunks_from_device']:.0f}"] if args.hbm else [])] for x in results]
     md = table(["cached (target)", "prompt tokens", "tokens from store", "TTFT recompute s", "TTFT with store s",
                 "× recompute", "bytes from store", "load GB/s", *(["chunks from the node's disk"] if args.disk_tier
-                                                                   else [])], rows)
+                                                                   else []),
+                *(["chunks from the node's HBM (cuda_ipc)"] if args.hbm else [])], rows)
     save_cost = figures["save_prefill_on_s"] / figures["save_prefill_off_s"] - 1
     lines = [f"at {at90['fraction']:.1%} cached, TTFT is {at90['ratio']:.2f}× recompute",
              f"effective load {at90['load_gbps']:.2f} GB/s = {figures['load_gbps_over_ceiling']:.2f}× "
@@ -309,9 +340,12 @@ def main() -> None:
             f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of {args.chunk_size}, "
             f"store node on this host ({transport} transport"
             + (f"; the prefix on its disk tier: DRAM {args.dram}, `--no-promote`, so each load reads it from disk"
-               if args.disk_tier else "") + "), "
+               if args.disk_tier else "")
+            + (f"; the prefix in its device (HBM) tier of {args.hbm}, read device to device through CUDA IPC"
+               if args.hbm else "") + "), "
             f"median of {args.reps}.\n\n{md}\n\n" + "\n".join(f"- {x}." for x in lines))
-    name = ("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_disk" if args.disk_tier else "")
+    name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_disk" if args.disk_tier else "")
+            + ("_hbm" if args.hbm else ""))
     publish(fig, name, body, args.write_docs)
 
 

@@ -50,6 +50,8 @@ class ConnectorStats:
     """Wall time spent in ``load`` (fetch, verify, scatter): bytes_loaded / load_s is the load rate."""
     chunks_loaded_in_place: int = 0
     """Of chunks_loaded: read where the node keeps them (same host), not through the pool."""
+    chunks_loaded_from_device: int = 0
+    """Of those: from the node's device tier, device to device (cuda_ipc)."""
     load_failures: int = 0
     """Chunks that were reported present but failed to load or verify."""
     save_failures: int = 0
@@ -98,6 +100,9 @@ class StoreConnector:
                 if why:
                     log.warning("the store's arena stays pageable for the GPU (%s): loads stage through "
                                 "the driver", why)
+                why = session.open_device()  # the node's device tier, device to device
+                if why:
+                    log.info("the store's device tier is read through the node (%s)", why)
         except CrescentError as exc:  # the store is down now: loads recompute until it is back
             self._error("connect", exc)
 
@@ -253,8 +258,8 @@ class StoreConnector:
                 hdr = verify_header(head, size, **expected(i))
                 if hdr.payload_offset != len(head) or hdr.payload_bytes != payload.numel():
                     raise ChunkVerificationError("chunk layout differs from this engine's")
-                if hdr.check == CHECK_XXH3:
-                    check_payload(hdr, payload)  # read in place
+                if hdr.check == CHECK_XXH3:  # read in place (a device-tier payload: a host copy)
+                    check_payload(hdr, payload.cpu() if payload.is_cuda else payload)
             except CrescentError as exc:
                 self.stats.verify_failures += 1
                 self._error(f"chunk {first + i} failed verification", exc)
@@ -303,44 +308,55 @@ class StoreConnector:
         return session if session is not None and session.mover is Mover.SHM else None
 
     def _load_in_place(self, session, keys: list[bytes], land) -> tuple[int, bool]:
-        """Loads ``keys`` in batches, each under one read lease, from the node's arena as mapped
-        here: a chunk's header is copied out, its payload lands from the leased slots (on CUDA a
-        DMA from the registered mapping). The lease ends once every copy that read it has
-        completed; copies that ended after the lease's safe end make the batch a miss.
+        """Loads ``keys`` in batches, each under one read lease, from the node's memory as mapped
+        here: its DRAM arena (shm) and, when mapped, its device tier (cuda_ipc: the payload
+        copied device to device). A chunk's header is copied out, its payload lands from the
+        leased slots (on CUDA a DMA from the registered mapping, or a device copy). The lease
+        ends once every copy that read it has completed; copies that ended after the lease's
+        safe end make the batch a miss. A chunk one tier holds elsewhere is asked of the other.
         Returns ``(chunks landed, whether it stopped at a chunk the node holds elsewhere)``:
-        on its disk (or GPU) tier, for the caller to read another way."""
-        loaded = 0
-        for start in range(0, len(keys), self.load_batch):
-            batch = keys[start : start + self.load_batch]
+        on its disk (or an unmapped GPU) tier, for the caller to read another way."""
+        movers = [session.mover] + ([Mover.CUDA_IPC] if session.device_mapped else [])
+        loaded, which, switched_at = 0, 0, -1
+        while loaded < len(keys):
+            batch = keys[loaded : loaded + self.load_batch]
+            mover = movers[which]
             try:
-                g = session.acquire(batch)
+                g = session.acquire(batch, mover)
             except CrescentError as exc:
                 self._error("load", exc)
                 return loaded, False
-            if not g.lease_id:  # nothing of the batch in the arena: missing, or on disk
-                return loaded, bool(g.items) and g.items[0].status is ItemStatus.ELSEWHERE
-            landed, stop, events, in_time = 0, False, [], False
-            try:
-                with session.in_place(g) as mover:
-                    if mover is None:  # the node restarted between grant and read
-                        return loaded, False
-                    landed, stop = land_in_order(self._leased_chunks(mover, g, start, session.arena.slot_bytes),
-                                                 land, events)
-                    for ev in events:
-                        ev.synchronize()  # the lease holds until the copies reading it are done
-                    in_time = time.monotonic() < safe_end(g)
-            finally:
+            landed, stop, events, in_time = 0, False, [], True
+            if g.lease_id:
                 try:
-                    session.release(g.lease_id)
-                except CrescentError as exc:  # expired, or the node went away: not trusted
-                    in_time = False
-                    self._error("load", exc)
-            if not in_time:
-                self._error("load", "a read lease ran out before its copies ended")
-                return loaded, False
+                    with session.in_place(g) as view:
+                        if view is None:  # the node restarted between grant and read
+                            return loaded, False
+                        landed, stop = land_in_order(
+                            self._leased_chunks(view, g, loaded, _slot_bytes(session, view)), land, events)
+                        for ev in events:
+                            ev.synchronize()  # the lease holds until the copies reading it are done
+                        in_time = time.monotonic() < safe_end(g)
+                finally:
+                    try:
+                        session.release(g.lease_id)
+                    except CrescentError as exc:  # expired, or the node went away: not trusted
+                        in_time = False
+                        self._error("load", exc)
+                if not in_time:
+                    self._error("load", "a read lease ran out before its copies ended")
+                    return loaded, False
+                if mover is Mover.CUDA_IPC:
+                    self.stats.chunks_loaded_from_device += landed
+            else:
+                stop = True
             loaded += landed
-            if stop:  # a miss, a chunk that failed its check, or one the node holds elsewhere
-                return loaded, landed < len(g.items) and g.items[landed].status is ItemStatus.ELSEWHERE
+            if not stop:
+                continue
+            elsewhere = landed < len(g.items) and g.items[landed].status is ItemStatus.ELSEWHERE
+            if not elsewhere or len(movers) == 1 or switched_at == loaded:
+                return loaded, elsewhere  # a miss, a bad chunk, or a chunk on no tier mapped here
+            which, switched_at = 1 - which, loaded  # held by the other tier: ask it from here on
         return loaded, False
 
     def _leased_chunks(self, mover, g, start: int, slot_bytes: int):
@@ -471,3 +487,8 @@ def _first_mismatch(checks: list[tuple[int, torch.Tensor, int]]) -> int | None:
                         device=got.device)
     bad = (got != want).nonzero()
     return checks[int(bad[0])][0] if bad.numel() else None
+
+
+def _slot_bytes(session, view) -> int:
+    """Slot size of the arena ``view`` maps: the device tier's for cuda_ipc, else the DRAM arena's."""
+    return view.ref.slot_bytes if view.mover is Mover.CUDA_IPC else session.arena.slot_bytes

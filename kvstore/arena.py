@@ -265,5 +265,17 @@ class DeviceArena(SlotAllocator):
             off += n
         return out
 
+    def ipc_export(self) -> tuple[str, tuple]:
+        """``(device UUID, handle)``: the tier's memory as another process on this host maps it
+        with CUDA IPC (torch's ``_share_cuda_`` tuple, opened by ``kvstore/transport/cuda_ipc.py``).
+
+        Raises:
+            RuntimeError: the driver or torch cannot export it (the message says why).
+        """
+        dev = self.storage.device
+        props = self._torch.cuda.get_device_properties(dev)
+        uuid = str(getattr(props, "uuid", ""))
+        return uuid, self.storage.untyped_storage()._share_cuda_()
+
     def close(self) -> None:
         del self.storage

@@ -226,7 +226,7 @@ class DataChannelServer:
                 else:
                     g = t.leases.reserve(list(zip(keys, args)), m, proven)
                 items = [(_GRANT_STATUS[d.status], d.size) for d in g.items]
-                grant = encode_grant(g.lease_id, g.ttl_s, t.arena.name, [d.slots for d in g.items],
+                grant = encode_grant(g.lease_id, g.ttl_s, t.arena_name(m), [d.slots for d in g.items],
                                      [d.generations for d in g.items])
                 return encode_response(items, g.message, grant)
             if op is Op.REPORT:

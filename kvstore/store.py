@@ -390,16 +390,23 @@ class TieredStore:
         if not e.live and e.leases == 0:
             self._free_storage(e)
 
-    def acquire_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
+    def acquire_in_place(self, keys: list[bytes], tier: Tier = Tier.DRAM
+                         ) -> list[tuple[Lease, list[int] | None] | None]:
         """Read leases for a batch of checked keys: per key None (a miss) or (lease, DRAM slots).
 
         DRAM values are leased in one lock hold, without views: the caller
         copies their slots itself (the descriptor protocol), and the slots stay
         valid as ``arena_slots`` says. Other values go through ``acquire``
         (copied out, promoted when configured); their slots are None unless the
-        promotion put them in DRAM. A value that would not be promoted is not read:
-        its lease comes back already released, with slots None.
+        promotion put them in DRAM. A value that would not be promoted (a device-tier
+        value, a disk value that stays) is not read: its lease comes back already
+        released, with slots None.
+
+        With ``tier`` DEVICE, device-tier values are leased in place the same way (slots of
+        the device arena, which a same-host GPU client maps) and the others are not read.
         """
+        if tier is Tier.DEVICE:
+            return self._acquire_device_in_place(keys)
         out: list[tuple[Lease, list[int] | None] | None] = []
         elsewhere = []
         with self._lock:
@@ -425,6 +432,30 @@ class TieredStore:
         for i, lease in zip(elsewhere, self.acquire_many([keys[i] for i in elsewhere])):
             out[i] = None if lease is None else (lease, self.arena_slots(lease))
         return out
+
+    def _acquire_device_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
+        out: list[tuple[Lease, list[int] | None] | None] = []
+        with self._lock:
+            c = self.counters
+            for key in keys:
+                e = self._index.get(key)
+                if e is None:
+                    c["misses"] += 1
+                    out.append(None)
+                elif e.tier is not Tier.DEVICE:  # said so without reading it
+                    out.append((Lease(key, e.size, e.tier, [], e, released=True), None))
+                else:  # held in place: a leased entry is never demoted, evicted or freed
+                    e.leases += 1
+                    self._num_leases += 1
+                    self._lru[Tier.DEVICE].move_to_end(key)
+                    c["hits"][Tier.DEVICE] += 1
+                    c["bytes_out"] += e.size
+                    out.append((Lease(key, e.size, Tier.DEVICE, [], e), list(e.slots)))
+        return out
+
+    def device_arena(self):
+        """The device tier's arena (``DeviceArena``), or None without one."""
+        return next((a for t, a in self._arenas if t is Tier.DEVICE), None)
 
     def arena_slots(self, lease: Lease) -> list[int] | None:
         """The DRAM slots holding a leased value in place, or None when it is elsewhere.
@@ -1095,7 +1126,9 @@ class TieredStore:
     def _would_promote(self, e: _Entry) -> bool:
         """Whether a read of ``e`` (not in DRAM) now would move it up (``_promote``'s rule)."""
         if e.tier is not Tier.DISK:
-            return True  # device-tier values are read (copied out) as before
+            # NOTE: a device-tier value never moves to DRAM on a read: copying it out here would
+            # only be thrown away (the caller reads it its own way: cuda_ipc or the streamed path)
+            return False
         reads = self._disk_reads.get(e.key, 0) + 1
         return self.config.promote and next(self._promotion_targets(e, reads), None) is not None
 

@@ -25,6 +25,8 @@ class Mover(enum.Enum):
     TCP = "tcp"
     SHM = "shm"
     RDMA = "rdma"
+    CUDA_IPC = "cuda_ipc"
+    """Reads of the node's device tier, device to device, beside shm (``kvstore/transport/cuda_ipc.py``)."""
 
     @property
     def pb(self) -> int:
@@ -40,11 +42,11 @@ class Mover(enum.Enum):
     @property
     def one_sided(self) -> bool:
         """True for the movers that use descriptors (the client moves the bytes)."""
-        return self in (Mover.SHM, Mover.RDMA)
+        return self in (Mover.SHM, Mover.RDMA, Mover.CUDA_IPC)
 
 
 _TO_PB = {Mover.GRPC: pb.MOVER_GRPC, Mover.TCP: pb.MOVER_TCP, Mover.SHM: pb.MOVER_SHM,
-          Mover.RDMA: pb.MOVER_RDMA}
+          Mover.RDMA: pb.MOVER_RDMA, Mover.CUDA_IPC: pb.MOVER_CUDA_IPC}
 _FROM_PB = {v: k for k, v in _TO_PB.items()}
 
 
@@ -53,7 +55,7 @@ class ItemStatus(enum.IntEnum):
 
     OK = 1
     NOT_FOUND = 2
-    ELSEWHERE = 3  # read: present outside the DRAM arena (GPU or disk)
+    ELSEWHERE = 3  # read: present outside the arena asked of (DRAM, or the device tier for cuda_ipc)
     EXHAUSTED = 4  # write: the arena cannot make room
 
 
@@ -82,6 +84,28 @@ class ArenaRef:
     def from_pb(cls, a: pb.ArenaInfo) -> ArenaRef:
         return cls(a.name, a.size, a.slot_bytes, a.file_dev, a.file_ino, a.rdma_addr, a.rdma_rkey,
                    a.table_offset)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceArenaRef:
+    """How a same-host GPU client maps a node's device tier (``pb.DeviceArenaInfo``)."""
+
+    name: str
+    size: int
+    slot_bytes: int
+    device_uuid: str
+    device_index: int
+    ipc: tuple
+    """torch's ``_share_cuda_`` tuple: (device, handle, storage bytes, storage offset,
+    ref counter handle, ref counter offset, event handle, event sync required)."""
+
+    @classmethod
+    def from_pb(cls, d: pb.DeviceArenaInfo) -> DeviceArenaRef | None:
+        if not d.available:
+            return None
+        ipc = (d.device_index, d.ipc_handle, d.storage_bytes, d.storage_offset, d.ref_counter_handle,
+               d.ref_counter_offset, d.event_handle, d.event_sync_required)
+        return cls(d.name, d.size, d.slot_bytes, d.device_uuid, d.device_index, ipc)
 
 
 class SlotDescriptor(NamedTuple):

@@ -99,17 +99,22 @@ class LeaseTable:
 
     def acquire(self, keys: Sequence[bytes], mover: Mover, proven: bool = True) -> GrantResult:
         """Leases each present DRAM value in place; other keys get NOT_FOUND or ELSEWHERE.
+        With ``cuda_ipc``, device-tier values instead (slots of the device arena).
 
-        ``proven``: the caller showed the arena's shm proof (needed for the shm mover).
+        ``proven``: the caller showed the arena's shm proof (needed for shm and cuda_ipc).
         """
         _check_batch(keys)
         for k in keys:
             check_key(k)
         _check_proven(mover, proven)
-        gen = self.store.dram.generation
+        tier = Tier.DEVICE if mover is Mover.CUDA_IPC else Tier.DRAM
+        arena = self.store.device_arena() if tier is Tier.DEVICE else self.store.dram
+        if arena is None:
+            raise FailedPreconditionError("this node has no device tier (--device)")
+        gen = arena.generation
         items: list[SlotDescriptor] = []
         g = _Grant(0, mover, 0.0, [], [], 0, leases=[])
-        got = self.store.acquire_in_place([bytes(k) for k in keys])
+        got = self.store.acquire_in_place([bytes(k) for k in keys], tier)
         try:
             for i, hit in enumerate(got):
                 if hit is None:
@@ -126,7 +131,7 @@ class LeaseTable:
                 g.slots.append(slots)
                 g.generations.append(gens)
                 g.nbytes += lease.size
-                items.append(SlotDescriptor(i, ItemStatus.OK, lease.size, Tier.DRAM, slots, gens))
+                items.append(SlotDescriptor(i, ItemStatus.OK, lease.size, tier, slots, gens))
         except BaseException:
             for hit in got:
                 if hit is not None:
@@ -170,6 +175,8 @@ class LeaseTable:
             InvalidArgumentError: a bad key or size (nothing is reserved).
         """
         _check_batch(values)
+        if mover is Mover.CUDA_IPC:
+            raise InvalidArgumentError("cuda_ipc reads the device tier; writes go through shm, rdma, tcp or grpc")
         limit = self.store.config.max_value_size
         for k, size in values:
             check_key(k)
@@ -320,6 +327,7 @@ def _check_batch(items: Sequence) -> None:
 
 
 def _check_proven(mover: Mover, proven: bool) -> None:
-    """shm grants go only to a client that proved it can open the arena file (kvstore/arena.py)."""
-    if mover is Mover.SHM and not proven:
+    """shm and cuda_ipc grants go only to a client that proved it can open the arena file
+    (kvstore/arena.py): one of this host and user."""
+    if mover in (Mover.SHM, Mover.CUDA_IPC) and not proven:
         raise FailedPreconditionError(SHM_PROOF_NEEDED)

@@ -70,8 +70,32 @@ class NodeTransport:
                                   table_offset=store.dram.table_offset)
         self.shm_proof = store.dram.shm_proof
         """What a same-host client proves before shm grants (``kvstore/arena.py``)."""
+        self.device_arena = self._export_device_tier(store)
+        """The device tier as a same-host GPU client maps it (``cuda_ipc``), or why it cannot."""
+        if self.device_arena.available:
+            self.offered.insert(self.offered.index(Mover.SHM) + 1, Mover.CUDA_IPC)
         if metrics is not None:
             metrics.registry.register(MoverCollector(self))
+
+    def _export_device_tier(self, store: TieredStore) -> pb.DeviceArenaInfo:
+        device = store.device_arena()
+        if device is None:
+            return pb.DeviceArenaInfo(reason="no device tier (--device)")
+        if Mover.SHM not in self.offered:
+            return pb.DeviceArenaInfo(reason=f"cuda_ipc serves same-host clients beside shm (--transport {self.config.transport})")
+        try:
+            uuid, h = device.ipc_export()
+        except Exception as exc:  # noqa: BLE001 - a driver or torch without CUDA IPC: clients read through the node
+            log.warning("the device tier cannot be exported over CUDA IPC (%s): clients read it through the node", exc)
+            return pb.DeviceArenaInfo(reason=f"CUDA IPC export failed: {exc}")
+        return pb.DeviceArenaInfo(
+            available=True, name=f"{store.dram.name}.hbm", size=device.capacity_bytes, slot_bytes=device.slot_bytes,
+            device_uuid=uuid, device_index=int(h[0]), ipc_handle=h[1], storage_bytes=h[2], storage_offset=h[3],
+            ref_counter_handle=h[4], ref_counter_offset=h[5], event_handle=h[6] or b"", event_sync_required=bool(h[7]))
+
+    def arena_name(self, mover: Mover) -> str:
+        """The arena a grant of ``mover`` names: the device tier's for cuda_ipc, else DRAM's."""
+        return self.device_arena.name if mover is Mover.CUDA_IPC else self.arena.name
 
     def start(self) -> None:
         self.leases.start()
@@ -116,11 +140,12 @@ class NodeTransport:
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         if not mover.one_sided:
-            raise InvalidArgumentError(f"descriptors are for shm and rdma, not {mover.value}")
+            raise InvalidArgumentError(f"descriptors are for shm, rdma and cuda_ipc, not {mover.value}")
         if mover not in self.offered:
+            why = {Mover.RDMA: self.rdma_reason, Mover.CUDA_IPC: self.device_arena.reason}.get(mover)
             raise FailedPreconditionError(
                 f"this node does not offer {mover.value} (--transport {self.config.transport}"
-                + (f"; rdma: {self.rdma_reason}" if mover is Mover.RDMA and self.rdma_reason else "") + ")")
+                + (f"; {mover.value}: {why}" if why else "") + ")")
         return mover
 
 
@@ -203,7 +228,8 @@ class DescriptorRpcs:
             host=pb.HostIdentity(hostname=ident.hostname, boot_id=ident.boot_id), arena=t.arena,
             offered=[m.pb for m in t.offered], lease_ttl_s=t.config.lease_ttl_s,
             rdma=pb.RdmaEndpoint(available=r is not None, reason=t.rdma_reason,
-                                 device=r.device if r else "", port=r.port if r else 0)), "grpc"
+                                 device=r.device if r else "", port=r.port if r else 0),
+            device_arena=t.device_arena), "grpc"
 
     @_rpc("acquire_read")
     def AcquireRead(self, request, context):
@@ -211,7 +237,7 @@ class DescriptorRpcs:
         mover = t.check_mover(request.mover)
         g = t.leases.acquire(auth.scoped(auth.prefix_of(context, self.node.principals), request.keys), mover,
                              _proven(t, context))
-        return _grant_pb(pb.AcquireReadResponse, g, t.arena.name), mover.value
+        return _grant_pb(pb.AcquireReadResponse, g, t.arena_name(mover)), mover.value
 
     @_rpc("release_read")
     def ReleaseRead(self, request, context):

@@ -45,8 +45,8 @@ from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
 from kvstore.store import Tier
-from kvstore.transport.descriptors import (SHM_PROOF_HEADER, ArenaRef, Grant, ItemStatus, Mover, SlotDescriptor, ops_for,
-                                           value_extents)
+from kvstore.transport.descriptors import (SHM_PROOF_HEADER, ArenaRef, DeviceArenaRef, Grant, ItemStatus, Mover,
+                                           SlotDescriptor, ops_for, value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
 from kvstore.transport.identity import HostIdentity, host_identity, one_sided_candidates
 from kvstore.transport.memcopy import local_buffer, plan, slice_extents
@@ -117,6 +117,10 @@ def select(stub, call: Callable, timeout_s: float, requested: str,
             conns.proof = proof  # sent on each connection before its first grant
         control = ChannelControl(conns) if conns is not None else GrpcControl(stub, call, timeout_s, proof)
         session = DescriptorSession(stub, call, timeout_s, m, arena, requested, control, channel)
+        h = session._handle
+        if mover is Mover.SHM:  # the device tier beside it, for GPU clients (open_device)
+            h.device_ref = DeviceArenaRef.from_pb(r.device_arena) if Mover.CUDA_IPC in offered else None
+            h.device_reason = r.device_arena.reason or "the node does not offer cuda_ipc"
         return Selection(session, "; ".join(notes))
     return Selection(None, "; ".join(notes))
 
@@ -177,7 +181,8 @@ class ChannelControl:
 
     def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
         sent = time.monotonic()
-        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)))
+        tier = Tier.DEVICE if mover is Mover.CUDA_IPC else Tier.DRAM
+        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)), tier)
 
     def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
         keys, sizes = [k for k, _ in items], [n for _, n in items]
@@ -223,7 +228,7 @@ class ChannelControl:
         return size
 
     @staticmethod
-    def _grant(sent: float, reply) -> Grant:
+    def _grant(sent: float, reply, tier: Tier = Tier.DRAM) -> Grant:
         items, msg, g = reply
         if g is None:
             if items:
@@ -235,7 +240,7 @@ class ChannelControl:
             st = _ITEM_STATUS.get(status)
             if st is None:
                 raise DataLossError(f"data channel: unexpected item status {status.name} in a grant")
-            out.append(SlotDescriptor(i, st, size, Tier.DRAM if st is ItemStatus.OK else None, tuple(ss), tuple(gs)))
+            out.append(SlotDescriptor(i, st, size, tier if st is ItemStatus.OK else None, tuple(ss), tuple(gs)))
         return Grant(lease_id, sent + ttl_s, arena, tuple(out), msg, sent)
 
 
@@ -287,9 +292,16 @@ class _Handle:
     retired: bool = False
     known: OrderedDict = field(default_factory=OrderedDict)
     """key → (size, slots, generations) of its last grant in this arena (the descriptor cache)."""
+    device_ref: DeviceArenaRef | None = None
+    """The node's device tier as this host maps it (cuda_ipc, beside shm), if it offers one."""
+    device_reason: str = "no device tier offered"
+    device: object = None
+    """The device tier mapped here (``CudaIpcMover``), once ``open_device`` did."""
 
     def close(self) -> None:
         self.mover.close()
+        if self.device is not None:
+            self.device.close()
         self.control.close()
 
 
@@ -322,6 +334,7 @@ class DescriptorSession:
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
         self._cuda_registered = False
+        self._device_wanted = False
         self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
         self._reported_at = time.monotonic()
 
@@ -573,9 +586,15 @@ class DescriptorSession:
 
     # ---- step by step ---------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[bytes]) -> Grant:
-        """A read lease on ``keys``: their descriptors, under one lease id (0: nothing leased)."""
-        with self._granted(lambda h: h.control.acquire(keys, self.mover), read=True) as (_, g):
+    def acquire(self, keys: Sequence[bytes], mover: Mover | None = None) -> Grant:
+        """A read lease on ``keys``: their descriptors, under one lease id (0: nothing leased).
+
+        ``mover`` ``cuda_ipc`` leases device-tier values instead (``open_device`` first): the
+        grant names the device arena, and ``in_place`` gives its mapping."""
+        mover = mover or self.mover
+        if mover is Mover.CUDA_IPC and not self.device_mapped:
+            raise FailedPreconditionError("the node's device tier is not mapped here (open_device)")
+        with self._granted(lambda h: h.control.acquire(keys, mover), read=True) as (_, g):
             return g
 
     def read(self, desc: SlotDescriptor, dst) -> None:
@@ -629,13 +648,48 @@ class DescriptorSession:
         self._cuda_registered = why is None
         return why
 
+    def open_device(self) -> str | None:
+        """Maps the node's device tier into this process with CUDA IPC (once; again after the
+        node restarts), for ``acquire(keys, Mover.CUDA_IPC)``. None when mapped, else why not
+        (no device tier, another GPU, no CUDA here): its values are then read through the node."""
+        self._device_wanted = True
+        with self._use() as h:
+            if h.device is not None:
+                return None
+            if h.device_ref is None:
+                return h.device_reason
+            from kvstore.transport.cuda_ipc import CudaIpcMover, CudaIpcUnavailableError
+
+            try:
+                device = CudaIpcMover(h.device_ref)
+            except Exception as exc:  # noqa: BLE001 - whatever CUDA says, the values are read through the node
+                why = str(exc) if isinstance(exc, CudaIpcUnavailableError) else f"{type(exc).__name__}: {exc}"
+                h.device_reason = why
+                h.device_ref = None  # not tried again for this node
+                return why
+            with self._lock:
+                if h.device is None:
+                    h.device, device = device, None
+            if device is not None:
+                device.close()
+        return None
+
+    @property
+    def device_mapped(self) -> bool:
+        """Whether the node's device tier is mapped here (``open_device``)."""
+        return self._handle.device is not None
+
     @contextmanager
     def in_place(self, g: Grant):
-        """The shm mover that maps ``g``'s arena, kept open in the block (for readers that
-        use the leased bytes where they are: ``ShmMover.tensor``); None when the session
-        maps another arena now (the node restarted) or does not use shm."""
+        """The mover that maps ``g``'s arena, kept open in the block (for readers that use the
+        leased bytes where they are: ``ShmMover.tensor``, or ``CudaIpcMover.tensor`` for a
+        device-tier grant); None when the session maps another arena now (the node restarted)
+        or does not use shm."""
         with self._use() as h:
-            yield h.mover if (h.mover.mover is Mover.SHM and g.arena == h.arena.name) else None
+            if h.device is not None and g.arena == h.device.name:
+                yield h.device
+            else:
+                yield h.mover if (h.mover.mover is Mover.SHM and g.arena == h.arena.name) else None
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -693,7 +747,7 @@ class DescriptorSession:
                         raise
                     g = None
                 if g is not None:
-                    if not g.lease_id or g.arena == h.arena.name:
+                    if not g.lease_id or g.arena == h.arena.name or (h.device is not None and g.arena == h.device.name):
                         yield h, g
                         return
                     if read:
@@ -716,6 +770,8 @@ class DescriptorSession:
         self._retire(stale)
         if self._cuda_registered:  # the new arena is DMA-able too
             self.register_cuda()
+        if self._device_wanted:  # and the new node's device tier mapped
+            self.open_device()
 
     def _retire(self, h: _Handle) -> None:
         with self._lock:

@@ -135,7 +135,7 @@ def test_bad_descriptor_requests_get_precise_statuses_and_keep_the_connection(ma
         return items[0][0], msg
 
     assert ask(encode_request(Op.ACQUIRE, [b"k"], [0], pb.MOVER_TCP)) == (
-        Status.INVALID, "descriptors are for shm and rdma, not tcp")
+        Status.INVALID, "descriptors are for shm, rdma and cuda_ipc, not tcp")
     status, msg = ask(encode_request(Op.ACQUIRE, [b"k"], [0], 99))
     assert status is Status.INVALID and "unknown mover" in msg
     status, msg = ask(encode_request(Op.ACQUIRE, [b"ok", b""], [0, 0], pb.MOVER_SHM), n=2)

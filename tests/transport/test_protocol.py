@@ -41,7 +41,13 @@ def test_bad_requests_get_precise_statuses(make_node):
     code, _ = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k" * 1025]), timeout=30))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     code, msg = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_TCP), timeout=30))
-    assert code is grpc.StatusCode.INVALID_ARGUMENT and "shm and rdma" in msg
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "shm, rdma and cuda_ipc" in msg
+    # cuda_ipc reads a device tier, which this node lacks: said, with why
+    code, msg = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=pb.MOVER_CUDA_IPC), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "cuda_ipc: no device tier (--device)" in msg
+    code, msg = _code(lambda: s.ReserveWrite(pb.ReserveWriteRequest(
+        values=[pb.ValueHeader(key=b"k", size=10)], mover=pb.MOVER_CUDA_IPC), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "does not offer cuda_ipc" in msg
     code, _ = _code(lambda: s.AcquireRead(pb.AcquireReadRequest(keys=[b"k"], mover=99), timeout=30))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     code, msg = _code(lambda: s.ReleaseRead(pb.LeaseRequest(lease_id=12345), timeout=30))

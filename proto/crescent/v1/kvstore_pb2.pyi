@@ -21,6 +21,7 @@ class Mover(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MOVER_TCP: _ClassVar[Mover]
     MOVER_SHM: _ClassVar[Mover]
     MOVER_RDMA: _ClassVar[Mover]
+    MOVER_CUDA_IPC: _ClassVar[Mover]
 
 class ItemStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ MOVER_GRPC: Mover
 MOVER_TCP: Mover
 MOVER_SHM: Mover
 MOVER_RDMA: Mover
+MOVER_CUDA_IPC: Mover
 ITEM_STATUS_UNSPECIFIED: ItemStatus
 ITEM_OK: ItemStatus
 ITEM_NOT_FOUND: ItemStatus
@@ -256,19 +258,53 @@ class RdmaEndpoint(_message.Message):
     port: int
     def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
+class DeviceArenaInfo(_message.Message):
+    __slots__ = ("available", "reason", "name", "size", "slot_bytes", "device_uuid", "device_index", "ipc_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    reason: str
+    name: str
+    size: int
+    slot_bytes: int
+    device_uuid: str
+    device_index: int
+    ipc_handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
 class TransportsResponse(_message.Message):
-    __slots__ = ("host", "arena", "offered", "lease_ttl_s", "rdma")
+    __slots__ = ("host", "arena", "offered", "lease_ttl_s", "rdma", "device_arena")
     HOST_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     OFFERED_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ARENA_FIELD_NUMBER: _ClassVar[int]
     host: HostIdentity
     arena: ArenaInfo
     offered: _containers.RepeatedScalarFieldContainer[Mover]
     lease_ttl_s: float
     rdma: RdmaEndpoint
-    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., offered: _Optional[_Iterable[_Union[Mover, str]]] = ..., lease_ttl_s: _Optional[float] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ...) -> None: ...
+    device_arena: DeviceArenaInfo
+    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., offered: _Optional[_Iterable[_Union[Mover, str]]] = ..., lease_ttl_s: _Optional[float] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., device_arena: _Optional[_Union[DeviceArenaInfo, _Mapping]] = ...) -> None: ...
 
 class AcquireReadRequest(_message.Message):
     __slots__ = ("keys", "mover")
