@@ -312,6 +312,8 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
                            num_pages=max_batch * (-(-(ctx + steps + 8) // 16)) + 8, enable_prefix_caching=False)
         t = time.perf_counter()
         eng = LLMEngine(cfg)
+        if mode == "graphs" and eng.runner.decode_graphs is None:
+            mode = "eager (graph capture failed: see the warning above)"
         print(f"  engine ({mode}) ready in {time.perf_counter() - t:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(0)
         for batch in batches:

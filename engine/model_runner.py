@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import kernels
@@ -10,6 +12,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
 from engine.scheduler import ScheduledSeq
 from kvstore.chunk import wsum64
+
+log = logging.getLogger(__name__)
 
 
 def load_model_config(model: str, hf_overrides: dict | None = None) -> ModelConfig:
@@ -46,7 +50,11 @@ class ModelRunner:
         """Pure decode steps replay these CUDA graphs (captured here, at start), on CUDA unless
         ``enforce_eager``."""
         if cuda and not cfg.enforce_eager:
-            self.decode_graphs = self.make_decode_graphs(capture=True)
+            try:
+                self.decode_graphs = self.make_decode_graphs(capture=True)
+            except Exception as exc:  # noqa: BLE001 - a graph that cannot be captured costs speed, not service
+                log.warning("decode steps run eagerly: CUDA graph capture failed (%s: %s)", type(exc).__name__, exc)
+                torch.cuda.synchronize(self.device)
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Static decode buffers for up to ``max_num_seqs`` sequences as long as the model allows."""
