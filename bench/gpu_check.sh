@@ -57,5 +57,8 @@ step "speculative decoding: a step verifying K drafts vs a plain decode step, ra
 timeout $(lim 40) python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --context 4096 --batch 1,8 --ks 1,2,4,8 --kv-cache-memory 8GiB --json "$OUT/spec_verify_gpu.json" 2>&1 | grep -v Warning
 
+step "tile-config sweep of prefill and decode on this GPU -> $OUT/configs/ (commit as kernels/configs/)"
+timeout $(lim 90) python3 bench/kernels_bench.py --sweep --out "$OUT" 2>&1 | grep -v Warning | tail -30
+
 step "done"
 ls -la "$OUT"

@@ -9,6 +9,7 @@ FlashAttention's error rule, and writes a markdown table and a PNG plot.
     python bench/kernels_bench.py --out bench/out --quick    # a few shapes
     python bench/kernels_bench.py --fp8-error                # CPU: fp8 error figures
     python bench/kernels_bench.py --smoke --out /tmp/smoke   # CPU: script check in the interpreter
+    python bench/kernels_bench.py --sweep --out bench/out    # GPU: tile configs -> OUT/configs/<device>.json
 
 Then the engine's inter-token latency (random:llama3-8b cut to 8 layers, 4k context,
 batch 1 and 64), with CUDA-graph decode and eager, against the HBM floor.
@@ -19,6 +20,8 @@ Without CUDA (and without --smoke / --fp8-error) it exits with status 2.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
@@ -65,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-layers", type=int, default=8, help="its depth (hf_overrides num_hidden_layers); 0 keeps it")
     p.add_argument("--engine-ctx", type=int, default=4096, help="context tokens of each decoding sequence")
     p.add_argument("--no-engine", action="store_true", help="skip the engine decode figures")
+    p.add_argument("--sweep", action="store_true",
+                   help="only time a grid of tile configs of prefill and decode on this GPU and write the fastest "
+                        "to OUT/configs/<device>.json (commit it as kernels/configs/<device>.json)")
     return p.parse_args(argv)
 
 
@@ -357,6 +363,84 @@ def engine_markdown(rows: list[EngineRow], model: str, overrides: dict, peak_tbs
     return "\n".join(lines + [""])
 
 
+# ---------------------------------------------------------------- tuning sweep
+
+PREFILL_GRID = [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=w, num_stages=s) for bn in (64, 128) for w in (4, 8)
+                for s in (2, 3, 4)] + [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
+DECODE_GRID = [dict(BLOCK_N=bn, num_warps=4, num_stages=s) for bn in (32, 64, 128) for s in (2, 3, 4)] + [
+    dict(BLOCK_N=64, num_warps=8, num_stages=3)]
+BUILT_IN = {"prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            "decode": dict(BLOCK_N=64, num_warps=4, num_stages=3)}
+
+
+def _cfg_name(cfg: dict) -> str:
+    return " ".join(f"{k.removeprefix('BLOCK_').removeprefix('num_')}={v}" for k, v in cfg.items())
+
+
+def sweep(device, timer, out: Path, heads: int, kv_heads: int, head_dim: int,
+          prefill_shapes: list[tuple[int, int]], decode_shapes: list[tuple[int, int]],
+          grids: dict[str, list[dict]] | None = None) -> dict:
+    """Times every config of the grids at each shape; the fastest by geometric mean of time over
+    the shapes' best wins, if it passes the error rule at every shape. Returns the configs file."""
+    from kernels import tuning
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.prefill_attention import chunked_prefill_attention
+    from kernels.testing import dense_kv, make_paged_kv, reference_error_rule
+
+    scale = head_dim**-0.5
+    cases = {"prefill": [], "decode": []}
+    for ctx, chunk in prefill_shapes:
+        paged = make_paged_kv([ctx + chunk], kv_heads, head_dim, PAGE, torch.bfloat16, device, poison=False)
+        q = torch.randn(chunk, heads, head_dim, dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([0, chunk], dtype=torch.int32, device=device)
+        ctxs = torch.tensor([ctx], dtype=torch.int32, device=device)
+        k, v = dense_kv(paged, 0)
+        gold, lowp = _gold_and_lowp(q, k, v, ctx, scale)
+        args = (q, paged.k_cache, paged.v_cache, paged.block_tables, cu, ctxs, scale)
+        cases["prefill"].append((f"ctx={ctx} chunk={chunk}", lambda cfg, a=args, n=chunk: chunked_prefill_attention(
+            *a, max_q_len=n, config=cfg), gold, lowp))
+    for batch, ctx in decode_shapes:
+        paged = make_paged_kv([ctx] * batch, kv_heads, head_dim, PAGE, torch.bfloat16, device, poison=False)
+        q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        args = (q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, scale)
+        from kernels.reference import paged_decode_attention as twin
+
+        gold, lowp = twin(*args), twin(*args, upcast=False)
+        cases["decode"].append((f"B={batch} ctx={ctx}", lambda cfg, a=args: paged_decode_attention(*a, config=cfg),
+                                gold, lowp))
+    chosen: dict = {}
+    grids = grids or {"prefill": PREFILL_GRID, "decode": DECODE_GRID}
+    for kernel, grid in grids.items():
+        times: dict[str, list[float]] = {}
+        for cfg in grid:
+            row = []
+            for _, fn, gold, lowp in cases[kernel]:
+                try:
+                    ok = reference_error_rule(fn(cfg), gold, lowp)[0]
+                    row.append(timer(lambda: fn(cfg)) if ok else float("inf"))
+                except Exception as exc:  # noqa: BLE001 - a config the compiler or the SM cannot take is skipped
+                    print(f"  {kernel} {_cfg_name(cfg)}: {type(exc).__name__}: {str(exc)[:100]}")
+                    row.append(float("inf"))
+            times[_cfg_name(cfg)] = row
+            print(f"sweep {kernel:7s} {_cfg_name(cfg):40s} " + "  ".join(f"{t:8.3f} ms" for t in row), flush=True)
+        best_per_shape = [min(r[i] for r in times.values()) for i in range(len(cases[kernel]))]
+        score = {name: math.prod(t / b for t, b in zip(row, best_per_shape)) ** (1 / len(row))
+                 for name, row in times.items()}
+        winner = min(grid, key=lambda c: score[_cfg_name(c)])
+        base = score.get(_cfg_name(BUILT_IN[kernel]), float("nan"))
+        print(f"sweep {kernel}: fastest {_cfg_name(winner)} ({score[_cfg_name(winner)]:.3f} of the best per shape; "
+              f"built-in {_cfg_name(BUILT_IN[kernel])}: {base:.3f}) at " + ", ".join(c[0] for c in cases[kernel]))
+        if math.isfinite(score[_cfg_name(winner)]):
+            name = tuning.variant(head_dim, torch.bfloat16, long_chunks=True if kernel == "prefill" else None)
+            chosen[kernel] = {name: winner}
+    path = out / "configs" / f"{tuning.device_key(device)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chosen, indent=1) + "\n")
+    print(f"wrote {path}: commit it as kernels/configs/{path.name} to make these the device's configs")
+    return chosen
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -455,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
             [(1, 0, n) for n in contexts] + [(1, n - 2048, 2048) for n in contexts] + [(4, 6144, 2048)]
         )
         engine_batches, engine_steps = [1, 64], (20 if args.quick else 50)
+    if args.sweep:
+        tiny = {"prefill": [dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, num_stages=1) for m in (16, 32)],
+                "decode": [dict(BLOCK_N=n, num_warps=4, num_stages=1) for n in (16, 32)]}
+        sweep(device, _timer(device), args.out, heads, kv_heads, head_dim,
+              [(0, 48), (40, 24)] if args.smoke else [(0, 8192), (6144, 2048)],
+              [(1, 40), (3, 70)] if args.smoke else [(1, 4096), (64, 4096)], tiny if args.smoke else None)
+        return 0
     peak_tbs, peak_tflops = next((v for k, v in PEAKS.items() if k in name), PEAKS["H200"])
     peak_tbs = args.peak_hbm_tbs or peak_tbs
     peak_tflops = args.peak_tflops or peak_tflops

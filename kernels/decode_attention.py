@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tuning
 from kernels._triton_common import (
     ATTN_DTYPES,
     cast,
@@ -195,9 +196,12 @@ def _num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, d
     return occupancy_splits(batch * num_kv_heads, PROGRAMS_PER_SM * _sm_count(device), max_splits)
 
 
-def _launch_config(dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def _launch_config(dtype: torch.dtype, device: torch.device, head_dim: int = 128) -> dict[str, int]:
     if device.type == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    measured = tuning.lookup("decode", device, tuning.variant(head_dim, dtype))
+    if measured is not None:  # kernels/configs/<this device>.json (bench/kernels_bench.py --sweep)
+        return measured
     # NOTE: 64-token K/V tiles, 3 cp.async stages in flight per program: 48 KiB
     # of bf16 K/V, enough outstanding loads to saturate HBM on Hopper.
     return {"BLOCK_N": 32 if dtype == torch.float32 else 64, "num_warps": 4, "num_stages": 3}
@@ -214,6 +218,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the twin in ``kernels.reference`` for the semantics.
 
@@ -230,6 +235,8 @@ def paged_decode_attention(
             and ``max_pages * page_size`` (no host sync) when None. Each sequence
             cuts its own ``seq_lens[b]`` keys into this many slices of whole tiles.
         block_n: key tile override (power of two >= 16).
+        config: the whole launch config (``BLOCK_N``, ``num_warps``, ``num_stages``)
+            instead of the device's (the tuning sweep).
 
     Returns:
         ``[B, H, D]``, ``out`` if given.
@@ -251,7 +258,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
 
-    cfg = _launch_config(q.dtype, q.device)
+    cfg = dict(config) if config is not None else _launch_config(q.dtype, q.device, head_dim)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     block_n = cfg["BLOCK_N"]

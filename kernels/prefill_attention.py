@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tuning
 from kernels._triton_common import (
     ATTN_DTYPES,
     cast,
@@ -149,6 +150,9 @@ def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_
     if device.type == "cpu":
         # NOTE: interpreter: small tiles exercise the multi-tile paths at test shapes.
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    measured = tuning.lookup("prefill", device, tuning.variant(head_dim, dtype, long_chunks=max_q_len > 64))
+    if measured is not None:  # kernels/configs/<this device>.json (bench/kernels_bench.py --sweep)
+        return measured
     # NOTE: FA2 tiles for Hopper: 128x64, 8 warps for D=128, 3 cp.async stages
     # of K/V: ~97 KiB of shared memory (tests/kernels/sm90_compile.py), no spills.
     block_m = 64 if max_q_len <= 64 or dtype == torch.float32 else 128
@@ -170,6 +174,7 @@ def chunked_prefill_attention(
     max_q_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the twin in ``kernels.reference`` for the semantics.
 
@@ -186,6 +191,8 @@ def chunked_prefill_attention(
             device-to-host sync.
         block_m: query tile override (power of two >= 16).
         block_n: key tile override (power of two >= 16).
+        config: the whole launch config (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+            ``num_stages``) instead of the device's (the tuning sweep).
 
     Returns:
         ``[total_q_tokens, H, D]``, ``out`` if given.
@@ -211,7 +218,7 @@ def chunked_prefill_attention(
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item())
 
-    cfg = _launch_config(head_dim, q.dtype, q.device, max_q_len)
+    cfg = dict(config) if config is not None else _launch_config(head_dim, q.dtype, q.device, max_q_len)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
     if block_n is not None:
