@@ -73,7 +73,6 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self._hidden: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.captured = False
         self.steps = 0
         """Decode steps run through the buffers."""
         self.fallbacks = 0
@@ -118,20 +117,21 @@ class DecodeGraphs:
                 self._graphs[bucket] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.captured = True
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
 
     def fits(self, batch: int, max_pages: int) -> bool:
         return 0 < batch <= self.max_batch and max_pages <= self.max_pages
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One decode step of ``B`` sequences (one token each): ``[B, hidden]`` final hidden states.
 
         Args:
             ids: each sequence's token.
-            positions: its position.
+            positions: its position (also the tokens cached before it: one token per sequence).
             slots: the cache slot its K/V goes to.
-            context_lens: tokens cached before it (``positions`` for a plain decode).
             tables: each sequence's pages.
         """
         batch = len(ids)
@@ -142,7 +142,7 @@ class DecodeGraphs:
         self._np_i64[0, :batch] = ids
         self._np_i64[1, :batch] = positions
         self._np_i64[2, :batch] = slots
-        self._np_i32[:batch, 0] = context_lens
+        self._np_i32[:batch, 0] = positions
         for b, pages in enumerate(tables):
             self._np_i32[b, 1 : 1 + len(pages)] = pages
             self._np_i32[b, 1 + len(pages) :] = self.scratch_page

@@ -333,7 +333,7 @@ class StoreConnector:
                         if view is None:  # the node restarted between grant and read
                             return loaded, False
                         landed, stop = land_in_order(
-                            self._leased_chunks(view, g, loaded, _slot_bytes(session, view)), land, events)
+                            self._leased_chunks(view, g, loaded, view.slot_bytes), land, events)
                         for ev in events:
                             ev.synchronize()  # the lease holds until the copies reading it are done
                         in_time = time.monotonic() < safe_end(g)
@@ -487,8 +487,3 @@ def _first_mismatch(checks: list[tuple[int, torch.Tensor, int]]) -> int | None:
                         device=got.device)
     bad = (got != want).nonzero()
     return checks[int(bad[0])][0] if bad.numel() else None
-
-
-def _slot_bytes(session, view) -> int:
-    """Slot size of the arena ``view`` maps: the device tier's for cuda_ipc, else the DRAM arena's."""
-    return view.ref.slot_bytes if view.mover is Mover.CUDA_IPC else session.arena.slot_bytes

@@ -111,13 +111,11 @@ class ModelRunner:
         for s in scheduled:
             seq = s.seq
             p = seq.num_computed if s.start is None else s.start
-            n = seq.num_tokens  # a draft model's pass feeds the token it drafted last, past the real ones
-            ids.append(seq.prompt[p] if p < len(seq.prompt) else seq.output[p - len(seq.prompt)] if p < n
-                       else seq.draft[p - n])
+            ids.append(seq.token_at(p))  # a draft model's pass feeds its last draft, past the real tokens
             pos.append(p)
             slots.append(seq.pages[p // page] * page + p % page)
             tables.append(seq.pages)
-        return self.model.logits(graphs.run(ids, pos, slots, pos, tables))
+        return self.model.logits(graphs.run(ids, pos, slots, tables))
 
     def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
         """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor:

@@ -62,6 +62,13 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def token_at(self, pos: int) -> int:
+        """The token at ``pos`` of prompt, output, then draft (no list built: decode's hot path)."""
+        if pos < len(self.prompt):
+            return self.prompt[pos]
+        pos -= len(self.prompt)
+        return self.output[pos] if pos < len(self.output) else self.draft[pos - len(self.output)]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -405,52 +405,30 @@ class TieredStore:
         With ``tier`` DEVICE, device-tier values are leased in place the same way (slots of
         the device arena, which a same-host GPU client maps) and the others are not read.
         """
-        if tier is Tier.DEVICE:
-            return self._acquire_device_in_place(keys)
         out: list[tuple[Lease, list[int] | None] | None] = []
         elsewhere = []
         with self._lock:
-            lru, c = self._lru[Tier.DRAM], self.counters
+            lru, c = self._lru[tier], self.counters
             for i, key in enumerate(keys):
                 e = self._index.get(key)
-                if e is None or e.tier is not Tier.DRAM:
+                if e is None or e.tier is not tier:
                     if e is None:
                         c["misses"] += 1
                         out.append(None)
-                    elif self._would_promote(e):
+                    elif tier is Tier.DRAM and self._would_promote(e):
                         elsewhere.append(i)
                         out.append(None)
                     else:  # stays where it is: said so without reading it (the caller reads it its own way)
                         out.append((Lease(key, e.size, e.tier, [], e, released=True), None))
                     continue
-                e.leases += 1
+                e.leases += 1  # held in place: a leased entry is never demoted, evicted or freed
                 self._num_leases += 1
                 lru.move_to_end(key)
-                c["hits"][Tier.DRAM] += 1
+                c["hits"][tier] += 1
                 c["bytes_out"] += e.size
-                out.append((Lease(key, e.size, Tier.DRAM, [], e), list(e.slots)))
+                out.append((Lease(key, e.size, tier, [], e), list(e.slots)))
         for i, lease in zip(elsewhere, self.acquire_many([keys[i] for i in elsewhere])):
             out[i] = None if lease is None else (lease, self.arena_slots(lease))
-        return out
-
-    def _acquire_device_in_place(self, keys: list[bytes]) -> list[tuple[Lease, list[int] | None] | None]:
-        out: list[tuple[Lease, list[int] | None] | None] = []
-        with self._lock:
-            c = self.counters
-            for key in keys:
-                e = self._index.get(key)
-                if e is None:
-                    c["misses"] += 1
-                    out.append(None)
-                elif e.tier is not Tier.DEVICE:  # said so without reading it
-                    out.append((Lease(key, e.size, e.tier, [], e, released=True), None))
-                else:  # held in place: a leased entry is never demoted, evicted or freed
-                    e.leases += 1
-                    self._num_leases += 1
-                    self._lru[Tier.DEVICE].move_to_end(key)
-                    c["hits"][Tier.DEVICE] += 1
-                    c["bytes_out"] += e.size
-                    out.append((Lease(key, e.size, Tier.DEVICE, [], e), list(e.slots)))
         return out
 
     def device_arena(self):

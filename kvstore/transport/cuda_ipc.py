@@ -33,7 +33,7 @@ class CudaIpcUnavailableError(FailedPreconditionError):
 def _device_index(torch, ref: DeviceArenaRef) -> int:
     """This process's index of the node's GPU."""
     if not ref.device_uuid:
-        return ref.device_index  # a torch that cannot tell UUIDs: the same index (same visible devices)
+        return ref.ipc[0]  # a torch that cannot tell UUIDs: the node's index (same visible devices)
     for i in range(torch.cuda.device_count()):
         if str(getattr(torch.cuda.get_device_properties(i), "uuid", "")) == ref.device_uuid:
             return i
@@ -81,6 +81,10 @@ class CudaIpcMover:
     @property
     def name(self) -> str:
         return self.ref.name
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.ref.slot_bytes
 
     def tensor(self, offset: int, n: int):
         """Bytes ``[offset, offset + n)`` of the device tier as a CUDA uint8 tensor (no copy): valid

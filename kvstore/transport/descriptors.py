@@ -44,6 +44,12 @@ class Mover(enum.Enum):
         """True for the movers that use descriptors (the client moves the bytes)."""
         return self in (Mover.SHM, Mover.RDMA, Mover.CUDA_IPC)
 
+    @property
+    def tier(self) -> Tier:
+        """The tier whose slots this one-sided mover's grants name: the device tier's for
+        cuda_ipc, the DRAM arena's for the others."""
+        return Tier.DEVICE if self is Mover.CUDA_IPC else Tier.DRAM
+
 
 _TO_PB = {Mover.GRPC: pb.MOVER_GRPC, Mover.TCP: pb.MOVER_TCP, Mover.SHM: pb.MOVER_SHM,
           Mover.RDMA: pb.MOVER_RDMA, Mover.CUDA_IPC: pb.MOVER_CUDA_IPC}
@@ -94,7 +100,6 @@ class DeviceArenaRef:
     size: int
     slot_bytes: int
     device_uuid: str
-    device_index: int
     ipc: tuple
     """torch's ``_share_cuda_`` tuple: (device, handle, storage bytes, storage offset,
     ref counter handle, ref counter offset, event handle, event sync required)."""
@@ -105,7 +110,7 @@ class DeviceArenaRef:
             return None
         ipc = (d.device_index, d.ipc_handle, d.storage_bytes, d.storage_offset, d.ref_counter_handle,
                d.ref_counter_offset, d.event_handle, d.event_sync_required)
-        return cls(d.name, d.size, d.slot_bytes, d.device_uuid, d.device_index, ipc)
+        return cls(d.name, d.size, d.slot_bytes, d.device_uuid, ipc)
 
 
 class SlotDescriptor(NamedTuple):

@@ -107,7 +107,7 @@ class LeaseTable:
         for k in keys:
             check_key(k)
         _check_proven(mover, proven)
-        tier = Tier.DEVICE if mover is Mover.CUDA_IPC else Tier.DRAM
+        tier = mover.tier
         arena = self.store.device_arena() if tier is Tier.DEVICE else self.store.dram
         if arena is None:
             raise FailedPreconditionError("this node has no device tier (--device)")

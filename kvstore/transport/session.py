@@ -181,8 +181,8 @@ class ChannelControl:
 
     def acquire(self, keys: Sequence[bytes], mover: Mover) -> Grant:
         sent = time.monotonic()
-        tier = Tier.DEVICE if mover is Mover.CUDA_IPC else Tier.DRAM
-        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)), tier)
+        return self._grant(sent, self._run(lambda c: c.grant(Op.ACQUIRE, keys, [0] * len(keys), mover.pb)),
+                           mover.tier)
 
     def reserve(self, items: Sequence[tuple[bytes, int]], mover: Mover) -> Grant:
         keys, sizes = [k for k, _ in items], [n for _, n in items]
@@ -297,6 +297,13 @@ class _Handle:
     device_reason: str = "no device tier offered"
     device: object = None
     """The device tier mapped here (``CudaIpcMover``), once ``open_device`` did."""
+
+    def view_of(self, arena: str):
+        """The mover that maps the arena a grant names (the DRAM arena's, or the device tier's
+        once mapped), or None: another arena (the node restarted)."""
+        if self.device is not None and arena == self.device.name:
+            return self.device
+        return self.mover if arena == self.arena.name else None
 
     def close(self) -> None:
         self.mover.close()
@@ -686,10 +693,8 @@ class DescriptorSession:
         device-tier grant); None when the session maps another arena now (the node restarted)
         or does not use shm."""
         with self._use() as h:
-            if h.device is not None and g.arena == h.device.name:
-                yield h.device
-            else:
-                yield h.mover if (h.mover.mover is Mover.SHM and g.arena == h.arena.name) else None
+            view = h.view_of(g.arena)
+            yield view if view is not None and view.mover in (Mover.SHM, Mover.CUDA_IPC) else None
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -747,7 +752,7 @@ class DescriptorSession:
                         raise
                     g = None
                 if g is not None:
-                    if not g.lease_id or g.arena == h.arena.name or (h.device is not None and g.arena == h.device.name):
+                    if not g.lease_id or h.view_of(g.arena) is not None:
                         yield h, g
                         return
                     if read:

@@ -79,6 +79,10 @@ class ShmMover:
         self._tensor = None  # the whole arena as a CPU tensor, made on first use (tensor())
         self._registered = False
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.arena.slot_bytes
+
     def current(self) -> bool:
         """Whether the node still serves this arena: a node that stops unlinks its file,
         and so does the next node to start after one that died (``reap_stale_segments``)."""

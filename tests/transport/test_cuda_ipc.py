@@ -58,7 +58,7 @@ def test_the_lease_table_refuses_device_grants_without_a_device_tier(make_node):
 def test_the_mover_says_why_it_cannot_open_without_cuda():
     from kvstore.transport.cuda_ipc import CudaIpcMover, CudaIpcUnavailableError
 
-    ref = DeviceArenaRef("x.hbm", 4 * MiB, MiB, "", 0, (0, b"h", 4 * MiB, 0, b"rc", 0, b"", False))
+    ref = DeviceArenaRef("x.hbm", 4 * MiB, MiB, "", (0, b"h", 4 * MiB, 0, b"rc", 0, b"", False))
     with pytest.raises(CudaIpcUnavailableError, match="no CUDA device"):
         CudaIpcMover(ref)
 
