@@ -385,6 +385,7 @@ def sweep(device, timer, out: Path, heads: int, kv_heads: int, head_dim: int,
     from kernels import tuning
     from kernels.decode_attention import paged_decode_attention
     from kernels.prefill_attention import chunked_prefill_attention
+    from kernels.reference import paged_decode_attention as twin
     from kernels.testing import dense_kv, make_paged_kv, reference_error_rule
 
     scale = head_dim**-0.5
@@ -404,8 +405,6 @@ def sweep(device, timer, out: Path, heads: int, kv_heads: int, head_dim: int,
         q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         args = (q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, scale)
-        from kernels.reference import paged_decode_attention as twin
-
         gold, lowp = twin(*args), twin(*args, upcast=False)
         cases["decode"].append((f"B={batch} ctx={ctx}", lambda cfg, a=args: paged_decode_attention(*a, config=cfg),
                                 gold, lowp))
