@@ -55,6 +55,52 @@ def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise AssertionError(f"process {pid} is gone") from None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            continue  # the thread ended
+        if state != "T":
+            return False
+    return True
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOPs ``pid`` and returns once every one of its threads has stopped.
+
+    ``kill`` returns before the stop is complete: the kernel wakes one thread, and that one stops
+    the others when it next runs. On a loaded machine the rest (a gRPC poller) can meanwhile answer
+    a call sent right after ``kill`` returned, which a test of a silent peer must not see.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: _threads_stopped(pid), what=f"every thread of {pid} to stop", interval_s=0.01)
+
+
+def thaw(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
+class Frozen:
+    """``with Frozen(pid):`` the process is stopped (all its threads) inside the block, running after."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self):
+        freeze(self.pid)
+        return self
+
+    def __exit__(self, *exc):
+        thaw(self.pid)
+
+
 class Proc:
     """A subprocess whose first stdout line is its banner; ``stop`` ends it by pid (SIGTERM, then SIGKILL)."""
 

@@ -4,7 +4,6 @@ figures, not at the call's deadline; a conductor client moves on to the next rep
 peer is used again. (Cut links between hosts: tests/cluster/test_partitions.py.)"""
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -15,22 +14,10 @@ from kvstore.client import StoreClient
 from kvstore.conductor.client import ConductorClient
 from kvstore.errors import UnavailableError
 from tests.conductor.procs import ConductorProcess
-from tests.helpers import ROOT, StoreProcess
+from tests.helpers import ROOT, Frozen, StoreProcess
 
 DEADLINE_S = 600.0
 """Far beyond the keepalive figures: a call that waited for it would make the test run for minutes."""
-
-
-class Frozen:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def __enter__(self):
-        os.kill(self.pid, signal.SIGSTOP)
-        return self
-
-    def __exit__(self, *exc):
-        os.kill(self.pid, signal.SIGCONT)
 
 
 def test_a_frozen_store_node_fails_calls_as_unavailable_not_at_the_deadline():

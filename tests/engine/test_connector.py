@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
-from tests.helpers import StoreProcess, store_nodes, wait_for
+from tests.helpers import StoreProcess, freeze, store_nodes, wait_for
 
 CHUNK = 64
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -181,7 +181,7 @@ def test_flush_times_out_while_the_store_is_frozen_and_completes_after(store_pro
     try:
         seq = eng.add_request(PROMPT, PARAMS)
         assert seq.store_hit_chunks == 0
-        os.kill(store_proc.pid, signal.SIGSTOP)  # the saves hang in the saver thread
+        freeze(store_proc.pid)  # the saves hang in the saver thread
         while not seq.is_finished:
             eng.step()
         assert list(seq.output) == reference

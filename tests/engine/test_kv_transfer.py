@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
 from kvstore.errors import UnavailableError
-from tests.helpers import StoreProcess, store_nodes, wait_for
+from tests.helpers import StoreProcess, freeze, store_nodes, wait_for
 
 CHUNK = 32
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -272,7 +272,7 @@ def test_saves_never_make_the_engine_wait_on_a_hung_store(reference):
                                      kv_cache_memory="8MiB", enable_prefix_caching=False, load_from_store=False,
                                      store_save_buffers=2))
         conn = eng.connector
-        os.kill(node.pid, signal.SIGSTOP)
+        freeze(node.pid)
         try:
             seq = run(eng, PROMPT)
             assert list(seq.output) == reference
