@@ -189,6 +189,18 @@ def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, pa
     kv_pages.scatter_kv_pages(chunk, k_caches, v_caches, page_ids)
 
 
+def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_ids: torch.Tensor) -> None:
+    """Writes layer ``l`` of ``N`` chunks, ``[N, 2, KVH, P * page_size, D]``, into layer ``l``'s
+    caches at ``page_ids`` ``[N, P]`` int32 (row ``n``: chunk ``n``'s pages), in place."""
+    if select_backend(chunks.device) == "torch":
+        reference.scatter_kv_chunks(chunks, k_cache, v_cache, page_ids)
+        return
+    from kernels import kv_pages
+
+    kv_pages.scatter_kv_chunks(chunks, k_cache, v_cache, page_ids)
+
+
 def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``[L, 2, KVH, T, D]`` to e4m3 with ``[L, 2, KVH]`` float32 scales.
 

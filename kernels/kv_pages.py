@@ -4,7 +4,9 @@ A stored chunk is ``[L, 2 (K, V), KVH, chunk_tokens, D]`` (layer-major, see
 DESIGN.md); in the engine its tokens live in ``P = chunk_tokens / page_size``
 pages of every layer's ``[num_pages, page_size, KVH, D]`` cache. One launch
 moves all layers: program ``(layer * 2 + kv, page, head)`` copies one
-``[page_size, D]`` tile.
+``[page_size, D]`` tile. The same kernel moves one layer of many chunks
+(``scatter_kv_chunks``, a layer-by-layer load): program ``(chunk * 2 + kv,
+page, head)``, every chunk with pages of its own, into one layer's caches.
 
 Twins: :func:`kernels.reference.gather_kv_pages`, :func:`kernels.reference.scatter_kv_pages`.
 """
@@ -22,7 +24,7 @@ from kernels.reference import Caches, as_layer_list
 
 @triton.jit
 def _kv_pages_kernel(
-    table_ptr, page_ids_ptr, chunk_ptr,
+    table_ptr, page_ids_ptr, chunk_ptr, stride_tl, stride_pl,
     stride_cp, stride_cs, stride_ch, stride_cd,
     stride_xl, stride_xkv, stride_xh, stride_xt, stride_xd,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -31,20 +33,22 @@ def _kv_pages_kernel(
     lkv = tl.program_id(0)
     p = tl.program_id(1)
     h = tl.program_id(2)
+    layer = lkv // 2
+    kv = lkv % 2
     # NOTE: table[2*l + kv] is the address of layer l's K (kv=0) or V cache: the
     # caches are separate allocations, so one launch reaches them all through a
-    # pointer table instead of 2*L launches.
-    cache_ptr = tl.load(table_ptr + lkv).to(tl.pointer_type(chunk_ptr.dtype.element_ty))
+    # pointer table instead of 2*L launches. With stride_tl 0 every "layer" (then a
+    # chunk) goes to the same pair of caches, each through its own row of page ids
+    # (stride_pl; 0: one row of page ids for every layer).
+    cache_ptr = tl.load(table_ptr + layer * stride_tl + kv).to(tl.pointer_type(chunk_ptr.dtype.element_ty))
     if ALIGNED:
         # NOTE: a pointer loaded from memory has no known alignment; without the
         # hint every cache access is a 2-byte load/store instead of 16 bytes.
         cache_ptr = tl.multiple_of(cache_ptr, 16)
-    page = tl.load(page_ids_ptr + p).to(tl.int64)
+    page = tl.load(page_ids_ptr + layer * stride_pl + p).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     cache_ptrs = cache_ptr + page * stride_cp + h * stride_ch + offs_s[:, None] * stride_cs + offs_d[None, :] * stride_cd
-    layer = lkv // 2
-    kv = lkv % 2
     tok = p * PAGE_SIZE + offs_s
     chunk_ptrs = (
         chunk_ptr
@@ -102,13 +106,17 @@ def _check_caches(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
 def _launch(
     chunk: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], page_ids: torch.Tensor, scatter: bool
 ) -> None:
-    num_layers = len(ks)
+    """One launch over ``chunk.shape[0]`` groups: the layers of one chunk (``len(ks)`` layers,
+    1-D ``page_ids``), or the chunks of one layer (one K/V pair, ``page_ids`` ``[chunks, P]``)."""
+    groups = chunk.shape[0]
     table = _pointer_table(ks, vs)
     aligned = all(t.data_ptr() % 16 == 0 for t in ks + vs)
     _, page_size, num_kv_heads, head_dim = ks[0].shape
-    num_pages = page_ids.numel()
-    _kv_pages_kernel[(2 * num_layers, num_pages, num_kv_heads)](
-        table, page_ids, chunk,
+    num_pages = page_ids.shape[-1]
+    stride_tl = 2 if len(ks) == groups else 0
+    stride_pl = page_ids.stride(0) if page_ids.dim() == 2 else 0
+    _kv_pages_kernel[(2 * groups, num_pages, num_kv_heads)](
+        table, page_ids, chunk, stride_tl, stride_pl,
         *ks[0].stride(), *chunk.stride(),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(page_size), BLOCK_D=triton.next_power_of_2(head_dim),
@@ -172,4 +180,29 @@ def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, pa
         _launch(chunk, ks, vs, page_ids, scatter=True)
 
 
-__all__ = ["gather_kv_pages", "scatter_kv_pages"]
+def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_ids: torch.Tensor) -> None:
+    """Writes one layer of many chunks into that layer's caches, in place (one launch): a
+    layer-by-layer load lands layer ``l`` of every chunk before layer ``l`` computes.
+
+    Args:
+        chunks: ``[N, 2, KVH, P * page_size, D]``, layer ``l`` of ``N`` chunks, any strides.
+        k_cache: ``[num_pages, page_size, KVH, D]``, layer ``l``'s K cache, written.
+        v_cache: the same for V.
+        page_ids: ``[N, P]`` int32, row ``n`` the pages of chunk ``n`` (all distinct).
+    """
+    _check_caches([k_cache], [v_cache])
+    assert page_ids.dtype == torch.int32 and page_ids.dim() == 2, "page_ids must be a 2-D int32 tensor"
+    assert page_ids.device == k_cache.device, f"page_ids on {page_ids.device}, caches on {k_cache.device}"
+    assert page_ids.stride(1) == 1, "page_ids rows must be contiguous"
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    n, p = page_ids.shape
+    shape = (n, 2, num_kv_heads, p * page_size, head_dim)
+    assert tuple(chunks.shape) == shape, f"chunks must be {shape}, got {tuple(chunks.shape)}"
+    assert chunks.dtype == k_cache.dtype, f"chunks dtype {chunks.dtype} != cache dtype {k_cache.dtype}"
+    assert chunks.device == k_cache.device, f"chunks on {chunks.device}, caches on {k_cache.device}"
+    if page_ids.numel():
+        _launch(chunks, [k_cache], [v_cache], page_ids, scatter=True)
+
+
+__all__ = ["gather_kv_pages", "scatter_kv_chunks", "scatter_kv_pages"]

@@ -243,6 +243,20 @@ def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, pa
         v[pages] = chunk[layer, 1].transpose(0, 1).reshape(num_pages, page_size, num_kv_heads, head_dim)
 
 
+def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_ids: torch.Tensor) -> None:
+    """Writes one layer of many chunks into that layer's caches, in place.
+
+    Args:
+        chunks: ``[N, 2, KVH, P * page_size, D]``: chunk ``n``'s K and V at this layer.
+        k_cache: ``[num_pages, page_size, KVH, D]``, written.
+        v_cache: the same for V.
+        page_ids: ``[N, P]`` int32, row ``n`` the pages of chunk ``n``.
+    """
+    for n in range(chunks.shape[0]):
+        scatter_kv_pages(chunks[n : n + 1], [k_cache], [v_cache], page_ids[n])
+
+
 def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a chunk to fp8 e4m3 with one scale per (layer, K/V, head).
 

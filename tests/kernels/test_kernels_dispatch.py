@@ -77,13 +77,15 @@ def test_forced_triton_runs_the_kernels_on_cpu(env):
     pytest.importorskip("triton")
     env.setenv(dispatch.ENV_VAR, "triton")
     for name in (
-        "gather_kv_pages", "scatter_kv_pages", "quantize_kv_fp8", "dequantize_kv_fp8",
+        "gather_kv_pages", "scatter_kv_pages", "scatter_kv_chunks", "quantize_kv_fp8", "dequantize_kv_fp8",
         "chunked_prefill_attention", "paged_decode_attention",
     ):  # fmt: skip
         env.setattr(ref, name, _boom)
     ks, vs, page_ids = _pages_args()
     chunk = kernels.gather_kv_pages(ks, vs, page_ids)
     kernels.scatter_kv_pages(chunk, ks, vs, page_ids)
+    halves = torch.stack([chunk[0, :, :, :16], chunk[0, :, :, 16:]])  # layer 0 as two one-page chunks
+    kernels.scatter_kv_chunks(halves, ks[0], vs[0], page_ids[:, None].contiguous())
     q8, scales = kernels.quantize_kv_fp8(chunk)
     assert kernels.dequantize_kv_fp8(q8, scales, torch.float32).shape == chunk.shape
 

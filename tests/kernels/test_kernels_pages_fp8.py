@@ -7,7 +7,7 @@ from kernels import reference as ref
 
 pytest.importorskip("triton")
 from kernels.fp8 import dequantize_kv_fp8, quantize_kv_fp8  # noqa: E402
-from kernels.kv_pages import gather_kv_pages, scatter_kv_pages  # noqa: E402
+from kernels.kv_pages import gather_kv_pages, scatter_kv_chunks, scatter_kv_pages  # noqa: E402
 
 
 def _caches(layers, num_pages, page_size, kv_heads, head_dim, dtype, layout):
@@ -75,6 +75,28 @@ def test_gather_into_strided_out_and_scatter_from_strided_chunk():
     fresh_k, fresh_v = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
     scatter_kv_pages(out, fresh_k, fresh_v, page_ids)
     assert torch.equal(ref.gather_kv_pages(fresh_k, fresh_v, page_ids), want)
+
+
+@pytest.mark.parametrize("case", PAGE_CASES[:2] + PAGE_CASES[3:], ids=lambda c: f"ps{c[1]}-KV{c[2]}-D{c[3]}")
+def test_one_layer_of_many_chunks_lands_where_the_twin_puts_it(case):
+    """A layer-by-layer load's scatter: layer l of N chunks, each into its own pages, one launch;
+    the chunks' layer l as scatter_kv_pages would have written it, no other page touched."""
+    _, page_size, kv_heads, head_dim, dtype, _ = case
+    gen = torch.Generator().manual_seed(page_size)
+    chunks = torch.randn(3, 2, kv_heads, 2 * page_size, head_dim, generator=gen).to(dtype)
+    page_ids = torch.tensor([[7, 2], [0, 9], [4, 5]], dtype=torch.int32)
+    k, v = (torch.zeros(11, page_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    scatter_kv_chunks(chunks, k, v, page_ids)
+    want_k, want_v = torch.zeros_like(k), torch.zeros_like(v)
+    ref.scatter_kv_chunks(chunks, want_k, want_v, page_ids)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    for n in range(3):  # each chunk reads back from its pages as itself
+        assert torch.equal(ref.gather_kv_pages([k], [v], page_ids[n])[0], chunks[n])
+    assert not k[[1, 3, 6, 8, 10]].any() and not v[[1, 3, 6, 8, 10]].any()
+    strided = chunks.transpose(2, 3).contiguous().transpose(2, 3)  # [N, 2, KVH, T, D] with other strides
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    scatter_kv_chunks(strided, k2, v2, page_ids)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
 def test_pages_reject_mismatched_caches():
