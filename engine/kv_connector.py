@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer import StagingPool, land_in_order, pipelined_load
+from engine.kv_transfer import STAGE_CHUNKS, LayerwiseLanding, StagingPool, pipelined_load
 from engine.model_runner import ModelRunner
 from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
                            verify_chunk, verify_header)
@@ -57,8 +57,115 @@ class ConnectorStats:
     save_failures: int = 0
     verify_failures: int = 0
     """Chunks read from the store whose header or payload failed verification (corrupt or mislabelled)."""
+    late_failures: int = 0
+    """Loads with a chunk that failed a check made after the step had computed beside it (its
+    wsum64 where it landed, a lease that ran out before its copy ended): the engine threw that
+    step's tokens away and recomputed from the chunk."""
     store_errors: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Lease:
+    """A read lease a pending load holds: its chunks' payloads are read where they are."""
+
+    grant: object
+    ctx: object
+    """``session.in_place(grant)``, entered: the mapping stays open until the lease ends."""
+    start: int
+    """The load's index of its first chunk."""
+    mover: Mover
+    count: int = 0
+    """Of its chunks, those that passed their checks (held for landing)."""
+
+
+class PendingLoad:
+    """A load under way beside the step that needs it (``StoreConnector.begin_load``).
+
+    ``landed`` chunks passed every check made before the step (present, leased, their
+    headers and any xxh3 payload verified): the step computes after them, the model calling
+    ``wait_layer(l)`` before each layer. ``finish``, after the step, waits for the copies,
+    ends the leases and compares each wsum64 payload as it landed; it returns how many
+    chunks are good: fewer than ``landed`` (a bad chunk, a lease that ran out) and the engine
+    rolls the step back to recompute from exactly there.
+    """
+
+    def __init__(self, connector: StoreConnector, keys: list[bytes], first: int, replicate: bool) -> None:
+        self.connector, self.keys, self.first, self.replicate = connector, keys, first, replicate
+        self.session = None
+        self.leases: list[_Lease] = []
+        self.held: list[tuple] = []
+        """``(index, header, head bytes, payload view, size)`` of each chunk read in place, in order."""
+        self.in_place = 0
+        self.landed = 0
+        self.landing: LayerwiseLanding | None = None
+        self.device_checks: list[tuple[int, torch.Tensor, int]] = []
+        """Chunks through the pool: (index, wsum64 where it landed, header's)."""
+        self.sizes: list[int] = []
+        """Chunks through the pool: their sizes; with ``replicate``, their verified bytes."""
+        self.copies: list[bytes] = []
+        self.loaded: int | None = None
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer`` computes: its KV of these chunks is in the pages (on CUDA the
+        compute stream waits, the host does not)."""
+        if self.landing is not None:
+            self.landing.wait(layer)
+
+    def finish(self) -> int:
+        """Chunks loaded and good (a prefix); the copies have completed and every lease ended.
+        Safe to call again (the same answer)."""
+        if self.loaded is None:
+            t0 = time.perf_counter()
+            try:
+                self.loaded = self._finish()
+            finally:
+                self.connector.stats.load_s += time.perf_counter() - t0
+        return self.loaded
+
+    def _finish(self) -> int:
+        conn, st = self.connector, self.connector.stats
+        good, sums, copies = self.landed, None, []
+        try:
+            if self.landing is not None:
+                sums = self.landing.finish()
+            if self.replicate:  # the verified bytes as they are, while their mapping is open
+                copies = [bytes(head) + bytes(tensor_bytes(pl.cpu() if pl.is_cuda else pl))
+                          for _, _, head, pl, _ in self.held]
+        finally:
+            for lease in self.leases:  # every copy that read them has completed (or failed)
+                in_time = time.monotonic() < safe_end(lease.grant)
+                lease.ctx.__exit__(None, None, None)
+                try:
+                    self.session.release(lease.grant.lease_id)
+                except CrescentError as exc:  # expired, or the node went away: not trusted
+                    in_time = False
+                    conn._error("load", exc)
+                if not in_time and lease.start < good:
+                    conn._error("load", "a read lease ran out before its copies ended")
+                    good = lease.start
+        checks = [(i, sums[j], hdr.payload_hash) for j, (i, hdr, *_) in enumerate(self.held)
+                  if hdr.check == CHECK_WSUM and sums is not None] + self.device_checks
+        bad = _first_mismatch(checks)
+        if bad is not None and bad < good:  # its KV (and what followed) is recomputed over
+            st.verify_failures += 1
+            conn._error(f"chunk {self.first + bad} failed verification", "payload checksum mismatch where it landed")
+            good = bad
+        if good < len(self.keys):  # a miss (evicted since the lookup), a bad chunk or a store error
+            st.load_failures += 1
+        if good < self.landed:
+            st.late_failures += 1
+        st.chunks_loaded += good
+        st.chunks_loaded_in_place += min(self.in_place, good)
+        st.chunks_loaded_from_device += sum(min(lease.count, max(0, good - lease.start)) for lease in self.leases
+                                            if lease.mover is Mover.CUDA_IPC)
+        st.bytes_loaded += sum(([h[4] for h in self.held] + self.sizes)[:good])
+        self.held = []  # the views: their mapping may close now
+        if self.replicate and good and conn.save_enabled:
+            # NOTE: the verified bytes as they are: a put through the cluster client
+            # lands on this engine's own node first.
+            conn._enqueue(None, list(zip(self.keys[:good], (copies + self.copies)[:good])))
+        return good
 
 
 class StoreConnector:
@@ -87,6 +194,9 @@ class StoreConnector:
         pin = runner.device.type == "cuda"
         self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin)
         self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
+        self.layer_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
+                                        device=runner.device) if pin else None)
+        """A layer-by-layer load's device staging (``LayerwiseLanding``), made at start."""
         self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         wsum = check == "wsum" or (check == "auto" and pin)
@@ -185,24 +295,31 @@ class StoreConnector:
         """Loads chunks ``first .. first+num-1`` into their pages; returns how many loaded.
 
         Loading stops at the first chunk that is missing, fails verification or
-        errors: the engine recomputes from there.
+        errors: the engine recomputes from there. (``begin_load`` and its ``finish``,
+        with nothing computed in between.)
         """
+        return self.begin_load(tokens, salt, pages, first, num, seq_id, replicate).finish()
+
+    def begin_load(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int,
+                   seq_id: int | None = None, replicate: bool = False) -> PendingLoad:
+        """Starts loading chunks ``first .. first+num-1`` into their pages, for a step to compute
+        beside it (``PendingLoad``): chunks read where a same-host node keeps them land layer
+        by layer (``LayerwiseLanding``); others (another host, the node's disk) through the
+        staging pool, before this returns. The caller must ``finish`` it, whatever happens."""
         t0 = time.perf_counter()
         try:
-            return self._load(tokens, salt, pages, first, num, seq_id, replicate)
+            return self._begin(tokens, salt, pages, first, num, seq_id, replicate)
         finally:
             self.stats.load_s += time.perf_counter() - t0
 
-    def _load(self, tokens, salt, pages, first, num, seq_id, replicate) -> int:
+    def _begin(self, tokens, salt, pages, first, num, seq_id, replicate) -> PendingLoad:
         all_keys = self.keys(tokens, salt)
         keys = all_keys[first : first + num]
         ns = self.namespace(salt)
         dtype, shape = self.runner.dtype, self.runner.chunk_shape
         staged = self._staged.pop(seq_id, {})
         per_chunk = self.chunk_tokens // self.runner.cfg.page_size
-        sizes: list[int] = []  # of the chunks landed, in order
-        copies: list[bytes] = []  # replicate: their verified bytes, out of the pool
-        device_checks: list[tuple[int, torch.Tensor, int]] = []  # (chunk, wsum where it landed, header's)
+        p = PendingLoad(self, keys, first, replicate)
 
         def fetch(start: int, count: int, views: list[memoryview]) -> list[int | None]:
             out: list[int | None] = [None] * count
@@ -226,21 +343,13 @@ class StoreConnector:
             return dict(key=keys[i], namespace=ns, parent=bytes(ROOT_KEY) if c == 0 else all_keys[c - 1],
                         tokens=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens], dtype=dtype, shape=shape)
 
-        def land_verified(i: int, hdr, payload: torch.Tensor, size: int, raw):
-            """Starts a checked chunk's copy into its pages (a wsum64 payload is checked where it lands)."""
+        def chunk_pages(i: int) -> list[int]:
             c = first + i
-            ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape),
-                                              pages[c * per_chunk : (c + 1) * per_chunk],
-                                              checksum=hdr.check == CHECK_WSUM)
-            if dsum is not None:
-                device_checks.append((i, dsum, hdr.payload_hash))
-            sizes.append(size)
-            if replicate:
-                copies.append(raw())
-            return True, ev
+            return pages[c * per_chunk : (c + 1) * per_chunk]
 
         def land(i: int, buf: int, size: int):
-            """Chunk ``first + i`` from pool buffer ``buf``."""
+            """Chunk ``i`` from pool buffer ``buf``: verified, then its copy into its pages started
+            (a wsum64 payload is checked where it lands, after the step)."""
             view = self.pool.view(buf)[:size]
             try:
                 hdr = verify_chunk(view, **expected(i), payload=False)
@@ -249,53 +358,60 @@ class StoreConnector:
                 self._error(f"chunk {first + i} failed verification", exc)
                 return False, None
             payload = self.pool.tensor(buf)[hdr.payload_offset : hdr.payload_offset + hdr.payload_bytes]
-            return land_verified(i, hdr, payload, size, lambda: bytes(view))
+            ev, dsum = self.runner.land_chunk(payload.view(dtype).view(shape), chunk_pages(i),
+                                              checksum=hdr.check == CHECK_WSUM)
+            if dsum is not None:
+                p.device_checks.append((i, dsum, hdr.payload_hash))
+            p.sizes.append(size)
+            if replicate:
+                p.copies.append(bytes(view))
+            return True, ev
 
-        def land_in_place(i: int, head: memoryview, payload: torch.Tensor, size: int):
-            """Chunk ``first + i`` from the store's own memory: its header copied out, its
-            payload where the node keeps it (leased)."""
+        def verify_in_place(i: int, head: memoryview, payload: torch.Tensor, size: int):
+            """Chunk ``i`` where the node keeps it: its header (copied out) checked, and an xxh3
+            payload where it is (a device-tier one: a host copy); None when it fails."""
             try:
                 hdr = verify_header(head, size, **expected(i))
                 if hdr.payload_offset != len(head) or hdr.payload_bytes != payload.numel():
                     raise ChunkVerificationError("chunk layout differs from this engine's")
-                if hdr.check == CHECK_XXH3:  # read in place (a device-tier payload: a host copy)
+                if hdr.check == CHECK_XXH3:
                     check_payload(hdr, payload.cpu() if payload.is_cuda else payload)
             except CrescentError as exc:
                 self.stats.verify_failures += 1
                 self._error(f"chunk {first + i} failed verification", exc)
-                return False, None
-            return land_verified(i, hdr, payload, size, lambda: bytes(head) + bytes(tensor_bytes(payload)))
+                return None
+            return hdr
 
         self.runner.begin_landing()
-        session = self._in_place_session() if not staged else None
-        in_place, elsewhere = 0, not session
-        if session is not None:
-            in_place, elsewhere = self._load_in_place(session, keys, land_in_place)
-        loaded = in_place
-        if elsewhere and loaded < len(keys):
-            # NOTE: from the first chunk not in the node's arena (on its disk or GPU tier) on, or
-            # for every chunk without an shm session: through the staging pool (pinned on CUDA),
-            # the node streaming disk values straight into it, then a DMA into the pages
-            off = loaded
-            loaded += pipelined_load(self.pool, len(keys) - off, self.load_batch,
-                                     lambda s, c, v: fetch(off + s, c, v), lambda i, b, n: land(off + i, b, n),
-                                     lambda exc: self._error("load", exc))
-        self.runner.end_landing()
-        bad = _first_mismatch(device_checks)
-        if bad is not None and bad < loaded:  # its KV (and what followed) is recomputed over
-            self.stats.verify_failures += 1
-            self._error(f"chunk {first + bad} failed verification", "payload checksum mismatch where it landed")
-            loaded = bad
-        if loaded < len(keys):  # a miss (evicted since the lookup), a bad chunk or a store error
-            self.stats.load_failures += 1
-        self.stats.chunks_loaded += loaded
-        self.stats.chunks_loaded_in_place += min(in_place, loaded)
-        self.stats.bytes_loaded += sum(sizes[:loaded])
-        if replicate and loaded and self.save_enabled:
-            # NOTE: the verified bytes as they are: a put through the cluster client
-            # lands on this engine's own node first.
-            self._enqueue(None, list(zip(keys[:loaded], copies[:loaded])))
-        return loaded
+        try:
+            session = self._in_place_session() if not staged else None
+            elsewhere = not session
+            if session is not None:
+                p.session = session
+                elsewhere = self._lease_in_place(session, keys, verify_in_place, p)
+            p.in_place = len(p.held)
+            p.landed = p.in_place
+            if elsewhere and p.landed < len(keys):
+                # NOTE: from the first chunk not in the node's arena (on its disk or GPU tier) on, or
+                # for every chunk without an shm session: through the staging pool (pinned on CUDA),
+                # the node streaming disk values straight into it, then a DMA into the pages
+                off = p.landed
+                p.landed += pipelined_load(self.pool, len(keys) - off, self.load_batch,
+                                           lambda s, c, v: fetch(off + s, c, v), lambda i, b, n: land(off + i, b, n),
+                                           lambda exc: self._error("load", exc))
+            if p.held:
+                dt = self.runner.dtype
+                p.landing = LayerwiseLanding(
+                    self.runner, [payload.view(dt).view(shape) for _, _, _, payload, _ in p.held],
+                    [chunk_pages(i) for i, *_ in p.held], any(h.check == CHECK_WSUM for _, h, *_ in p.held),
+                    stage=self.layer_stage)
+                p.landing.start()
+            if p.landing is None or p.landing.events is None:
+                self.runner.end_landing()  # (with a layerwise landing its per-layer events cover the pool's)
+        except BaseException:
+            p.finish()
+            raise
+        return p
 
     def _in_place_session(self):
         """The client's shm session, when loads can read leased chunks where the node keeps them
@@ -307,57 +423,49 @@ class StoreConnector:
             return None
         return session if session is not None and session.mover is Mover.SHM else None
 
-    def _load_in_place(self, session, keys: list[bytes], land) -> tuple[int, bool]:
-        """Loads ``keys`` in batches, each under one read lease, from the node's memory as mapped
-        here: its DRAM arena (shm) and, when mapped, its device tier (cuda_ipc: the payload
-        copied device to device). A chunk's header is copied out, its payload lands from the
-        leased slots (on CUDA a DMA from the registered mapping, or a device copy). The lease
-        ends once every copy that read it has completed; copies that ended after the lease's
-        safe end make the batch a miss. A chunk one tier holds elsewhere is asked of the other.
-        Returns ``(chunks landed, whether it stopped at a chunk the node holds elsewhere)``:
-        on its disk (or an unmapped GPU) tier, for the caller to read another way."""
+    def _lease_in_place(self, session, keys: list[bytes], verify, p: PendingLoad) -> bool:
+        """Leases ``keys`` in batches where the node keeps them: its DRAM arena (shm) and, when
+        mapped here, its device tier (cuda_ipc). Every chunk's header is copied out and checked
+        now; its payload stays where it is, a view under a lease that ``p`` holds until the copies
+        that read it have completed (``PendingLoad.finish``). A chunk one tier holds elsewhere is
+        asked of the other. Returns whether it stopped at a chunk the node holds elsewhere (on
+        its disk, or an unmapped GPU tier) for the caller to read another way; stops without at a
+        miss, a bad chunk or an error."""
         movers = [session.mover] + ([Mover.CUDA_IPC] if session.device_mapped else [])
-        loaded, which, switched_at = 0, 0, -1
-        while loaded < len(keys):
-            batch = keys[loaded : loaded + self.load_batch]
+        which, switched_at = 0, -1
+        while len(p.held) < len(keys):
+            start = len(p.held)
+            batch = keys[start : start + self.load_batch]
             mover = movers[which]
             try:
                 g = session.acquire(batch, mover)
             except CrescentError as exc:
                 self._error("load", exc)
-                return loaded, False
-            landed, stop, events, in_time = 0, False, [], True
+                return False
+            landed, stop = 0, True
             if g.lease_id:
-                try:
-                    with session.in_place(g) as view:
-                        if view is None:  # the node restarted between grant and read
-                            return loaded, False
-                        landed, stop = land_in_order(
-                            self._leased_chunks(view, g, loaded, view.slot_bytes), land, events)
-                        for ev in events:
-                            ev.synchronize()  # the lease holds until the copies reading it are done
-                        in_time = time.monotonic() < safe_end(g)
-                finally:
-                    try:
-                        session.release(g.lease_id)
-                    except CrescentError as exc:  # expired, or the node went away: not trusted
-                        in_time = False
-                        self._error("load", exc)
-                if not in_time:
-                    self._error("load", "a read lease ran out before its copies ended")
-                    return loaded, False
-                if mover is Mover.CUDA_IPC:
-                    self.stats.chunks_loaded_from_device += landed
-            else:
-                stop = True
-            loaded += landed
+                lease = _Lease(g, session.in_place(g), start, mover)
+                p.leases.append(lease)  # ended at finish, whatever happens from here
+                view = lease.ctx.__enter__()
+                if view is None:  # the node restarted between grant and read
+                    return False
+                stop = False
+                for step in self._leased_chunks(view, g, start, view.slot_bytes):
+                    hdr = None if step is None else verify(*step)
+                    if hdr is None:
+                        stop = True
+                        break
+                    i, head, payload, size = step
+                    p.held.append((i, hdr, head, payload, size))
+                    landed += 1
+                lease.count = landed
             if not stop:
                 continue
             elsewhere = landed < len(g.items) and g.items[landed].status is ItemStatus.ELSEWHERE
-            if not elsewhere or len(movers) == 1 or switched_at == loaded:
-                return loaded, elsewhere  # a miss, a bad chunk, or a chunk on no tier mapped here
-            which, switched_at = 1 - which, loaded  # held by the other tier: ask it from here on
-        return loaded, False
+            if not elsewhere or len(movers) == 1 or switched_at == len(p.held):
+                return elsewhere  # a miss, a bad chunk, or a chunk on no tier mapped here
+            which, switched_at = 1 - which, len(p.held)  # held by the other tier: ask it from here on
+        return False
 
     def _leased_chunks(self, mover, g, start: int, slot_bytes: int):
         """``(chunk index, header, payload, size)`` of each chunk ``g`` leased, in order: the

@@ -161,3 +161,109 @@ def pipelined_load(pool: StagingPool, num: int, batch: int, fetch: Fetch, land: 
             pool.give(ids)
         settle()
     return landed
+
+
+STAGE_CHUNKS = 32
+"""Chunk-layers the device staging buffer of a layer-by-layer load holds (a layer of more
+chunks lands in groups of this many, one after another on the transfer stream)."""
+
+
+class LayerwiseLanding:
+    """Lands chunks layer by layer, beside the step that reads them: layer ``l`` of every chunk
+    reaches its pages before layer ``l`` of the step computes, and layer ``l + 1`` moves while it
+    does (the way LMCache's layerwise mode and SGLang's HiCache load).
+
+    A chunk is a ``[L, 2, KVH, chunk_tokens, D]`` tensor where its bytes already are: the node's
+    registered arena (a host→device DMA), its device tier (a device copy), or host memory.
+
+    On CUDA ``start`` queues every layer on the transfer stream (per group of ``STAGE_CHUNKS``
+    chunks: their layer into ``stage``, the group's wsum64 shares, one scatter into the layer's
+    pages) and records an event per layer; ``wait(l)`` makes the compute stream wait for
+    layer ``l``'s (the host never waits). On the CPU ``wait(l)`` lands the layers up to ``l``
+    there and then: the same order, with no transfer engine to overlap.
+
+    ``finish`` lands whatever is left and returns once every copy has completed (the chunks'
+    source may be released then): the wsum64 of each chunk as it landed (``[N]`` int64 on the
+    device) when ``checksum``, else None.
+    """
+
+    def __init__(self, runner, chunks: list[torch.Tensor], pages: list[list[int]], checksum: bool,
+                 stage: torch.Tensor | None = None) -> None:
+        self.runner, self.chunks = runner, chunks
+        self.num_layers = len(runner.k_caches)
+        self._pages, self._checksum = pages, checksum
+        self.page_ids: torch.Tensor | None = None
+        self.sums: torch.Tensor | None = None
+        first = chunks[0] if chunks else None
+        self._layer_words = first[0].numel() * first.element_size() // 8 if first is not None else 0
+        self._total_words = self._layer_words * self.num_layers
+        self.stage = stage
+        self.events: list | None = None
+        self.landed_layers = 0
+        """Layers landed (CPU), or queued (CUDA)."""
+
+    def _tables(self) -> None:
+        """Page ids and wsum64 accumulators, on the device (made on the stream that uses them)."""
+        if self.page_ids is None:
+            dev = self.runner.device
+            self.page_ids = torch.tensor(self._pages, dtype=torch.int32).to(dev)
+            if self._checksum:
+                self.sums = torch.zeros(len(self.chunks), dtype=torch.int64, device=dev)
+
+    def _share(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        from kvstore.chunk import wsum64_rows
+
+        return wsum64_rows(rows, layer * self._layer_words, self._total_words)
+
+    def start(self) -> None:
+        """CUDA: queues every layer's copies on the transfer stream. CPU: nothing yet."""
+        stream = self.runner.transfer_stream
+        if stream is None or not self.chunks:
+            return
+        import kernels
+
+        n, group = len(self.chunks), self.stage.shape[0]
+        self.events = []
+        with torch.cuda.stream(stream):
+            self._tables()
+            for layer in range(self.num_layers):
+                k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
+                for g0 in range(0, n, group):
+                    g = min(group, n - g0)
+                    for j in range(g):
+                        self.stage[j].copy_(self.chunks[g0 + j][layer], non_blocking=True)
+                    if self.sums is not None:
+                        self.sums[g0 : g0 + g] += self._share(self.stage[:g], layer)
+                    kernels.scatter_kv_chunks(self.stage[:g], k, v, self.page_ids[g0 : g0 + g])
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self.events.append(ev)
+        self.landed_layers = self.num_layers
+
+    def wait(self, layer: int) -> None:
+        """Before layer ``layer`` computes: its KV (and every earlier layer's) is in the pages."""
+        if self.events is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(self.events[layer])
+            return
+        import kernels
+
+        self._tables()
+        while self.landed_layers <= layer:
+            l = self.landed_layers
+            k, v = self.runner.k_caches[l], self.runner.v_caches[l]
+            for i, chunk in enumerate(self.chunks):
+                part = chunk[l][None]
+                if self.sums is not None:
+                    self.sums[i] += self._share(part, l)[0]
+                kernels.scatter_kv_chunks(part, k, v, self.page_ids[i : i + 1])
+            self.landed_layers += 1
+
+    def finish(self) -> torch.Tensor | None:
+        if not self._pages:
+            return None
+        if self.events is None:
+            if self.landed_layers < self.num_layers:  # the step did not need them all (or did not run)
+                self.wait(self.num_layers - 1)
+        elif self.events:
+            self.events[-1].synchronize()
+        return self.sums

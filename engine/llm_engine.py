@@ -250,22 +250,35 @@ class LLMEngine:
         else:
             out = self.scheduler.schedule(lambda s: [])
         scheduled = out.scheduled
-        if self.connector is not None:
-            for seq in out.admitted:
-                if seq.num_store_tokens:
-                    scheduled = self._load(seq, scheduled)
-        if not scheduled:
-            self.last_step_prefill_tokens = None
-            return []
-        self.last_step_prefill_tokens = out.num_prefill_tokens
-        self.last_step_seqs = len(scheduled)
-        self.last_step_context_tokens = sum(s.seq.num_computed + s.num_new_tokens for s in scheduled)
+        loads = []  # (seq, its load): the step computes while their KV lands, layer by layer
+        try:
+            if self.connector is not None:
+                for seq in out.admitted:
+                    if seq.num_store_tokens:
+                        scheduled = self._begin_load(seq, scheduled, loads)
+            if not scheduled:
+                self.last_step_prefill_tokens = None
+                return []
+            self.last_step_prefill_tokens = out.num_prefill_tokens
+            self.last_step_seqs = len(scheduled)
+            self.last_step_context_tokens = sum(s.seq.num_computed + s.num_new_tokens for s in scheduled)
+            ready = None
+            if loads:
+                def ready(layer: int) -> None:
+                    for _, pending in loads:
+                        pending.wait_layer(layer)
+            logits = self.runner.run(scheduled, kv_ready=ready)
+        finally:
+            rolled_back = self._finish_loads(loads)
         before = {id(s.seq): s.seq.num_computed for s in scheduled}
-        logits = self.runner.run(scheduled)
         results: list[StepOutput] = []
         rows, params, ids, first_row = [], [], [], []
         row = 0
         for s in scheduled:
+            if id(s.seq) in rolled_back:  # computed over KV that failed its check: nothing of it counts
+                first_row.append(None)
+                row += 1 + s.num_draft
+                continue
             first_row.append(row)
             if s.num_draft:  # verified below; its drafts' KV counts once accepted
                 s.seq.num_computed += 1
@@ -280,6 +293,8 @@ class LLMEngine:
         now = time.perf_counter()
         for s, r in zip(scheduled, first_row):
             seq = s.seq
+            if r is None:
+                continue
             if s.num_draft:
                 new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id)
                 self.num_spec_steps += 1
@@ -329,19 +344,45 @@ class LLMEngine:
             self.blocks.free(seq.pages[-extra:])
             del seq.pages[-extra:]
 
-    def _load(self, seq: Sequence, scheduled):
+    def _begin_load(self, seq: Sequence, scheduled, loads: list):
+        """Starts loading ``seq``'s store hits into its pages. Chunks that fail a check made now
+        (a miss, a bad header, a store error) are recomputed from the first of them, starting
+        next step; the rest land beside this step (``_finish_loads`` checks them after it)."""
         first = seq.num_local_tokens // self.cfg.chunk_tokens
         num = seq.num_store_tokens // self.cfg.chunk_tokens
-        salt = seq.cache_salt
-        loaded = self.connector.load(seq.prompt, salt, seq.pages, first, num, seq_id=seq.seq_id,
-                                     replicate=seq.replicate)
-        if loaded < num:  # a miss from here on: recompute, starting next step
-            seq.num_computed = (first + loaded) * self.cfg.chunk_tokens
-            seq.num_store_tokens = loaded * self.cfg.chunk_tokens
-            seq.num_saved_chunks = first + loaded
+        pending = self.connector.begin_load(seq.prompt, seq.cache_salt, seq.pages, first, num, seq_id=seq.seq_id,
+                                            replicate=seq.replicate)
+        loads.append((seq, pending))
+        if pending.landed < num:  # a miss from here on: recompute, starting next step
+            self._recompute_from(seq, first, pending.landed)
             scheduled = [s for s in scheduled if s.seq is not seq]
-        self._register_pages(seq, 0)
         return scheduled
+
+    def _finish_loads(self, loads: list) -> set[int]:
+        """After the step: every load's copies done and leases ended. A sequence whose chunk
+        failed its check where it landed (or whose lease ran out before its copy ended) is
+        rolled back to recompute from exactly that chunk; returns their ids (``id(seq)``)."""
+        rolled_back: set[int] = set()
+        error = None
+        for seq, pending in loads:
+            try:
+                good = pending.finish()
+            except Exception as exc:  # noqa: BLE001 - finish the others (their leases), then raise
+                error, good = error or exc, 0
+            first = seq.num_local_tokens // self.cfg.chunk_tokens
+            if good < pending.landed:
+                self._recompute_from(seq, first, good)
+                rolled_back.add(id(seq))
+            self._register_pages(seq, 0)
+        if error is not None:
+            raise error
+        return rolled_back
+
+    def _recompute_from(self, seq: Sequence, first: int, loaded: int) -> None:
+        """``seq`` holds its local chunks and ``loaded`` store chunks after them; the rest is computed."""
+        seq.num_computed = (first + loaded) * self.cfg.chunk_tokens
+        seq.num_store_tokens = loaded * self.cfg.chunk_tokens
+        seq.num_saved_chunks = first + loaded
 
     def _after_compute(self, seq: Sequence, before: int) -> None:
         """Registers newly full pages locally and saves newly completed chunks to the store."""

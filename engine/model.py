@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ class AttnMetadata:
     is_decode: bool
     """Every sequence has exactly one token this step."""
     max_q_len: int
+    kv_ready: Callable[[int], None] | None = None
+    """Called with ``l`` before layer ``l`` computes: a load landing layer by layer beside the
+    step (``PendingLoad.wait_layer``) has that layer's KV in the pages then."""
 
 
 class RMSNorm(nn.Module):
@@ -170,7 +174,9 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+            if meta.kv_ready is not None:
+                meta.kv_ready(i)
             x = layer(x, cos, sin, meta, k_cache, v_cache)
         return self.model.norm(x)
 

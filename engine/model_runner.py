@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -69,14 +70,20 @@ class ModelRunner:
         mc = self.model_config
         return (mc.num_hidden_layers, 2, mc.num_key_value_heads, self.cfg.chunk_tokens, mc.head_dim)
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def run(self, scheduled: list[ScheduledSeq], kv_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Computes the step's tokens; returns the logits of each sequence's last ``1 + num_draft``
-        tokens, in order: ``[B, vocab]`` when nothing is speculative."""
+        tokens, in order: ``[B, vocab]`` when nothing is speculative.
+
+        ``kv_ready(l)``, when given, is called before layer ``l`` computes (loads landing
+        beside the step); a replayed CUDA graph calls it for every layer first."""
         page = self.cfg.page_size
         max_pages = max(len(s.seq.pages) for s in scheduled)
         graphs = self.decode_graphs
         if graphs is not None and all(s.num_new_tokens == 1 and not s.num_draft for s in scheduled):
             if graphs.fits(len(scheduled), max_pages):
+                if kv_ready is not None:
+                    for layer in range(len(self.kv_caches)):
+                        kv_ready(layer)
                 return self._run_decode_graph(graphs, scheduled)
             graphs.fallbacks += 1
         ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
@@ -101,6 +108,7 @@ class ModelRunner:
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             is_decode=all(s.num_new_tokens == 1 for s in scheduled),
             max_q_len=max(s.num_new_tokens for s in scheduled),
+            kv_ready=kv_ready,
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), meta, self.kv_caches)
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)])

@@ -108,6 +108,21 @@ def wsum64(payload: torch.Tensor) -> torch.Tensor:
     return (w * _multipliers(w.numel(), w.device)).sum()
 
 
+def wsum64_rows(rows: torch.Tensor, word_offset: int, total_words: int) -> torch.Tensor:
+    """``[N]`` int64: row ``n``'s share of the wsum64 of a payload of ``total_words`` 8-byte
+    words in which the row starts at word ``word_offset`` (the same offset for every row).
+
+    The sum is linear with a weight per position, so the shares of a payload's parts add up
+    (mod 2^64) to its wsum64: a load that lands a chunk layer by layer checks it as it goes.
+
+    Args:
+        rows: ``[N, ...]``, each row contiguous, a multiple of 8 bytes.
+    """
+    w = rows.reshape(rows.shape[0], -1).view(torch.uint8).view(torch.int64)
+    m = _multipliers(total_words, w.device)[word_offset : word_offset + w.shape[1]]
+    return (w * m).sum(-1)
+
+
 def _unsigned(x: int) -> int:
     return x & ((1 << 64) - 1)
 

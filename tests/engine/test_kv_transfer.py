@@ -174,9 +174,10 @@ def _seed(address: str, reference, check="auto") -> list[bytes]:
 @pytest.mark.parametrize("check", ["xxh3", "wsum"])
 @pytest.mark.parametrize("bad", [0, 5, 9])
 def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check):
-    """xxh3 payloads are checked before they land; wsum64 payloads where they landed, after the
-    whole load (the GPU's way; here on the CPU): the chunks after a bad one land too, and are
-    recomputed over."""
+    """xxh3 payloads are checked before they land; wsum64 payloads where they landed, layer by
+    layer beside the step that needs them (the GPU's way; here on the CPU): the chunks after a
+    bad one land too, the step computes over them, and is thrown away and recomputed from
+    exactly the bad chunk."""
     from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, parse_header
 
     node = nodes()
@@ -192,6 +193,8 @@ def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, referenc
         st = eng.connector.stats
         assert list(seq.output) == reference
         assert seq.num_store_tokens == bad * CHUNK and st.chunks_loaded == bad and st.load_failures == 1
+        # a wsum64 payload is checked after the step that computed beside its landing: thrown away
+        assert st.late_failures == (1 if check == "wsum" else 0)
         assert eng.connector.pool.in_use == 0
         assert eng.connector.flush(timeout_s=120)
     finally:
@@ -308,32 +311,115 @@ def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transp
         eng.close()
 
 
-def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference):
+def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference, monkeypatch):
     """The node may reuse a slot once the lease is over: a chunk whose copy ended after the
-    lease's safe end is not trusted, whatever it looked like."""
+    lease's safe end is not trusted, whatever it looked like. Here the copies of the last layer
+    end after every lease ran out: the step that computed beside them is thrown away and the
+    whole prompt recomputed."""
     import time
+
+    from engine.kv_transfer import LayerwiseLanding
 
     node = nodes(lease_ttl_s=0.5)
     _seed(node.address, reference)
     eng = make_engine(node.address, batch=4)
-    real = eng.runner.land_chunk
-    slow = {"n": 0}
+    real = LayerwiseLanding.wait
 
-    def land_chunk(chunk, pages, checksum=False):  # the engine's own copy, made slow once
-        slow["n"] += 1
-        if slow["n"] == 6:  # in the second batch: the first batch stays loaded
+    def wait(self, layer):  # the engine's own copies, the last layer's made slow
+        if layer == self.num_layers - 1 and self.landed_layers == layer:
             time.sleep(1.5)
-        return real(chunk, pages, checksum)
+        return real(self, layer)
 
-    eng.runner.land_chunk = land_chunk
+    monkeypatch.setattr(LayerwiseLanding, "wait", wait)
     try:
         seq = run(eng, PROMPT)
         st = eng.connector.stats
         assert list(seq.output) == reference
-        assert seq.num_store_tokens == 4 * CHUNK and st.chunks_loaded_in_place == 4
+        assert seq.num_store_tokens == 0 and st.chunks_loaded == 0 and st.late_failures == 1
         assert any("ran out" in e or "expired" in e for e in st.errors), st.errors
+        assert node.transport.leases.stats()["num_remote_leases"] == 0
     finally:
         eng.close()
+
+
+def test_a_load_lands_layer_by_layer_beside_the_step_and_holds_its_leases_until_then(nodes, reference,
+                                                                                      monkeypatch):
+    """The step computes while the chunks land: when layer l computes, layer l of every loaded
+    chunk is in its pages and no later layer is yet; the read leases are held until the copies
+    have completed, and ended after; the pages hold exactly what recomputing writes."""
+    import torch
+
+    from engine.kv_transfer import LayerwiseLanding
+
+    node = nodes()
+    _seed(node.address, reference)
+    ref_eng = make_engine()
+    seq = ref_eng.add_request(PROMPT, PARAMS)
+    ref_eng.step()  # the whole prompt in one step (chunked prefill budget permitting)
+    eng = make_engine(node.address, batch=3)
+    loaded_pages = list(range(10 * CHUNK // eng.cfg.page_size))
+    seen = []
+    real = LayerwiseLanding.wait
+
+    def wait(self, layer):
+        ks = eng.runner.k_caches
+        filled = [bool(ks[i][loaded_pages].any()) for i in range(len(ks))]
+        real(self, layer)
+        after = [bool(ks[i][loaded_pages].any()) for i in range(len(ks))]
+        leases = node.transport.leases.stats()["num_remote_leases"]
+        seen.append((layer, filled, after, leases))
+
+    monkeypatch.setattr(LayerwiseLanding, "wait", wait)
+    try:
+        seq2 = eng.add_request(PROMPT, PARAMS)
+        eng.step()
+        layers = len(eng.runner.k_caches)
+        assert [s[0] for s in seen] == list(range(layers))  # once per layer, in order, before it computes
+        for layer, filled, after, leases in seen:
+            assert filled == [i < layer for i in range(layers)]
+            assert after == [i <= layer for i in range(layers)]
+            assert leases == 4  # 10 chunks in leases of 3: all held while the step computes
+        assert node.transport.leases.stats()["num_remote_leases"] == 0
+        assert seq2.num_store_tokens == 10 * CHUNK and eng.connector.stats.chunks_loaded_in_place == 10
+        for i in range(layers):
+            for mine, theirs in ((eng.runner.k_caches, ref_eng.runner.k_caches),
+                                 (eng.runner.v_caches, ref_eng.runner.v_caches)):
+                assert torch.equal(mine[i][loaded_pages], theirs[i][seq.pages[: len(loaded_pages)]])
+        while not seq2.is_finished:
+            eng.step()
+        assert list(seq2.output) == reference
+    finally:
+        eng.close()
+        ref_eng.close()
+
+
+def test_a_node_killed_while_its_chunks_land_in_place(reference, monkeypatch):
+    """The node dies while the step computes beside the copies from its arena (still mapped
+    here): its leases cannot be ended, so nothing read under them is trusted; the step is
+    thrown away and the prompt recomputed, with the same tokens."""
+    from engine.kv_transfer import LayerwiseLanding
+
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        _seed(node.address, reference)
+        eng = make_engine(client=StoreClient(node.address, transport="shm", timeout_s=30), batch=4)
+        real = LayerwiseLanding.wait
+
+        def wait(self, layer):
+            if layer == 1 and node.proc.poll() is None:
+                node.kill9()
+            return real(self, layer)
+
+        monkeypatch.setattr(LayerwiseLanding, "wait", wait)
+        try:
+            seq = run(eng, PROMPT)
+            st = eng.connector.stats
+            assert list(seq.output) == reference
+            assert seq.num_store_tokens == 0 and st.late_failures == 1 and st.chunks_loaded == 0
+        finally:
+            eng.close()
+    finally:
+        node.stop()
 
 
 @pytest.fixture
