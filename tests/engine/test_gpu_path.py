@@ -87,6 +87,7 @@ def test_store_reuse_on_the_gpu_gives_the_tokens_of_recompute(node):
         seq = _run(eng, prompt)  # the device check finds chunk 4: recomputed from there
         assert list(seq.output) == want and seq.num_store_tokens == 4 * CHUNK
         assert eng.connector.stats.load_failures == 1
+        assert eng.connector.stats.late_failures == 1  # found after the step that computed beside it
     finally:
         eng.close()
 
@@ -124,5 +125,38 @@ def test_loads_over_tcp_land_through_the_pinned_pool(node):
         seq = _run(eng, prompt)
         assert list(seq.output) == want and seq.num_store_tokens == 6 * CHUNK
         assert eng.connector.stats.chunks_loaded_in_place == 0 and eng.connector.pool.in_use == 0
+    finally:
+        eng.close()
+
+
+def test_a_load_lands_layer_by_layer_on_the_transfer_stream_in_groups(node, monkeypatch):
+    """The in-place load queues every layer on the transfer stream (groups of a staging buffer
+    smaller than the load here) and the step waits on per-layer events: exact tokens."""
+    import engine.kv_connector as kvc
+    from engine.kv_transfer import LayerwiseLanding
+
+    monkeypatch.setattr(kvc, "STAGE_CHUNKS", 4)  # 9 chunks: groups of 4, 4 and 1 per layer
+    prompt = _prompt(9 * CHUNK + 5, seed=7)
+    ref = _engine(None)
+    want = list(_run(ref, prompt).output)
+    ref.close()
+    waits = []
+    real = LayerwiseLanding.wait
+
+    def wait(self, layer):
+        waits.append((layer, self.events is not None, self.stage.shape[0]))
+        return real(self, layer)
+
+    monkeypatch.setattr(LayerwiseLanding, "wait", wait)
+    eng = _engine(node.address)
+    try:
+        _run(eng, prompt)
+        assert eng.connector.flush(timeout_s=120)
+        seq = _run(eng, prompt)
+        assert list(seq.output) == want and seq.num_store_tokens == 9 * CHUNK
+        layers = len(eng.runner.k_caches)
+        assert [w[0] for w in waits] == list(range(layers))
+        assert all(on_stream and group == 4 for _, on_stream, group in waits)
+        assert eng.connector.stats.late_failures == 0
     finally:
         eng.close()
