@@ -197,16 +197,16 @@ class StoreConnector:
         self.layer_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
                                         device=runner.device) if pin else None)
         """A layer-by-layer load's device staging (``LayerwiseLanding``), made at start."""
-        self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin)
-        """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
         """The payload check of saved chunks (docs/keys.md)."""
+        registered = False
         try:
             getattr(client, "transport", None)
             session = self._in_place_session()
             if session is not None and pin:
                 why = session.register_cuda()  # once, at start
+                registered = why is None
                 if why:
                     log.warning("the store's arena stays pageable for the GPU (%s): loads stage through "
                                 "the driver", why)
@@ -215,6 +215,13 @@ class StoreConnector:
                     log.info("the store's device tier is read through the node (%s)", why)
         except CrescentError as exc:  # the store is down now: loads recompute until it is back
             self._error("connect", exc)
+        # NOTE: with the node's arena page-locked here, a chunk is gathered into a device buffer
+        # and the put DMAs it straight into the slots it reserved (a zero-copy put: no pinned
+        # bounce, no host memcpy on the saver thread); otherwise into pinned host buffers.
+        on_device = registered and self.check == CHECK_WSUM
+        self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin,
+                                     device=runner.device if on_device else None)
+        """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
 
     def namespace(self, salt: str | None) -> Namespace:
         ns = self._namespaces.get(salt)

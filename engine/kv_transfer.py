@@ -32,14 +32,19 @@ class StagingPool:
         slot_bytes: bytes of one buffer (an encoded chunk).
         count: buffers; a pipelined load of batches of ``b`` chunks needs ``2 * b``.
         pin: page-lock them (needs CUDA): device copies from them are asynchronous DMA.
+        device: where the buffers are (default the host); a device pool has no byte views.
     """
 
-    def __init__(self, slot_bytes: int, count: int, pin: bool = False) -> None:
+    def __init__(self, slot_bytes: int, count: int, pin: bool = False, device: torch.device | None = None) -> None:
         if slot_bytes <= 0 or count <= 0:
             raise ValueError("a staging pool needs a positive buffer size and count")
-        self.slot_bytes, self.count, self.pinned = slot_bytes, count, pin
-        self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
-        self._views = [memoryview(b.numpy()) for b in self._bufs]
+        self.slot_bytes, self.count = slot_bytes, count
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        on_host = self.device.type == "cpu"
+        self.pinned = pin and on_host
+        self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.pinned, device=self.device)
+                      for _ in range(count)]
+        self._views = [memoryview(b.numpy()) for b in self._bufs] if on_host else []
         self._free = list(range(count))
         self._cv = threading.Condition()
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
@@ -60,7 +65,7 @@ class StagingPool:
             self._cv.notify_all()
 
     def view(self, i: int) -> memoryview:
-        """Buffer ``i`` as a writable byte view (what ``batch_get_into`` fills)."""
+        """Buffer ``i`` as a writable byte view (what ``batch_get_into`` fills; host pools)."""
         return self._views[i]
 
     def tensor(self, i: int) -> torch.Tensor:

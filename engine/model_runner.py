@@ -126,8 +126,8 @@ class ModelRunner:
         return self.model.logits(graphs.run(ids, pos, slots, tables))
 
     def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
-        """Copies one chunk's pages of every layer into ``out``, a host ``chunk_shape`` tensor:
-        ``(event, wsum)``.
+        """Copies one chunk's pages of every layer into ``out``, a ``chunk_shape`` tensor on the
+        host (or on the device: gathered there on the compute stream): ``(event, wsum)``.
 
         On CPU it is done on return (``(None, None)``). On CUDA the gather runs on the compute
         stream (after the step that wrote the pages) and the copy to ``out`` (pinned: an
@@ -139,6 +139,12 @@ class ModelRunner:
         if self.save_stream is None:
             kernels.gather_kv_pages(self.k_caches, self.v_caches, ids, out=out)
             return None, None
+        if out.is_cuda:  # a device save buffer: the store's client DMAs it into the node's pages
+            kernels.gather_kv_pages(self.k_caches, self.v_caches, ids, out=out)
+            dsum = wsum64(out) if checksum else None
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev, dsum
         dev = kernels.gather_kv_pages(self.k_caches, self.v_caches, ids)
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.save_stream):

@@ -172,7 +172,9 @@ def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
     """Encodes one chunk as ``[header, payload]`` segments, without copying the payload.
 
     Args:
-        kv: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` contiguous CPU tensor.
+        kv: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` contiguous tensor: on the CPU,
+            or on a GPU with a wsum64 check (the payload segment is then the device tensor's
+            bytes, for a client that writes it into the store straight from the device).
         namespace: the chunk's namespace.
         parent: key of the previous chunk (``ROOT_KEY`` for the first).
         tokens: ``[chunk_tokens]`` token ids of this chunk.
@@ -190,7 +192,12 @@ def encode_chunk(kv: torch.Tensor, namespace: Namespace, parent: bytes,
     tokens_le = tokens_to_bytes(tokens)
     if len(tokens_le) // 4 != kv.shape[3]:
         raise ValueError(f"{len(tokens_le) // 4} token ids for a chunk of {kv.shape[3]} tokens")
-    payload = tensor_bytes(kv)
+    if kv.device.type == "cpu":
+        payload = tensor_bytes(kv)
+    elif check != CHECK_WSUM or not kv.is_contiguous():
+        raise ValueError("a chunk encoded from device memory needs a contiguous tensor and the wsum64 check")
+    else:
+        payload = kv.reshape(-1).view(torch.uint8)
     if check not in _VERSION_OF:
         raise ValueError(f"unknown payload check {check}")
     if check == CHECK_WSUM and payload.nbytes % 8:

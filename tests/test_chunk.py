@@ -191,3 +191,11 @@ def test_a_check_that_does_not_match_its_version_is_refused():
         parse_header(buf)
     with pytest.raises(ValueError, match="payload check"):
         encode_chunk(kv, NS, ROOT_KEY, TOKENS, check=7)
+
+
+def test_a_chunk_encoded_from_device_memory_needs_the_wsum64_check():
+    """A device chunk's payload is never hashed on the host: xxh3 from device memory is refused
+    (a clear error, not a silent copy); wsum64 is summed where the tensor is (GPU: tests/engine)."""
+    kv = torch.empty((2, 2, 1, 4, 8), device="meta")
+    with pytest.raises(ValueError, match="wsum64"):
+        encode_chunk(kv, b"n" * 16, bytes(ROOT_KEY), [1, 2, 3, 4], check=CHECK_XXH3)

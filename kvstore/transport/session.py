@@ -341,6 +341,7 @@ class DescriptorSession:
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
         self._cuda_registered = False
+        self._put_streams: dict = {}
         self._device_wanted = False
         self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
         self._reported_at = time.monotonic()
@@ -575,9 +576,13 @@ class DescriptorSession:
                 for piece in _pieces(ops, WRITE_PIECE_BYTES):
                     _check_deadline(g.expires_at)
                     h.mover.write(piece, bufs)
-                for part, n, ext in cuda:
+                if cuda and getattr(h.mover, "cuda_registered", False):
                     _check_deadline(g.expires_at)
-                    self.staging().from_device(part, n, _filler(h.mover, ext, read=False))
+                    _device_to_arena(h.mover, cuda, self._put_stream(cuda[0][0].device))  # no host copy
+                else:
+                    for part, n, ext in cuda:
+                        _check_deadline(g.expires_at)
+                        self.staging().from_device(part, n, _filler(h.mover, ext, read=False))
                 h.control.commit(g.lease_id)
                 committed = True
                 for i in ok:
@@ -698,6 +703,16 @@ class DescriptorSession:
 
     # ---- plumbing ---------------------------------------------------------------
 
+    def _put_stream(self, device):
+        """The CUDA stream puts copy ``device``'s values into the arena on (made once per device)."""
+        with self._lock:
+            stream = self._put_streams.get(device)
+            if stream is None:
+                import torch
+
+                stream = self._put_streams[device] = torch.cuda.Stream(device)
+            return stream
+
     def staging(self) -> CudaStaging:
         with self._lock:
             if self._staging is None:
@@ -806,6 +821,24 @@ class DescriptorSession:
             h.control.abort(lease_id)
         except CrescentError as exc:  # the reservation expires by itself
             log.info("abort of write reservation %#x failed: %s", lease_id, exc)
+
+
+def _device_to_arena(mover, parts: list, stream) -> None:
+    """Copies CUDA tensor parts ``(tensor, nbytes, arena extents)`` into an arena page-locked
+    for CUDA (``ShmMover.register_cuda``): one device-to-host DMA per extent, straight into
+    the reserved slots, on a side stream after the caller's work; returns once they landed."""
+    import torch
+
+    from kvstore.transport.gpu import _flat_bytes
+
+    stream.wait_stream(torch.cuda.current_stream(parts[0][0].device))
+    with torch.cuda.stream(stream):
+        for part, _, ext in parts:
+            src, pos = _flat_bytes(part), 0
+            for off, n in ext:
+                mover.tensor(off, n).copy_(src[pos : pos + n], non_blocking=True)
+                pos += n
+    stream.synchronize()
 
 
 def _filler(mover, ext, read: bool):

@@ -114,6 +114,11 @@ class ShmMover:
             self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.arena.size)
         return self._tensor[offset : offset + n]
 
+    @property
+    def cuda_registered(self) -> bool:
+        """Whether the mapping is page-locked for CUDA (device copies to and from it are DMA)."""
+        return self._registered
+
     def register_cuda(self) -> str | None:
         """Page-locks the mapping for CUDA (``cudaHostRegister``; the pages stay the node's),
         so that a device copy from arena bytes is a DMA straight from them. None when done

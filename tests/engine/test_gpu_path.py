@@ -1,5 +1,6 @@
 """The engine's GPU data path (runs on a CUDA machine: ``pytest -m gpu``): pinned pools, the
-transfer and save streams, wsum64 computed and checked on the device, exact tokens."""
+transfer and save streams, loads landing layer by layer, saves put from the device straight into
+the node's registered arena, wsum64 computed and checked on the device, exact tokens."""
 
 import pytest
 import torch
@@ -63,7 +64,8 @@ def test_store_reuse_on_the_gpu_gives_the_tokens_of_recompute(node):
     ref.close()
     eng = _engine(node.address)
     try:
-        assert eng.connector.pool.pinned and eng.connector.save_pool.pinned
+        # the arena is page-locked here: saves gather on the device and the put DMAs them into it
+        assert eng.connector.pool.pinned and eng.connector.save_pool.device.type == "cuda"
         assert eng.connector.check == CHECK_WSUM
         first = _run(eng, prompt)
         assert list(first.output) == want and first.num_store_tokens == 0
@@ -125,6 +127,7 @@ def test_loads_over_tcp_land_through_the_pinned_pool(node):
         seq = _run(eng, prompt)
         assert list(seq.output) == want and seq.num_store_tokens == 6 * CHUNK
         assert eng.connector.stats.chunks_loaded_in_place == 0 and eng.connector.pool.in_use == 0
+        assert eng.connector.save_pool.pinned  # no arena mapped here: saves bounce through pinned memory
     finally:
         eng.close()
 

@@ -44,3 +44,20 @@ def test_cuda_destination_too_small_is_refused(make_node):
         c.batch_get_into([b"k"], [torch.zeros(10, dtype=torch.uint8, device="cuda")])
     assert c.stats()["num_remote_leases"] == 0
     c.close()
+
+
+def test_a_registered_arena_takes_cuda_values_straight_from_the_device(make_node):
+    """Once the client page-locked the node's arena (``register_cuda``), a CUDA part is copied
+    by DMA into the reserved slots (no pinned bounce); the bytes are the same, values that span
+    several slots included."""
+    node = make_node(dram=64 * MiB, slot_size=1 * MiB)
+    c = StoreClient(node.address, transport="shm")
+    session = c.descriptor_session()
+    assert session.register_cuda() is None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    vals = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda", generator=g) for n in (5, 3 * MiB + 7)]
+    assert c.batch_put([(b"a", [b"head", vals[0]]), (b"b", vals[1])]) == [True, True]
+    assert session._staging is None  # never needed a bounce buffer
+    assert c.get(b"a") == b"head" + vals[0].cpu().numpy().tobytes()
+    assert c.get(b"b") == vals[1].cpu().numpy().tobytes()
+    c.close()
