@@ -88,12 +88,14 @@ class EngineMetrics:
             f = CounterMetricFamily("crescent_engine_store_failures",
                                     "Chunks the store reported present that failed to load or verify (load; "
                                     "of those, verify: corrupt or mislabelled), chunks that could not be saved "
-                                    "(save), failed store calls (error)",
+                                    "(save), failed store calls (error), loads found bad after the step that computed beside them "
+                                    "(late: that step was thrown away and recomputed)",
                                     labels=["role", "op"])
             f.add_metric([self.role, "load"], st.load_failures)
             f.add_metric([self.role, "verify"], st.verify_failures)
             f.add_metric([self.role, "save"], st.save_failures)
             f.add_metric([self.role, "error"], st.store_errors)
+            f.add_metric([self.role, "late"], st.late_failures)
             yield f
 
     def serve(self, port: int, host: str = "127.0.0.1"):
