@@ -71,7 +71,7 @@ class _Lease:
 
     grant: object
     ctx: object
-    """``session.in_place(grant)``, entered: the mapping stays open until the lease ends."""
+    """``session.in_place(grant)``, entered (None until then): the mapping stays open until the lease ends."""
     start: int
     """The load's index of its first chunk."""
     mover: Mover
@@ -135,7 +135,8 @@ class PendingLoad:
         finally:
             for lease in self.leases:  # every copy that read them has completed (or failed)
                 in_time = time.monotonic() < safe_end(lease.grant)
-                lease.ctx.__exit__(None, None, None)
+                if lease.ctx is not None:
+                    lease.ctx.__exit__(None, None, None)
                 try:
                     self.session.release(lease.grant.lease_id)
                 except CrescentError as exc:  # expired, or the node went away: not trusted
@@ -451,9 +452,11 @@ class StoreConnector:
                 return False
             landed, stop = 0, True
             if g.lease_id:
-                lease = _Lease(g, session.in_place(g), start, mover)
+                lease = _Lease(g, None, start, mover)
                 p.leases.append(lease)  # ended at finish, whatever happens from here
-                view = lease.ctx.__enter__()
+                ctx = session.in_place(g)
+                view = ctx.__enter__()
+                lease.ctx = ctx
                 if view is None:  # the node restarted between grant and read
                     return False
                 stop = False
