@@ -241,7 +241,7 @@ def bench_prefill(device, timer, shapes, heads, kv_heads, head_dim, peak_tflops)
 def bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs) -> list[Row]:
     """gather/scatter/fp8 of one chunk, all layers: bytes = read + write."""
     from kernels.fp8 import dequantize_kv_fp8, quantize_kv_fp8
-    from kernels.kv_pages import gather_kv_pages, scatter_kv_pages
+    from kernels.kv_pages import gather_kv_pages, scatter_kv_chunks, scatter_kv_pages
     from kernels.reference import dequantize_kv_fp8 as deq_ref
     from kernels.reference import gather_kv_pages as gather_ref
     from kernels.reference import quantize_kv_fp8 as quant_ref
@@ -262,10 +262,22 @@ def bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs) -> list[Row
     fresh_k, fresh_v = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
     scatter_kv_pages(chunk, fresh_k, fresh_v, page_ids)
     checks["scatter"] = torch.equal(gather_ref(fresh_k, fresh_v, page_ids), chunk)
+    # a layer-by-layer load's scatter: one layer of 28 chunks (an 8k prompt at 90%; 3 in the smoke run) into their pages
+    n = 28 if device.type == "cuda" else 3
+    many = torch.randn(n, 2, kv_heads, CHUNK_TOKENS, head_dim, dtype=torch.bfloat16, device=device)
+    per = CHUNK_TOKENS // PAGE
+    layer_k = torch.zeros(n * per + 8, PAGE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    layer_v = torch.zeros_like(layer_k)
+    rows_ids = torch.randperm(n * per + 8, device=device)[: n * per].int().view(n, per).contiguous()
+    scatter_kv_chunks(many, layer_k, layer_v, rows_ids)
+    checks["scatter layer"] = all(
+        torch.equal(gather_ref([layer_k], [layer_v], rows_ids[c])[0], many[c]) for c in range(n))
     nbytes = chunk.numel() * chunk.element_size()
     ops = {
         "gather": (lambda: gather_kv_pages(ks, vs, page_ids, chunk), 2 * nbytes),
         "scatter": (lambda: scatter_kv_pages(chunk, fresh_k, fresh_v, page_ids), 2 * nbytes),
+        "scatter layer": (lambda: scatter_kv_chunks(many, layer_k, layer_v, rows_ids),
+                                              2 * many.numel() * many.element_size()),
         "fp8 quantize": (lambda: quantize_kv_fp8(chunk), nbytes + nbytes // 2),
         "fp8 dequantize": (lambda: dequantize_kv_fp8(q8, scales), nbytes // 2 + nbytes),
     }
@@ -273,7 +285,7 @@ def bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs) -> list[Row
     for name, (fn, moved) in ops.items():
         ms = timer(fn)
         tbs = moved / (ms * 1e-3) / 1e12
-        shape = f"L={layers} {CHUNK_TOKENS} tok"
+        shape = f"{n} chunks x {CHUNK_TOKENS} tok" if name == "scatter layer" else f"L={layers} {CHUNK_TOKENS} tok"
         rows.append(Row(name, shape, ms, tbs, tbs / peak_tbs, None, 0.0, 0.0, checks[name]))
         print(_fmt(rows[-1]), flush=True)
     return rows
