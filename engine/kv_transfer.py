@@ -181,10 +181,11 @@ class LayerwiseLanding:
     A chunk is a ``[L, 2, KVH, chunk_tokens, D]`` tensor where its bytes already are: the node's
     registered arena (a host→device DMA), its device tier (a device copy), or host memory.
 
-    On CUDA ``start`` queues every layer on the transfer stream (per group of ``STAGE_CHUNKS``
-    chunks: their layer into ``stage``, the group's wsum64 shares, one scatter into the layer's
-    pages) and records an event per layer; ``wait(l)`` makes the compute stream wait for
-    layer ``l``'s (the host never waits). On the CPU ``wait(l)`` lands the layers up to ``l``
+    On CUDA a layer's copies go on the transfer stream (per group of ``STAGE_CHUNKS`` chunks:
+    their layer into ``stage``, the group's wsum64 shares, one scatter into the layer's pages),
+    followed by an event; ``start`` queues the first layers, ``wait(l)`` queues up to layer
+    ``l + AHEAD`` and makes the compute stream wait for layer ``l``'s event (the host never
+    waits). On the CPU ``wait(l)`` lands the layers up to ``l``
     there and then: the same order, with no transfer engine to overlap.
 
     ``finish`` lands whatever is left and returns once every copy has completed (the chunks'
@@ -205,7 +206,7 @@ class LayerwiseLanding:
         self.stage = stage
         self.events: list | None = None
         self.landed_layers = 0
-        """Layers landed (CPU), or queued (CUDA)."""
+        """Layers landed (CPU), or queued on the transfer stream (CUDA)."""
 
     def _tables(self) -> None:
         """Page ids and wsum64 accumulators, on the device (made on the stream that uses them)."""
@@ -221,17 +222,29 @@ class LayerwiseLanding:
         return wsum64_rows(rows, layer * self._layer_words, self._total_words)
 
     def start(self) -> None:
-        """CUDA: queues every layer's copies on the transfer stream. CPU: nothing yet."""
-        stream = self.runner.transfer_stream
-        if stream is None or not self.chunks:
+        """CUDA: queues the first ``AHEAD`` layers' copies on the transfer stream (each later
+        one is queued as the step's layers are launched, so the compute stream's first
+        kernels are not held back by the host queueing every copy first). CPU: nothing yet."""
+        if self.runner.transfer_stream is None or not self.chunks:
             return
+        self.events = []
+        self._queue(self.AHEAD - 1)
+
+    AHEAD = 2
+    """Layers queued ahead of the one the step is launching (CUDA)."""
+
+    def _queue(self, upto: int) -> None:
+        """Queues the copies of every layer up to ``upto`` not queued yet (CUDA)."""
         import kernels
 
+        upto = min(upto, self.num_layers - 1)
+        if self.landed_layers > upto:
+            return
+        stream = self.runner.transfer_stream
         n, group = len(self.chunks), self.stage.shape[0]
-        self.events = []
         with torch.cuda.stream(stream):
             self._tables()
-            for layer in range(self.num_layers):
+            for layer in range(self.landed_layers, upto + 1):
                 k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
                 for g0 in range(0, n, group):
                     g = min(group, n - g0)
@@ -243,11 +256,12 @@ class LayerwiseLanding:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 self.events.append(ev)
-        self.landed_layers = self.num_layers
+        self.landed_layers = upto + 1
 
     def wait(self, layer: int) -> None:
         """Before layer ``layer`` computes: its KV (and every earlier layer's) is in the pages."""
         if self.events is not None:
+            self._queue(layer + self.AHEAD)
             torch.cuda.current_stream(self.runner.device).wait_event(self.events[layer])
             return
         import kernels
@@ -269,6 +283,7 @@ class LayerwiseLanding:
         if self.events is None:
             if self.landed_layers < self.num_layers:  # the step did not need them all (or did not run)
                 self.wait(self.num_layers - 1)
-        elif self.events:
+        else:
+            self._queue(self.num_layers - 1)  # the step did not need them all (or did not run)
             self.events[-1].synchronize()
         return self.sums
