@@ -223,6 +223,27 @@ class StoreConnector:
         self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin,
                                      device=runner.device if on_device else None)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
+        if pin:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiles the page kernels a load and a save launch, and makes the wsum64 tables, now
+        rather than on the first request (a first load would otherwise wait for Triton). They
+        write only the runner's scratch page, which no sequence owns."""
+        import kernels
+        from kvstore.chunk import wsum64, wsum64_rows
+
+        r = self.runner
+        ids = torch.full((1, self.chunk_tokens // r.cfg.page_size), r.scratch_page, dtype=torch.int32,
+                         device=r.device)
+        stage = self.layer_stage[:1]
+        kernels.scatter_kv_chunks(stage, r.k_caches[0], r.v_caches[0], ids)
+        chunk = kernels.gather_kv_pages(r.k_caches, r.v_caches, ids[0])
+        kernels.scatter_kv_pages(chunk, r.k_caches, r.v_caches, ids[0])
+        if self.check == CHECK_WSUM:
+            wsum64_rows(stage, 0, chunk.numel() * chunk.element_size() // 8)
+            wsum64(chunk)
+        torch.cuda.synchronize(r.device)
 
     def namespace(self, salt: str | None) -> Namespace:
         ns = self._namespaces.get(salt)
