@@ -199,3 +199,22 @@ def test_a_chunk_encoded_from_device_memory_needs_the_wsum64_check():
     kv = torch.empty((2, 2, 1, 4, 8), device="meta")
     with pytest.raises(ValueError, match="wsum64"):
         encode_chunk(kv, b"n" * 16, bytes(ROOT_KEY), [1, 2, 3, 4], check=CHECK_XXH3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wsum64_shares_of_a_payloads_parts_add_up_to_its_wsum64(dtype):
+    """A load landing a chunk layer by layer sums each layer's share where it landed: the shares
+    (every row its own chunk, each layer at its word offset) add up, mod 2^64, to each chunk's
+    wsum64; a flipped bit in one layer changes only that chunk's sum."""
+    from kvstore.chunk import wsum64_rows
+
+    g = torch.Generator().manual_seed(3)
+    chunks = torch.randn(3, 4, 2, 2, 8, 16, generator=g).to(dtype)  # [N, L, 2, KVH, T, D]
+    layer_words = chunks[0, 0].numel() * chunks.element_size() // 8
+    total = layer_words * chunks.shape[1]
+    shares = sum(wsum64_rows(chunks[:, l].contiguous(), l * layer_words, total) for l in range(chunks.shape[1]))
+    assert shares.tolist() == [int(wsum64(c)) for c in chunks]
+    bad = chunks.clone()
+    bad[1, 2].view(torch.uint8).view(-1)[5] ^= 0x10
+    again = sum(wsum64_rows(bad[:, l].contiguous(), l * layer_words, total) for l in range(bad.shape[1]))
+    assert again[0] == shares[0] and again[2] == shares[2] and again[1] != shares[1]

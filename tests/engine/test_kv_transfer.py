@@ -458,3 +458,34 @@ def test_chunks_on_the_nodes_disk_load_through_the_staging_pool_after_those_in_p
         wait_for(lambda: node.transport.leases.stats()["num_remote_leases"] == 0, what="every lease to end")
     finally:
         eng.close()
+
+
+def test_a_layerwise_landing_lands_each_layer_when_asked_and_the_rest_at_finish():
+    """On the CPU: ``wait(l)`` lands layers up to l of every chunk into its own pages and nothing
+    later; ``finish`` lands what the step did not ask for; each chunk's wsum64 comes back as it
+    landed; the pages hold what the page scatter's twin writes."""
+    import torch
+
+    from engine.kv_transfer import LayerwiseLanding
+    from kernels.reference import scatter_kv_pages
+    from kvstore.chunk import wsum64
+
+    class Caches:  # what a landing needs of the model runner: its caches, device and streams
+        device, transfer_stream = torch.device("cpu"), None
+        k_caches = [torch.zeros(12, 4, 2, 8) for _ in range(3)]
+        v_caches = [torch.zeros(12, 4, 2, 8) for _ in range(3)]
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(3, 2, 2, 8, 8, generator=g) for _ in range(3)]  # [L, 2, KVH, 8 tokens, D]
+    pages = [[7, 1], [4, 10], [0, 3]]
+    landing = LayerwiseLanding(Caches, chunks, pages, checksum=True)
+    landing.start()
+    landing.wait(0)
+    assert Caches.k_caches[0].any() and not Caches.k_caches[1].any() and not Caches.v_caches[2].any()
+    sums = landing.finish()
+    assert sums.tolist() == [int(wsum64(c)) for c in chunks]
+    want_k = [torch.zeros(12, 4, 2, 8) for _ in range(3)]
+    want_v = [torch.zeros(12, 4, 2, 8) for _ in range(3)]
+    for c, p in zip(chunks, pages):
+        scatter_kv_pages(c, want_k, want_v, torch.tensor(p, dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(Caches.k_caches + Caches.v_caches, want_k + want_v))
