@@ -13,13 +13,21 @@ the namespaces (their veths and the bridge go with them) and the uplink.
 
 ``exec_prefix(i)`` is the command prefix that runs a program on host ``i``
 (``ip netns exec`` execs it: the child's pid is the program's own).
+
+Tags end in the creating process's pid (mod 100000). A process killed before
+``close()`` leaves its namespaces (and the uplink's address) behind;
+``reclaim_stale()`` deletes those whose process is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+
+_TAGGED = re.compile(r"^(cr[a-z]*?)(\d{1,5})-(sw|up|h\d+)$")
+"""A name ``EmulatedHosts`` made: ``<letters><pid mod 100000>-<sw|up|h<i>>``."""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -38,6 +46,30 @@ def unavailable() -> str | None:
         return f"cannot create a network namespace: {r.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return None
+
+
+def _running(pid_mod: int) -> bool:
+    """Whether some running process's pid is ``pid_mod`` mod 100000 (a tag's owner may still be alive)."""
+    return any(p.isdigit() and int(p) % 100000 == pid_mod for p in os.listdir("/proc"))
+
+
+def reclaim_stale() -> list[str]:
+    """Delete the namespaces and uplinks left by ``EmulatedHosts`` whose creating process is gone.
+
+    Returns what was deleted. A name whose pid (mod 100000) some running process has is kept:
+    it may be a live cluster's.
+    """
+    names = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0]
+             for line in _ip("-o", "link", "show", check=False).stdout.splitlines() if line.count(":") >= 2]
+    gone: list[str] = []
+    for kind, name in [*(("link", n) for n in links), *(("netns", n) for n in names)]:
+        m = _TAGGED.match(name)
+        if m is None or (kind == "link" and m.group(3) != "up") or _running(int(m.group(2))):
+            continue
+        if _ip(kind, "del", name, check=False).returncode == 0:
+            gone.append(name)
+    return gone
 
 
 class EmulatedHosts:

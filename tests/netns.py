@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 
-from kvstore.netns import EmulatedHosts, unavailable
+from kvstore.netns import EmulatedHosts, reclaim_stale, unavailable
 from kvstore.procs import stop_process
 from tests.helpers import ROOT
 
@@ -73,6 +73,7 @@ class HostProcess:
 
 class Lab:
     def __init__(self, num_hosts: int, log_dir: str) -> None:
+        reclaim_stale()  # what a killed run left (its pid gone) goes first
         self.net = EmulatedHosts(num_hosts, f"cr{os.getpid() % 100000}", SUBNET)
         self.hosts = self.net.hosts
         self.log_dir = log_dir

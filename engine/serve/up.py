@@ -93,6 +93,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "`crescent certs init`), every part started with them and --tls-client-auth; the gateway serves HTTPS")
 
 
+def _subnet_in_use() -> bool:
+    """Whether the machine already has the hosts' network's own address (another cluster's uplink)."""
+    return bool(subprocess.run(["ip", "-o", "addr", "show", "to", f"{NETNS_SUBNET}.254"],
+                               capture_output=True, text=True).stdout.strip())
+
+
 def _free_port(host: str) -> int:
     """A port free on ``host`` now (the part binds it a moment later; another process could take it first)."""
     with socket.socket() as s:
@@ -235,9 +241,15 @@ def run_up(ns: argparse.Namespace) -> int:
         if ns.netns is None:  # auto: emulated hosts where they can be made and there is more than one
             ns.netns = why is None
     if ns.netns:
-        if why is None and subprocess.run(["ip", "-o", "addr", "show", "to", f"{NETNS_SUBNET}.254"],
-                                          capture_output=True, text=True).stdout.strip():
-            why = f"{NETNS_SUBNET}.0/24 is in use (another `crescent up --netns`?)"
+        if why is None and _subnet_in_use():
+            from kvstore.netns import reclaim_stale
+
+            gone = reclaim_stale()  # hosts a killed `crescent up` (or test) left behind
+            if gone:
+                print(f"crescent up: removed emulated hosts left by a process no longer running: {', '.join(gone)}",
+                      file=sys.stderr)
+            if _subnet_in_use():
+                why = f"{NETNS_SUBNET}.0/24 is in use (another `crescent up --netns` is running?)"
         if why:
             print(f"crescent up: error: --netns: {why}", file=sys.stderr)
             return 2

@@ -27,10 +27,35 @@ def _ids(seed: int, n: int) -> list[int]:
     return [r.randrange(3, 250) for _ in range(n)]
 
 
+def _killed_up_leaves_hosts() -> str:
+    """What a SIGKILLed `crescent up --netns` leaves: its namespaces and the uplink holding the subnet's .254."""
+    from engine.serve.up import NETNS_SUBNET
+
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+from kvstore.netns import EmulatedHosts
+EmulatedHosts(2, f"crup{{os.getpid() % 100000}}", "{NETNS_SUBNET}", reachable=True)
+print(os.getpid() % 100000, flush=True)
+time.sleep(600)
+"""], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    tag = "crup" + child.stdout.readline().strip()
+    child.kill()
+    child.wait(timeout=60)
+    return tag
+
+
 def test_up_netns_three_hosts_two_conductors(tmp_path):
     import openai
 
-    cl = Cluster(str(tmp_path), "--nodes", "3", "--conductors", "2")  # as root: namespaces by default
+    from kvstore.netns import reclaim_stale
+
+    stale = _killed_up_leaves_hosts()  # the subnet is taken by hosts nobody will close
+    assert stale in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    try:
+        cl = Cluster(str(tmp_path), "--nodes", "3", "--conductors", "2")  # as root: namespaces by default
+    finally:
+        reclaim_stale()  # had `crescent up` not come up, the leftovers would be gone all the same
+    assert f"removed emulated hosts left by a process no longer running: {stale}-up" in cl.output()
     try:
         st = cl.state
         tag = st["hosts"]["h0"]["namespace"].rsplit("-", 1)[0]
@@ -70,3 +95,4 @@ def test_up_netns_three_hosts_two_conductors(tmp_path):
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert tag not in left and tag not in links
+    assert stale not in left and stale not in links
