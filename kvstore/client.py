@@ -407,6 +407,46 @@ class StoreClient:
                 sizes[i] = s
         return sizes
 
+    def batch_get_layered(self, keys: Sequence[bytes], head: int, layer: int,
+                          on_sizes: Callable[[list[int | None]], None],
+                          dest: Callable[[int, int], memoryview], arrived: Callable[[int, int], None]) -> bool:
+        """Reads values of ``head`` bytes and then layers of ``layer`` bytes (KV chunks)
+        layer-major, for a load that lands layer ``l`` while later layers are on the wire:
+        ``on_sizes`` gets each value's size (None: a miss, or not of that layout) before any
+        bytes; then every present value's head lands in ``dest(value, -1)``, then layer 0 of
+        each in ``dest(value, 0)``, layer 1, …, ``arrived(value, part)`` called as each part is
+        complete (datachannel ``GET_LAYERED``: one request, one lease of each value on the node).
+
+        Returns False, having called nothing, when the node has no data channel (read another
+        way). Raises UnavailableError when the node cannot be reached or the stream breaks
+        (some parts may have arrived: the caller treats the rest as missing); a callback's
+        exception propagates. Not retried once bytes have arrived.
+        """
+        keys = _check_keys(keys)
+        dc = self._data_channel()
+        if dc is None:
+            return False
+        started = False
+
+        def sizes(items):
+            nonlocal started
+            started = True
+            on_sizes([size if status is Status.OK else None for status, size in items])
+
+        for attempt in (0, 1):
+            try:
+                dc.get().get_layered(keys, head, layer, sizes, dest, arrived)
+                return True
+            except DataLossError as exc:
+                if attempt == 0 and not started:  # a pooled connection the node had closed: once more
+                    continue
+                self._drop_data_channel(dc)
+                raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+            except (UnavailableError, OSError) as exc:
+                self._drop_data_channel(dc)
+                raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+        return True  # (not reached)
+
     def _streamed_get_into(self, keys: list[bytes], views: list) -> list[int | None]:
         if any(is_cuda(v) for v in views):  # through host memory, then one copy to the device
             vals = self._streamed_get(keys)

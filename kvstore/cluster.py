@@ -302,6 +302,17 @@ class ClusterClient:
             raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
         return self._read(keys, lambda client, ks, idx: client.batch_get_into(ks, [buffers[i] for i in idx]))
 
+    def batch_get_layered(self, keys: Sequence[bytes], head: int, layer: int, on_sizes, dest, arrived) -> bool:
+        """``StoreClient.batch_get_layered`` from the node every key would be read from first;
+        False (nothing called) when that is not one node, or it has no data channel."""
+        keys = [bytes(k) for k in keys]
+        firsts = {(self._read_order(h) or [None])[0] for h in self.locate(keys)}
+        node = firsts.pop() if len(firsts) == 1 else None
+        address = self._address(node) if node is not None else None
+        if address is None:
+            return False
+        return self._client(address).batch_get_layered(keys, head, layer, on_sizes, dest, arrived)
+
     def _read(self, keys, fetch) -> list:
         keys = [bytes(k) for k in keys]
         out: list = [None] * len(keys)

@@ -19,9 +19,11 @@ of requests, each answered before the next (all integers little-endian)::
                     u16 msg_len, msg (UTF-8; why the first failed key failed)
                     ACQUIRE/RESERVE only: the grant (below)
               GET only: the bytes of every OK value, back to back
+              GET_LAYERED only: the same bytes, layer-major (below)
 
     op    arg per key              mover        size per item
     GET      capacity (-1 any)     0            value size
+    GET_LAYERED  head << 40 | layer   0        value size (the first key's arg: one layout)
     PUT      value size            0            value size
     ACQUIRE  0                     shm or rdma  value size (a read lease)
     RESERVE  value size            shm or rdma  value size (a write reservation)
@@ -32,6 +34,13 @@ of requests, each answered before the next (all integers little-endian)::
 
     grant     u64 lease_id  f64 ttl_s  u16 arena_len  u32 num_slots  arena
               u32 slot_count[n]  u32 slots[num_slots]  u64 generations[num_slots]
+
+GET_LAYERED sends a value of ``head`` bytes followed by ``L`` layers of ``layer``
+bytes each (a KV chunk: its header, then ``[L, 2, KVH, T, D]``) in the order a
+layer-by-layer load consumes it: every OK value's head, then layer 0 of every
+one, then layer 1, … (a value of fewer layers simply ends sooner). A reader can
+land layer 0 while layer 1 is on the wire, from one request and one lease of
+each value. A value whose size is not ``head + L × layer`` is INVALID (no bytes).
 
 The descriptor ops (ACQUIRE .. ABORT) are the control half of the shm and rdma
 movers (kvstore/transport/): the same grants as the ``KVStore`` RPCs of the
@@ -89,6 +98,7 @@ class Op(enum.IntEnum):
     ABORT = 7
     REPORT = 8  # reads a same-host client made with no call (values, bytes, batches): the node counts them
     PROVE = 9  # one key: the shm proof (kvstore/arena.py, ``shm_proof``); shm grants need it first
+    GET_LAYERED = 10  # a GET whose bytes come layer-major (below)
 
 
 class Status(enum.IntEnum):
@@ -146,6 +156,30 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+
+
+LAYER_BITS = 40
+
+
+def layered_arg(head: int, layer: int) -> int:
+    """GET_LAYERED's per-key arg: ``head`` bytes, then layers of ``layer`` bytes."""
+    if not (0 <= head < 1 << (63 - LAYER_BITS) and 0 < layer < 1 << LAYER_BITS):
+        raise ValueError(f"a layered read of head {head} and layers of {layer} bytes is out of range")
+    return head << LAYER_BITS | layer
+
+
+def split_layered_arg(arg: int) -> tuple[int, int]:
+    return arg >> LAYER_BITS, arg & ((1 << LAYER_BITS) - 1)
+
+
+def layered_parts(sizes: Sequence[int | None], head: int, layer: int) -> list[tuple[int, int, int, int]]:
+    """The order GET_LAYERED sends the values of ``sizes`` (None: not sent) in: ``(value, part,
+    offset, length)``, part -1 the head, then ``l`` for layer ``l`` (the same list on both ends)."""
+    layers = [None if n is None else (n - head) // layer for n in sizes]
+    out = [(j, -1, 0, head) for j, n in enumerate(layers) if n is not None and head]
+    for l in range(max((n for n in layers if n is not None), default=0)):
+        out += [(j, l, head + l * layer, layer) for j, n in enumerate(layers) if n is not None and l < n]
+    return out
 
 
 def encode_request(op: Op, keys: Sequence[bytes], args: Sequence[int], mover: int = 0) -> bytes:
@@ -359,6 +393,36 @@ class DataChannelClient:
                     if size > buf.nbytes:
                         raise ProtocolError("node sent more bytes than the buffer holds")
                     recv_exact_into(self.sock, buf[:size])
+            return items
+
+    def get_layered(self, keys: Sequence[bytes], head: int, layer: int,
+                    on_items: Callable[[list[tuple[Status, int]]], None],
+                    dest: Callable[[int, int], memoryview], arrived: Callable[[int, int], None]
+                    ) -> list[tuple[Status, int]]:
+        """GET_LAYERED: ``on_items(items)`` once the statuses are read (before any bytes); then
+        each OK value's parts land in ``dest(value, part)`` (part -1: its head, else its layer
+        ``part``; a view of exactly that many bytes) in the node's order, ``arrived(value,
+        part)`` called as each is complete. A connection that breaks mid-stream, or a callback
+        that raises, closes the connection (the stream is out of step): the first as
+        DataLossError, the second as itself."""
+        with self._guard():
+            self.sock.sendall(encode_request(Op.GET_LAYERED, keys, [layered_arg(head, layer)] * len(keys)))
+            items, _, _ = self._answer(len(keys))
+            try:
+                on_items(items)
+                sizes = [size if status is Status.OK else None for status, size in items]
+                for j, part, _, n in layered_parts(sizes, head, layer):
+                    view = dest(j, part)
+                    if view.nbytes != n:
+                        raise ValueError(f"dest({j}, {part}) gave {view.nbytes} bytes for a part of {n}")
+                    recv_exact_into(self.sock, view)
+                    arrived(j, part)
+            except (OSError, ProtocolError):
+                raise
+            except BaseException:
+                self._deferred.clear()
+                self.close()
+                raise
             return items
 
     def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:

@@ -11,14 +11,30 @@ import threading
 import time
 
 from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
-                                 encode_grant, encode_response, read_request, recv_exact, recv_exact_into,
-                                 send_views, tune)
+                                 encode_grant, encode_response, layered_parts, read_request, recv_exact,
+                                 recv_exact_into, send_views, split_layered_arg, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
 _DRAIN = 1 << 20
+
+
+def _cut(views: list[memoryview], off: int, n: int) -> list[memoryview]:
+    """Bytes ``off .. off+n`` of a value laid out as ``views`` back to back."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        if off >= v.nbytes:
+            off -= v.nbytes
+            continue
+        take = min(n, v.nbytes - off)
+        out.append(v[off : off + take])
+        n -= take
+        off = 0
+    return out
 
 
 class DataChannelServer:
@@ -118,6 +134,8 @@ class DataChannelServer:
                 path = "tcp"
                 if op is Op.GET:
                     self._get(conn, keys, args)
+                elif op is Op.GET_LAYERED:
+                    self._get(conn, keys, args, layered=True)
                 elif op is Op.PUT:
                     self._put(conn, keys, args)
                 elif op is Op.PROVE:
@@ -137,7 +155,9 @@ class DataChannelServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _get(self, conn: socket.socket, keys: list[bytes], capacities: list[int]) -> None:
+    def _get(self, conn: socket.socket, keys: list[bytes], args: list[int], layered: bool = False) -> None:
+        """GET (``args``: capacities) or GET_LAYERED (``args``: head and layer sizes; the bytes
+        sent layer-major)."""
         items: list[tuple[Status, int]] = []
         msg = ""
         ok = []
@@ -152,18 +172,29 @@ class DataChannelServer:
         leases = [next(got) if v else None for v in ok]
         sending: list[Lease] = []
         try:
-            for valid, lease, cap in zip(ok, leases, capacities):
+            head, layer = split_layered_arg(args[0]) if layered and args else (0, 0)  # (one layout per request)
+            for valid, lease, arg in zip(ok, leases, args):
                 if not valid:
                     items.append((Status.INVALID, 0))
                 elif lease is None:
                     items.append((Status.NOT_FOUND, 0))
-                elif 0 <= cap < lease.size:
+                elif layered and (layer == 0 or lease.size < head or (lease.size - head) % layer):
+                    items.append((Status.INVALID, lease.size))
+                    msg = msg or f"value of {lease.size} bytes is not {head} + layers of {layer}"
+                elif not layered and 0 <= arg < lease.size:
                     items.append((Status.TOO_LARGE, lease.size))
-                    msg = msg or f"value of {lease.size} bytes does not fit a buffer of {cap}"
+                    msg = msg or f"value of {lease.size} bytes does not fit a buffer of {arg}"
                 else:
                     sending.append(lease)
                     items.append((Status.OK, lease.size))
-            send_views(conn, [encode_response(items, msg), *(v for ls in sending for v in ls.views)])
+            if not layered:
+                body = [v for ls in sending for v in ls.views]
+            else:  # every OK value's head, then layer 0 of each, layer 1, … (datachannel.layered_parts)
+                ok_leases = [ls if st is Status.OK else None for ls, (st, _) in zip(leases, items)]
+                body = [v for j, _, off, n in layered_parts([None if ls is None else ls.size for ls in ok_leases],
+                                                           head, layer)
+                        for v in _cut(ok_leases[j].views, off, n)]
+            send_views(conn, [encode_response(items, msg), *body])
         finally:
             self.store.release_many(ls for ls in leases if ls is not None)
 

@@ -281,9 +281,9 @@ class StoreNode:
         self._metrics_server = None
 
     def _on_tcp_op(self, op: str, seconds: float, path: str) -> None:
-        if op in ("get", "put"):
-            self.metrics.observe(op, seconds, path)
-            self.transport.count(Mover.TCP, "read" if op == "get" else "write")
+        if op in ("get", "get_layered", "put"):  # (a layered get is a get: its bytes come in another order)
+            self.metrics.observe("put" if op == "put" else "get", seconds, path)
+            self.transport.count(Mover.TCP, "write" if op == "put" else "read")
         else:  # the control half of shm/rdma, named as its RPC (mover counts come from the lease table)
             self.metrics.observe(_CHANNEL_OPS[op], seconds, path)
 
