@@ -53,6 +53,12 @@ timeout $(lim 80) python3 bench/prefix_reuse_bench.py --model random:llama3-8b -
   --json "$OUT/prefix_reuse_gpu_disk.json" 2>&1 | grep -v Warning
 cp bench/out/prefix_reuse_gpu_disk.png "$OUT/" 2>/dev/null
 
+step "another host's engine (tcp): chunks streamed layer-major beside the step vs the pinned pool's chunk-major load"
+timeout $(lim 70) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 4GiB --kv-cache-memory 8GiB --transport tcp \
+  --json "$OUT/prefix_reuse_gpu_tcp.json" 2>&1 | grep -v Warning
+cp bench/out/prefix_reuse_gpu_tcp.png "$OUT/" 2>/dev/null
+
 step "speculative decoding: a step verifying K drafts vs a plain decode step, random:llama3-8b cut to 8 layers, 4k context"
 timeout $(lim 40) python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --context 4096 --batch 1,8 --ks 1,2,4,8 --kv-cache-memory 8GiB --json "$OUT/spec_verify_gpu.json" 2>&1 | grep -v Warning

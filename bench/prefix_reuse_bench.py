@@ -13,7 +13,12 @@ on CUDA the pinned host→device bandwidth and a plain copy from a registered
 /dev/shm mapping (what a zero-copy load from the node's arena could reach).
 And the save side: prefill time of fresh prompts with saving on vs off.
 
+With `--transport tcp` the engine reads the node as another host's engine would
+(no shared memory): chunks stream layer-major beside the step; the same run
+also times the staging pool's chunk-major load (everything before the step).
+
     python bench/prefix_reuse_bench.py [--quick] [--write-docs]
+    python bench/prefix_reuse_bench.py --transport tcp [--write-docs]   # the remote path
     python bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \\
         --prompt-tokens 8000 --dram 4GiB          # the GPU figures of issue 12
 """
@@ -140,6 +145,8 @@ def main() -> None:
     ap.add_argument("--hbm", default="", metavar="SIZE",
                     help="give the node a device (HBM) tier of SIZE and move the prompt's chunks there (a client "
                          "on another host would put them there): loads read them device to device (cuda_ipc)")
+    ap.add_argument("--transport", default="auto", choices=["auto", "tcp"],
+                    help="tcp: read the node as another host would (streamed layer-major, and the pool to compare)")
     ap.add_argument("--quick", action="store_true", help="random:small, 1024 tokens, 1 rep")
     ap.add_argument("--json", default=os.path.join(OUT, "prefix_reuse.json"), help="where the figures go")
     ap.add_argument("--write-docs", action="store_true")
@@ -179,7 +186,7 @@ def main() -> None:
         llm = LLM(args.model, store=address, chunk_tokens=args.chunk_tokens,
                   chunk_size=args.chunk_size, max_num_batched_tokens=max(2048, args.chunk_size),
                   enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
-                  hf_overrides=args.hf_overrides)
+                  hf_overrides=args.hf_overrides, store_transport=args.transport)
         conn = llm.engine.connector
         mc = llm.engine.model_config
         vocab = mc.vocab_size
@@ -250,10 +257,16 @@ def main() -> None:
         for frac in (0.0, 0.5, 0.9):
             cached, total = shape(frac)
             ttft_store, ttft_recompute, moved, hits, load_s, from_disk, from_hbm = [], [], [], [], [], [], []
+            ttft_pool = []
+            modes = ("store", "pool", "recompute") if args.transport == "tcp" and frac else ("store", "recompute")
             for rep in range(args.reps):
                 prompt = base[:cached] + fresh(total - cached)
-                for mode in ("store", "recompute"):
-                    conn.load_enabled = mode == "store"
+                for mode in modes:
+                    conn.load_enabled = mode != "recompute"
+                    conn.stream_loads = mode == "store"
+                    if mode == "pool":
+                        ttft_pool.append(llm.generate([prompt], max_tokens=1)[0].ttft_s)
+                        continue
                     b0, s0 = conn.stats.bytes_loaded, conn.stats.load_s
                     d0, h0 = disk_hits(conn), conn.stats.chunks_loaded_from_device
                     out = llm.generate([prompt], max_tokens=1)[0]
@@ -265,13 +278,16 @@ def main() -> None:
                         from_disk.append(disk_hits(conn) - d0)
                         from_hbm.append(conn.stats.chunks_loaded_from_device - h0)
                 log(f"{frac:.0%} cached, rep {rep + 1}/{args.reps}: store {ttft_store[-1]:.3f}s, "
-                    f"recompute {ttft_recompute[-1]:.3f}s, {hits[-1]} tokens from the store")
+                    + (f"staging pool {ttft_pool[-1]:.3f}s, " if ttft_pool else "")
+                    + f"recompute {ttft_recompute[-1]:.3f}s, {hits[-1]} tokens from the store")
             s, r = median(ttft_store), median(ttft_recompute)
             nbytes, secs = median(moved), median(load_s)
             results.append({"target": frac, "cached_tokens": hits[0], "fraction": hits[0] / total,
                             "prompt_tokens": total, "ttft_store": s, "ttft_recompute": r, "ratio": s / r,
                             "bytes": nbytes, "load_s": secs, "chunks_from_disk": median(from_disk),
-                            "chunks_from_device": median(from_hbm)})
+                            "chunks_from_device": median(from_hbm),
+                            "ttft_pool": median(ttft_pool) if ttft_pool else None})
+        conn.stream_loads = True
         # the load alone, nothing computed beside it: the 90% prefix into pages of its own
         # (what the store moves per second; in a TTFT above, the copies overlap the step)
         eng = llm.engine
@@ -318,14 +334,19 @@ def main() -> None:
     rows = [[f"{x['target']:.0%}", x["prompt_tokens"], f"{x['cached_tokens']} ({x['fraction']:.1%})",
              f"{x['ttft_recompute']:.3f}", f"{x['ttft_store']:.3f}", f"{x['ratio']:.2f}×",
              f"{x['bytes'] / 2**20:.0f} MiB", f"{x['load_s'] * 1e3:.1f}" if x["bytes"] else "–",
+             *([f"{x['ttft_pool']:.3f}" if x["ttft_pool"] else "–"] if args.transport == "tcp" else []),
              *([f"{x['chunks_from_disk']:.0f}"] if args.disk_tier else []),
              *([f"{x['chunks_from_device']:.0f}"] if args.hbm else [])] for x in results]
     md = table(["cached (target)", "prompt tokens", "tokens from store", "TTFT recompute s", "TTFT with store s",
-                "× recompute", "bytes from store", "load ms not overlapped", *(["chunks from the node's disk"] if args.disk_tier
+                "× recompute", "bytes from store", "load ms not overlapped",
+                *(["TTFT staging pool s (chunk-major)"] if args.transport == "tcp" else []),
+                *(["chunks from the node's disk"] if args.disk_tier
                                                                    else []),
                 *(["chunks from the node's HBM (cuda_ipc)"] if args.hbm else [])], rows)
     save_cost = figures["save_prefill_on_s"] / figures["save_prefill_off_s"] - 1
-    lines = [f"at {at90['fraction']:.1%} cached, TTFT is {at90['ratio']:.2f}× recompute",
+    lines = [f"at {at90['fraction']:.1%} cached, TTFT is {at90['ratio']:.2f}× recompute"
+             + (f"; streamed layer-major {at90['ttft_store'] / at90['ttft_pool']:.2f}× the staging pool's "
+                f"chunk-major load ({at90['ttft_pool']:.3f}s)" if at90["ttft_pool"] else ""),
              f"the load alone {figures['load_alone_gbps']:.2f} GB/s = {figures['load_gbps_over_ceiling']:.2f}× "
              f"{ref_name.removesuffix('_gbps')} ({ref:.1f} GB/s, same run)",
              "ceilings: " + ", ".join(f"{k.removesuffix('_gbps')} {v:.1f} GB/s" for k, v in ceilings.items())]
@@ -359,12 +380,14 @@ def main() -> None:
             f"{mc.num_attention_heads}/{mc.num_key_value_heads} heads of {mc.head_dim}), {dtype} on {where}, "
             f"~{n}-token prompts, {args.chunk_tokens}-token chunks, chunked prefill of {args.chunk_size}, "
             f"store node on this host ({transport} transport"
+            + ("; the engine reads it over TCP, as another host's would" if args.transport == "tcp" else "")
             + (f"; the prefix on its disk tier: DRAM {args.dram}, `--no-promote`, so each load reads it from disk"
                if args.disk_tier else "")
             + (f"; the prefix in its device (HBM) tier of {args.hbm}, read device to device through CUDA IPC"
                if args.hbm else "") + "), "
             f"median of {args.reps}.\n\n{md}\n\n" + "\n".join(f"- {x}." for x in lines))
-    name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_disk" if args.disk_tier else "")
+    name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_tcp" if args.transport == "tcp" else "")
+            + ("_disk" if args.disk_tier else "")
             + ("_hbm" if args.hbm else ""))
     publish(fig, name, body, args.write_docs)
 

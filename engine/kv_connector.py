@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer import STAGE_CHUNKS, LayerwiseLanding, StagingPool, pipelined_load
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, LayerwiseLanding, StagingPool, StreamedLanding,
+                                pipelined_load)
 from engine.model_runner import ModelRunner
 from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
                            verify_chunk, verify_header)
@@ -99,6 +102,9 @@ class PendingLoad:
         self.in_place = 0
         self.landed = 0
         self.landing: LayerwiseLanding | None = None
+        self.streamed: StreamedLanding | None = None
+        """Chunks ``stream_at ..`` streamed layer-major from a node (another host, or a disk tier)."""
+        self.stream_at = 0
         self.device_checks: list[tuple[int, torch.Tensor, int]] = []
         """Chunks through the pool: (index, wsum64 where it landed, header's)."""
         self.sizes: list[int] = []
@@ -111,6 +117,8 @@ class PendingLoad:
         compute stream waits, the host does not)."""
         if self.landing is not None:
             self.landing.wait(layer)
+        if self.streamed is not None:
+            self.streamed.wait(layer)
 
     def finish(self) -> int:
         """Chunks loaded and good (a prefix); the copies have completed and every lease ended.
@@ -126,7 +134,10 @@ class PendingLoad:
     def _finish(self) -> int:
         conn, st = self.connector, self.connector.stats
         good, sums, copies = self.landed, None, []
+        stream_checks: list = []
         try:
+            if self.streamed is not None:
+                good = min(good, self._finish_stream(stream_checks))
             if self.landing is not None:
                 sums = self.landing.finish()
             if self.replicate:  # the verified bytes as they are, while their mapping is open
@@ -146,7 +157,7 @@ class PendingLoad:
                     conn._error("load", "a read lease ran out before its copies ended")
                     good = lease.start
         checks = [(i, sums[j], hdr.payload_hash) for j, (i, hdr, *_) in enumerate(self.held)
-                  if hdr.check == CHECK_WSUM and sums is not None] + self.device_checks
+                  if hdr.check == CHECK_WSUM and sums is not None] + self.device_checks + stream_checks
         bad = _first_mismatch(checks)
         if bad is not None and bad < good:  # its KV (and what followed) is recomputed over
             st.verify_failures += 1
@@ -169,9 +180,31 @@ class PendingLoad:
         return good
 
 
+    def _finish_stream(self, wsum_checks: list) -> int:
+        """Ends the streamed part: how many chunks are good through it (those before it
+        count); its chunks' wsum64 comparisons go to ``wsum_checks`` (made with the others)."""
+        s, at = self.streamed, self.stream_at
+        whole = s.finish()
+        if s.error is not None:
+            self.connector._error("load", s.error)
+        for j in range(whole):
+            hdr = s.headers[j]
+            if hdr.check == CHECK_WSUM:
+                wsum_checks.append((at + j, s.sums[j], hdr.payload_hash))
+            elif s.digests[j].intdigest() != hdr.payload_hash:
+                self.connector.stats.verify_failures += 1
+                self.connector._error(f"chunk {self.first + at + j} failed verification",
+                                      "payload checksum mismatch as it streamed in")
+                return at + j
+        if whole < s.count:
+            self.connector._error("load", f"chunk {self.first + at + whole} did not arrive whole")
+        return at + whole
+
+
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
-                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto") -> None:
+                 load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto",
+                 stream_loads: bool = True) -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -198,6 +231,16 @@ class StoreConnector:
         self.layer_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
                                         device=runner.device) if pin else None)
         """A layer-by-layer load's device staging (``LayerwiseLanding``), made at start."""
+        self.stream_loads = stream_loads and load
+        """Chunks not readable in place arrive layer-major (``StreamedLanding``) when the node can stream."""
+        layer_bytes = self.payload_bytes // len(runner.k_caches)
+        self.stream_ring = (torch.empty((RING_UNITS, STAGE_CHUNKS, layer_bytes), dtype=torch.uint8, pin_memory=pin)
+                            if self.stream_loads else None)
+        self.stream_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
+                                         device=runner.device) if pin and self.stream_loads else None)
+        self._ring_events: list = [None] * RING_UNITS
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        self.stream_timeout_s = float(getattr(client, "timeout_s", 60.0))
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
         """The payload check of saved chunks (docs/keys.md)."""
@@ -225,6 +268,17 @@ class StoreConnector:
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         if pin:
             self._warm_up()
+        if self.stream_loads:  # the stream thread's data connection, opened now rather than on a first load
+            self._streamer.submit(self._open_stream_connection)
+
+    def _open_stream_connection(self) -> None:
+        channel = getattr(self.client, "_data_channel", None)
+        try:
+            dc = channel() if channel is not None else None
+            if dc is not None:
+                dc.get()
+        except (CrescentError, OSError):
+            pass  # the first load opens it (or finds the node down) then
 
     def _warm_up(self) -> None:
         """Compiles the page kernels a load and a save launch, and makes the wsum64 tables, now
@@ -425,9 +479,13 @@ class StoreConnector:
                 # for every chunk without an shm session: through the staging pool (pinned on CUDA),
                 # the node streaming disk values straight into it, then a DMA into the pages
                 off = p.landed
-                p.landed += pipelined_load(self.pool, len(keys) - off, self.load_batch,
-                                           lambda s, c, v: fetch(off + s, c, v), lambda i, b, n: land(off + i, b, n),
-                                           lambda exc: self._error("load", exc))
+                if not staged and self._stream(p, off, expected, chunk_pages):
+                    pass  # lands beside the step
+                else:
+                    p.landed += pipelined_load(self.pool, len(keys) - off, self.load_batch,
+                                               lambda s, c, v: fetch(off + s, c, v),
+                                               lambda i, b, n: land(off + i, b, n),
+                                               lambda exc: self._error("load", exc))
             if p.held:
                 dt = self.runner.dtype
                 p.landing = LayerwiseLanding(
@@ -441,6 +499,42 @@ class StoreConnector:
             p.finish()
             raise
         return p
+
+    def _stream(self, p: PendingLoad, off: int, expected, chunk_pages) -> bool:
+        """Starts streaming chunks ``off ..`` of ``p`` layer-major (``StreamedLanding``) and waits
+        for their headers; False (nothing started) where it does not apply: replication wants
+        the chunks' bytes, or the node cannot stream."""
+        get = getattr(self.client, "batch_get_layered", None)
+        if not self.stream_loads or p.replicate or get is None:
+            return False
+
+        def check(j: int, head: bytes):
+            i = off + j
+            try:
+                hdr = verify_header(memoryview(head), self.chunk_bytes, **expected(i))
+                if hdr.payload_offset != len(head) or hdr.payload_bytes != self.payload_bytes:
+                    raise ChunkVerificationError("chunk layout differs from this engine's")
+            except CrescentError as exc:
+                self.stats.verify_failures += 1
+                self._error(f"chunk {p.first + i} failed verification", exc)
+                return None
+            return hdr
+
+        n = len(p.keys) - off
+        s = StreamedLanding(self.runner, self.client, p.keys[off:], self.chunk_bytes - self.payload_bytes,
+                            [chunk_pages(off + j) for j in range(n)], check, ring=self.stream_ring,
+                            ring_events=self._ring_events,
+                            stage=self.stream_stage, fetcher=self._streamer, timeout_s=self.stream_timeout_s)
+        try:
+            if not s.start():
+                return False
+        except BaseException:
+            s.finish()
+            raise
+        p.streamed, p.stream_at = s, off
+        p.landed += s.count
+        p.sizes += [self.chunk_bytes] * s.count
+        return True
 
     def _in_place_session(self):
         """The client's shm session, when loads can read leased chunks where the node keeps them
@@ -613,6 +707,7 @@ class StoreConnector:
         self._saver.join(timeout=10)
         self.pool.close()
         self.save_pool.close()
+        self._streamer.shutdown(wait=False)  # (a stream stalled on a node ends with the client's sockets)
         self.client.close()
 
 

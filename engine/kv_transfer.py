@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvstore.chunk import CHECK_WSUM
 from kvstore.errors import CrescentError
 
 
@@ -287,3 +288,247 @@ class LayerwiseLanding:
             self._queue(self.num_layers - 1)  # the step did not need them all (or did not run)
             self.events[-1].synchronize()
         return self.sums
+
+
+RING_UNITS = 3
+"""Host buffers of a streamed load (``StreamedLanding``), each a group of up to ``STAGE_CHUNKS``
+chunk-layers: one fills from the socket while the one before it lands."""
+
+
+class StreamedLanding:
+    """Chunks another node streams layer-major (``batch_get_layered``: every chunk's header, then
+    layer 0 of every chunk, layer 1, …), landed as they arrive, beside the step that reads them.
+
+    Where ``LayerwiseLanding`` reads chunks already in memory here, this one overlaps the
+    network too: a fetch thread receives layer ``l + 1`` of the chunks into a ring of host
+    buffers (pinned on CUDA) while layer ``l`` lands (CUDA: a group's layer is one DMA into
+    ``stage``, its wsum64 shares and one scatter on the transfer stream, then an event; CPU:
+    the scatter, on the fetch thread) and while the step computes the layers before it.
+
+    ``start`` returns once every header is in and checked (``check_header(i, head)``: its
+    ``ChunkHeader``, or None to refuse chunk ``i``): the chunks before the first refused one
+    land, the rest of the stream is drained. ``wait(l)`` before layer ``l`` computes: the host waits until the layer's bytes
+    are in and its copies queued, then (CUDA) the compute stream waits on their event.
+    ``finish`` waits for the stream to end and every copy to complete; ``complete`` then says
+    how many leading chunks arrived whole; ``sums[i]`` is chunk ``i``'s wsum64 as it landed (on
+    the device; when any header names that check) and ``digests[i]`` its xxh3 (computed as its
+    layers went by, for a header that names xxh3).
+    """
+
+    def __init__(self, runner, client, keys: list[bytes], head_bytes: int, pages: list[list[int]],
+                 check_header: Callable[[int, bytes], object], *, ring: torch.Tensor, ring_events: list,
+                 stage: torch.Tensor | None, fetcher: ThreadPoolExecutor, timeout_s: float) -> None:
+        self.runner, self.client, self.keys = runner, client, keys
+        self.head_bytes, self._pages, self._check_header = head_bytes, pages, check_header
+        self.num_layers = len(runner.k_caches)
+        self.chunk_shape = runner.chunk_shape
+        layer_shape = self.chunk_shape[1:]
+        self.layer_bytes = ring.shape[-1]
+        self._layer_shape = layer_shape
+        self._ring, self._stage, self._fetcher, self.timeout_s = ring, stage, fetcher, timeout_s
+        self._rows = [[memoryview(ring[u, r].numpy()) for r in range(ring.shape[1])] for u in range(ring.shape[0])]
+        self._trash = memoryview(bytearray(self.layer_bytes))
+        self.heads = [bytearray(head_bytes) for _ in keys]
+        self.count = 0
+        """Leading chunks present with a good header: these land (the step computes after them)."""
+        self._sizes: list[int | None] = []
+        self.layers_in = [0] * len(keys)
+        """Layers of each chunk received and landed (queued, on CUDA)."""
+        self.digests: list = []
+        self.headers: list = []
+        """The checked header of each of the ``count`` chunks (``check_header``'s answer)."""
+        self.sums: torch.Tensor | None = None
+        self.page_ids: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._heads_in = threading.Event()
+        self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self._layer_events: list = [None] * self.num_layers
+        self._unit_events = ring_events
+        """Per ring buffer, the event of the last DMA that reads it (CUDA), shared by every
+        landing through the ring: a later load's bytes wait for an earlier one's copies."""
+        self._future = None
+        self._cuda = runner.transfer_stream is not None
+        self._lock = threading.Lock()
+        """Held while a group lands, while ``start`` gives up on the headers and while ``finish``
+        closes: no layer lands after either."""
+        self._closed = False
+        self._stalled = False
+        self._last = -1
+
+    @property
+    def _group(self) -> int:
+        return self._ring.shape[1]
+
+    def start(self) -> bool:
+        """Starts the stream and waits for the headers; False (nothing started) when the node
+        cannot stream (no data channel: read another way). ``count`` chunks will land."""
+        if not self.keys:
+            return False
+        self._future = self._fetcher.submit(self._run)
+        got = self._heads_in.wait(self.timeout_s)
+        with self._lock:  # a stream that failed (or stalled) before the step: nothing lands from it now
+            if not got or self.error is not None:
+                self.count = 0
+                if self.error is None:
+                    self.error = TimeoutError(f"no chunk headers in {self.timeout_s} s")
+        if isinstance(self.error, _NoStream):
+            self._end_stream()
+            self.error = None
+            return False
+        if self.count == 0 and self._cuda:  # copies it queued before failing end before the step writes
+            torch.cuda.current_stream(self.runner.device).wait_stream(self.runner.transfer_stream)
+        return True
+
+    def _run(self) -> None:
+        try:
+            if not self.client.batch_get_layered(self.keys, self.head_bytes, self.layer_bytes, self._on_sizes,
+                                                 self._dest, self._arrived):
+                raise _NoStream()
+        except BaseException as exc:  # noqa: BLE001 - the waiters learn of it; finish reports it
+            if self.error is None:
+                self.error = exc
+        finally:
+            self._heads_in.set()
+            for ev in self._ready:
+                ev.set()
+
+    def _on_sizes(self, sizes: list[int | None]) -> None:
+        import xxhash
+
+        want = self.head_bytes + self.num_layers * self.layer_bytes
+        n = 0
+        while n < len(sizes) and sizes[n] == want:
+            n += 1
+        self.count = n  # provisional: the headers may refuse some
+        self._sizes = sizes
+        self._last = max((i for i, s in enumerate(sizes) if s is not None), default=-1)
+        self.digests = [xxhash.xxh3_64() for _ in range(n)]
+        if self._last < 0:
+            self._heads_in.set()
+
+    def _heads_checked(self) -> None:
+        """Every header is in: the page table and (for wsum64 chunks) the sums, before any layer."""
+        n = self.count
+        if n:
+            dev = self.runner.device
+            with torch.cuda.stream(self.runner.transfer_stream) if self._cuda else _nullcontext():
+                self.page_ids = torch.tensor(self._pages[:n], dtype=torch.int32).to(dev)
+                if any(h.check == CHECK_WSUM for h in self.headers[:n]):
+                    self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._heads_in.set()
+
+    def _dest(self, j: int, part: int) -> memoryview:
+        if part < 0:
+            return memoryview(self.heads[j])
+        if j >= self.count or self._closed:
+            return self._trash
+        g = self._group
+        unit = (part * -(-self.count // g) + j // g) % self._ring.shape[0]
+        if j % g == 0 and self._unit_events[unit] is not None:  # its previous group's copy must be done
+            self._unit_events[unit].synchronize()
+            self._unit_events[unit] = None
+        return self._rows[unit][j % g]
+
+    def _arrived(self, j: int, part: int) -> None:
+        with self._lock:
+            if part < 0:
+                if j < self.count:
+                    hdr = self._check_header(j, bytes(self.heads[j]))
+                    if hdr is None:
+                        self.count = j  # it and every chunk after it are recomputed
+                    else:
+                        self.headers.append(hdr)
+                if j == self._last:
+                    self._heads_checked()
+                return
+            if j < self.count and not self._closed:
+                g = self._group
+                unit = (part * -(-self.count // g) + j // g) % self._ring.shape[0]
+                if self.headers[j].check != CHECK_WSUM:
+                    self.digests[j].update(self._rows[unit][j % g])
+                if j % g == g - 1 or j == self.count - 1:
+                    self._land(part, j - j % g, j % g + 1, unit)
+        if j == self._last:
+            self._ready[part].set()
+
+    def _land(self, layer: int, g0: int, n: int, unit: int) -> None:
+        import kernels
+
+        rows = self._ring[unit, :n].view(self.runner.dtype).view(n, *self._layer_shape)
+        k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
+        ids = self.page_ids[g0 : g0 + n]
+        if self._cuda:
+            with torch.cuda.stream(self.runner.transfer_stream):
+                dev = self._stage[:n]
+                dev.copy_(rows, non_blocking=True)
+                if self.sums is not None:
+                    self.sums[g0 : g0 + n] += self._share(dev, layer)
+                kernels.scatter_kv_chunks(dev, k, v, ids)
+                ev = torch.cuda.Event()
+                ev.record(self.runner.transfer_stream)
+            self._unit_events[unit] = ev
+            self._layer_events[layer] = ev
+        else:
+            if self.sums is not None:
+                self.sums[g0 : g0 + n] += self._share(rows, layer)
+            kernels.scatter_kv_chunks(rows, k, v, ids)
+        for j in range(g0, g0 + n):
+            self.layers_in[j] += 1
+
+    def _share(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        from kvstore.chunk import wsum64_rows
+
+        words = self.layer_bytes // 8
+        return wsum64_rows(rows, layer * words, words * self.num_layers)
+
+    def wait(self, layer: int) -> None:
+        """Before layer ``layer`` computes: its KV of these chunks is in the pages (CUDA: queued,
+        and the compute stream waits for it). A stream that broke or stalls leaves the pages as
+        they are (``finish`` tells: the step is thrown away)."""
+        if self.count == 0 or self._stalled:
+            return
+        if not self._ready[layer].wait(self.timeout_s):
+            self._stalled = True  # the step goes on (and is thrown away), not one timeout per layer
+            return
+        ev = self._layer_events[layer]
+        if ev is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(ev)
+
+    def _end_stream(self) -> None:
+        if self._future is not None:
+            try:
+                self._future.result()
+            except BaseException:  # noqa: BLE001 - _run keeps its error
+                pass
+            self._future = None
+
+    def finish(self) -> int:
+        """Ends the landing once every layer has landed (or the stream broke, or stalled for
+        ``timeout_s``): nothing lands after it returns (a stream still running, stalled on
+        a node, lands no more; its thread ends with its socket, and a later stream queues
+        behind it) and every copy queued has completed. Returns how many leading chunks
+        arrived and landed whole (of ``count``)."""
+        if self.count and not self._stalled and not self._ready[-1].wait(self.timeout_s):
+            self._stalled = True  # (a step that did not need every layer, or none: they land first)
+        with self._lock:
+            self._closed = True
+        if self._cuda:
+            for ev in self._unit_events:
+                if ev is not None:
+                    ev.synchronize()
+        whole = 0
+        while whole < self.count and self.layers_in[whole] == self.num_layers:
+            whole += 1
+        return whole
+
+
+class _NoStream(Exception):
+    """The node has no data channel to stream from."""
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

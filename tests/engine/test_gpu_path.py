@@ -113,7 +113,8 @@ def test_random_weights_drawn_on_the_gpu_never_share_chunks_with_the_cpus(node):
 
 
 
-def test_loads_over_tcp_land_through_the_pinned_pool(node):
+@pytest.mark.parametrize("stream", [True, False])
+def test_loads_over_tcp_stream_in_or_land_through_the_pinned_pool(node, stream):
     from kvstore.client import StoreClient
 
     prompt = _prompt(6 * CHUNK + 9, seed=3)
@@ -121,13 +122,50 @@ def test_loads_over_tcp_land_through_the_pinned_pool(node):
     want = list(_run(ref, prompt).output)
     ref.close()
     eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
+    eng.connector.stream_loads = stream
     try:
         _run(eng, prompt)
         assert eng.connector.flush(timeout_s=120)
         seq = _run(eng, prompt)
         assert list(seq.output) == want and seq.num_store_tokens == 6 * CHUNK
         assert eng.connector.stats.chunks_loaded_in_place == 0 and eng.connector.pool.in_use == 0
+        assert eng.connector.stats.late_failures == 0
         assert eng.connector.save_pool.pinned  # no arena mapped here: saves bounce through pinned memory
+        assert eng.connector.stream_ring.is_pinned()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("bad", [None, 0, 6])
+def test_a_streamed_load_lands_groups_from_a_reused_ring_on_the_transfer_stream(node, monkeypatch, bad):
+    """Over TCP, 9 chunks in groups of 4, 4 and 1 per layer through a ring of three pinned
+    buffers (reused within a layer: each waits for its last DMA): exact tokens; a chunk whose
+    payload was changed in the store fails its wsum64 where it landed, after the step, and the
+    prompt is recomputed from exactly it."""
+    import engine.kv_connector as kvc
+    from kvstore.client import StoreClient
+
+    monkeypatch.setattr(kvc, "STAGE_CHUNKS", 4)
+    prompt = _prompt(9 * CHUNK + 5, seed=8)
+    ref = _engine(None)
+    want = list(_run(ref, prompt).output)
+    ref.close()
+    eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
+    try:
+        assert eng.connector.stream_ring.shape[:2] == (3, 4)
+        _run(eng, prompt)
+        assert eng.connector.flush(timeout_s=120)
+        if bad is not None:
+            with StoreClient(node.address, transport="tcp") as c:
+                key = bytes(eng.connector.keys(prompt, None)[bad])
+                raw = bytearray(c.get(key))
+                raw[-3] ^= 0x10
+                c.put(key, raw)
+        seq = _run(eng, prompt)
+        st = eng.connector.stats
+        assert list(seq.output) == want
+        assert seq.num_store_tokens == (9 if bad is None else bad) * CHUNK
+        assert st.late_failures == (0 if bad is None else 1)
     finally:
         eng.close()
 

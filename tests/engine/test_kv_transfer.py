@@ -133,10 +133,14 @@ def test_the_pool_refuses_what_it_cannot_hold():
 # ---- through the engine, real store nodes ---------------------------------------------------
 
 
-def make_engine(store=None, client=None, batch=2, check="auto") -> LLMEngine:
-    return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
-                                  kv_cache_memory="8MiB", enable_prefix_caching=False,
-                                  store_load_batch=batch, chunk_check=check), client=client)
+def make_engine(store=None, client=None, batch=2, check="auto", stream=True) -> LLMEngine:
+    """``stream=False``: chunks not read in place go through the staging pool, never streamed."""
+    eng = LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
+                                 kv_cache_memory="8MiB", enable_prefix_caching=False,
+                                 store_load_batch=batch, chunk_check=check), client=client)
+    if eng.connector is not None:
+        eng.connector.stream_loads = stream
+    return eng
 
 
 def run(engine: LLMEngine, prompt: list[int]):
@@ -171,13 +175,15 @@ def _seed(address: str, reference, check="auto") -> list[bytes]:
         eng.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("check", ["xxh3", "wsum"])
 @pytest.mark.parametrize("bad", [0, 5, 9])
-def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check):
-    """xxh3 payloads are checked before they land; wsum64 payloads where they landed, layer by
-    layer beside the step that needs them (the GPU's way; here on the CPU): the chunks after a
-    bad one land too, the step computes over them, and is thrown away and recomputed from
-    exactly the bad chunk."""
+def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check, transport):
+    """In place (shm), xxh3 payloads are checked before they land; wsum64 payloads where they
+    landed, layer by layer beside the step that needs them (the GPU's way; here on the CPU):
+    the chunks after a bad one land too, the step computes over them, and is thrown away and
+    recomputed from exactly the bad chunk. Streamed (tcp), both checks end with the stream,
+    after the step: thrown away too."""
     from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, parse_header
 
     node = nodes()
@@ -187,14 +193,16 @@ def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, referenc
         assert parse_header(raw).check == {"xxh3": CHECK_XXH3, "wsum": CHECK_WSUM}[check]
         raw[-1] ^= 0x40  # one payload bit
         c.put(keys[bad], raw)
-    eng = make_engine(node.address, batch=2)  # chunk 5 is in the middle of batch 2, 9 ends the last one
+    # chunk 5 is in the middle of batch 2, 9 ends the last one
+    eng = make_engine(client=StoreClient(node.address, transport=transport), batch=2)
     try:
         seq = run(eng, PROMPT)
         st = eng.connector.stats
         assert list(seq.output) == reference
         assert seq.num_store_tokens == bad * CHUNK and st.chunks_loaded == bad and st.load_failures == 1
-        # a wsum64 payload is checked after the step that computed beside its landing: thrown away
-        assert st.late_failures == (1 if check == "wsum" else 0)
+        # checked after the step that computed beside its landing: thrown away
+        assert st.late_failures == (1 if check == "wsum" or transport == "tcp" else 0)
+        assert st.chunks_loaded_in_place == (bad if transport == "shm" else 0)
         assert eng.connector.pool.in_use == 0
         assert eng.connector.flush(timeout_s=120)
     finally:
@@ -207,7 +215,7 @@ def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, referenc
         eng.close()
 
 
-def test_a_node_killed_mid_load(reference):
+def test_a_node_killed_mid_load_through_the_staging_pool(reference):
     node = StoreProcess("--dram", "16MiB")
     try:
         _seed(node.address, reference)
@@ -222,7 +230,7 @@ def test_a_node_killed_mid_load(reference):
             return real(keys, bufs)
 
         client.batch_get_into = batch_get_into
-        eng = make_engine(client=client, batch=3)
+        eng = make_engine(client=client, batch=3, stream=False)
         try:
             seq = run(eng, PROMPT)
             assert list(seq.output) == reference
@@ -427,12 +435,12 @@ def disk_nodes(tmp_path):
     yield from store_nodes(tmp_path, with_disk=True)
 
 
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("lead_in_dram", [0, 3])
-def test_chunks_on_the_nodes_disk_load_through_the_staging_pool_after_those_in_place(disk_nodes, reference,
-                                                                                     lead_in_dram):
+def test_chunks_on_the_nodes_disk_load_after_those_in_place(disk_nodes, reference, lead_in_dram, stream):
     """A same-host load reads the node's arena in place up to the first chunk the node holds on
-    disk, then the rest through the staging pool (pinned on CUDA; the node streams disk values
-    into it): every chunk loads, and the tokens are the recomputed ones."""
+    disk, then the rest streamed layer-major (or through the staging pool, pinned on CUDA; the
+    node reads disk values into it): every chunk loads, and the tokens are the recomputed ones."""
     from kvstore.store import Tier
 
     node = disk_nodes(dram=8 * (32 << 10), slot_size=32 << 10, promote=False)
@@ -446,7 +454,7 @@ def test_chunks_on_the_nodes_disk_load_through_the_staging_pool_after_those_in_p
     lead = next(i for i, t in enumerate(tiers) if t is not Tier.DRAM)
     assert lead == lead_in_dram and Tier.DISK in tiers[lead:], tiers
     disk_hits = node.store.stats()["tiers"][Tier.DISK]["hits"]
-    eng = make_engine(node.address, batch=3)
+    eng = make_engine(node.address, batch=3, stream=stream)
     try:
         seq = run(eng, PROMPT)
         st = eng.connector.stats
@@ -489,3 +497,204 @@ def test_a_layerwise_landing_lands_each_layer_when_asked_and_the_rest_at_finish(
     for c, p in zip(chunks, pages):
         scatter_kv_pages(c, want_k, want_v, torch.tensor(p, dtype=torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(Caches.k_caches + Caches.v_caches, want_k + want_v))
+
+
+# ---- streamed: another host's node sends chunks layer-major, landed beside the step ---------------
+
+
+def _pages_equal(eng, ref_eng, ref_seq, loaded_pages, layers) -> bool:
+    import torch
+
+    return all(torch.equal(mine[i][loaded_pages], theirs[i][ref_seq.pages[: len(loaded_pages)]])
+               for i in layers
+               for mine, theirs in ((eng.runner.k_caches, ref_eng.runner.k_caches),
+                                    (eng.runner.v_caches, ref_eng.runner.v_caches)))
+
+
+def test_chunks_from_another_host_stream_in_layer_by_layer_beside_the_step(nodes, reference, monkeypatch):
+    """Over TCP the node sends every chunk's header, then layer 0 of all, layer 1, … and the
+    step computes layer l as soon as layer l has landed. Layer 1's bytes are held on the
+    socket until layer 0 has computed: a load that waited for every layer before the step could
+    not finish. When layer l computes, layers <= l hold exactly what recomputing writes."""
+    from engine.kv_transfer import StreamedLanding
+
+    node = nodes()
+    _seed(node.address, reference)
+    ref_eng = make_engine()
+    ref_seq = ref_eng.add_request(PROMPT, PARAMS)
+    ref_eng.step()
+    eng = make_engine(client=StoreClient(node.address, transport="tcp"), batch=3)
+    layers = len(eng.runner.k_caches)
+    loaded_pages = list(range(10 * CHUNK // eng.cfg.page_size))
+    layer0_computed = threading.Event()
+    real_dest, real_wait = StreamedLanding._dest, StreamedLanding.wait
+    seen = []
+
+    def dest(self, j, part):
+        if part == 1 and j == 0:
+            assert layer0_computed.wait(120), "layer 1 was wanted before layer 0 computed"
+        return real_dest(self, j, part)
+
+    def wait(self, layer):
+        later_empty = not any(bool(eng.runner.k_caches[i][loaded_pages].any()) for i in range(max(layer, 1), layers))
+        if layer == 1:
+            layer0_computed.set()
+        real_wait(self, layer)
+        seen.append((layer, later_empty, _pages_equal(eng, ref_eng, ref_seq, loaded_pages, range(layer + 1))))
+
+    monkeypatch.setattr(StreamedLanding, "_dest", dest)
+    monkeypatch.setattr(StreamedLanding, "wait", wait)
+    try:
+        seq = eng.add_request(PROMPT, PARAMS)
+        eng.step()
+        assert [s[0] for s in seen] == list(range(layers))
+        assert seen[0][1] and seen[1][1]  # layer 1 and later were still on the wire as the step began
+        assert all(ok for *_, ok in seen)
+        st = eng.connector.stats
+        assert seq.num_store_tokens == 10 * CHUNK and st.chunks_loaded == 10 and st.chunks_loaded_in_place == 0
+        assert st.late_failures == 0 and _pages_equal(eng, ref_eng, ref_seq, loaded_pages, range(layers))
+        while not seq.is_finished:
+            eng.step()
+        assert list(seq.output) == reference
+    finally:
+        eng.close()
+        ref_eng.close()
+
+
+def test_a_header_that_fails_stops_the_stream_there_before_the_step(nodes, reference):
+    node = nodes()
+    keys = _seed(node.address, reference)
+    with StoreClient(node.address) as c:
+        raw = bytearray(c.get(keys[4]))
+        raw[200] ^= 1  # a header byte
+        c.put(keys[4], raw)
+    eng = make_engine(client=StoreClient(node.address, transport="tcp"))
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference
+        assert seq.num_store_tokens == 4 * CHUNK and st.late_failures == 0 and st.verify_failures == 1
+    finally:
+        eng.close()
+
+
+def test_a_stream_that_breaks_mid_step_throws_the_step_away(nodes, reference, monkeypatch):
+    """The connection dies after layer 0 of the first chunk (its socket closed under the
+    stream): no chunk arrives whole, the step that computed beside the stream
+    is thrown away and the prompt recomputed, with the same tokens; the next load streams
+    again on a new connection."""
+    from engine.kv_transfer import StreamedLanding
+
+    node = nodes()
+    _seed(node.address, reference)
+    client = StoreClient(node.address, transport="tcp")
+    eng = make_engine(client=client)
+    real, real_wait = StreamedLanding._arrived, StreamedLanding.wait
+    broke, step_began = [], threading.Event()
+
+    def arrived(self, j, part):
+        real(self, j, part)
+        if (j, part) == (0, 0) and not broke:
+            assert step_began.wait(120)
+            broke.append(True)
+            client._data_channel().current().sock.close()
+
+    def wait(self, layer):
+        step_began.set()
+        real_wait(self, layer)
+
+    monkeypatch.setattr(StreamedLanding, "_arrived", arrived)
+    monkeypatch.setattr(StreamedLanding, "wait", wait)
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert broke and list(seq.output) == reference
+        assert seq.num_store_tokens == 0 and st.late_failures == 1 and st.chunks_loaded == 0
+        seq = run(eng, PROMPT)  # the recompute saved nothing new (the chunks were there): they stream again
+        assert list(seq.output) == reference and seq.num_store_tokens == 10 * CHUNK
+    finally:
+        eng.close()
+
+
+def test_a_node_that_stalls_before_its_headers_is_recomputed_not_waited_on(reference, monkeypatch):
+    node = StoreProcess("--dram", "16MiB")
+    eng = None
+    try:
+        _seed(node.address, reference)
+        eng = make_engine(client=StoreClient(node.address, transport="tcp", timeout_s=60))
+        conn = eng.connector
+        conn.stream_timeout_s = 3.0  # how long a load waits for headers before recomputing
+        real = conn.lookup
+
+        def lookup(tokens, salt):
+            n = real(tokens, salt)
+            freeze(node.pid)  # after the lookup: the load's stream meets a frozen node
+            return n
+
+        monkeypatch.setattr(conn, "lookup", lookup)
+        try:
+            seq = run(eng, PROMPT)
+        finally:
+            import os
+            import signal
+
+            os.kill(node.pid, signal.SIGCONT)
+        assert list(seq.output) == reference and seq.num_store_tokens == 0
+        assert any("no chunk headers" in e for e in conn.stats.errors)
+    finally:
+        if eng is not None:
+            eng.close()
+        node.stop()
+
+
+def test_streamed_loads_reuse_their_ring_and_leak_no_thread(nodes, reference):
+    node = nodes()
+    keys = _seed(node.address, reference)
+    with StoreClient(node.address) as c:
+        c.delete([keys[7]])  # a miss
+        raw = bytearray(c.get(keys[9]))
+        raw[-1] ^= 1  # a payload bit: found as it streams in
+        c.put(keys[9], raw)
+    eng = make_engine(client=StoreClient(node.address, transport="tcp"))
+    conn = eng.connector
+    ring = conn.stream_ring.data_ptr()
+    per_chunk = CHUNK // eng.cfg.page_size
+    pages = list(range(10 * per_chunk))
+    rng = random.Random(4)
+    try:
+        threads = None
+        want = {0: 7, 6: 1, 8: 1}  # first chunk -> chunks good before the miss (7) or the bad payload (9)
+        for i in range(300):
+            first = rng.choice(list(want))
+            got = conn.load(PROMPT, None, pages, first, 10 - first)
+            assert got == want[first], (i, first, got)
+            if i == 10:
+                threads = threading.active_count()
+        assert threading.active_count() == threads and conn.stream_ring.data_ptr() == ring
+        assert conn.pool.in_use == 0 and not any("whole" in e or "headers" in e for e in conn.stats.errors)
+    finally:
+        eng.close()
+
+
+def test_two_sequences_stream_in_the_same_step_one_after_the_other_through_one_ring(nodes, reference):
+    node = nodes()
+    other = [random.Random(9).randrange(0, 500) for _ in range(6 * CHUNK + 3)]
+    _seed(node.address, reference)
+    eng = make_engine(node.address)
+    try:
+        want_other = list(run(eng, other).output)  # computed, and its chunks saved
+        assert eng.connector.flush(timeout_s=120)
+    finally:
+        eng.close()
+    eng = make_engine(client=StoreClient(node.address, transport="tcp"))
+    try:
+        a, b = eng.add_request(PROMPT, PARAMS), eng.add_request(other, PARAMS)
+        eng.step()
+        assert a.num_computed > 10 * CHUNK and b.num_computed > 6 * CHUNK  # both loaded, in that one step
+        while not (a.is_finished and b.is_finished):
+            eng.step()
+        assert list(a.output) == reference and list(b.output) == want_other
+        assert a.num_store_tokens == 10 * CHUNK and b.num_store_tokens == 6 * CHUNK
+        assert eng.connector.stats.late_failures == 0 and eng.connector.stats.chunks_loaded == 16
+    finally:
+        eng.close()
