@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--transport", default="auto", choices=["auto", "tcp"],
                     help="tcp: read the node as another host would (streamed layer-major, and the pool to compare)")
     ap.add_argument("--quick", action="store_true", help="random:small, 1024 tokens, 1 rep")
-    ap.add_argument("--json", default=os.path.join(OUT, "prefix_reuse.json"), help="where the figures go")
+    ap.add_argument("--json", default=None, help="where the figures go (default bench/out/<the docs section>.json)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -257,7 +257,7 @@ def main() -> None:
         for frac in (0.0, 0.5, 0.9):
             cached, total = shape(frac)
             ttft_store, ttft_recompute, moved, hits, load_s, from_disk, from_hbm = [], [], [], [], [], [], []
-            ttft_pool = []
+            ttft_pool, pool_load_s = [], []
             modes = ("store", "pool", "recompute") if args.transport == "tcp" and frac else ("store", "recompute")
             for rep in range(args.reps):
                 prompt = base[:cached] + fresh(total - cached)
@@ -265,7 +265,9 @@ def main() -> None:
                     conn.load_enabled = mode != "recompute"
                     conn.stream_loads = mode == "store"
                     if mode == "pool":
+                        s0 = conn.stats.load_s
                         ttft_pool.append(llm.generate([prompt], max_tokens=1)[0].ttft_s)
+                        pool_load_s.append(conn.stats.load_s - s0)
                         continue
                     b0, s0 = conn.stats.bytes_loaded, conn.stats.load_s
                     d0, h0 = disk_hits(conn), conn.stats.chunks_loaded_from_device
@@ -286,7 +288,8 @@ def main() -> None:
                             "prompt_tokens": total, "ttft_store": s, "ttft_recompute": r, "ratio": s / r,
                             "bytes": nbytes, "load_s": secs, "chunks_from_disk": median(from_disk),
                             "chunks_from_device": median(from_hbm),
-                            "ttft_pool": median(ttft_pool) if ttft_pool else None})
+                            "ttft_pool": median(ttft_pool) if ttft_pool else None,
+                            "pool_load_s": median(pool_load_s) if pool_load_s else None})
         conn.stream_loads = True
         # the load alone, nothing computed beside it: the 90% prefix into pages of its own
         # (what the store moves per second; in a TTFT above, the copies overlap the step)
@@ -327,6 +330,9 @@ def main() -> None:
                "load_alone_s": load_alone_s, "load_alone_bytes": load_alone_bytes,
                "load_alone_gbps": load_alone_bytes / load_alone_s / 1e9,
                "load_gbps_over_ceiling": load_alone_bytes / load_alone_s / 1e9 / ref, "ceiling": ref_name}
+    name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_tcp" if args.transport == "tcp" else "")
+            + ("_disk" if args.disk_tier else "") + ("_hbm" if args.hbm else ""))
+    args.json = args.json or os.path.join(OUT, f"{name}.json")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(figures, f, indent=1)
@@ -334,19 +340,23 @@ def main() -> None:
     rows = [[f"{x['target']:.0%}", x["prompt_tokens"], f"{x['cached_tokens']} ({x['fraction']:.1%})",
              f"{x['ttft_recompute']:.3f}", f"{x['ttft_store']:.3f}", f"{x['ratio']:.2f}×",
              f"{x['bytes'] / 2**20:.0f} MiB", f"{x['load_s'] * 1e3:.1f}" if x["bytes"] else "–",
-             *([f"{x['ttft_pool']:.3f}" if x["ttft_pool"] else "–"] if args.transport == "tcp" else []),
+             *([f"{x['ttft_pool']:.3f}" if x["ttft_pool"] else "–",
+                f"{x['pool_load_s'] * 1e3:.1f}" if x["ttft_pool"] else "–"] if args.transport == "tcp" else []),
              *([f"{x['chunks_from_disk']:.0f}"] if args.disk_tier else []),
              *([f"{x['chunks_from_device']:.0f}"] if args.hbm else [])] for x in results]
     md = table(["cached (target)", "prompt tokens", "tokens from store", "TTFT recompute s", "TTFT with store s",
                 "× recompute", "bytes from store", "load ms not overlapped",
-                *(["TTFT staging pool s (chunk-major)"] if args.transport == "tcp" else []),
+                *(["TTFT staging pool s (chunk-major)", "pool: load ms not overlapped"]
+                  if args.transport == "tcp" else []),
                 *(["chunks from the node's disk"] if args.disk_tier
                                                                    else []),
                 *(["chunks from the node's HBM (cuda_ipc)"] if args.hbm else [])], rows)
     save_cost = figures["save_prefill_on_s"] / figures["save_prefill_off_s"] - 1
     lines = [f"at {at90['fraction']:.1%} cached, TTFT is {at90['ratio']:.2f}× recompute"
              + (f"; streamed layer-major {at90['ttft_store'] / at90['ttft_pool']:.2f}× the staging pool's "
-                f"chunk-major load ({at90['ttft_pool']:.3f}s)" if at90["ttft_pool"] else ""),
+                f"chunk-major load ({at90['ttft_pool']:.3f}s); load time not overlapped with compute "
+                f"{at90['load_s'] * 1e3:.1f} ms streamed vs {at90['pool_load_s'] * 1e3:.1f} ms through the pool"
+                if at90["ttft_pool"] else ""),
              f"the load alone {figures['load_alone_gbps']:.2f} GB/s = {figures['load_gbps_over_ceiling']:.2f}× "
              f"{ref_name.removesuffix('_gbps')} ({ref:.1f} GB/s, same run)",
              "ceilings: " + ", ".join(f"{k.removesuffix('_gbps')} {v:.1f} GB/s" for k, v in ceilings.items())]
@@ -368,8 +378,14 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(results))
-    ax.bar([x - 0.2 for x in xs], [r["ttft_recompute"] for r in results], 0.4, label="recompute")
-    ax.bar([x + 0.2 for x in xs], [r["ttft_store"] for r in results], 0.4, label="load prefix from store")
+    if any(r["ttft_pool"] for r in results):  # three bars: recompute, the pool's load, streamed
+        ax.bar([x - 0.27 for x in xs], [r["ttft_recompute"] for r in results], 0.27, label="recompute")
+        ax.bar(list(xs), [r["ttft_pool"] or 0 for r in results], 0.27, label="load through the pool (chunk-major)")
+        ax.bar([x + 0.27 for x in xs], [r["ttft_store"] for r in results], 0.27,
+               label="load streamed layer-major beside the step")
+    else:
+        ax.bar([x - 0.2 for x in xs], [r["ttft_recompute"] for r in results], 0.4, label="recompute")
+        ax.bar([x + 0.2 for x in xs], [r["ttft_store"] for r in results], 0.4, label="load prefix from store")
     ax.set_xticks(list(xs), [f"{r['fraction']:.0%} cached" for r in results])
     ax.set_ylabel("TTFT (s)")
     ax.set_title(f"{args.model} ({mc.num_hidden_layers} layers), {n}-token prompt, {device} {dtype}")
@@ -386,9 +402,6 @@ def main() -> None:
             + (f"; the prefix in its device (HBM) tier of {args.hbm}, read device to device through CUDA IPC"
                if args.hbm else "") + "), "
             f"median of {args.reps}.\n\n{md}\n\n" + "\n".join(f"- {x}." for x in lines))
-    name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_tcp" if args.transport == "tcp" else "")
-            + ("_disk" if args.disk_tier else "")
-            + ("_hbm" if args.hbm else ""))
     publish(fig, name, body, args.write_docs)
 
 

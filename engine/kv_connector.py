@@ -26,7 +26,7 @@ import torch
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, LayerwiseLanding, StagingPool, StreamedLanding,
-                                pipelined_load)
+                                StreamRing, pipelined_load)
 from engine.model_runner import ModelRunner
 from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
                            verify_chunk, verify_header)
@@ -50,7 +50,9 @@ class ConnectorStats:
     chunks_saved: int = 0
     bytes_saved: int = 0
     load_s: float = 0.0
-    """Wall time spent in ``load`` (fetch, verify, scatter): bytes_loaded / load_s is the load rate."""
+    """Host time the engine spent on loads and not on computing: starting them (fetches, checks),
+    the step's waits for a layer (on a CPU, landing it there), finishing them. For ``load``
+    alone, bytes_loaded / load_s is the load rate."""
     chunks_loaded_in_place: int = 0
     """Of chunks_loaded: read where the node keeps them (same host), not through the pool."""
     chunks_loaded_from_device: int = 0
@@ -115,10 +117,12 @@ class PendingLoad:
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer`` computes: its KV of these chunks is in the pages (on CUDA the
         compute stream waits, the host does not)."""
+        t0 = time.perf_counter()
         if self.landing is not None:
             self.landing.wait(layer)
         if self.streamed is not None:
             self.streamed.wait(layer)
+        self.connector.stats.load_s += time.perf_counter() - t0  # the step waited (or landed, on a CPU)
 
     def finish(self) -> int:
         """Chunks loaded and good (a prefix); the copies have completed and every lease ended.
@@ -234,11 +238,9 @@ class StoreConnector:
         self.stream_loads = stream_loads and load
         """Chunks not readable in place arrive layer-major (``StreamedLanding``) when the node can stream."""
         layer_bytes = self.payload_bytes // len(runner.k_caches)
-        self.stream_ring = (torch.empty((RING_UNITS, STAGE_CHUNKS, layer_bytes), dtype=torch.uint8, pin_memory=pin)
-                            if self.stream_loads else None)
+        self.stream_ring = StreamRing(RING_UNITS, STAGE_CHUNKS, layer_bytes, pin) if self.stream_loads else None
         self.stream_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
                                          device=runner.device) if pin and self.stream_loads else None)
-        self._ring_events: list = [None] * RING_UNITS
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
         self.stream_timeout_s = float(getattr(client, "timeout_s", 60.0))
         wsum = check == "wsum" or (check == "auto" and pin)
@@ -523,7 +525,6 @@ class StoreConnector:
         n = len(p.keys) - off
         s = StreamedLanding(self.runner, self.client, p.keys[off:], self.chunk_bytes - self.payload_bytes,
                             [chunk_pages(off + j) for j in range(n)], check, ring=self.stream_ring,
-                            ring_events=self._ring_events,
                             stage=self.stream_stage, fetcher=self._streamer, timeout_s=self.stream_timeout_s)
         try:
             if not s.start():
@@ -708,6 +709,8 @@ class StoreConnector:
         self.pool.close()
         self.save_pool.close()
         self._streamer.shutdown(wait=False)  # (a stream stalled on a node ends with the client's sockets)
+        if self.stream_ring is not None:
+            self.stream_ring.close()
         self.client.close()
 
 

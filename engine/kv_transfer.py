@@ -291,8 +291,48 @@ class LayerwiseLanding:
 
 
 RING_UNITS = 3
-"""Host buffers of a streamed load (``StreamedLanding``), each a group of up to ``STAGE_CHUNKS``
+"""Host buffers of a streamed load (``StreamRing``), each a group of up to ``STAGE_CHUNKS``
 chunk-layers: one fills from the socket while the one before it lands."""
+
+
+class StreamRing:
+    """The host buffers streamed loads receive into, made at start and shared by every one of
+    them: ``units`` groups of ``group`` chunk-layers of ``layer_bytes`` (pinned on CUDA), and the
+    thread that lands them, so that receiving group g + 1 overlaps landing group g.
+
+    A unit is ``take``n by the receiving thread before it fills it and set ``free`` by the lander
+    once it has landed it (on CUDA, once its copy is queued: ``take`` then also waits for that
+    copy, ``copies[u]``, to complete).
+    """
+
+    def __init__(self, units: int, group: int, layer_bytes: int, pin: bool) -> None:
+        self.buf = torch.empty((units, group, layer_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.rows = [[memoryview(self.buf[u, r].numpy()) for r in range(group)] for u in range(units)]
+        self.free = [threading.Event() for _ in range(units)]
+        for ev in self.free:
+            ev.set()
+        self.copies: list = [None] * units
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")
+
+    @property
+    def units(self) -> int:
+        return self.buf.shape[0]
+
+    @property
+    def group(self) -> int:
+        return self.buf.shape[1]
+
+    def take(self, unit: int, timeout_s: float) -> None:
+        if not self.free[unit].wait(timeout_s):
+            raise TimeoutError(f"stream ring buffer {unit} not landed in {timeout_s} s")
+        self.free[unit].clear()
+        ev = self.copies[unit]
+        if ev is not None:  # the DMA that read it last must be done before the socket writes it
+            ev.synchronize()
+            self.copies[unit] = None
+
+    def close(self) -> None:
+        self.lander.shutdown(wait=False)
 
 
 class StreamedLanding:
@@ -300,52 +340,47 @@ class StreamedLanding:
     layer 0 of every chunk, layer 1, …), landed as they arrive, beside the step that reads them.
 
     Where ``LayerwiseLanding`` reads chunks already in memory here, this one overlaps the
-    network too: a fetch thread receives layer ``l + 1`` of the chunks into a ring of host
-    buffers (pinned on CUDA) while layer ``l`` lands (CUDA: a group's layer is one DMA into
-    ``stage``, its wsum64 shares and one scatter on the transfer stream, then an event; CPU:
-    the scatter, on the fetch thread) and while the step computes the layers before it.
+    network too: the fetch thread receives the chunks' layers into a ``StreamRing`` group by
+    group (up to ``STAGE_CHUNKS`` chunk-layers) and hands each full group to the ring's lander,
+    which hashes it (xxh3 chunks) and lands it (CUDA: one DMA into ``stage``, its wsum64 shares
+    and one scatter on the transfer stream, then an event; CPU: the scatter) while the socket
+    fills the next group and the step computes the layers before it.
 
     ``start`` returns once every header is in and checked (``check_header(i, head)``: its
     ``ChunkHeader``, or None to refuse chunk ``i``): the chunks before the first refused one
-    land, the rest of the stream is drained. ``wait(l)`` before layer ``l`` computes: the host waits until the layer's bytes
-    are in and its copies queued, then (CUDA) the compute stream waits on their event.
-    ``finish`` waits for the stream to end and every copy to complete; ``complete`` then says
-    how many leading chunks arrived whole; ``sums[i]`` is chunk ``i``'s wsum64 as it landed (on
-    the device; when any header names that check) and ``digests[i]`` its xxh3 (computed as its
-    layers went by, for a header that names xxh3).
+    land, the rest of the stream is drained. ``wait(l)`` before layer ``l`` computes: the host
+    waits until the layer has landed (CUDA: its copies are queued), then the compute stream
+    waits on their event. ``finish`` after the step; ``headers``, ``digests`` (xxh3, as the
+    layers went by) and ``sums`` (wsum64 as landed, on the device) are then the caller's to
+    compare.
     """
 
     def __init__(self, runner, client, keys: list[bytes], head_bytes: int, pages: list[list[int]],
-                 check_header: Callable[[int, bytes], object], *, ring: torch.Tensor, ring_events: list,
+                 check_header: Callable[[int, bytes], object], *, ring: StreamRing,
                  stage: torch.Tensor | None, fetcher: ThreadPoolExecutor, timeout_s: float) -> None:
         self.runner, self.client, self.keys = runner, client, keys
         self.head_bytes, self._pages, self._check_header = head_bytes, pages, check_header
         self.num_layers = len(runner.k_caches)
-        self.chunk_shape = runner.chunk_shape
-        layer_shape = self.chunk_shape[1:]
-        self.layer_bytes = ring.shape[-1]
-        self._layer_shape = layer_shape
+        self._layer_shape = runner.chunk_shape[1:]
+        self.layer_bytes = ring.buf.shape[-1]
         self._ring, self._stage, self._fetcher, self.timeout_s = ring, stage, fetcher, timeout_s
-        self._rows = [[memoryview(ring[u, r].numpy()) for r in range(ring.shape[1])] for u in range(ring.shape[0])]
         self._trash = memoryview(bytearray(self.layer_bytes))
         self.heads = [bytearray(head_bytes) for _ in keys]
         self.count = 0
         """Leading chunks present with a good header: these land (the step computes after them)."""
         self._sizes: list[int | None] = []
+        self._last = -1
         self.layers_in = [0] * len(keys)
-        """Layers of each chunk received and landed (queued, on CUDA)."""
-        self.digests: list = []
+        """Layers of each chunk landed (queued, on CUDA)."""
         self.headers: list = []
         """The checked header of each of the ``count`` chunks (``check_header``'s answer)."""
+        self.digests: list = []
         self.sums: torch.Tensor | None = None
         self.page_ids: torch.Tensor | None = None
         self.error: BaseException | None = None
         self._heads_in = threading.Event()
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self._layer_events: list = [None] * self.num_layers
-        self._unit_events = ring_events
-        """Per ring buffer, the event of the last DMA that reads it (CUDA), shared by every
-        landing through the ring: a later load's bytes wait for an earlier one's copies."""
         self._future = None
         self._cuda = runner.transfer_stream is not None
         self._lock = threading.Lock()
@@ -353,11 +388,8 @@ class StreamedLanding:
         closes: no layer lands after either."""
         self._closed = False
         self._stalled = False
-        self._last = -1
-
-    @property
-    def _group(self) -> int:
-        return self._ring.shape[1]
+        self._held: set[int] = set()
+        """Ring buffers this stream took and has not handed to the lander yet (fetch thread only)."""
 
     def start(self) -> bool:
         """Starts the stream and waits for the headers; False (nothing started) when the node
@@ -372,7 +404,7 @@ class StreamedLanding:
                 if self.error is None:
                     self.error = TimeoutError(f"no chunk headers in {self.timeout_s} s")
         if isinstance(self.error, _NoStream):
-            self._end_stream()
+            self._future.result()
             self.error = None
             return False
         if self.count == 0 and self._cuda:  # copies it queued before failing end before the step writes
@@ -389,8 +421,18 @@ class StreamedLanding:
                 self.error = exc
         finally:
             self._heads_in.set()
-            for ev in self._ready:
-                ev.set()
+            for unit in self._held:  # a group the stream broke off in the middle of: nothing lands it
+                self._ring.free[unit].set()
+            self._held.clear()
+            try:  # after every group handed to the lander
+                self._ring.lander.submit(self._end)
+            except RuntimeError:  # the lander was shut down (the connector closed)
+                self._end()
+
+    def _end(self) -> None:
+        """The stream is over and its groups landed: nothing waits on it any longer."""
+        for ev in self._ready:
+            ev.set()
 
     def _on_sizes(self, sizes: list[int | None]) -> None:
         import xxhash
@@ -417,21 +459,24 @@ class StreamedLanding:
                     self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
         self._heads_in.set()
 
+    def _unit(self, j: int, part: int) -> int:
+        g = self._ring.group
+        return (part * -(-self.count // g) + j // g) % self._ring.units
+
     def _dest(self, j: int, part: int) -> memoryview:
         if part < 0:
             return memoryview(self.heads[j])
         if j >= self.count or self._closed:
             return self._trash
-        g = self._group
-        unit = (part * -(-self.count // g) + j // g) % self._ring.shape[0]
-        if j % g == 0 and self._unit_events[unit] is not None:  # its previous group's copy must be done
-            self._unit_events[unit].synchronize()
-            self._unit_events[unit] = None
-        return self._rows[unit][j % g]
+        unit = self._unit(j, part)
+        if j % self._ring.group == 0:
+            self._ring.take(unit, self.timeout_s)
+            self._held.add(unit)
+        return self._ring.rows[unit][j % self._ring.group]
 
     def _arrived(self, j: int, part: int) -> None:
-        with self._lock:
-            if part < 0:
+        if part < 0:
+            with self._lock:
                 if j < self.count:
                     hdr = self._check_header(j, bytes(self.heads[j]))
                     if hdr is None:
@@ -440,21 +485,36 @@ class StreamedLanding:
                         self.headers.append(hdr)
                 if j == self._last:
                     self._heads_checked()
-                return
-            if j < self.count and not self._closed:
-                g = self._group
-                unit = (part * -(-self.count // g) + j // g) % self._ring.shape[0]
-                if self.headers[j].check != CHECK_WSUM:
-                    self.digests[j].update(self._rows[unit][j % g])
-                if j % g == g - 1 or j == self.count - 1:
-                    self._land(part, j - j % g, j % g + 1, unit)
-        if j == self._last:
-            self._ready[part].set()
+            return
+        g = self._ring.group
+        unit = self._unit(j, part)
+        if unit in self._held and (j % g == g - 1 or j == self.count - 1):  # a group is in: land it
+            self._held.discard(unit)
+            self._ring.lander.submit(self._land_group, part, j - j % g, j % g + 1, unit)
+
+    def _land_group(self, layer: int, g0: int, n: int, unit: int) -> None:
+        """On the lander: hashes and lands chunks ``g0 .. g0+n-1``'s layer from ring buffer ``unit``."""
+        try:
+            with self._lock:
+                if self._closed or g0 >= self.count:
+                    return
+                rows = self._ring.rows[unit]
+                for j in range(g0, g0 + n):
+                    if self.headers[j].check != CHECK_WSUM:
+                        self.digests[j].update(rows[j - g0])
+                self._land(layer, g0, n, unit)
+        except BaseException as exc:  # noqa: BLE001 - its chunks do not arrive whole: finish tells
+            if self.error is None:
+                self.error = exc
+        finally:
+            self._ring.free[unit].set()
+            if g0 + n >= self.count:
+                self._ready[layer].set()
 
     def _land(self, layer: int, g0: int, n: int, unit: int) -> None:
         import kernels
 
-        rows = self._ring[unit, :n].view(self.runner.dtype).view(n, *self._layer_shape)
+        rows = self._ring.buf[unit, :n].view(self.runner.dtype).view(n, *self._layer_shape)
         k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
         ids = self.page_ids[g0 : g0 + n]
         if self._cuda:
@@ -466,7 +526,7 @@ class StreamedLanding:
                 kernels.scatter_kv_chunks(dev, k, v, ids)
                 ev = torch.cuda.Event()
                 ev.record(self.runner.transfer_stream)
-            self._unit_events[unit] = ev
+            self._ring.copies[unit] = ev
             self._layer_events[layer] = ev
         else:
             if self.sums is not None:
@@ -494,14 +554,6 @@ class StreamedLanding:
         if ev is not None:
             torch.cuda.current_stream(self.runner.device).wait_event(ev)
 
-    def _end_stream(self) -> None:
-        if self._future is not None:
-            try:
-                self._future.result()
-            except BaseException:  # noqa: BLE001 - _run keeps its error
-                pass
-            self._future = None
-
     def finish(self) -> int:
         """Ends the landing once every layer has landed (or the stream broke, or stalled for
         ``timeout_s``): nothing lands after it returns (a stream still running, stalled on
@@ -513,7 +565,7 @@ class StreamedLanding:
         with self._lock:
             self._closed = True
         if self._cuda:
-            for ev in self._unit_events:
+            for ev in list(self._ring.copies):
                 if ev is not None:
                     ev.synchronize()
         whole = 0

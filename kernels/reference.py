@@ -251,10 +251,14 @@ def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         chunks: ``[N, 2, KVH, P * page_size, D]``: chunk ``n``'s K and V at this layer.
         k_cache: ``[num_pages, page_size, KVH, D]``, written.
         v_cache: the same for V.
-        page_ids: ``[N, P]`` int32, row ``n`` the pages of chunk ``n``.
+        page_ids: ``[N, P]`` int32, row ``n`` the pages of chunk ``n`` (all distinct).
     """
-    for n in range(chunks.shape[0]):
-        scatter_kv_pages(chunks[n : n + 1], [k_cache], [v_cache], page_ids[n])
+    n, _, num_kv_heads, _, head_dim = chunks.shape
+    page_size = k_cache.shape[1]
+    pages = page_ids.long().flatten()  # chunk-major: chunk n's pages in token order
+    # [N, KVH, T, D] -> [N, T, KVH, D] -> [N * P, page_size, KVH, D]: one write per cache
+    k_cache[pages] = chunks[:, 0].transpose(1, 2).reshape(pages.numel(), page_size, num_kv_heads, head_dim)
+    v_cache[pages] = chunks[:, 1].transpose(1, 2).reshape(pages.numel(), page_size, num_kv_heads, head_dim)
 
 
 def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,7 +131,7 @@ def test_loads_over_tcp_stream_in_or_land_through_the_pinned_pool(node, stream):
         assert eng.connector.stats.chunks_loaded_in_place == 0 and eng.connector.pool.in_use == 0
         assert eng.connector.stats.late_failures == 0
         assert eng.connector.save_pool.pinned  # no arena mapped here: saves bounce through pinned memory
-        assert eng.connector.stream_ring.is_pinned()
+        assert eng.connector.stream_ring.buf.is_pinned()
     finally:
         eng.close()
 
@@ -152,7 +152,7 @@ def test_a_streamed_load_lands_groups_from_a_reused_ring_on_the_transfer_stream(
     ref.close()
     eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
     try:
-        assert eng.connector.stream_ring.shape[:2] == (3, 4)
+        assert eng.connector.stream_ring.buf.shape[:2] == (3, 4)
         _run(eng, prompt)
         assert eng.connector.flush(timeout_s=120)
         if bad is not None:

@@ -657,7 +657,7 @@ def test_streamed_loads_reuse_their_ring_and_leak_no_thread(nodes, reference):
         c.put(keys[9], raw)
     eng = make_engine(client=StoreClient(node.address, transport="tcp"))
     conn = eng.connector
-    ring = conn.stream_ring.data_ptr()
+    ring = conn.stream_ring.buf.data_ptr()
     per_chunk = CHUNK // eng.cfg.page_size
     pages = list(range(10 * per_chunk))
     rng = random.Random(4)
@@ -670,7 +670,7 @@ def test_streamed_loads_reuse_their_ring_and_leak_no_thread(nodes, reference):
             assert got == want[first], (i, first, got)
             if i == 10:
                 threads = threading.active_count()
-        assert threading.active_count() == threads and conn.stream_ring.data_ptr() == ring
+        assert threading.active_count() == threads and conn.stream_ring.buf.data_ptr() == ring
         assert conn.pool.in_use == 0 and not any("whole" in e or "headers" in e for e in conn.stats.errors)
     finally:
         eng.close()
