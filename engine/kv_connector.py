@@ -270,8 +270,18 @@ class StoreConnector:
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         if pin:
             self._warm_up()
-        if self.stream_loads:  # the stream thread's data connection, opened now rather than on a first load
+        if self.stream_loads:  # the stream's threads, its data connection and the lander's CUDA context, now
             self._streamer.submit(self._open_stream_connection)
+            self.stream_ring.lander.submit(self._warm_lander)
+
+    def _warm_lander(self) -> None:
+        r = self.runner
+        if r.transfer_stream is not None:
+            with torch.cuda.stream(r.transfer_stream):
+                torch.zeros(8, device=r.device).add_(1)
+            r.transfer_stream.synchronize()
+        else:
+            torch.zeros(1 << 16).add_(1)  # (the thread's first parallel op starts its pool)
 
     def _open_stream_connection(self) -> None:
         channel = getattr(self.client, "_data_channel", None)
