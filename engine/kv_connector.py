@@ -517,7 +517,7 @@ class StoreConnector:
         for their headers; False (nothing started) where it does not apply: replication wants
         the chunks' bytes, or the node cannot stream."""
         get = getattr(self.client, "batch_get_layered", None)
-        if not self.stream_loads or p.replicate or get is None:
+        if not self.stream_loads or p.replicate or get is None or self._reads_over_rdma():
             return False
 
         def check(j: int, head: bytes):
@@ -546,6 +546,16 @@ class StoreConnector:
         p.landed += s.count
         p.sizes += [self.chunk_bytes] * s.count
         return True
+
+    def _reads_over_rdma(self) -> bool:
+        """Whether the client reads this node with one-sided RDMA reads: those go through the pool
+        (a layer-major RDMA read is not built; the stream would fall back to TCP)."""
+        get = getattr(self.client, "descriptor_session", None)
+        try:
+            session = get() if get is not None else None
+        except CrescentError:
+            return False
+        return session is not None and session.mover is Mover.RDMA
 
     def _in_place_session(self):
         """The client's shm session, when loads can read leased chunks where the node keeps them
