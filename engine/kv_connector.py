@@ -1,10 +1,11 @@
 """The engine's store connector: look up, load and save KV chunks by content hash.
 
 Before prefill the engine asks the store how many leading chunks of the prompt
-it holds (``lookup``), loads them into the sequence's pages (``load``: batches
-fetched with batch_get_into into a staging pool made at start, the next batch
-fetched while this one is verified and lands in its pages; see kv_transfer)
-and computes only the rest. After each step,
+it holds (``lookup``), loads them into the sequence's pages beside the step
+that computes the rest (``begin_load``; see kv_transfer): read in place from a
+same-host node's arena, or streamed layer-major from another node, layer ``l``
+landing while earlier layers compute (a staging pool made at start, batch by
+batch before the step, where the node cannot stream). After each step,
 every newly completed chunk is gathered from the pages into a save buffer (a
 copy, so the pages may be reused at once; on CUDA an asynchronous copy on the
 save stream) and handed to a background thread that encodes and stores it, so
@@ -19,11 +20,10 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-
-from concurrent.futures import ThreadPoolExecutor
 
 from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, LayerwiseLanding, StagingPool, StreamedLanding,
                                 StreamRing, pipelined_load)
@@ -182,7 +182,6 @@ class PendingLoad:
             # lands on this engine's own node first.
             conn._enqueue(None, list(zip(self.keys[:good], (copies + self.copies)[:good])))
         return good
-
 
     def _finish_stream(self, wsum_checks: list) -> int:
         """Ends the streamed part: how many chunks are good through it (those before it
@@ -488,8 +487,8 @@ class StoreConnector:
             p.landed = p.in_place
             if elsewhere and p.landed < len(keys):
                 # NOTE: from the first chunk not in the node's arena (on its disk or GPU tier) on, or
-                # for every chunk without an shm session: through the staging pool (pinned on CUDA),
-                # the node streaming disk values straight into it, then a DMA into the pages
+                # for every chunk without an shm session: streamed layer-major beside the step where
+                # the node can, else through the staging pool (pinned on CUDA), before it
                 off = p.landed
                 if not staged and self._stream(p, off, expected, chunk_pages):
                     pass  # lands beside the step
@@ -517,7 +516,8 @@ class StoreConnector:
         for their headers; False (nothing started) where it does not apply: replication wants
         the chunks' bytes, or the node cannot stream."""
         get = getattr(self.client, "batch_get_layered", None)
-        if not self.stream_loads or p.replicate or get is None or self._reads_over_rdma():
+        if (not self.stream_loads or self.stream_ring is None or p.replicate or get is None
+                or self._reads_over_rdma()):
             return False
 
         def check(j: int, head: bytes):

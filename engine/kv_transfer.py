@@ -12,6 +12,11 @@ into other buffers on the pool's fetch thread (the store's copies release the
 GIL). Chunks land in order; the first miss or failed verification stops the
 load, and nothing after it lands. A buffer goes back to the pool only once the
 copy that reads it has completed, on every path (miss, bad chunk, store error).
+
+``LayerwiseLanding`` lands chunks already in memory here (a same-host node's
+arena) layer by layer beside the step; ``StreamedLanding`` does the same for
+chunks another node streams layer-major, through a ``StreamRing`` of host
+buffers made at start.
 """
 
 from __future__ import annotations
