@@ -217,6 +217,9 @@ class EngineConfig:
     store_transport: Literal["auto", "shm", "rdma", "tcp", "grpc"] = "auto"
     """How chunk bytes move to and from the store: auto (shm on the node's host, rdma where
     both ends have a device, else the TCP data channel), shm, rdma, tcp or grpc."""
+    stream_loads: bool = True
+    """Chunks not read in place (another host's node, a node's disk tier) stream in layer-major and
+    land beside the step that needs them; off: they all land before it, through the staging pool."""
 
     speculative: Literal["none", "ngram", "draft"] = "none"
     """Speculative decoding: ``ngram`` drafts from the sequence's own earlier tokens (prompt lookup),

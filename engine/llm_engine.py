@@ -91,7 +91,7 @@ class LLMEngine:
                 client = StoreClient(cfg.store, timeout_s=30, transport=cfg.store_transport)
             self.connector = StoreConnector(self.runner, client, self.fingerprint,
                                             save=cfg.save_to_store, load=cfg.load_from_store,
-                                            load_batch=cfg.store_load_batch,
+                                            load_batch=cfg.store_load_batch, stream_loads=cfg.stream_loads,
                                             save_buffers=cfg.store_save_buffers, check=cfg.chunk_check)
         self.eos = set(mc.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

@@ -135,12 +135,9 @@ def test_the_pool_refuses_what_it_cannot_hold():
 
 def make_engine(store=None, client=None, batch=2, check="auto", stream=True) -> LLMEngine:
     """``stream=False``: chunks not read in place go through the staging pool, never streamed."""
-    eng = LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
-                                 kv_cache_memory="8MiB", enable_prefix_caching=False,
-                                 store_load_batch=batch, chunk_check=check), client=client)
-    if eng.connector is not None:
-        eng.connector.stream_loads = stream
-    return eng
+    return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", chunk_tokens=CHUNK, store=store,
+                                  kv_cache_memory="8MiB", enable_prefix_caching=False,
+                                  store_load_batch=batch, chunk_check=check, stream_loads=stream), client=client)
 
 
 def run(engine: LLMEngine, prompt: list[int]):
