@@ -547,25 +547,24 @@ class StoreConnector:
         p.sizes += [self.chunk_bytes] * s.count
         return True
 
-    def _reads_over_rdma(self) -> bool:
-        """Whether the client reads this node with one-sided RDMA reads: those go through the pool
-        (a layer-major RDMA read is not built; the stream would fall back to TCP)."""
-        get = getattr(self.client, "descriptor_session", None)
-        try:
-            session = get() if get is not None else None
-        except CrescentError:
-            return False
-        return session is not None and session.mover is Mover.RDMA
-
-    def _in_place_session(self):
-        """The client's shm session, when loads can read leased chunks where the node keeps them
-        (no copy into the pool; on CUDA a DMA from the registered arena), else None (the pool path)."""
+    def _session(self, mover: Mover):
+        """The client's descriptor session when it reads the node with ``mover``, else None."""
         get = getattr(self.client, "descriptor_session", None)
         try:
             session = get() if get is not None else None
         except CrescentError:
             return None
-        return session if session is not None and session.mover is Mover.SHM else None
+        return session if session is not None and session.mover is mover else None
+
+    def _reads_over_rdma(self) -> bool:
+        """Whether the client reads this node with one-sided RDMA reads: those go through the pool
+        (a layer-major RDMA read is not built; the stream would fall back to TCP)."""
+        return self._session(Mover.RDMA) is not None
+
+    def _in_place_session(self):
+        """The client's shm session, when loads can read leased chunks where the node keeps them
+        (no copy into the pool; on CUDA a DMA from the registered arena), else None (the pool path)."""
+        return self._session(Mover.SHM)
 
     def _lease_in_place(self, session, keys: list[bytes], verify, p: PendingLoad) -> bool:
         """Leases ``keys`` in batches where the node keeps them: its DRAM arena (shm) and, when

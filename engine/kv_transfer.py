@@ -21,6 +21,7 @@ buffers made at start.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -313,6 +314,8 @@ class StreamRing:
     def __init__(self, units: int, group: int, layer_bytes: int, pin: bool) -> None:
         self.buf = torch.empty((units, group, layer_bytes), dtype=torch.uint8, pin_memory=pin)
         self.rows = [[memoryview(self.buf[u, r].numpy()) for r in range(group)] for u in range(units)]
+        self.trash = memoryview(bytearray(layer_bytes))
+        """Where the parts of chunks a load does not land are drained (one stream at a time writes it)."""
         self.free = [threading.Event() for _ in range(units)]
         for ev in self.free:
             ev.set()
@@ -369,7 +372,6 @@ class StreamedLanding:
         self._layer_shape = runner.chunk_shape[1:]
         self.layer_bytes = ring.buf.shape[-1]
         self._ring, self._stage, self._fetcher, self.timeout_s = ring, stage, fetcher, timeout_s
-        self._trash = memoryview(bytearray(self.layer_bytes))
         self.heads = [bytearray(head_bytes) for _ in keys]
         self.count = 0
         """Leading chunks present with a good header: these land (the step computes after them)."""
@@ -458,7 +460,7 @@ class StreamedLanding:
         n = self.count
         if n:
             dev = self.runner.device
-            with torch.cuda.stream(self.runner.transfer_stream) if self._cuda else _nullcontext():
+            with torch.cuda.stream(self.runner.transfer_stream) if self._cuda else contextlib.nullcontext():
                 self.page_ids = torch.tensor(self._pages[:n], dtype=torch.int32).to(dev)
                 if any(h.check == CHECK_WSUM for h in self.headers[:n]):
                     self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -472,7 +474,7 @@ class StreamedLanding:
         if part < 0:
             return memoryview(self.heads[j])
         if j >= self.count or self._closed:
-            return self._trash
+            return self._ring.trash
         unit = self._unit(j, part)
         if j % self._ring.group == 0:
             self._ring.take(unit, self.timeout_s)
@@ -581,11 +583,3 @@ class StreamedLanding:
 
 class _NoStream(Exception):
     """The node has no data channel to stream from."""
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

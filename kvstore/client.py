@@ -440,12 +440,11 @@ class StoreClient:
             except DataLossError as exc:
                 if attempt == 0 and not started:  # a pooled connection the node had closed: once more
                     continue
-                self._drop_data_channel(dc)
-                raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
+                failure = exc
             except (UnavailableError, OSError) as exc:
-                self._drop_data_channel(dc)
-                raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
-        return True  # (not reached)
+                failure = exc
+            self._drop_data_channel(dc)
+            raise UnavailableError(f"data channel of {self.address}: {failure}") from failure
 
     def _streamed_get_into(self, keys: list[bytes], views: list) -> list[int | None]:
         if any(is_cuda(v) for v in views):  # through host memory, then one copy to the device

@@ -347,13 +347,20 @@ def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference, mo
         eng.close()
 
 
+def _pages_equal(eng, ref_eng, ref_seq, loaded_pages, layers) -> bool:
+    import torch
+
+    return all(torch.equal(mine[i][loaded_pages], theirs[i][ref_seq.pages[: len(loaded_pages)]])
+               for i in layers
+               for mine, theirs in ((eng.runner.k_caches, ref_eng.runner.k_caches),
+                                    (eng.runner.v_caches, ref_eng.runner.v_caches)))
+
+
 def test_a_load_lands_layer_by_layer_beside_the_step_and_holds_its_leases_until_then(nodes, reference,
                                                                                       monkeypatch):
     """The step computes while the chunks land: when layer l computes, layer l of every loaded
     chunk is in its pages and no later layer is yet; the read leases are held until the copies
     have completed, and ended after; the pages hold exactly what recomputing writes."""
-    import torch
-
     from engine.kv_transfer import LayerwiseLanding
 
     node = nodes()
@@ -386,10 +393,7 @@ def test_a_load_lands_layer_by_layer_beside_the_step_and_holds_its_leases_until_
             assert leases == 4  # 10 chunks in leases of 3: all held while the step computes
         assert node.transport.leases.stats()["num_remote_leases"] == 0
         assert seq2.num_store_tokens == 10 * CHUNK and eng.connector.stats.chunks_loaded_in_place == 10
-        for i in range(layers):
-            for mine, theirs in ((eng.runner.k_caches, ref_eng.runner.k_caches),
-                                 (eng.runner.v_caches, ref_eng.runner.v_caches)):
-                assert torch.equal(mine[i][loaded_pages], theirs[i][seq.pages[: len(loaded_pages)]])
+        assert _pages_equal(eng, ref_eng, seq, loaded_pages, range(layers))
         while not seq2.is_finished:
             eng.step()
         assert list(seq2.output) == reference
@@ -497,15 +501,6 @@ def test_a_layerwise_landing_lands_each_layer_when_asked_and_the_rest_at_finish(
 
 
 # ---- streamed: another host's node sends chunks layer-major, landed beside the step ---------------
-
-
-def _pages_equal(eng, ref_eng, ref_seq, loaded_pages, layers) -> bool:
-    import torch
-
-    return all(torch.equal(mine[i][loaded_pages], theirs[i][ref_seq.pages[: len(loaded_pages)]])
-               for i in layers
-               for mine, theirs in ((eng.runner.k_caches, ref_eng.runner.k_caches),
-                                    (eng.runner.v_caches, ref_eng.runner.v_caches)))
 
 
 def test_chunks_from_another_host_stream_in_layer_by_layer_beside_the_step(nodes, reference, monkeypatch):
