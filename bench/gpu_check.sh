@@ -41,6 +41,11 @@ step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, co
 # NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.
 TRITON_INTERPRET=0 timeout $(lim 140) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
 
+step "DRAM -> GPU with --land-direct: the landing kernel reads the registered arena in place (no DMA into a stage)"
+timeout $(lim 70) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
+  --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 4GiB --kv-cache-memory 8GiB --land-direct \
+  --json "$OUT/prefix_reuse_gpu_direct.json" 2>&1 | grep -v Warning
+
 step "HBM -> GPU: the same, the prefix in the node's device tier, read device to device through CUDA IPC"
 timeout $(lim 80) python3 bench/prefix_reuse_bench.py --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --prompt-tokens 8000 --chunk-size 8192 --reps 1 --dram 4GiB --hbm 4GiB --kv-cache-memory 8GiB \

@@ -147,6 +147,8 @@ def main() -> None:
                          "on another host would put them there): loads read them device to device (cuda_ipc)")
     ap.add_argument("--transport", default="auto", choices=["auto", "tcp"],
                     help="tcp: read the node as another host would (streamed layer-major, and the pool to compare)")
+    ap.add_argument("--land-direct", action="store_true",
+                    help="CUDA: the landing kernel reads chunks in page-locked host memory in place (no device stage)")
     ap.add_argument("--quick", action="store_true", help="random:small, 1024 tokens, 1 rep")
     ap.add_argument("--json", default=None, help="where the figures go (default bench/out/<the docs section>.json)")
     ap.add_argument("--write-docs", action="store_true")
@@ -186,7 +188,7 @@ def main() -> None:
         llm = LLM(args.model, store=address, chunk_tokens=args.chunk_tokens,
                   chunk_size=args.chunk_size, max_num_batched_tokens=max(2048, args.chunk_size),
                   enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
-                  hf_overrides=args.hf_overrides, store_transport=args.transport)
+                  hf_overrides=args.hf_overrides, store_transport=args.transport, land_direct=args.land_direct)
         conn = llm.engine.connector
         mc = llm.engine.model_config
         vocab = mc.vocab_size
@@ -331,7 +333,8 @@ def main() -> None:
                "load_alone_gbps": load_alone_bytes / load_alone_s / 1e9,
                "load_gbps_over_ceiling": load_alone_bytes / load_alone_s / 1e9 / ref, "ceiling": ref_name}
     name = (("prefix_reuse" if device == "cpu" else "prefix_reuse_gpu") + ("_tcp" if args.transport == "tcp" else "")
-            + ("_disk" if args.disk_tier else "") + ("_hbm" if args.hbm else ""))
+            + ("_disk" if args.disk_tier else "") + ("_hbm" if args.hbm else "")
+            + ("_direct" if args.land_direct and device != "cpu" else ""))
     args.json = args.json or os.path.join(OUT, f"{name}.json")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
@@ -400,7 +403,9 @@ def main() -> None:
             + (f"; the prefix on its disk tier: DRAM {args.dram}, `--no-promote`, so each load reads it from disk"
                if args.disk_tier else "")
             + (f"; the prefix in its device (HBM) tier of {args.hbm}, read device to device through CUDA IPC"
-               if args.hbm else "") + "), "
+               if args.hbm else "")
+            + ("; `--land-direct`: the landing kernel reads the registered arena in place"
+               if args.land_direct and device != "cpu" else "") + "), "
             f"median of {args.reps}.\n\n{md}\n\n" + "\n".join(f"- {x}." for x in lines))
     publish(fig, name, body, args.write_docs)
 

@@ -220,6 +220,9 @@ class EngineConfig:
     stream_loads: bool = True
     """Chunks not read in place (another host's node, a node's disk tier) stream in layer-major and
     land beside the step that needs them; off: they all land before it, through the staging pool."""
+    land_direct: bool = False
+    """CUDA: the landing kernel reads each chunk's layer where its bytes are (the node's registered
+    arena, the stream's pinned buffers) over the bus, instead of a DMA into a device stage first."""
 
     speculative: Literal["none", "ngram", "draft"] = "none"
     """Speculative decoding: ``ngram`` drafts from the sequence's own earlier tokens (prompt lookup),

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, LayerwiseLanding, StagingPool, StreamedLanding,
-                                StreamRing, pipelined_load)
+from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, DeviceStage, LayerwiseLanding, StagingPool,
+                                StreamedLanding, StreamRing, pipelined_load)
 from engine.model_runner import ModelRunner
-from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, encoded_size, tensor_bytes,
+from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, WSUM_K, check_payload, encode_chunk, encoded_size, tensor_bytes,
                            verify_chunk, verify_header)
 from kvstore.client import StoreClient
 from kvstore.errors import ChunkVerificationError, CrescentError
@@ -207,7 +207,7 @@ class PendingLoad:
 class StoreConnector:
     def __init__(self, runner: ModelRunner, client: StoreClient, fingerprint, *, save: bool = True,
                  load: bool = True, load_batch: int = 8, save_buffers: int = 16, check: str = "auto",
-                 stream_loads: bool = True) -> None:
+                 stream_loads: bool = True, land_direct: bool = False) -> None:
         self.runner = runner
         self.client = client
         self.fingerprint = fingerprint
@@ -231,27 +231,33 @@ class StoreConnector:
         pin = runner.device.type == "cuda"
         self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin)
         self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
-        self.layer_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
-                                        device=runner.device) if pin else None)
+        self.land_direct = land_direct and pin
+        """CUDA: the landing kernel reads chunks in place in page-locked host memory (no device stage)."""
+        layer_shape = runner.chunk_shape[1:]
+        self.layer_stage = DeviceStage(STAGE_CHUNKS, layer_shape, runner.dtype, runner.device) if pin else None
         """A layer-by-layer load's device staging (``LayerwiseLanding``), made at start."""
         self.stream_loads = stream_loads and load
         """Chunks not readable in place arrive layer-major (``StreamedLanding``) when the node can stream."""
         layer_bytes = self.payload_bytes // len(runner.k_caches)
-        self.stream_ring = StreamRing(RING_UNITS, STAGE_CHUNKS, layer_bytes, pin) if self.stream_loads else None
-        self.stream_stage = (torch.empty((STAGE_CHUNKS, *runner.chunk_shape[1:]), dtype=runner.dtype,
-                                         device=runner.device) if pin and self.stream_loads else None)
+        self.stream_ring = (StreamRing(RING_UNITS, STAGE_CHUNKS, layer_bytes, pin,
+                                       direct=runner.device if self.land_direct else None)
+                            if self.stream_loads else None)
+        self.stream_stage = (DeviceStage(STAGE_CHUNKS, layer_shape, runner.dtype, runner.device)
+                             if pin and self.stream_loads and not self.land_direct else None)
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
         self.stream_timeout_s = float(getattr(client, "timeout_s", 60.0))
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
         """The payload check of saved chunks (docs/keys.md)."""
         registered = False
+        self._arena_registered = False
+        """The node's arena is page-locked for CUDA here (a kernel can read it in place)."""
         try:
             getattr(client, "transport", None)
             session = self._in_place_session()
             if session is not None and pin:
                 why = session.register_cuda()  # once, at start
-                registered = why is None
+                registered = self._arena_registered = why is None
                 if why:
                     log.warning("the store's arena stays pageable for the GPU (%s): loads stage through "
                                 "the driver", why)
@@ -301,8 +307,11 @@ class StoreConnector:
         r = self.runner
         ids = torch.full((1, self.chunk_tokens // r.cfg.page_size), r.scratch_page, dtype=torch.int32,
                          device=r.device)
-        stage = self.layer_stage[:1]
+        stage = self.layer_stage.buf[:1]
         kernels.scatter_kv_chunks(stage, r.k_caches[0], r.v_caches[0], ids)
+        for at in (None, 0):  # the landing kernel, without and with its checksum
+            kernels.scatter_kv_layer(self.layer_stage.rows[:1], r.k_caches[0], r.v_caches[0], ids,
+                                     wsum_at=at, wsum_k=WSUM_K, table=self.layer_stage.table[:1])
         chunk = kernels.gather_kv_pages(r.k_caches, r.v_caches, ids[0])
         kernels.scatter_kv_pages(chunk, r.k_caches, r.v_caches, ids[0])
         if self.check == CHECK_WSUM:
@@ -502,7 +511,7 @@ class StoreConnector:
                 p.landing = LayerwiseLanding(
                     self.runner, [payload.view(dt).view(shape) for _, _, _, payload, _ in p.held],
                     [chunk_pages(i) for i, *_ in p.held], any(h.check == CHECK_WSUM for _, h, *_ in p.held),
-                    stage=self.layer_stage)
+                    stage=self.layer_stage, direct=self.land_direct and self._arena_registered)
                 p.landing.start()
             if p.landing is None or p.landing.events is None:
                 self.runner.end_landing()  # (with a layerwise landing its per-layer events cover the pool's)

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvstore.chunk import CHECK_WSUM
+from kvstore.chunk import CHECK_WSUM, WSUM_K
 from kvstore.errors import CrescentError
 
 
@@ -180,6 +180,36 @@ STAGE_CHUNKS = 32
 chunks lands in groups of this many, one after another on the transfer stream)."""
 
 
+class DeviceStage:
+    """A device buffer of ``group`` chunk-layers, made at start: on CUDA a group's layer is DMA'd
+    in by the copy engine, then one ``scatter_kv_layer`` launch reads it into the pages (and
+    sums its wsum64 shares from the same loads). ``table`` says where that kernel reads each row."""
+
+    def __init__(self, group: int, layer_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+        import kernels
+
+        self.buf = torch.empty((group, *layer_shape), dtype=dtype, device=device)
+        self.rows = list(self.buf.unbind(0))
+        self.table = kernels.source_table(self.rows, device)
+
+    @property
+    def group(self) -> int:
+        return self.buf.shape[0]
+
+
+def land_layer(sources: Sequence[torch.Tensor], table, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
+               sums: torch.Tensor | None, offset_words: int, position_words: int) -> None:
+    """One launch: layer parts where they are (``sources``, read through ``table``) into their
+    pages; their wsum64 shares (at payload word ``position_words``) added to ``sums`` when given."""
+    import kernels
+
+    share = kernels.scatter_kv_layer(sources, k, v, page_ids, offset_words=offset_words,
+                                     wsum_at=position_words if sums is not None else None, wsum_k=WSUM_K,
+                                     table=table)
+    if sums is not None:
+        sums += share
+
+
 class LayerwiseLanding:
     """Lands chunks layer by layer, beside the step that reads them: layer ``l`` of every chunk
     reaches its pages before layer ``l`` of the step computes, and layer ``l + 1`` moves while it
@@ -189,8 +219,10 @@ class LayerwiseLanding:
     registered arena (a host→device DMA), its device tier (a device copy), or host memory.
 
     On CUDA a layer's copies go on the transfer stream (per group of ``STAGE_CHUNKS`` chunks:
-    their layer into ``stage``, the group's wsum64 shares, one scatter into the layer's pages),
-    followed by an event; ``start`` queues the first layers, ``wait(l)`` queues up to layer
+    a DMA of their layer into ``stage``, then one ``scatter_kv_layer`` launch into the layer's
+    pages that also sums their wsum64 shares), followed by an event; with ``direct`` the kernel
+    reads every chunk's layer where it is (registered host memory, the node's device tier) in
+    one launch per layer, without the DMA; ``start`` queues the first layers, ``wait(l)`` queues up to layer
     ``l + AHEAD`` and makes the compute stream wait for layer ``l``'s event (the host never
     waits). On the CPU ``wait(l)`` lands the layers up to ``l``
     there and then: the same order, with no transfer engine to overlap.
@@ -201,8 +233,11 @@ class LayerwiseLanding:
     """
 
     def __init__(self, runner, chunks: list[torch.Tensor], pages: list[list[int]], checksum: bool,
-                 stage: torch.Tensor | None = None) -> None:
+                 stage: DeviceStage | None = None, direct: bool = False) -> None:
         self.runner, self.chunks = runner, chunks
+        self.direct = direct
+        self._sources = None
+        """Where the landing kernel reads each chunk (``direct``; made with the page table)."""
         self.num_layers = len(runner.k_caches)
         self._pages, self._checksum = pages, checksum
         self.page_ids: torch.Tensor | None = None
@@ -220,6 +255,10 @@ class LayerwiseLanding:
         if self.page_ids is None:
             dev = self.runner.device
             self.page_ids = torch.tensor(self._pages, dtype=torch.int32).to(dev)
+            if self.direct:
+                import kernels
+
+                self._sources = kernels.source_table(self.chunks, dev)
             if self._checksum:
                 self.sums = torch.zeros(len(self.chunks), dtype=torch.int64, device=dev)
 
@@ -242,24 +281,25 @@ class LayerwiseLanding:
 
     def _queue(self, upto: int) -> None:
         """Queues the copies of every layer up to ``upto`` not queued yet (CUDA)."""
-        import kernels
-
         upto = min(upto, self.num_layers - 1)
         if self.landed_layers > upto:
             return
         stream = self.runner.transfer_stream
-        n, group = len(self.chunks), self.stage.shape[0]
+        n, lw = len(self.chunks), self._layer_words
         with torch.cuda.stream(stream):
             self._tables()
             for layer in range(self.landed_layers, upto + 1):
                 k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
-                for g0 in range(0, n, group):
-                    g = min(group, n - g0)
-                    for j in range(g):
-                        self.stage[j].copy_(self.chunks[g0 + j][layer], non_blocking=True)
-                    if self.sums is not None:
-                        self.sums[g0 : g0 + g] += self._share(self.stage[:g], layer)
-                    kernels.scatter_kv_chunks(self.stage[:g], k, v, self.page_ids[g0 : g0 + g])
+                if self.direct:
+                    land_layer(self.chunks, self._sources, k, v, self.page_ids, self.sums, layer * lw, layer * lw)
+                else:
+                    group = self.stage.group
+                    for g0 in range(0, n, group):
+                        g = min(group, n - g0)
+                        for j in range(g):
+                            self.stage.rows[j].copy_(self.chunks[g0 + j][layer], non_blocking=True)
+                        land_layer(self.stage.rows[:g], self.stage.table[:g], k, v, self.page_ids[g0 : g0 + g],
+                                   None if self.sums is None else self.sums[g0 : g0 + g], 0, layer * lw)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 self.events.append(ev)
@@ -311,9 +351,17 @@ class StreamRing:
     copy, ``copies[u]``, to complete).
     """
 
-    def __init__(self, units: int, group: int, layer_bytes: int, pin: bool) -> None:
+    def __init__(self, units: int, group: int, layer_bytes: int, pin: bool,
+                 direct: torch.device | None = None) -> None:
         self.buf = torch.empty((units, group, layer_bytes), dtype=torch.uint8, pin_memory=pin)
         self.rows = [[memoryview(self.buf[u, r].numpy()) for r in range(group)] for u in range(units)]
+        self.tables = None
+        """With ``direct`` (a CUDA device; the buffers pinned): where the landing kernel there reads
+        each buffer's rows, in place over the bus (no DMA into a device stage first)."""
+        if direct is not None:
+            import kernels
+
+            self.tables = [kernels.source_table(list(self.buf[u].unbind(0)), direct) for u in range(units)]
         self.trash = memoryview(bytearray(layer_bytes))
         """Where the parts of chunks a load does not land are drained (one stream at a time writes it)."""
         self.free = [threading.Event() for _ in range(units)]
@@ -350,9 +398,10 @@ class StreamedLanding:
     Where ``LayerwiseLanding`` reads chunks already in memory here, this one overlaps the
     network too: the fetch thread receives the chunks' layers into a ``StreamRing`` group by
     group (up to ``STAGE_CHUNKS`` chunk-layers) and hands each full group to the ring's lander,
-    which hashes it (xxh3 chunks) and lands it (CUDA: one DMA into ``stage``, its wsum64 shares
-    and one scatter on the transfer stream, then an event; CPU: the scatter) while the socket
-    fills the next group and the step computes the layers before it.
+    which hashes it (xxh3 chunks) and lands it (CUDA: one DMA into ``stage`` and one
+    ``scatter_kv_layer`` launch that also sums the wsum64 shares, on the transfer stream, then an
+    event; with a direct ring, the kernel reads the pinned buffer itself; CPU: the scatter)
+    while the socket fills the next group and the step computes the layers before it.
 
     ``start`` returns once every header is in and checked (``check_header(i, head)``: its
     ``ChunkHeader``, or None to refuse chunk ``i``): the chunks before the first refused one
@@ -365,7 +414,7 @@ class StreamedLanding:
 
     def __init__(self, runner, client, keys: list[bytes], head_bytes: int, pages: list[list[int]],
                  check_header: Callable[[int, bytes], object], *, ring: StreamRing,
-                 stage: torch.Tensor | None, fetcher: ThreadPoolExecutor, timeout_s: float) -> None:
+                 stage: DeviceStage | None, fetcher: ThreadPoolExecutor, timeout_s: float) -> None:
         self.runner, self.client, self.keys = runner, client, keys
         self.head_bytes, self._pages, self._check_header = head_bytes, pages, check_header
         self.num_layers = len(runner.k_caches)
@@ -525,12 +574,15 @@ class StreamedLanding:
         k, v = self.runner.k_caches[layer], self.runner.v_caches[layer]
         ids = self.page_ids[g0 : g0 + n]
         if self._cuda:
+            sums = None if self.sums is None else self.sums[g0 : g0 + n]
+            at = layer * (self.layer_bytes // 8)
             with torch.cuda.stream(self.runner.transfer_stream):
-                dev = self._stage[:n]
-                dev.copy_(rows, non_blocking=True)
-                if self.sums is not None:
-                    self.sums[g0 : g0 + n] += self._share(dev, layer)
-                kernels.scatter_kv_chunks(dev, k, v, ids)
+                if self._ring.tables is not None:  # read where it is: the pinned ring buffer
+                    land_layer(list(self._ring.buf[unit, :n].unbind(0)), self._ring.tables[unit][:n], k, v, ids,
+                               sums, 0, at)
+                else:  # a DMA into the device stage, then the kernel reads it there
+                    self._stage.buf[:n].copy_(rows, non_blocking=True)
+                    land_layer(self._stage.rows[:n], self._stage.table[:n], k, v, ids, sums, 0, at)
                 ev = torch.cuda.Event()
                 ev.record(self.runner.transfer_stream)
             self._ring.copies[unit] = ev

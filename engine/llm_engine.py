@@ -92,6 +92,7 @@ class LLMEngine:
             self.connector = StoreConnector(self.runner, client, self.fingerprint,
                                             save=cfg.save_to_store, load=cfg.load_from_store,
                                             load_batch=cfg.store_load_batch, stream_loads=cfg.stream_loads,
+                                            land_direct=cfg.land_direct,
                                             save_buffers=cfg.store_save_buffers, check=cfg.chunk_check)
         self.eos = set(mc.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

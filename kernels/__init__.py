@@ -13,8 +13,10 @@ from kernels.dispatch import (
     paged_decode_attention,
     quantize_kv_fp8,
     scatter_kv_chunks,
+    scatter_kv_layer,
     scatter_kv_pages,
     select_backend,
+    source_table,
     triton_available,
 )
 
@@ -26,7 +28,9 @@ __all__ = [
     "paged_decode_attention",
     "quantize_kv_fp8",
     "scatter_kv_chunks",
+    "scatter_kv_layer",
     "scatter_kv_pages",
     "select_backend",
+    "source_table",
     "triton_available",
 ]

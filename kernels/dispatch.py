@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -181,7 +182,7 @@ def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, pa
         v_caches: same shapes as ``k_caches``, written.
         page_ids: ``[P]`` int32 distinct page ids.
     """
-    if select_backend(chunk.device) == "torch":
+    if select_backend(_device_of(k_caches)) == "torch":
         reference.scatter_kv_pages(chunk, k_caches, v_caches, page_ids)
         return
     from kernels import kv_pages
@@ -193,12 +194,44 @@ def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                       page_ids: torch.Tensor) -> None:
     """Writes layer ``l`` of ``N`` chunks, ``[N, 2, KVH, P * page_size, D]``, into layer ``l``'s
     caches at ``page_ids`` ``[N, P]`` int32 (row ``n``: chunk ``n``'s pages), in place."""
-    if select_backend(chunks.device) == "torch":
+    if select_backend(k_cache.device) == "torch":
         reference.scatter_kv_chunks(chunks, k_cache, v_cache, page_ids)
         return
     from kernels import kv_pages
 
     kv_pages.scatter_kv_chunks(chunks, k_cache, v_cache, page_ids)
+
+
+def source_table(sources: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Where a kernel on ``device`` reads each of ``sources`` (``[N]`` int64 addresses), for
+    :func:`scatter_kv_layer` calls that read the same sources again; None where the twin runs
+    (it needs none).
+
+    Raises:
+        ValueError: a source that kernel cannot reach (pageable host memory with CUDA caches).
+    """
+    if select_backend(device) == "torch":
+        return None
+    from kernels import kv_pages
+
+    return kv_pages.source_table(sources, device)
+
+
+def scatter_kv_layer(sources: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_ids: torch.Tensor, *, offset_words: int = 0, wsum_at: int | None = None,
+                     wsum_k: int = 0, table: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Writes one layer of ``N`` chunks, each read where it is (the caches' device, or page-locked
+    host memory such as the node's registered arena), into pages ``page_ids`` ``[N, P]``, in
+    place, in one launch; returns each part's wsum64 share (``[N]`` int64) when ``wsum_at`` is
+    given. Chunk ``n``'s layer is the ``[2, KVH, P * page_size, D]`` whose bytes start
+    ``offset_words`` 8-byte words into ``sources[n]``. See :func:`kernels.kv_pages.scatter_kv_layer`."""
+    if select_backend(k_cache.device) == "torch":
+        return reference.scatter_kv_layer(sources, k_cache, v_cache, page_ids, offset_words=offset_words,
+                                          wsum_at=wsum_at, wsum_k=wsum_k)
+    from kernels import kv_pages
+
+    return kv_pages.scatter_kv_layer(sources, k_cache, v_cache, page_ids, offset_words=offset_words,
+                                     wsum_at=wsum_at, wsum_k=wsum_k, table=table)
 
 
 def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ Shapes used throughout (names match the kernels' docstrings):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -237,6 +238,7 @@ def scatter_kv_pages(chunk: torch.Tensor, k_caches: Caches, v_caches: Caches, pa
     _, page_size, num_kv_heads, head_dim = ks[0].shape
     num_pages = page_ids.numel()
     pages = page_ids.long()
+    chunk = chunk.to(ks[0].device)  # (a page-locked host chunk for device caches)
     for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
         # [KVH, T, D] -> [T, KVH, D] -> [P, page_size, KVH, D]
         k[pages] = chunk[layer, 0].transpose(0, 1).reshape(num_pages, page_size, num_kv_heads, head_dim)
@@ -256,9 +258,63 @@ def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     n, _, num_kv_heads, _, head_dim = chunks.shape
     page_size = k_cache.shape[1]
     pages = page_ids.long().flatten()  # chunk-major: chunk n's pages in token order
+    chunks = chunks.to(k_cache.device)  # (page-locked host chunks for device caches)
     # [N, KVH, T, D] -> [N, T, KVH, D] -> [N * P, page_size, KVH, D]: one write per cache
     k_cache[pages] = chunks[:, 0].transpose(1, 2).reshape(pages.numel(), page_size, num_kv_heads, head_dim)
     v_cache[pages] = chunks[:, 1].transpose(1, 2).reshape(pages.numel(), page_size, num_kv_heads, head_dim)
+
+
+def layer_part(source: torch.Tensor, offset_words: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ``shape`` tensor of ``dtype`` whose bytes start ``offset_words`` 8-byte words into a
+    contiguous ``source`` (a view, no copy)."""
+    words = source.reshape(-1).view(torch.uint8).view(torch.int64)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size() // 8
+    assert offset_words + n <= words.numel(), (
+        f"source of {words.numel()} words has no {n} words at word {offset_words}")
+    return words[offset_words : offset_words + n].view(torch.uint8).view(dtype).view(shape)
+
+
+def wsum64_share(part: torch.Tensor, position_words: int, k: int) -> torch.Tensor:
+    """0-dim int64: ``sum_i word_i * ((2 (position_words + i) + 1) * k)`` mod 2^64 over the
+    8-byte words of a contiguous ``part``: its share of the wsum64 of a payload in which it
+    starts at word ``position_words`` (kvstore.chunk.wsum64 with multiplier ``k``)."""
+    w = part.reshape(-1).view(torch.uint8).view(torch.int64)
+    k = k - (1 << 64) if k >= 1 << 63 else k  # the same 64 bits as a signed integer
+    m = (torch.arange(position_words, position_words + w.numel(), dtype=torch.int64, device=w.device) * 2 + 1) * k
+    return (w * m).sum()
+
+
+def scatter_kv_layer(sources: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_ids: torch.Tensor, *, offset_words: int = 0, wsum_at: int | None = None,
+                     wsum_k: int = 0) -> torch.Tensor | None:
+    """Writes one layer of ``N`` chunks, each where its bytes are, into that layer's caches.
+
+    Chunk ``n``'s layer is the ``[2, KVH, P * page_size, D]`` of the caches' dtype whose bytes
+    start ``offset_words`` 8-byte words into the contiguous ``sources[n]`` (any shape, on the
+    caches' device or in page-locked host memory); it goes to pages ``page_ids[n]``.
+
+    Args:
+        sources: ``N`` contiguous tensors.
+        k_cache: ``[num_pages, page_size, KVH, D]``, written.
+        v_cache: the same for V.
+        page_ids: ``[N, P]`` int32, row ``n`` the pages of chunk ``n`` (all distinct).
+        offset_words: where the layer starts in every source.
+        wsum_at: when given, also each part's wsum64 share (:func:`wsum64_share`) at this word
+            position of its payload, with multiplier ``wsum_k``.
+
+    Returns:
+        ``[N]`` int64 shares on the caches' device when ``wsum_at`` is given, else None.
+    """
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    p = page_ids.shape[1]
+    shape = (2, num_kv_heads, p * page_size, head_dim)
+    parts = [layer_part(s, offset_words, shape, k_cache.dtype).to(k_cache.device) for s in sources]
+    if parts:
+        scatter_kv_chunks(torch.stack(parts), k_cache, v_cache, page_ids)
+    if wsum_at is None:
+        return None
+    shares = [wsum64_share(part, wsum_at, wsum_k) for part in parts]
+    return torch.stack(shares) if shares else torch.zeros(0, dtype=torch.int64, device=k_cache.device)
 
 
 def quantize_kv_fp8(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

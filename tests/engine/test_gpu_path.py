@@ -185,7 +185,7 @@ def test_a_load_lands_layer_by_layer_on_the_transfer_stream_in_groups(node, monk
     real = LayerwiseLanding.wait
 
     def wait(self, layer):
-        waits.append((layer, self.events is not None, self.stage.shape[0]))
+        waits.append((layer, self.events is not None, self.stage.group))
         return real(self, layer)
 
     monkeypatch.setattr(LayerwiseLanding, "wait", wait)
@@ -199,5 +199,42 @@ def test_a_load_lands_layer_by_layer_on_the_transfer_stream_in_groups(node, monk
         assert [w[0] for w in waits] == list(range(layers))
         assert all(on_stream and group == 4 for _, on_stream, group in waits)
         assert eng.connector.stats.late_failures == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("bad", [None, 4])
+def test_direct_landing_reads_the_registered_arena_and_the_pinned_ring_in_place(node, transport, bad):
+    """``land_direct``: the landing kernel reads each chunk's layer where it is (shm: the node's
+    arena, registered here; tcp: the stream's pinned ring), with no DMA into a device stage, and
+    sums its wsum64 from the same loads: exact tokens; a chunk changed in the store fails its
+    check after the step and the prompt is recomputed from exactly it."""
+    from kvstore.client import StoreClient
+
+    prompt = _prompt(7 * CHUNK + 3, seed=11)
+    ref = _engine(None)
+    want = list(_run(ref, prompt).output)
+    ref.close()
+    eng = _engine(None, client=StoreClient(node.address, transport=transport), land_direct=True)
+    conn = eng.connector
+    try:
+        assert conn.land_direct and conn.stream_stage is None and conn.stream_ring.tables is not None
+        if transport == "shm":
+            assert conn._arena_registered
+        _run(eng, prompt)
+        assert conn.flush(timeout_s=120)
+        if bad is not None:
+            with StoreClient(node.address, transport="tcp") as c:
+                key = bytes(conn.keys(prompt, None)[bad])
+                raw = bytearray(c.get(key))
+                raw[-5] ^= 0x01
+                c.put(key, raw)
+        seq = _run(eng, prompt)
+        assert list(seq.output) == want
+        assert seq.num_store_tokens == (7 if bad is None else bad) * CHUNK
+        assert conn.stats.late_failures == (0 if bad is None else 1)
+        in_place = conn.stats.chunks_loaded_in_place
+        assert in_place > 0 if transport == "shm" else in_place == 0
     finally:
         eng.close()

@@ -69,16 +69,24 @@ def test_public_functions_run_the_twins_on_cpu(env):
     from kernels import kv_pages
 
     env.setattr(kv_pages, "gather_kv_pages", _boom)
+    env.setattr(kv_pages, "scatter_kv_layer", _boom)
     ks, vs, page_ids = _pages_args()
-    assert torch.equal(kernels.gather_kv_pages(ks, vs, page_ids), ref.gather_kv_pages(ks, vs, page_ids))
+    chunk = kernels.gather_kv_pages(ks, vs, page_ids)
+    assert torch.equal(chunk, ref.gather_kv_pages(ks, vs, page_ids))
+    # the landing kernel's twin: no address table, the same pages back from the chunk's layer 1
+    assert kernels.source_table([chunk], torch.device("cpu")) is None
+    k, v = torch.zeros_like(ks[1]), torch.zeros_like(vs[1])
+    layer_words = chunk[1].numel() * 4 // 8
+    kernels.scatter_kv_layer([chunk], k, v, page_ids[None], offset_words=layer_words)
+    assert torch.equal(k[page_ids.long()], ks[1][page_ids.long()]) and torch.equal(v[page_ids.long()], vs[1][page_ids.long()])
 
 
 def test_forced_triton_runs_the_kernels_on_cpu(env):
     pytest.importorskip("triton")
     env.setenv(dispatch.ENV_VAR, "triton")
     for name in (
-        "gather_kv_pages", "scatter_kv_pages", "scatter_kv_chunks", "quantize_kv_fp8", "dequantize_kv_fp8",
-        "chunked_prefill_attention", "paged_decode_attention",
+        "gather_kv_pages", "scatter_kv_pages", "scatter_kv_chunks", "scatter_kv_layer", "quantize_kv_fp8",
+        "dequantize_kv_fp8", "chunked_prefill_attention", "paged_decode_attention",
     ):  # fmt: skip
         env.setattr(ref, name, _boom)
     ks, vs, page_ids = _pages_args()
@@ -86,6 +94,12 @@ def test_forced_triton_runs_the_kernels_on_cpu(env):
     kernels.scatter_kv_pages(chunk, ks, vs, page_ids)
     halves = torch.stack([chunk[0, :, :, :16], chunk[0, :, :, 16:]])  # layer 0 as two one-page chunks
     kernels.scatter_kv_chunks(halves, ks[0], vs[0], page_ids[:, None].contiguous())
+    parts = [h.contiguous() for h in halves]
+    table = kernels.source_table(parts, torch.device("cpu"))
+    assert table is not None and table.tolist() == [p.data_ptr() for p in parts]
+    shares = kernels.scatter_kv_layer(parts, ks[0], vs[0], page_ids[:, None].contiguous(), wsum_at=0, wsum_k=3,
+                                      table=table)
+    assert shares.shape == (2,) and shares.dtype == torch.int64
     q8, scales = kernels.quantize_kv_fp8(chunk)
     assert kernels.dequantize_kv_fp8(q8, scales, torch.float32).shape == chunk.shape
 

@@ -73,3 +73,88 @@ def test_decode_replayed_from_a_cuda_graph_with_a_wide_table():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, paged_decode_attention(q, paged.k_cache, paged.v_cache, wide, seq_lens, 0.1))
+
+
+def _registered(nbytes: int):
+    """A /dev/shm mapping page-locked with cudaHostRegister, as the engine maps the node's arena;
+    returns (uint8 tensor over it, cleanup)."""
+    import mmap
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile(dir="/dev/shm")
+    f.truncate(nbytes)
+    m = mmap.mmap(f.fileno(), nbytes)
+    host = torch.frombuffer(m, dtype=torch.uint8)
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(host.data_ptr(), nbytes, 0)
+    assert int(err) == 0, f"cudaHostRegister failed: {err}"
+
+    def cleanup():
+        rt.cudaHostUnregister(host.data_ptr())
+        f.close()
+
+    return host, cleanup
+
+
+def test_page_moves_read_and_write_page_locked_host_memory():
+    """scatter_kv_pages from a pinned host chunk and gather_kv_pages into one: the kernel reaches
+    the host bytes over the bus (no staging copy); the same pages as from a device chunk."""
+    from kernels.kv_pages import gather_kv_pages, scatter_kv_chunks, scatter_kv_pages
+
+    gen = torch.Generator().manual_seed(3)
+    chunk = torch.randn(4, 2, 8, 256, 128, generator=gen).bfloat16()
+    ids = torch.tensor([9, 3, 30, 17, 0, 12, 5, 21, 40, 33, 2, 8, 1, 4, 6, 7], dtype=torch.int32, device=CUDA)
+    ks = [torch.zeros(48, 16, 8, 128, dtype=torch.bfloat16, device=CUDA) for _ in range(4)]
+    vs = [torch.zeros_like(k) for k in ks]
+    scatter_kv_pages(chunk.pin_memory(), ks, vs, ids)
+    want_k = [torch.zeros_like(k) for k in ks]
+    want_v = [torch.zeros_like(k) for k in ks]
+    scatter_kv_pages(chunk.to(CUDA), want_k, want_v, ids)
+    assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v))
+    out = torch.empty(chunk.shape, dtype=chunk.dtype).pin_memory()
+    gather_kv_pages(ks, vs, ids, out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, chunk)
+    k, v = torch.zeros_like(ks[0]), torch.zeros_like(vs[0])
+    scatter_kv_chunks(chunk[:2].pin_memory(), k, v, ids.view(2, 8).contiguous())
+    assert torch.equal(k[ids[:8].long()], want_k[0][ids[:8].long()])
+    with pytest.raises(AssertionError, match="pageable"):
+        scatter_kv_pages(chunk, ks, vs, ids)
+
+
+def test_layer_landing_straight_from_a_registered_mapping_with_its_checksum():
+    """scatter_kv_layer reads each chunk's layer in place in a registered /dev/shm mapping (the
+    node's arena, as the engine maps it) and computes its wsum64 share from the same loads:
+    pages equal to the twin's, shares summing to kvstore's wsum64. Pageable memory is refused."""
+    import kernels
+    from kvstore.chunk import WSUM_K, wsum64
+
+    shape = (8, 2, 8, 256, 128)
+    gen = torch.Generator().manual_seed(4)
+    chunks = [torch.randn(shape, generator=gen).bfloat16() for _ in range(5)]
+    nbytes = chunks[0].numel() * 2
+    slot = nbytes + 4096
+    host, cleanup = _registered(5 * slot)
+    try:
+        sources = []
+        for j, at in enumerate([3, 0, 4, 1, 2]):
+            start = at * slot + 4096
+            host[start : start + nbytes] = chunks[j].reshape(-1).view(torch.uint8)
+            sources.append(host[start : start + nbytes])
+        table = kernels.source_table(sources, CUDA)
+        pages = torch.randperm(200, generator=gen)[:5 * 16].view(5, 16).to(torch.int32).to(CUDA)
+        layer_words = nbytes // 8 // 8
+        sums = torch.zeros(5, dtype=torch.int64, device=CUDA)
+        for layer in range(8):
+            k = torch.zeros(200, 16, 8, 128, dtype=torch.bfloat16, device=CUDA)
+            v = torch.zeros_like(k)
+            sums += kernels.scatter_kv_layer(sources, k, v, pages, offset_words=layer * layer_words,
+                                             wsum_at=layer * layer_words, wsum_k=WSUM_K, table=table)
+            want_k, want_v = torch.zeros_like(k), torch.zeros_like(v)
+            ref.scatter_kv_chunks(torch.stack([c[layer] for c in chunks]).to(CUDA), want_k, want_v, pages)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        assert sums.cpu().tolist() == [int(wsum64(c)) for c in chunks]
+        with pytest.raises(ValueError, match="pageable"):
+            kernels.source_table([chunks[0]], CUDA)
+    finally:
+        cleanup()

@@ -160,3 +160,73 @@ def test_fp8_round_trip_error_bound_strided_input():
     assert ((y - xf).abs() <= bound).all()
     rel = ((y - xf).abs() / xf.abs().clamp_min(1e-30))[xf.abs() >= scales[..., None, None] * 2**-6]
     assert rel.max() <= 2**-4 and rel.mean() < 0.03
+
+
+# (page_size, kv_heads, head_dim, dtype): rows of 8-byte words; the last not powers of two
+LAYER_CASES = [
+    (16, 2, 64, torch.bfloat16),
+    (32, 1, 128, torch.float32),
+    (12, 2, 48, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: f"ps{c[0]}-KV{c[1]}-D{c[2]}-{c[3]}")
+def test_layer_from_where_each_chunk_is_lands_and_sums_like_the_twin(case):
+    """scatter_kv_layer reads layer l of every chunk where its bytes are (here: payloads at
+    scattered places in one arena-like buffer, after a header) and writes it into its pages;
+    its fused wsum64 shares add up, layer by layer, to kvstore's wsum64 of each whole payload."""
+    from kernels.kv_pages import scatter_kv_layer, source_table
+    from kvstore.chunk import WSUM_K, wsum64
+
+    page_size, kv_heads, head_dim, dtype = case
+    layers, p, n = 3, 2, 3
+    shape = (layers, 2, kv_heads, p * page_size, head_dim)
+    gen = torch.Generator().manual_seed(page_size + head_dim)
+    chunks = [torch.randn(shape, generator=gen).to(dtype) for _ in range(n)]
+    nbytes = chunks[0].numel() * chunks[0].element_size()
+    head, slot = 64, nbytes + 64 + 128
+    arena = torch.zeros(n * slot + 4096, dtype=torch.uint8)
+    sources = []
+    for j, at in enumerate([2, 0, 1]):  # out of order in the arena, each after a 64-byte "header"
+        start = at * slot + head
+        arena[start : start + nbytes] = chunks[j].reshape(-1).view(torch.uint8)
+        sources.append(arena[start : start + nbytes])
+    page_ids = torch.tensor([[7, 2], [0, 9], [4, 5]], dtype=torch.int32)
+    layer_words = nbytes // 8 // layers
+    table = source_table(sources, torch.device("cpu"))
+    sums = torch.zeros(n, dtype=torch.int64)
+    for layer in range(layers):
+        k, v = (torch.zeros(11, page_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        want_k, want_v = torch.zeros_like(k), torch.zeros_like(v)
+        got = scatter_kv_layer(sources, k, v, page_ids, offset_words=layer * layer_words,
+                               wsum_at=layer * layer_words, wsum_k=WSUM_K, table=table)
+        want = ref.scatter_kv_layer(sources, want_k, want_v, page_ids, offset_words=layer * layer_words,
+                                    wsum_at=layer * layer_words, wsum_k=WSUM_K)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        assert torch.equal(got, want)
+        for j in range(n):  # the pages hold exactly chunk j's layer
+            assert torch.equal(ref.gather_kv_pages([k], [v], page_ids[j])[0], chunks[j][layer])
+        assert not k[[1, 3, 6, 8, 10]].any()
+        sums += got
+        # without wsum_at: the same pages, no shares
+        k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+        assert scatter_kv_layer(sources, k2, v2, page_ids, offset_words=layer * layer_words) is None
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert sums.tolist() == [int(wsum64(c)) for c in chunks]
+
+
+def test_layer_scatter_refuses_what_it_cannot_read():
+    from kernels.kv_pages import scatter_kv_layer
+
+    k, v = (torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    short = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(AssertionError, match="has no layer"):
+        scatter_kv_layer([short], k, v, ids)
+    with pytest.raises(AssertionError, match="contiguous"):
+        scatter_kv_layer([torch.zeros(64, 2, 1, 32, 64).transpose(0, 1)], k, v, ids)
+    with pytest.raises(AssertionError, match="1 sources for 2"):
+        scatter_kv_layer([torch.zeros(8192)], k, v, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    odd_k, odd_v = (torch.zeros(4, 16, 1, 3, dtype=torch.float16) for _ in range(2))  # 6-byte rows
+    with pytest.raises(AssertionError, match="8-byte"):
+        scatter_kv_layer([torch.zeros(8192)], odd_k, odd_v, ids)
