@@ -86,9 +86,10 @@ def _kv_layer_kernel(
     h = tl.program_id(2)
     n = nkv // 2
     kv = nkv % 2
-    src = tl.load(src_table_ptr + n).to(tl.pointer_type(tl.int64))
+    src = tl.load(src_table_ptr + n).to(tl.pointer_type(tl.int64)) + offset_words
     cache = tl.load(cache_table_ptr + kv).to(tl.pointer_type(tl.int64))
-    if ALIGNED:  # (addresses loaded from memory carry no alignment: 16-byte accesses need the hint)
+    if ALIGNED:  # (addresses loaded from memory, or offset by an argument not specialized on, carry no
+        # alignment: 16-byte accesses need the hint; the launcher checked it holds)
         src = tl.multiple_of(src, 16)
         cache = tl.multiple_of(cache, 16)
     page = tl.load(page_ids_ptr + n * stride_pn + p).to(tl.int64)
@@ -99,11 +100,11 @@ def _kv_layer_kernel(
     idx = ((kv * num_heads + h).to(tl.int64) * tokens + tok[:, None]) * ROW_WORDS + offs_w[None, :]
     dst = cache + page * stride_cp + h * stride_ch + offs_s[:, None] * stride_cs + offs_w[None, :]
     if BLOCK_S == PAGE_SIZE and BLOCK_W == ROW_WORDS:
-        x = tl.load(src + offset_words + idx)
+        x = tl.load(src + idx)
         tl.store(dst, x)
     else:
         mask = (offs_s[:, None] < PAGE_SIZE) & (offs_w[None, :] < ROW_WORDS)
-        x = tl.load(src + offset_words + idx, mask=mask, other=0)
+        x = tl.load(src + idx, mask=mask, other=0)
         tl.store(dst, x, mask=mask)
     if CHECKSUM:
         # NOTE: the wsum64 share of these words (docs/keys.md), from the registers the copy

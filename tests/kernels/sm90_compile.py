@@ -36,7 +36,8 @@ NOT_MULTIPLE_OF_16 = {"stride_btb"}  # max_pages: any value
 TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def compile_kernel(fn, variant, ptr_types, constexprs, floats=(), num_warps=4, num_stages=3):
+def compile_kernel(fn, variant, ptr_types, constexprs, floats=(), num_warps=4, num_stages=3, i64s=(), plain=()):
+    """``i64s``: 64-bit integer arguments; ``plain``: arguments the kernel does not specialize on."""
     sig, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(fn.arg_names):
         if name in ONES:
@@ -48,6 +49,10 @@ def compile_kernel(fn, variant, ptr_types, constexprs, floats=(), num_warps=4, n
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in floats:
             sig[name] = "fp32"
+        elif name in i64s:
+            sig[name] = "i64"
+        elif name in plain:
+            sig[name] = "i32"
         else:
             sig[name] = "i32"
             if name.startswith("stride") and name not in NOT_MULTIPLE_OF_16:
@@ -57,8 +62,9 @@ def compile_kernel(fn, variant, ptr_types, constexprs, floats=(), num_warps=4, n
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     print(
         f"{fn.__name__} {variant} async_copies={ttgir.count('async_copy_global_to_local')} "
-        f"wgmma={ttgir.count('warp_group_dot ')} ld16={ptx.count('ld.global.v4.b32')} "
-        f"st16={ptx.count('st.global.v4.b32')} shared={kernel.metadata.shared}",
+        f"wgmma={ttgir.count('warp_group_dot ')} "
+        f"ld16={ptx.count('ld.global.v4.b32') + ptx.count('ld.global.v2.b64')} "
+        f"st16={ptx.count('st.global.v4.b32') + ptx.count('st.global.v2.b64')} shared={kernel.metadata.shared}",
         flush=True,
     )
 
@@ -98,6 +104,15 @@ def main() -> None:
                 kv_pages._kv_pages_kernel, f"{dt}-{'scatter' if scatter else 'gather'}",
                 {"table_ptr": "*i64", "page_ids_ptr": "*i32", "chunk_ptr": f"*{dt}"},
                 {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_S": 16, "BLOCK_D": 128, "SCATTER": scatter, "ALIGNED": True},
+            )  # fmt: skip
+        for checksum in (False, True):  # the landing kernel (moves 8-byte words: one variant serves every dtype)
+            if dtype != torch.bfloat16:
+                break
+            compile_kernel(
+                kv_pages._kv_layer_kernel, "wsum" if checksum else "copy",
+                {"src_table_ptr": "*i64", "cache_table_ptr": "*i64", "page_ids_ptr": "*i32", "shares_ptr": "*i64"},
+                {"PAGE_SIZE": 16, "ROW_WORDS": 32, "BLOCK_S": 16, "BLOCK_W": 32, "CHECKSUM": checksum, "ALIGNED": True},
+                i64s=("wsum_k",), plain=("offset_words", "wsum_at", "tokens", "num_heads", "stride_pn"),
             )  # fmt: skip
         compile_kernel(
             fp8._quantize_kernel, dt, {"x_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
