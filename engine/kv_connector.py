@@ -524,9 +524,8 @@ class StoreConnector:
         """Starts streaming chunks ``off ..`` of ``p`` layer-major (``StreamedLanding``) and waits
         for their headers; False (nothing started) where it does not apply: replication wants
         the chunks' bytes, or the node cannot stream."""
-        get = getattr(self.client, "batch_get_layered", None)
-        if (not self.stream_loads or self.stream_ring is None or p.replicate or get is None
-                or self._reads_over_rdma()):
+        get = self._layered_reader()
+        if not self.stream_loads or self.stream_ring is None or p.replicate or get is None:
             return False
 
         def check(j: int, head: bytes):
@@ -542,7 +541,7 @@ class StoreConnector:
             return hdr
 
         n = len(p.keys) - off
-        s = StreamedLanding(self.runner, self.client, p.keys[off:], self.chunk_bytes - self.payload_bytes,
+        s = StreamedLanding(self.runner, get, p.keys[off:], self.chunk_bytes - self.payload_bytes,
                             [chunk_pages(off + j) for j in range(n)], check, ring=self.stream_ring,
                             stage=self.stream_stage, fetcher=self._streamer, timeout_s=self.stream_timeout_s)
         try:
@@ -565,10 +564,15 @@ class StoreConnector:
             return None
         return session if session is not None and session.mover is mover else None
 
-    def _reads_over_rdma(self) -> bool:
-        """Whether the client reads this node with one-sided RDMA reads: those go through the pool
-        (a layer-major RDMA read is not built; the stream would fall back to TCP)."""
-        return self._session(Mover.RDMA) is not None
+    def _layered_reader(self):
+        """How a stream reads the node: with one-sided RDMA READs of its arena, part by part,
+        when this client reads it over RDMA (``DescriptorSession.get_layered``; a chunk on the
+        node's disk tier sends the load through the pool), else from its data channel
+        (``batch_get_layered``: the node sends the parts); None when neither is there."""
+        session = self._session(Mover.RDMA)
+        if session is not None:
+            return session.get_layered
+        return getattr(self.client, "batch_get_layered", None)
 
     def _in_place_session(self):
         """The client's shm session, when loads can read leased chunks where the node keeps them

@@ -410,12 +410,16 @@ class StreamedLanding:
     waits on their event. ``finish`` after the step; ``headers``, ``digests`` (xxh3, as the
     layers went by) and ``sums`` (wsum64 as landed, on the device) are then the caller's to
     compare.
+
+    ``fetch(keys, head, layer, on_sizes, dest, arrived) -> bool`` runs the stream: a client's
+    ``batch_get_layered`` (the node's data channel) or a one-sided session's ``get_layered``
+    (RDMA READs of the node's arena, layer by layer); False: it cannot (read another way).
     """
 
-    def __init__(self, runner, client, keys: list[bytes], head_bytes: int, pages: list[list[int]],
+    def __init__(self, runner, fetch: Callable[..., bool], keys: list[bytes], head_bytes: int, pages: list[list[int]],
                  check_header: Callable[[int, bytes], object], *, ring: StreamRing,
                  stage: DeviceStage | None, fetcher: ThreadPoolExecutor, timeout_s: float) -> None:
-        self.runner, self.client, self.keys = runner, client, keys
+        self.runner, self._fetch, self.keys = runner, fetch, keys
         self.head_bytes, self._pages, self._check_header = head_bytes, pages, check_header
         self.num_layers = len(runner.k_caches)
         self._layer_shape = runner.chunk_shape[1:]
@@ -469,8 +473,8 @@ class StreamedLanding:
 
     def _run(self) -> None:
         try:
-            if not self.client.batch_get_layered(self.keys, self.head_bytes, self.layer_bytes, self._on_sizes,
-                                                 self._dest, self._arrived):
+            if not self._fetch(self.keys, self.head_bytes, self.layer_bytes, self._on_sizes, self._dest,
+                               self._arrived):
                 raise _NoStream()
         except BaseException as exc:  # noqa: BLE001 - the waiters learn of it; finish reports it
             if self.error is None:

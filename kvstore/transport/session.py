@@ -596,6 +596,56 @@ class DescriptorSession:
                     self._end_write(h, g.lease_id)
         return stored, sorted(other)
 
+    def get_layered(self, keys: Sequence[bytes], head: int, layer: int,
+                    on_sizes: Callable[[list[int | None]], None], dest: Callable[[int, int], object],
+                    arrived: Callable[[int, int], None]) -> bool:
+        """``StoreClient.batch_get_layered`` done with this session's one-sided mover (RDMA READs
+        across hosts, copies from the mapped arena on one): one read lease on ``keys``; then each
+        value's head into ``dest(value, -1)``, layer 0 of every value into ``dest(value, 0)``,
+        layer 1, … (the order of ``datachannel.layered_parts``), each part read straight into
+        its buffer and ``arrived(value, part)`` called once it is in and the lease still held it.
+
+        ``on_sizes`` gets each value's size first (None: a miss, or not ``head`` + whole layers).
+        Returns False, having called nothing, when a value is held outside the DRAM arena (on
+        the node's disk or device tier, which one-sided reads cannot reach: read another way).
+        Raises UnavailableError when the lease ran out before a part's read ended (nothing
+        arrives after it); a callback's exception propagates. The lease ends on every path.
+        """
+        from kvstore.datachannel import layered_parts
+
+        with self._granted(lambda h: h.control.acquire(keys, self.mover), read=True) as (h, g):
+            try:
+                if any(d.status is ItemStatus.ELSEWHERE for d in g.items):
+                    return False
+                sizes: list[int | None] = [None] * len(keys)
+                extents: dict[int, list] = {}
+                sb = h.arena.slot_bytes
+                for d in g.items:
+                    if d.status is ItemStatus.OK and d.size >= head and (d.size - head) % layer == 0:
+                        sizes[d.index] = d.size
+                        extents[d.index] = value_extents(d.slots, d.size, sb)
+                on_sizes(sizes)
+                end = safe_end(g)
+                for j, part, off, n in layered_parts(sizes, head, layer):
+                    addr, cap, ka = local_buffer(dest(j, part))
+                    if n > cap:
+                        raise InvalidArgumentError(f"part {part} of value {j} ({n} bytes) exceeds its buffer "
+                                                   f"of {cap}")
+                    ops, pos = [], 0
+                    for aoff, ln in slice_extents(extents[j], off, n):
+                        ops.append((addr + pos, aoff, ln))
+                        pos += ln
+                    h.mover.read(ops, [(addr, cap)])
+                    del ka
+                    if time.monotonic() >= end:
+                        self.num_invalid_reads += 1
+                        raise UnavailableError(f"read lease ran out before part {part} of value {j} was read")
+                    arrived(j, part)
+                return True
+            finally:
+                if g.lease_id:
+                    self._end_read(h, g.lease_id)
+
     # ---- step by step ---------------------------------------------------------------
 
     def acquire(self, keys: Sequence[bytes], mover: Mover | None = None) -> Grant:

@@ -690,3 +690,44 @@ def test_two_sequences_stream_in_the_same_step_one_after_the_other_through_one_r
         assert eng.connector.stats.late_failures == 0 and eng.connector.stats.chunks_loaded == 16
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("bad", [None, 4])
+def test_a_node_read_one_sided_streams_layer_by_layer_too(nodes, reference, monkeypatch, bad):
+    """A node this engine reads with one-sided reads (RDMA across hosts) streams through
+    ``DescriptorSession.get_layered``: one lease, each chunk's header, then layer 0 of all,
+    layer 1, … read straight into the ring beside the step. RDMA cannot run here, so the same
+    protocol runs over the shm mover, with in-place loads turned off to make the load stream:
+    exact tokens, the lease ended, and a changed payload fails its check after the step and is
+    recomputed from exactly that chunk."""
+    from engine.kv_connector import StoreConnector
+
+    node = nodes()
+    keys = _seed(node.address, reference)
+    if bad is not None:
+        with StoreClient(node.address) as c:
+            raw = bytearray(c.get(keys[bad]))
+            raw[-1] ^= 0x08
+            c.put(keys[bad], raw)
+    client = StoreClient(node.address, transport="shm")
+    session = client.descriptor_session()
+    streams = []
+
+    def get_layered(*args):
+        streams.append(len(args[0]))
+        return session.get_layered(*args)
+
+    monkeypatch.setattr(StoreConnector, "_in_place_session", lambda self: None)
+    monkeypatch.setattr(StoreConnector, "_layered_reader", lambda self: get_layered)
+    eng = make_engine(client=client, batch=3)
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference
+        assert streams[0] == 10  # the whole prefix in one one-sided stream
+        assert seq.num_store_tokens == (10 if bad is None else bad) * CHUNK
+        assert st.chunks_loaded_in_place == 0 and st.late_failures == (0 if bad is None else 1)
+        assert session.num_invalid_reads == 0 and eng.connector.pool.in_use == 0
+        assert node.transport.leases.stats()["num_remote_leases"] == 0
+    finally:
+        eng.close()

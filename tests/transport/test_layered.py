@@ -120,3 +120,83 @@ def test_a_layout_out_of_range_is_refused_before_anything_is_sent():
     with pytest.raises(ValueError):
         layered_arg(-1, LAYER)
     assert layered_parts([None, None], HEAD, LAYER) == []
+
+
+# ---- the same read done one-sided (DescriptorSession.get_layered: RDMA READs across hosts; here
+# the shm mover, the same protocol over the mapped arena) ---------------------------------------
+
+
+def _read_one_sided(session, keys, head=HEAD, layer=LAYER):
+    sizes, order, bufs = [], [], {}
+
+    def dest(j, part):
+        bufs[j, part] = bytearray(head if part < 0 else layer)
+        return memoryview(bufs[j, part])
+
+    ok = session.get_layered(keys, head, layer, sizes.extend, dest, lambda j, part: order.append((j, part)))
+    return ok, sizes, order, {k: bytes(v) for k, v in bufs.items()}
+
+
+def _one_sided(node, mover):
+    from kvstore.transport.descriptors import Mover
+
+    c = StoreClient(node.address, transport=mover)
+    session = c.descriptor_session()
+    assert session is not None and session.mover is Mover(mover)
+    return c, session
+
+
+def test_a_one_sided_layered_read_gives_the_data_channels_parts_and_bytes(make_node, mover):
+    """The parts, their order and their bytes as GET_LAYERED sends them (values across slots,
+    layers straddling slots, misses and other layouts as None); the lease ends with the read."""
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    vals = {b"a": _value(1, 4), b"b": _value(2, 4), b"short": _value(3, 2), b"odd": b"x" * (HEAD + LAYER + 7)}
+    for k, v in vals.items():
+        c.put(k, v)
+    keys = [b"a", b"missing", b"short", b"odd", b"b"]
+    ok, sizes, order, got = _read_one_sided(session, keys)
+    assert ok
+    tcp = StoreClient(node.address, transport="tcp")
+    assert (sizes, order, got) == _read(tcp, keys)
+    assert sizes == [len(vals[b"a"]), None, len(vals[b"short"]), None, len(vals[b"b"])]
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    tcp.close()
+    c.close()
+
+
+def test_a_one_sided_layered_read_leaves_values_on_the_disk_tier_to_the_node(make_node, mover, tmp_path):
+    """One-sided reads reach only the node's DRAM arena: with a value on its disk tier the read
+    calls nothing and says so (False), ending its lease; the engine then reads another way."""
+    node = make_node(dram=1 << 20, disk=str(tmp_path / "disk"), disk_size=64 << 20)
+    c, session = _one_sided(node, mover)
+    vals = {bytes([i]) * 8: _value(10 + i, 3) for i in range(12)}
+    for k, v in vals.items():
+        c.put(k, v)
+    called = []
+    assert session.get_layered(list(vals), HEAD, LAYER, called.append, lambda j, p: called.append(p),
+                               lambda j, p: called.append(p)) is False
+    assert called == []
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    c.close()
+
+
+def test_a_one_sided_layered_read_past_its_lease_stops_and_ends_it(make_node, mover, monkeypatch):
+    """A part whose read ended after the lease's safe end is not trusted: nothing arrives from
+    it on (UnavailableError: the engine recomputes from that chunk), and the lease is ended."""
+    from kvstore.transport import session as session_module
+
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    c.put(b"a", _value(1, 4))
+    c.put(b"b", _value(2, 4))
+    real = session_module.safe_end
+    monkeypatch.setattr(session_module, "safe_end", lambda g: real(g) - (g.expires_at - g.sent_at) * 10)
+    order = []
+    with pytest.raises(UnavailableError, match="lease ran out"):
+        session.get_layered([b"a", b"b"], HEAD, LAYER, lambda s: None, lambda j, p: bytearray(LAYER),
+                            lambda j, p: order.append((j, p)))
+    assert order == []
+    assert session.num_invalid_reads == 1
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    c.close()
