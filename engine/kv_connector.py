@@ -34,7 +34,7 @@ from kvstore.client import StoreClient
 from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
 from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
-from kvstore.transport.memcopy import local_buffer, plan, slice_extents
+from kvstore.transport.memcopy import buffer_address, local_buffer, plan, slice_extents
 from kvstore.transport.session import safe_end
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,13 @@ class StoreConnector:
         self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin,
                                      device=runner.device if on_device else None)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
+        self._host_buffers = self._long_lived_buffers()
+        """The host buffers loads and saves copy into and out of, all made above: an RDMA session
+        registers them once (``DescriptorSession.register_buffers``), not for every copy."""
+        try:
+            self._session(Mover.RDMA)  # registers them now, when this client reads over RDMA
+        except CrescentError:
+            pass  # the store is down now: the first load registers them
         if pin:
             self._warm_up()
         if self.stream_loads:  # the stream's threads, its data connection and the lander's CUDA context, now
@@ -556,13 +563,34 @@ class StoreConnector:
         return True
 
     def _session(self, mover: Mover):
-        """The client's descriptor session when it reads the node with ``mover``, else None."""
+        """The client's descriptor session when it reads the node with ``mover``, else None.
+        An RDMA session gets this connector's long-lived buffers registered first (once)."""
         get = getattr(self.client, "descriptor_session", None)
         try:
             session = get() if get is not None else None
         except CrescentError:
             return None
+        if session is not None and session.mover is Mover.RDMA and getattr(self, "_host_buffers", None):
+            try:
+                session.register_buffers(self._host_buffers)
+            except Exception as exc:  # noqa: BLE001 - e.g. the memlock limit: copies register per call
+                log.warning("could not register the staging buffers for RDMA (%s): every copy "
+                            "registers its buffer", exc)
+                self._host_buffers = []
         return session if session is not None and session.mover is mover else None
+
+    def _long_lived_buffers(self) -> list[tuple[int, int]]:
+        """``(addr, nbytes)`` of the host buffers a load or save copies into or out of: the
+        staging pools, the stream ring and its drain."""
+        out = []
+        for pool in (self.pool, self.save_pool):
+            if pool.device.type == "cpu":
+                out += [(pool.tensor(i).data_ptr(), pool.slot_bytes) for i in range(pool.count)]
+        ring = self.stream_ring
+        if ring is not None:
+            out.append((ring.buf.data_ptr(), ring.buf.numel()))
+            out.append((buffer_address(ring.trash), ring.trash.nbytes))
+        return out
 
     def _layered_reader(self):
         """How a stream reads the node: with one-sided RDMA READs of its arena, part by part,

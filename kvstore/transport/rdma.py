@@ -8,10 +8,13 @@ tests exercise.
 - Node: ``NodeEndpoint`` registers the whole DRAM arena as one memory region
   (remote read and write) and, per client, creates an RC queue pair connected
   to the client's (their addresses are exchanged by ``KVStore.ConnectRdma``).
-- Client: ``RdmaMover`` owns one RC queue pair; for each copy it registers the
-  caller's buffers, posts one work request per extent (READ for gets, WRITE for
-  puts) against ``arena address + offset`` with the node's rkey, and polls the
-  completion queue until every request has completed.
+- Client: ``RdmaMover`` owns one RC queue pair; for each copy it posts one work
+  request per extent (READ for gets, WRITE for puts) against ``arena address +
+  offset`` with the node's rkey, and polls the completion queue until every
+  request has completed. Buffers their owner keeps alive (an engine's staging
+  pool and stream ring) are registered once (``register_buffer``); any other
+  buffer is registered for the one copy (``ibv_reg_mr`` pins and maps its pages
+  each time: tens of microseconds per MiB, a cost of the order of the transfer).
 
 pyverbs is optional (``pip install .[rdma]``; Debian/Ubuntu ship it as
 ``python3-pyverbs``) and imported lazily. Without it, or without an ibverbs
@@ -21,6 +24,7 @@ device, ``probe()`` says why in one line, ``NodeEndpoint``/``RdmaMover`` raise
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 import threading
@@ -43,6 +47,53 @@ _POLL_TIMEOUT_S = 30.0
 
 class RdmaUnavailableError(FailedPreconditionError):
     """pyverbs or an ibverbs device is missing (the message says which)."""
+
+
+class Regions:
+    """Memory regions registered for good, by address: buffers whose owner keeps them alive
+    (and tells when they go), so that a copy into or out of them registers nothing.
+
+    Regions do not overlap; ``covering`` finds the one that holds a whole range in O(log n).
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._regions: list[tuple[int, int, object]] = []  # (addr, nbytes, mr), by addr
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def has(self, addr: int, nbytes: int) -> bool:
+        """Whether exactly this range is registered."""
+        i = bisect.bisect_left(self._starts, addr)
+        return i < len(self._starts) and self._regions[i][:2] == (addr, nbytes)
+
+    def add(self, addr: int, nbytes: int, mr) -> None:
+        """Raises ValueError when the range is empty or overlaps a registered one."""
+        if nbytes <= 0:
+            raise ValueError(f"an empty buffer at {addr:#x} cannot be registered")
+        i = bisect.bisect_left(self._starts, addr)
+        prev_end = self._regions[i - 1][0] + self._regions[i - 1][1] if i else addr
+        if prev_end > addr or (i < len(self._starts) and self._starts[i] < addr + nbytes):
+            raise ValueError(f"buffer {addr:#x}+{nbytes} overlaps one already registered")
+        self._starts.insert(i, addr)
+        self._regions.insert(i, (addr, nbytes, mr))
+
+    def pop(self, addr: int):
+        """The region that starts at ``addr``, removed (its MR is the caller's to close), or None."""
+        i = bisect.bisect_left(self._starts, addr)
+        if i == len(self._starts) or self._starts[i] != addr:
+            return None
+        del self._starts[i]
+        return self._regions.pop(i)[2]
+
+    def covering(self, addr: int, nbytes: int):
+        """The MR of the region that holds all of ``[addr, addr + nbytes)``, or None."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        a, n, mr = self._regions[i]
+        return mr if addr + nbytes <= a + n else None
 
 
 def probe() -> str | None:
@@ -203,10 +254,44 @@ class RdmaMover:
         remote, self.raddr, self.rkey = connect(self._dev.local_info(self._qp, psn))
         self._dev.connect(self._qp, psn, remote)
         self._lock = threading.Lock()  # one poster at a time on the queue pair
+        self._regions = Regions()
+        self.num_registrations = 0
+        """Memory regions registered for a single copy (buffers not registered for good)."""
+
+    def register_buffer(self, addr: int, nbytes: int) -> None:
+        """Registers ``[addr, addr + nbytes)`` until ``unregister_buffer(addr)`` or ``close``:
+        copies into or out of it then register nothing. The caller keeps the memory alive
+        until then (a registration of freed and reused memory would move bytes to the wrong
+        pages). Registering the same range again does nothing.
+
+        Raises:
+            ValueError: the range overlaps another registered one, or is empty.
+        """
+        with self._lock:
+            if self._regions.has(addr, nbytes):
+                return
+            mr = self._dev.register(addr, nbytes, remote=False) if nbytes > 0 else None
+            try:
+                self._regions.add(addr, nbytes, mr)
+            except ValueError:
+                if mr is not None:
+                    mr.close()
+                raise
+
+    def unregister_buffer(self, addr: int) -> None:
+        with self._lock:
+            mr = self._regions.pop(addr)
+        if mr is not None:
+            mr.close()
+
+    @property
+    def registered_buffers(self) -> int:
+        return len(self._regions)
 
     def read(self, ops: Sequence[tuple[int, int, int]], buffers: Sequence[tuple[int, int]]) -> None:
         """RDMA READs: ``ops`` are ``(local addr, arena offset, length)``; ``buffers``
-        the ``(addr, nbytes)`` of the local memory they land in (registered per call)."""
+        the ``(addr, nbytes)`` of the local memory they land in (registered for this call
+        unless ``register_buffer`` covers them)."""
         self._post(ops, buffers, read=True)
 
     def write(self, ops: Sequence[tuple[int, int, int]], buffers: Sequence[tuple[int, int]]) -> None:
@@ -225,9 +310,16 @@ class RdmaMover:
         opcode = e.IBV_WR_RDMA_READ if read else e.IBV_WR_RDMA_WRITE
         buffers = [(a, n) for a, n in buffers if n]  # nothing to register for empty values
         with self._lock:
-            # NOTE: registered per call, not cached: a cached registration of freed
-            # and reused memory would move bytes to the wrong pages.
-            mrs = [(a, n, self._dev.register(a, n, remote=False)) for a, n in buffers]
+            # NOTE: a buffer no one registered for good is registered per call, not cached:
+            # a cached registration of freed and reused memory would move bytes to the wrong pages.
+            mrs, once = [], []
+            for a, n in buffers:
+                mr = self._regions.covering(a, n)
+                if mr is None:
+                    mr = self._dev.register(a, n, remote=False)
+                    once.append(mr)
+                mrs.append((a, n, mr))
+            self.num_registrations += len(once)
             try:
                 for start in range(0, len(ops), _WINDOW):
                     window = ops[start : start + _WINDOW]
@@ -239,7 +331,7 @@ class RdmaMover:
                         self._qp.post_send(wr)
                     self._poll(len(window))
             finally:
-                for _, _, mr in mrs:
+                for mr in once:
                     mr.close()
 
     def _poll(self, num: int) -> None:

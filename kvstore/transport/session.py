@@ -341,6 +341,8 @@ class DescriptorSession:
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
         self._cuda_registered = False
+        self._buffers: dict[int, int] = {}
+        """Host buffers registered for good (``register_buffers``): addr → bytes."""
         self._put_streams: dict = {}
         self._device_wanted = False
         self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
@@ -710,6 +712,26 @@ class DescriptorSession:
         self._cuda_registered = why is None
         return why
 
+    def register_buffers(self, buffers: Sequence[tuple[int, int]]) -> None:
+        """Registers host buffers ``(addr, nbytes)`` that the caller keeps alive as long as this
+        session (an engine's staging pool, its stream ring) with a mover for which registering
+        costs: RDMA memory regions, so that a copy into or out of them registers nothing (per
+        copy, ``ibv_reg_mr`` pins and maps the pages again). Kept across re-maps; a range
+        already registered is skipped, so calling this before every load is cheap. Nothing
+        to do for shm.
+
+        Raises:
+            ValueError: a buffer overlaps another one registered at another address.
+        """
+        with self._lock:
+            new = [(a, n) for a, n in buffers if self._buffers.get(a) != n]
+            if not new:
+                return
+        with self._use() as h:
+            _register(h.mover, new)
+        with self._lock:
+            self._buffers.update(new)
+
     def open_device(self) -> str | None:
         """Maps the node's device tier into this process with CUDA IPC (once; again after the
         node restarts), for ``acquire(keys, Mover.CUDA_IPC)``. None when mapped, else why not
@@ -840,6 +862,9 @@ class DescriptorSession:
         self._retire(stale)
         if self._cuda_registered:  # the new arena is DMA-able too
             self.register_cuda()
+        if self._buffers:  # and the long-lived buffers registered with the new mover
+            with self._use() as h:
+                _register(h.mover, list(self._buffers.items()))
         if self._device_wanted:  # and the new node's device tier mapped
             self.open_device()
 
@@ -871,6 +896,13 @@ class DescriptorSession:
             h.control.abort(lease_id)
         except CrescentError as exc:  # the reservation expires by itself
             log.info("abort of write reservation %#x failed: %s", lease_id, exc)
+
+
+def _register(mover, buffers) -> None:
+    reg = getattr(mover, "register_buffer", None)
+    if reg is not None:
+        for addr, n in buffers:
+            reg(addr, n)
 
 
 def _device_to_arena(mover, parts: list, stream) -> None:

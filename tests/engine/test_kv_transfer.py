@@ -731,3 +731,52 @@ def test_a_node_read_one_sided_streams_layer_by_layer_too(nodes, reference, monk
         assert node.transport.leases.stats()["num_remote_leases"] == 0
     finally:
         eng.close()
+
+
+def test_loads_and_saves_copy_only_through_buffers_made_at_start(nodes, reference, monkeypatch):
+    """What an RDMA session registers once (``StoreConnector._long_lived_buffers``: the staging
+    pools, the stream ring and its drain) is every buffer a load or a save copies into or out
+    of, but the chunks' headers (a few hundred bytes each): a layer-major stream, a load through
+    the pool and the saves of a new prompt, each through a one-sided session's mover (shm
+    here: RDMA cannot run, and registers exactly what this records)."""
+    from engine.kv_connector import StoreConnector
+    from kvstore.transport.rdma import Regions
+
+    node = nodes()
+    _seed(node.address, reference)
+    client = StoreClient(node.address, transport="shm")
+    session = client.descriptor_session()
+    m = session._handle.mover
+    seen = []
+    for name in ("read", "write"):
+        def spy(ops, bufs, real=getattr(m, name), name=name):
+            seen.extend((name, a, n) for a, n in bufs)
+            return real(ops, bufs)
+
+        monkeypatch.setattr(m, name, spy)
+    monkeypatch.setattr(StoreConnector, "_in_place_session", lambda self: None)
+    monkeypatch.setattr(StoreConnector, "_layered_reader", lambda self: session.get_layered)
+    eng = make_engine(client=client, batch=3)
+    try:
+        conn = eng.connector
+        regions = Regions()
+        for a, n in conn._long_lived_buffers():
+            regions.add(a, n, (a, n))
+        head = conn.chunk_bytes - conn.payload_bytes
+        assert list(run(eng, PROMPT).output) == reference  # streamed, layer-major
+        phases = [len(seen)]
+        monkeypatch.setattr(StoreConnector, "_layered_reader", lambda self: None)
+        assert list(run(eng, PROMPT).output) == reference  # through the staging pool
+        phases.append(len(seen))
+        assert conn.stats.chunks_loaded == 20 and conn.stats.verify_failures == 0
+        other = [t + 1 for t in PROMPT]
+        run(eng, other)
+        assert conn.flush(timeout_s=120) and conn.stats.chunks_saved >= 10
+        phases.append(len(seen))
+        assert 0 < phases[0] < phases[1] < phases[2]
+        assert any(op == "write" for op, _, _ in seen[phases[1]:])
+        outside = [(op, n) for op, a, n in seen if n != head and regions.covering(a, n) is None]
+        assert outside == []
+        assert sum(1 for _, _, n in seen if n == head) <= 20  # one header per chunk streamed
+    finally:
+        eng.close()

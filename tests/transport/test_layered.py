@@ -10,6 +10,7 @@ import pytest
 from kvstore.client import StoreClient
 from kvstore.datachannel import layered_arg, layered_parts
 from kvstore.errors import UnavailableError
+from kvstore.transport.memcopy import buffer_address
 
 HEAD, LAYER = 100, 50_000  # 64 KiB slots: a value spans four, and layers straddle them
 
@@ -199,4 +200,43 @@ def test_a_one_sided_layered_read_past_its_lease_stops_and_ends_it(make_node, mo
     assert order == []
     assert session.num_invalid_reads == 1
     assert node.transport.leases.stats()["num_remote_leases"] == 0
+    c.close()
+
+
+def test_reads_into_buffers_registered_for_good_register_nothing_per_copy(make_node, mover):
+    """An engine registers its ring and pools once (``register_buffers``): on RDMA a layered
+    read into them registers no memory region per part, a read into any other buffer one per
+    copy; the bytes are the same either way (shm registers nothing at all)."""
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    vals = {b"a": _value(1, 3), b"b": _value(2, 3)}
+    for k, v in vals.items():
+        c.put(k, v)
+    ring = bytearray(2 * 3 * LAYER)
+    heads = bytearray(2 * HEAD)
+    session.register_buffers([(buffer_address(ring), len(ring)), (buffer_address(heads), len(heads))])
+    session.register_buffers([(buffer_address(ring), len(ring))])  # again: nothing new
+    order = []
+
+    def dest(j, part):
+        if part < 0:
+            return memoryview(heads)[j * HEAD : (j + 1) * HEAD]
+        return memoryview(ring)[(part * 2 + j) * LAYER : (part * 2 + j + 1) * LAYER]
+
+    assert session.get_layered([b"a", b"b"], HEAD, LAYER, lambda s: None, dest, lambda j, p: order.append((j, p)))
+    assert len(order) == 2 + 2 * 3
+    for j, k in enumerate([b"a", b"b"]):
+        assert bytes(heads[j * HEAD : (j + 1) * HEAD]) == vals[k][:HEAD]
+        for part in range(3):
+            got = ring[(part * 2 + j) * LAYER : (part * 2 + j + 1) * LAYER]
+            assert bytes(got) == vals[k][HEAD + part * LAYER : HEAD + (part + 1) * LAYER]
+    m = session._handle.mover
+    if mover == "rdma":
+        assert m.registered_buffers == 2 and m.num_registrations == 0
+        ok, _, _, got = _read_one_sided(session, [b"a"])  # fresh buffers: one region per part
+        assert ok and m.num_registrations == 1 + 3
+        with pytest.raises(ValueError, match="overlaps"):  # inside a registered one, at another address
+            session.register_buffers([(buffer_address(ring) + 8, 16)])
+    else:
+        assert not hasattr(m, "register_buffer")
     c.close()

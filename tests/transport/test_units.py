@@ -126,3 +126,45 @@ def _position(extents, addr):
 
 
 _position_off = _position
+
+
+def test_rdma_regions_find_the_one_that_holds_a_whole_range():
+    from kvstore.transport.rdma import Regions
+
+    r = Regions()
+    r.add(1000, 100, "a")
+    r.add(3000, 50, "c")
+    r.add(2000, 1000, "b")  # ends exactly where c starts
+    assert len(r) == 3 and r.has(2000, 1000) and not r.has(2000, 999)
+    assert r.covering(1000, 100) == "a" and r.covering(1050, 50) == "a"
+    assert r.covering(2999, 1) == "b" and r.covering(3000, 50) == "c"
+    assert r.covering(1050, 51) is None  # runs past a's end
+    assert r.covering(999, 2) is None and r.covering(2990, 20) is None  # before a; across b and c
+    assert r.covering(1100, 1) is None and r.covering(5, 1) is None
+    for addr, n in [(1099, 2), (950, 60), (2500, 10), (2999, 2), (3049, 100)]:
+        with pytest.raises(ValueError, match="overlaps"):
+            r.add(addr, n, "x")
+    with pytest.raises(ValueError, match="empty"):
+        r.add(5000, 0, "x")
+    assert r.pop(2000) == "b" and r.pop(2000) is None and r.pop(1001) is None
+    assert r.covering(2500, 10) is None and len(r) == 2
+    r.add(2500, 10, "d")  # the freed range can be registered again
+    assert r.covering(2505, 5) == "d"
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=12), st.data())
+def test_rdma_regions_agree_with_a_linear_scan(sizes, data):
+    from kvstore.transport.rdma import Regions
+
+    r, regions, addr = Regions(), [], 0
+    for i, n in enumerate(sizes):
+        addr += data.draw(st.integers(0, 8))  # gaps, or none
+        regions.append((addr, n, i))
+        addr += n
+    for a, n, i in data.draw(st.permutations(regions)):
+        r.add(a, n, i)
+    for _ in range(20):
+        a = data.draw(st.integers(0, addr + 4))
+        n = data.draw(st.integers(1, 70))
+        want = next((i for ra, rn, i in regions if ra <= a and a + n <= ra + rn), None)
+        assert r.covering(a, n) == want
