@@ -487,10 +487,12 @@ def sweep(device, timer, out: Path, heads: int, kv_heads: int, head_dim: int,
         if math.isfinite(score[_cfg_name(winner)]):
             name = tuning.variant(head_dim, torch.bfloat16, long_chunks=True if kernel == "prefill" else None)
             chosen[kernel] = {name: winner}
-    path = out / "configs" / f"{tuning.device_key(device)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chosen, indent=1) + "\n")
-    print(f"wrote {path}: commit it as kernels/configs/{path.name} to make these the device's configs")
+        # NOTE: written after each kernel's grid: a run cut short keeps the grids it finished
+        path = out / "configs" / f"{tuning.device_key(device)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(chosen, indent=1) + "\n")
+        print(f"wrote {path} ({', '.join(chosen) or 'nothing yet'}): commit it as kernels/configs/{path.name} "
+              f"to make these the device's configs", flush=True)
     return chosen
 
 

@@ -39,10 +39,12 @@ def _engine(address, client=None, **kw):
     from engine.llm_engine import LLMEngine
 
     # NOTE: float32, as on the CPU: exactness against recompute is about the data path, and
-    # bfloat16 sums in another order could flip a greedy token of a random model
+    # bfloat16 sums in another order could flip a greedy token of a random model; eager: decode
+    # graphs are test_cuda_graphs.py's, and capturing them for every engine here costs the
+    # GPU run's minutes
     return LLMEngine(EngineConfig(model="random:small", device="cuda", dtype="float32", chunk_tokens=CHUNK,
                                   store=address, kv_cache_memory="256MiB", enable_prefix_caching=False,
-                                  store_load_batch=2, **kw), client=client)
+                                  store_load_batch=2, **{"enforce_eager": True, **kw}), client=client)
 
 
 def _run(eng, prompt):
