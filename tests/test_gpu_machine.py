@@ -1,0 +1,56 @@
+"""The GPU machine (`bench/gpu_check.sh`) has its own Python packages: every third-party module
+this project imports at module level — in the code and in every test module, which
+`pytest -m gpu tests` collects — must be there or among the wheels `make gpu-wheels` carries.
+A module missing there kills the whole run at import (as `grpc_health` once would have)."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Import names of what the H200 image holds (the device library's KINDS.md package list, as read
+# 2026-11-17), of those this project could import.
+ON_THE_MACHINE = {"torch", "triton", "numpy", "grpc", "xxhash", "prometheus_client", "safetensors", "tokenizers",
+                  "matplotlib", "pytest", "hypothesis", "msgpack", "yaml", "requests", "psutil", "transformers",
+                  "tqdm", "httpx", "aiohttp", "jinja2", "attr", "sortedcontainers", "google"}
+WHEEL_MODULES = {"lmdb": "lmdb", "grpcio": "grpc", "grpcio-health-checking": "grpc_health", "pyzmq": "zmq",
+                 "protobuf": "google", "hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
+                 "attrs": "attr", "pytest-timeout": "pytest_timeout"}
+LOCAL = {"kvstore", "engine", "kernels", "bench", "tests", "proto"}
+# Loaded only where their serving stack is installed (their own venvs): never on the GPU run.
+ELSEWHERE = ("kvstore/integrations/", "tests/integrations/")
+
+
+def _carried() -> set[str]:
+    recipe = re.search(r"^gpu-wheels:.*?(?=^\S|\Z)", (ROOT / "Makefile").read_text(), re.S | re.M).group(0)
+    names = set(re.findall(r"(?<![\w.=$-])([a-z][a-z0-9-]+)(?:==|\b(?=[\s\"\\]))", recipe.split("-d .whl", 1)[1]))
+    return {WHEEL_MODULES[n] for n in names if n in WHEEL_MODULES}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.parse(path.read_text()).body:  # inside functions or try blocks: imported lazily
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return {n for n in out if n not in sys.stdlib_module_names and n not in LOCAL and n != "__future__"}
+
+
+def test_the_wheels_carried_are_parsed_from_the_makefile():
+    assert {"lmdb", "grpc", "grpc_health", "zmq", "google"} <= _carried()
+
+
+def test_every_module_level_import_is_on_the_gpu_machine_or_carried():
+    have = ON_THE_MACHINE | _carried()
+    missing = {}
+    for top in ("kvstore", "engine", "kernels", "bench", "tests"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(ELSEWHERE) and not Path(rel).name.startswith("test_"):
+                continue
+            for name in _module_level_imports(path) - have:
+                missing.setdefault(name, []).append(rel)
+    assert missing == {}, f"not on the GPU machine; add its wheel to `make gpu-wheels` or import it lazily: {missing}"
