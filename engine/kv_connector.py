@@ -16,6 +16,7 @@ A verification failure or a store error is a miss: the engine recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, DeviceStage, LayerwiseLanding, StagingPool,
+import kernels
+from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, DeviceStage, LayerwiseLanding, StagingPool, source_rows,
                                 StreamedLanding, StreamRing, pipelined_load)
 from engine.model_runner import ModelRunner
 from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, WSUM_K, check_payload, encode_chunk, encoded_size, tensor_bytes,
@@ -140,10 +142,12 @@ class PendingLoad:
         good, sums, copies = self.landed, None, []
         stream_checks: list = []
         try:
-            if self.streamed is not None:
-                good = min(good, self._finish_stream(stream_checks))
-            if self.landing is not None:
-                sums = self.landing.finish()
+            try:
+                if self.streamed is not None:
+                    good = min(good, self._finish_stream(stream_checks))
+            finally:  # NOTE: whatever the stream did, the copies that read leased slots end first
+                if self.landing is not None:
+                    sums = self.landing.finish()
             if self.replicate:  # the verified bytes as they are, while their mapping is open
                 copies = [bytes(head) + bytes(tensor_bytes(pl.cpu() if pl.is_cuda else pl))
                           for _, _, head, pl, _ in self.held]
@@ -231,7 +235,7 @@ class StoreConnector:
         pin = runner.device.type == "cuda"
         self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin)
         self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
-        self.land_direct = land_direct and pin
+        self.land_direct = land_direct and pin and kernels.select_backend(runner.device) == "triton"
         """CUDA: the landing kernel reads chunks in place in page-locked host memory (no device stage)."""
         layer_shape = runner.chunk_shape[1:]
         self.layer_stage = DeviceStage(STAGE_CHUNKS, layer_shape, runner.dtype, runner.device) if pin else None
@@ -308,17 +312,17 @@ class StoreConnector:
         """Compiles the page kernels a load and a save launch, and makes the wsum64 tables, now
         rather than on the first request (a first load would otherwise wait for Triton). They
         write only the runner's scratch page, which no sequence owns."""
-        import kernels
         from kvstore.chunk import wsum64, wsum64_rows
 
         r = self.runner
+        kernels.warm_pointer_tables(r.k_caches, r.v_caches)  # every layer's, not only the layer 0 below
         ids = torch.full((1, self.chunk_tokens // r.cfg.page_size), r.scratch_page, dtype=torch.int32,
                          device=r.device)
         stage = self.layer_stage.buf[:1]
         kernels.scatter_kv_chunks(stage, r.k_caches[0], r.v_caches[0], ids)
         for at in (None, 0):  # the landing kernel, without and with its checksum
             kernels.scatter_kv_layer(self.layer_stage.rows[:1], r.k_caches[0], r.v_caches[0], ids,
-                                     wsum_at=at, wsum_k=WSUM_K, table=self.layer_stage.table[:1])
+                                     wsum_at=at, wsum_k=WSUM_K, table=source_rows(self.layer_stage.table, 1))
         chunk = kernels.gather_kv_pages(r.k_caches, r.v_caches, ids[0])
         kernels.scatter_kv_pages(chunk, r.k_caches, r.v_caches, ids[0])
         if self.check == CHECK_WSUM:
@@ -671,11 +675,19 @@ class StoreConnector:
             payload = mover.tensor(*pext[0]) if len(pext) == 1 else self._gather_extents(mover, pext)
             yield start + j, memoryview(head), payload, d.size
 
-    @staticmethod
-    def _gather_extents(mover, extents) -> torch.Tensor:
-        """A payload whose slots are not one run, as one host tensor (a copy; rare: the node
-        hands out ascending runs)."""
-        return torch.cat([mover.tensor(off, n) for off, n in extents])
+    def _gather_extents(self, mover, extents) -> torch.Tensor:
+        """A payload whose slots are not one run, as one tensor (a copy; rare: the node hands out
+        ascending runs, but a fragmented arena has gaps). Made where the landing can read it:
+        from host slots on a GPU engine, page-locked (the direct kernel reads only such memory,
+        and a DMA from it is asynchronous); from device-tier slots, by the compute stream, which
+        the transfer stream then waits for (the landing reads it there)."""
+        out = torch.cat([mover.tensor(off, n) for off, n in extents])
+        if self.runner.device.type == "cuda":
+            if out.is_cuda:
+                self.runner.begin_landing()
+            else:
+                out = out.pin_memory()
+        return out
 
     def save(self, tokens: list[int], salt: str | None, pages: list[int], first: int, num: int) -> None:
         """Gathers chunks ``first .. first+num-1`` into save buffers now; stores them in the background.
@@ -720,6 +732,14 @@ class StoreConnector:
         self._queue.put((ns, items))
 
     def _save_loop(self) -> None:
+        # NOTE: on CUDA the saver's own work (a wsum64 read back, the put stream's wait) queues on
+        # the save stream: on the default stream it would wait behind the steps the engine
+        # launched since, and each save would end a step late
+        stream = getattr(self.runner, "save_stream", None)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._save_jobs()
+
+    def _save_jobs(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:

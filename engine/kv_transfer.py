@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kernels.host import to_device
 from kvstore.chunk import CHECK_WSUM, WSUM_K
 from kvstore.errors import CrescentError
 
@@ -197,6 +198,11 @@ class DeviceStage:
         return self.buf.shape[0]
 
 
+def source_rows(table: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The first ``n`` rows of a source table (None where the twin lands: it needs none)."""
+    return None if table is None else table[:n]
+
+
 def land_layer(sources: Sequence[torch.Tensor], table, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
                sums: torch.Tensor | None, offset_words: int, position_words: int) -> None:
     """One launch: layer parts where they are (``sources``, read through ``table``) into their
@@ -254,7 +260,7 @@ class LayerwiseLanding:
         """Page ids and wsum64 accumulators, on the device (made on the stream that uses them)."""
         if self.page_ids is None:
             dev = self.runner.device
-            self.page_ids = torch.tensor(self._pages, dtype=torch.int32).to(dev)
+            self.page_ids = to_device(self._pages, torch.int32, dev)
             if self.direct:
                 import kernels
 
@@ -298,7 +304,7 @@ class LayerwiseLanding:
                         g = min(group, n - g0)
                         for j in range(g):
                             self.stage.rows[j].copy_(self.chunks[g0 + j][layer], non_blocking=True)
-                        land_layer(self.stage.rows[:g], self.stage.table[:g], k, v, self.page_ids[g0 : g0 + g],
+                        land_layer(self.stage.rows[:g], source_rows(self.stage.table, g), k, v, self.page_ids[g0 : g0 + g],
                                    None if self.sums is None else self.sums[g0 : g0 + g], 0, layer * lw)
                 ev = torch.cuda.Event()
                 ev.record(stream)
@@ -514,7 +520,7 @@ class StreamedLanding:
         if n:
             dev = self.runner.device
             with torch.cuda.stream(self.runner.transfer_stream) if self._cuda else contextlib.nullcontext():
-                self.page_ids = torch.tensor(self._pages[:n], dtype=torch.int32).to(dev)
+                self.page_ids = to_device(self._pages[:n], torch.int32, dev)
                 if any(h.check == CHECK_WSUM for h in self.headers[:n]):
                     self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
         self._heads_in.set()
@@ -586,7 +592,7 @@ class StreamedLanding:
                                sums, 0, at)
                 else:  # a DMA into the device stage, then the kernel reads it there
                     self._stage.buf[:n].copy_(rows, non_blocking=True)
-                    land_layer(self._stage.rows[:n], self._stage.table[:n], k, v, ids, sums, 0, at)
+                    land_layer(self._stage.rows[:n], source_rows(self._stage.table, n), k, v, ids, sums, 0, at)
                 ev = torch.cuda.Event()
                 ev.record(self.runner.transfer_stream)
             self._ring.copies[unit] = ev

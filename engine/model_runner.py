@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from kernels.host import to_device
 from engine.config import EngineConfig, ModelConfig, apply_overrides, preset_config
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import AttnMetadata, CausalLM, load_checkpoint, random_model
@@ -100,18 +101,20 @@ class ModelRunner:
             ctx.append(start)
             tables[b, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
         dev = self.device
+        # NOTE: to_device: queued through pinned memory, so the host does not wait here for the
+        # work still running on the compute stream (saves' gathers, a load's waits)
         meta = AttnMetadata(
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            positions=to_device(pos, torch.int64, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=tables.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tables,
+            cu_q_lens=to_device(cu, torch.int32, dev),
+            context_lens=to_device(ctx, torch.int32, dev),
             is_decode=all(s.num_new_tokens == 1 for s in scheduled),
             max_q_len=max(s.num_new_tokens for s in scheduled),
             kv_ready=kv_ready,
         )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), meta, self.kv_caches)
-        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)])
+        hidden = self.model(to_device(ids, torch.int64, dev), meta, self.kv_caches)
+        return self.model.logits(hidden[to_device(rows, torch.int64, dev)])
 
     def _run_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         page = self.cfg.page_size
@@ -135,7 +138,7 @@ class ModelRunner:
         then; the engine thread never waits for it). With ``checksum``, ``wsum`` is the chunk's
         wsum64 computed on the device beside the copy (so no host pass hashes it).
         """
-        ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
+        ids = to_device(pages, torch.int32, self.device)
         if self.save_stream is None:
             kernels.gather_kv_pages(self.k_caches, self.v_caches, ids, out=out)
             return None, None
@@ -157,7 +160,7 @@ class ModelRunner:
 
     def scatter_chunk(self, chunk: torch.Tensor, pages: list[int]) -> None:
         """Writes a ``chunk_shape`` tensor into ``pages`` of every layer."""
-        ids = torch.tensor(pages, dtype=torch.int32, device=self.device)
+        ids = to_device(pages, torch.int32, self.device)
         kernels.scatter_kv_pages(chunk.to(self.device, non_blocking=True), self.k_caches, self.v_caches, ids)
 
     def begin_landing(self) -> None:

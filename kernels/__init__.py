@@ -18,6 +18,7 @@ from kernels.dispatch import (
     select_backend,
     source_table,
     triton_available,
+    warm_pointer_tables,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "select_backend",
     "source_table",
     "triton_available",
+    "warm_pointer_tables",
 ]

@@ -202,6 +202,16 @@ def scatter_kv_chunks(chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_pages.scatter_kv_chunks(chunks, k_cache, v_cache, page_ids)
 
 
+def warm_pointer_tables(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+    """Makes the device tables of cache addresses the page kernels read for these caches now
+    (Triton on CUDA; nothing to make for the twin), so that no load or save waits for one."""
+    if not k_caches or select_backend(k_caches[0].device) == "torch":
+        return
+    from kernels import kv_pages
+
+    kv_pages.warm_pointer_tables(list(k_caches), list(v_caches))
+
+
 def source_table(sources: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """Where a kernel on ``device`` reads each of ``sources`` (``[N]`` int64 addresses), for
     :func:`scatter_kv_layer` calls that read the same sources again; None where the twin runs

@@ -14,6 +14,7 @@ Twins: :func:`kernels.reference.gather_kv_pages`, :func:`kernels.reference.scatt
 from __future__ import annotations
 
 import ctypes
+import threading
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import to_device
 from kernels.reference import Caches, as_layer_list
 
 
@@ -115,7 +117,10 @@ def _kv_layer_kernel(
 
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_TABLES_MAX = 16
+_TABLES_MAX = 1024
+"""Far above what one engine uses (a table per layer and one of every layer: 2L + 1), so that
+an engine's tables are never evicted while a kernel on another stream may still read them."""
+_TABLES_LOCK = threading.Lock()
 
 
 def _pointer_table(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -123,19 +128,31 @@ def _pointer_table(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tens
 
     NOTE: cached by the addresses themselves, so a hit is always right (same
     addresses, same table) and the engine's fixed caches cost no host-to-device
-    copy per call.
+    copy per call. A miss copies synchronously (the table may be read on any
+    stream later); ``warm_pointer_tables`` makes an engine's at start. Thread-safe:
+    the step, lander and saver threads all launch page kernels.
     """
     ptrs = tuple(t.data_ptr() for pair in zip(ks, vs, strict=True) for t in pair)
     key = (ks[0].device, ptrs)
-    table = _TABLES.get(key)
-    if table is None:
-        table = torch.tensor(ptrs, dtype=torch.int64).to(ks[0].device)
-        _TABLES[key] = table
-        if len(_TABLES) > _TABLES_MAX:
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = torch.tensor(ptrs, dtype=torch.int64).to(ks[0].device)
+    with _TABLES_LOCK:
+        table = _TABLES.setdefault(key, table)
+        while len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
     return table
+
+
+def warm_pointer_tables(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+    """Makes the pointer tables the page kernels use for these caches (one per layer, one of
+    all layers) now, so no load or save waits for one later."""
+    for k, v in zip(ks, vs, strict=True):
+        _pointer_table([k], [v])
+    _pointer_table(ks, vs)
 
 
 def _check_caches(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
@@ -275,6 +292,7 @@ def _libcuda():
 
 
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def _address(t: torch.Tensor, device: torch.device) -> int:
@@ -288,6 +306,8 @@ def _address(t: torch.Tensor, device: torch.device) -> int:
         with torch.cuda.device(device):
             rc = _libcuda().cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
                                                   t.data_ptr())
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            raise RuntimeError("no CUDA context is current on this thread: make a CUDA call on it first")
         if rc != 0:
             raise ValueError("source in pageable host memory: a CUDA kernel reaches host memory only "
                              f"when it is page-locked (pin_memory, or cudaHostRegister) (CUresult {rc})")
@@ -298,7 +318,9 @@ def _address(t: torch.Tensor, device: torch.device) -> int:
 def source_table(sources: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``[N]`` int64 on ``device``: where a kernel there reads each source (on ``device``, or in
     page-locked host memory). Make it once for sources read many times (every layer of a
-    load, the buffers of a ring) and pass it to :func:`scatter_kv_layer`.
+    load, the buffers of a ring) and pass it to :func:`scatter_kv_layer`. Its copy to the
+    device is queued on the current stream (the host does not wait): use it on that stream,
+    or after synchronising with it.
 
     Raises:
         ValueError: a source a kernel on ``device`` cannot reach (pageable host memory).
@@ -306,7 +328,7 @@ def source_table(sources: Sequence[torch.Tensor], device: torch.device) -> torch
     if device.type == "cuda" and device.index is None:  # ("cuda" names the current device; tensors say cuda:N)
         device = torch.device("cuda", torch.cuda.current_device())
     addrs = [_address(s, device) for s in sources]
-    return torch.tensor(addrs, dtype=torch.int64).to(device)
+    return to_device(addrs, torch.int64, device)
 
 
 def scatter_kv_layer(sources: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -24,6 +24,18 @@ def test_wsum64_on_the_gpu_equals_the_cpu(nbytes):
     assert int(wsum64(t.cuda())) == int(wsum64(t))
 
 
+def test_small_host_lists_reach_the_device_without_waiting_for_its_stream():
+    """``kernels.host.to_device`` (page ids, pointer tables, step inputs) queues its copy behind
+    the stream's work instead of waiting for it (``torch.tensor(..., device=cuda)`` waits)."""
+    from kernels.host import to_device
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy stream
+    t = to_device(list(range(100)), torch.int32, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query()  # returned while the stream was still busy
+    assert t.tolist() == list(range(100))
+
+
 @pytest.fixture
 def node(tmp_path):
     from tests.helpers import store_nodes
@@ -240,3 +252,34 @@ def test_direct_landing_reads_the_registered_arena_and_the_pinned_ring_in_place(
         assert in_place > 0 if transport == "shm" else in_place == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("land_direct", [False, True])
+def test_chunks_in_slots_that_are_not_one_run_land_from_a_fragmented_arena(tmp_path, land_direct):
+    """A fragmented arena gives a chunk slots with gaps: its payload is gathered into page-locked
+    memory (the direct kernel reads only that; pageable memory made the step raise): exact tokens."""
+    from kvstore.client import StoreClient
+    from tests.helpers import store_nodes
+
+    gen = store_nodes(tmp_path, with_disk=False)
+    node = next(gen)(dram=256 << 20, slot_size=4096)
+    try:
+        with StoreClient(node.address) as c:  # every other one-slot value freed: holes of one slot
+            fill = [b"fill%d" % i for i in range(4000)]
+            c.batch_put([(k, b"x" * 100) for k in fill])
+            c.delete(fill[::2])
+        prompt = _prompt(7 * CHUNK + 3, seed=12)
+        ref = _engine(None)
+        want = list(_run(ref, prompt).output)
+        ref.close()
+        eng = _engine(None, client=StoreClient(node.address, transport="shm"), land_direct=land_direct)
+        try:
+            _run(eng, prompt)
+            assert eng.connector.flush(timeout_s=120)
+            seq = _run(eng, prompt)
+            assert list(seq.output) == want and seq.num_store_tokens == 7 * CHUNK
+            assert eng.connector.stats.chunks_loaded_in_place == 7 and eng.connector.stats.verify_failures == 0
+        finally:
+            eng.close()
+    finally:
+        gen.close()

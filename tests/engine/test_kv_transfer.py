@@ -316,6 +316,39 @@ def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transp
         eng.close()
 
 
+@pytest.mark.parametrize("check", ["xxh3", "wsum"])
+def test_chunks_in_slots_that_are_not_one_run_land_in_place_too(nodes, reference, monkeypatch, check):
+    """A fragmented arena (small values freed between larger ones) hands a chunk slots with gaps
+    between them: its payload is gathered into one tensor (page-locked on a GPU engine) and
+    lands like the others, with the same tokens."""
+    from engine.kv_connector import StoreConnector
+
+    node = nodes(slot_size=4096)
+    with StoreClient(node.address) as c:  # every other one-slot value freed: holes of one slot
+        fill = [b"fill%d" % i for i in range(600)]
+        c.batch_put([(k, b"x" * 100) for k in fill])
+        c.delete(fill[::2])
+    _seed(node.address, reference, check=check)
+    gathered = []
+    real = StoreConnector._gather_extents
+
+    def spy(self, mover, extents):
+        gathered.append(len(extents))
+        return real(self, mover, extents)
+
+    monkeypatch.setattr(StoreConnector, "_gather_extents", spy)
+    eng = make_engine(client=StoreClient(node.address, transport="shm"), batch=3, check=check)
+    try:
+        seq = run(eng, PROMPT)
+        st = eng.connector.stats
+        assert list(seq.output) == reference and seq.num_store_tokens == 10 * CHUNK
+        assert st.chunks_loaded_in_place == 10 and st.verify_failures == 0
+        assert gathered and max(gathered) > 1  # chunks whose payload had gaps
+        assert node.transport.leases.stats()["num_remote_leases"] == 0
+    finally:
+        eng.close()
+
+
 def test_an_in_place_copy_that_outlives_its_lease_is_a_miss(nodes, reference, monkeypatch):
     """The node may reuse a slot once the lease is over: a chunk whose copy ended after the
     lease's safe end is not trusted, whatever it looked like. Here the copies of the last layer

@@ -230,3 +230,48 @@ def test_layer_scatter_refuses_what_it_cannot_read():
     odd_k, odd_v = (torch.zeros(4, 16, 1, 3, dtype=torch.float16) for _ in range(2))  # 6-byte rows
     with pytest.raises(AssertionError, match="8-byte"):
         scatter_kv_layer([torch.zeros(8192)], odd_k, odd_v, ids)
+
+
+def test_pointer_tables_are_shared_by_threads_and_kept_for_every_layer(monkeypatch):
+    """The step, lander and saver threads launch page kernels at once: lookups and evictions of
+    the table cache must not race (a KeyError escaped a step before it took a lock), and an
+    engine's tables (one per layer, one of all layers) stay cached once warmed."""
+    import threading
+
+    from kernels import kv_pages
+
+    monkeypatch.setattr(kv_pages, "_TABLES", type(kv_pages._TABLES)())
+    monkeypatch.setattr(kv_pages, "_TABLES_MAX", 3)  # constant eviction: the race's worst case
+    caches = [torch.empty(2, 4, 1, 8) for _ in range(16)]
+    errors = []
+
+    def hammer(seed):
+        import random
+
+        rnd = random.Random(seed)
+        try:
+            for _ in range(3000):
+                k, v = rnd.sample(caches, 2)
+                table = kv_pages._pointer_table([k], [v])
+                assert table.tolist() == [k.data_ptr(), v.data_ptr()]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    old = __import__("sys").getswitchinterval()
+    __import__("sys").setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        __import__("sys").setswitchinterval(old)
+    assert errors == [] and len(kv_pages._TABLES) <= 3
+    monkeypatch.setattr(kv_pages, "_TABLES_MAX", 1024)
+    ks, vs = caches[:8], caches[8:]
+    kv_pages.warm_pointer_tables(ks, vs)
+    before = dict(kv_pages._TABLES)
+    for k, v in zip(ks, vs):
+        assert kv_pages._pointer_table([k], [v]) is before[(k.device, (k.data_ptr(), v.data_ptr()))]
+    assert len(before) >= 8 + 1 and kv_pages._pointer_table(ks, vs).numel() == 16
