@@ -31,7 +31,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 DEADLINE=$(( $(date +%s) + 470 ))
 lim() { local left=$(( DEADLINE - $(date +%s) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 export PYTHONUNBUFFERED=1
-LLAMA8=(--model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' --prompt-tokens 8000 --chunk-size 8192
+LLAMA8=(--model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' --prompt-tokens 7900 --chunk-size 8192
         --kv-cache-memory 8GiB)
 
 step "machine"
@@ -47,7 +47,7 @@ fi
 export PYTHONPATH="$SITE:$PWD"
 python3 -c 'import grpc, grpc_health.v1.health, google.protobuf, lmdb, xxhash, zmq; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
 
-step "prefix reuse: random:llama3-8b cut to 8 layers, 8000-token prompt (one prefill step), store node on this host"
+step "prefix reuse: random:llama3-8b cut to 8 layers, 7900-token prompt (8000 + 1 overflows its 8192 context at 50%) (one prefill step), store node on this host"
 timeout $(lim 110) python3 bench/prefix_reuse_bench.py "${LLAMA8[@]}" --reps 2 --dram 4GiB \
   --json "$FIG/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 
@@ -56,7 +56,7 @@ timeout $(lim 100) python3 bench/kernels_bench.py --quick --out "$FIG" 2>&1 | gr
 
 step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, compiled kernels on sm_90)"
 # NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.
-TRITON_INTERPRET=0 timeout $(lim 90) python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+TRITON_INTERPRET=0 timeout -s INT -k 15 $(lim 90) python3 -m pytest -q -p no:cacheprovider -m gpu tests \
   --continue-on-collection-errors -rfE --durations=10 --junitxml "$FIG/pytest_gpu.xml" 2>&1 | tail -40
 
 step "DRAM -> GPU with --land-direct: the landing kernel reads the registered arena in place (no DMA into a stage)"

@@ -29,6 +29,7 @@ def test_small_host_lists_reach_the_device_without_waiting_for_its_stream():
     the stream's work instead of waiting for it (``torch.tensor(..., device=cuda)`` waits)."""
     from kernels.host import to_device
 
+    to_device([0] * 100, torch.int32, torch.device("cuda"))  # the pinned allocator warmed first
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy stream
     t = to_device(list(range(100)), torch.int32, torch.device("cuda"))
@@ -43,7 +44,7 @@ def node(tmp_path):
     gen = store_nodes(tmp_path, with_disk=False)
     make = next(gen)
     yield make(dram=256 << 20)
-    gen.close()
+    next(gen, None)  # (close() would skip the nodes' teardown after the yield)
 
 
 def _engine(address, client=None, **kw):
@@ -282,4 +283,4 @@ def test_chunks_in_slots_that_are_not_one_run_land_from_a_fragmented_arena(tmp_p
         finally:
             eng.close()
     finally:
-        gen.close()
+        next(gen, None)

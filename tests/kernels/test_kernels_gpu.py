@@ -116,7 +116,7 @@ def test_page_moves_read_and_write_page_locked_host_memory():
     torch.cuda.synchronize()
     assert torch.equal(out, chunk)
     k, v = torch.zeros_like(ks[0]), torch.zeros_like(vs[0])
-    scatter_kv_chunks(chunk[:2].pin_memory(), k, v, ids.view(2, 8).contiguous())
+    scatter_kv_chunks(chunk[:2, :, :, :128].contiguous().pin_memory(), k, v, ids.view(2, 8).contiguous())
     assert torch.equal(k[ids[:8].long()], want_k[0][ids[:8].long()])
     with pytest.raises(AssertionError, match="pageable"):
         scatter_kv_pages(chunk, ks, vs, ids)

@@ -110,7 +110,8 @@ def test_an_engine_loads_a_prefix_from_the_nodes_hbm_device_to_device(gpu_node):
     from engine.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model="random:small", device="cuda", dtype="float32", chunk_tokens=64,
-                                 store=gpu_node.address, kv_cache_memory="256MiB", enable_prefix_caching=False))
+                                 store=gpu_node.address, kv_cache_memory="256MiB", enable_prefix_caching=False,
+                                 enforce_eager=True))
 
     def run(prompt):
         seq = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
