@@ -188,7 +188,8 @@ def main() -> None:
         llm = LLM(args.model, store=address, chunk_tokens=args.chunk_tokens,
                   chunk_size=args.chunk_size, max_num_batched_tokens=max(2048, args.chunk_size),
                   enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
-                  hf_overrides=args.hf_overrides, store_transport=args.transport, land_direct=args.land_direct)
+                  hf_overrides=args.hf_overrides, store_transport=args.transport, land_direct=args.land_direct,
+                  enforce_eager=True)  # (TTFT only: one token per prompt; no decode graph is ever replayed)
         conn = llm.engine.connector
         mc = llm.engine.model_config
         vocab = mc.vocab_size
