@@ -228,6 +228,9 @@ class StoreConnector:
         names no chunk keys to its decode engine, which would only wait for chunks that never come."""
         self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
         self._saver.start()
+        self._host_buffers: list[tuple[int, int]] = []
+        """The host buffers loads and saves copy into and out of (set once the pools are made): an
+        RDMA session registers them once (``DescriptorSession.register_buffers``), not per copy."""
         self.chunk_bytes = encoded_size(runner.chunk_shape, runner.dtype, self.chunk_tokens)
         self.load_batch = load_batch
         # NOTE: made at start, with the store session (arena mapped, channels open), so that
@@ -278,8 +281,6 @@ class StoreConnector:
                                      device=runner.device if on_device else None)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         self._host_buffers = self._long_lived_buffers()
-        """The host buffers loads and saves copy into and out of, all made above: an RDMA session
-        registers them once (``DescriptorSession.register_buffers``), not for every copy."""
         try:
             self._session(Mover.RDMA)  # registers them now, when this client reads over RDMA
         except CrescentError:
@@ -574,7 +575,7 @@ class StoreConnector:
             session = get() if get is not None else None
         except CrescentError:
             return None
-        if session is not None and session.mover is Mover.RDMA and getattr(self, "_host_buffers", None):
+        if session is not None and session.mover is Mover.RDMA and self._host_buffers:
             try:
                 session.register_buffers(self._host_buffers)
             except Exception as exc:  # noqa: BLE001 - e.g. the memlock limit: copies register per call

@@ -304,8 +304,9 @@ class LayerwiseLanding:
                         g = min(group, n - g0)
                         for j in range(g):
                             self.stage.rows[j].copy_(self.chunks[g0 + j][layer], non_blocking=True)
-                        land_layer(self.stage.rows[:g], source_rows(self.stage.table, g), k, v, self.page_ids[g0 : g0 + g],
-                                   None if self.sums is None else self.sums[g0 : g0 + g], 0, layer * lw)
+                        land_layer(self.stage.rows[:g], source_rows(self.stage.table, g), k, v,
+                                   self.page_ids[g0 : g0 + g], None if self.sums is None else self.sums[g0 : g0 + g],
+                                   0, layer * lw)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 self.events.append(ev)

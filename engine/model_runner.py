@@ -106,7 +106,7 @@ class ModelRunner:
         meta = AttnMetadata(
             positions=to_device(pos, torch.int64, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=tables.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tables,
+            block_tables=to_device(tables, torch.int32, dev),
             cu_q_lens=to_device(cu, torch.int32, dev),
             context_lens=to_device(ctx, torch.int32, dev),
             is_decode=all(s.num_new_tokens == 1 for s in scheduled),

@@ -14,8 +14,8 @@ Twins: :func:`kernels.reference.gather_kv_pages`, :func:`kernels.reference.scatt
 from __future__ import annotations
 
 import ctypes
-import threading
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 

@@ -44,6 +44,17 @@ def store_nodes(tmp_path, with_disk: bool, **defaults):
         n.stop(grace=0)
 
 
+def fragment_arena(address: str, values: int) -> None:
+    """Puts ``values`` small values in a node and deletes every other one: its free list then
+    starts with holes of one slot, and a larger value put next gets slots with gaps between them."""
+    from kvstore.client import StoreClient
+
+    with StoreClient(address) as c:
+        fill = [b"fill%d" % i for i in range(values)]
+        c.batch_put([(k, b"x" * 100) for k in fill])
+        c.delete(fill[::2])
+
+
 def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):
     """Polls ``cond`` until truthy; generous deadline for a loaded 2-core machine."""
     deadline = time.monotonic() + timeout_s

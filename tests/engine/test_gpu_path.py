@@ -60,6 +60,15 @@ def _engine(address, client=None, **kw):
                                   store_load_batch=2, **{"enforce_eager": True, **kw}), client=client)
 
 
+def _recomputed(prompt: list[int]) -> list[int]:
+    """The tokens an engine with no store generates for ``prompt``."""
+    ref = _engine(None)
+    try:
+        return list(_run(ref, prompt).output)
+    finally:
+        ref.close()
+
+
 def _run(eng, prompt):
     from engine.sampling import SamplingParams
 
@@ -74,9 +83,7 @@ def test_store_reuse_on_the_gpu_gives_the_tokens_of_recompute(node):
     from kvstore.client import StoreClient
 
     prompt = _prompt(9 * CHUNK + 5)
-    ref = _engine(None)
-    want = list(_run(ref, prompt).output)
-    ref.close()
+    want = _recomputed(prompt)
     eng = _engine(node.address)
     try:
         # the arena is page-locked here: saves gather on the device and the put DMAs them into it
@@ -133,9 +140,7 @@ def test_loads_over_tcp_stream_in_or_land_through_the_pinned_pool(node, stream):
     from kvstore.client import StoreClient
 
     prompt = _prompt(6 * CHUNK + 9, seed=3)
-    ref = _engine(None)
-    want = list(_run(ref, prompt).output)
-    ref.close()
+    want = _recomputed(prompt)
     eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
     eng.connector.stream_loads = stream
     try:
@@ -162,9 +167,7 @@ def test_a_streamed_load_lands_groups_from_a_reused_ring_on_the_transfer_stream(
 
     monkeypatch.setattr(kvc, "STAGE_CHUNKS", 4)
     prompt = _prompt(9 * CHUNK + 5, seed=8)
-    ref = _engine(None)
-    want = list(_run(ref, prompt).output)
-    ref.close()
+    want = _recomputed(prompt)
     eng = _engine(None, client=StoreClient(node.address, transport="tcp"))
     try:
         assert eng.connector.stream_ring.buf.shape[:2] == (3, 4)
@@ -193,9 +196,7 @@ def test_a_load_lands_layer_by_layer_on_the_transfer_stream_in_groups(node, monk
 
     monkeypatch.setattr(kvc, "STAGE_CHUNKS", 4)  # 9 chunks: groups of 4, 4 and 1 per layer
     prompt = _prompt(9 * CHUNK + 5, seed=7)
-    ref = _engine(None)
-    want = list(_run(ref, prompt).output)
-    ref.close()
+    want = _recomputed(prompt)
     waits = []
     real = LayerwiseLanding.wait
 
@@ -228,9 +229,7 @@ def test_direct_landing_reads_the_registered_arena_and_the_pinned_ring_in_place(
     from kvstore.client import StoreClient
 
     prompt = _prompt(7 * CHUNK + 3, seed=11)
-    ref = _engine(None)
-    want = list(_run(ref, prompt).output)
-    ref.close()
+    want = _recomputed(prompt)
     eng = _engine(None, client=StoreClient(node.address, transport=transport), land_direct=True)
     conn = eng.connector
     try:
@@ -260,19 +259,14 @@ def test_chunks_in_slots_that_are_not_one_run_land_from_a_fragmented_arena(tmp_p
     """A fragmented arena gives a chunk slots with gaps: its payload is gathered into page-locked
     memory (the direct kernel reads only that; pageable memory made the step raise): exact tokens."""
     from kvstore.client import StoreClient
-    from tests.helpers import store_nodes
+    from tests.helpers import fragment_arena, store_nodes
 
     gen = store_nodes(tmp_path, with_disk=False)
     node = next(gen)(dram=256 << 20, slot_size=4096)
     try:
-        with StoreClient(node.address) as c:  # every other one-slot value freed: holes of one slot
-            fill = [b"fill%d" % i for i in range(4000)]
-            c.batch_put([(k, b"x" * 100) for k in fill])
-            c.delete(fill[::2])
+        fragment_arena(node.address, 4000)
         prompt = _prompt(7 * CHUNK + 3, seed=12)
-        ref = _engine(None)
-        want = list(_run(ref, prompt).output)
-        ref.close()
+        want = _recomputed(prompt)
         eng = _engine(None, client=StoreClient(node.address, transport="shm"), land_direct=land_direct)
         try:
             _run(eng, prompt)

@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
 from kvstore.errors import UnavailableError
-from tests.helpers import StoreProcess, freeze, store_nodes, wait_for
+from tests.helpers import StoreProcess, fragment_arena, freeze, store_nodes, wait_for
 
 CHUNK = 32
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -324,10 +324,7 @@ def test_chunks_in_slots_that_are_not_one_run_land_in_place_too(nodes, reference
     from engine.kv_connector import StoreConnector
 
     node = nodes(slot_size=4096)
-    with StoreClient(node.address) as c:  # every other one-slot value freed: holes of one slot
-        fill = [b"fill%d" % i for i in range(600)]
-        c.batch_put([(k, b"x" * 100) for k in fill])
-        c.delete(fill[::2])
+    fragment_arena(node.address, 600)
     _seed(node.address, reference, check=check)
     gathered = []
     real = StoreConnector._gather_extents
