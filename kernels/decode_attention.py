@@ -204,7 +204,9 @@ def _launch_config(dtype: torch.dtype, device: torch.device, head_dim: int = 128
         return measured
     # NOTE: 64-token K/V tiles, 3 cp.async stages in flight per program: 48 KiB
     # of bf16 K/V, enough outstanding loads to saturate HBM on Hopper.
-    return {"BLOCK_N": 32 if dtype == torch.float32 else 64, "num_warps": 4, "num_stages": 3}
+    # fp32 dots hold K/V tiles in registers: 32 keys at D=256 spill (sm90_compile.py).
+    block_n = 64 if dtype != torch.float32 else 32 if head_dim <= 128 else 16
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_attention(

@@ -153,10 +153,18 @@ def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_
     measured = tuning.lookup("prefill", device, tuning.variant(head_dim, dtype, long_chunks=max_q_len > 64))
     if measured is not None:  # kernels/configs/<this device>.json (bench/kernels_bench.py --sweep)
         return measured
-    # NOTE: FA2 tiles for Hopper: 128x64, 8 warps for D=128, 3 cp.async stages
-    # of K/V: ~97 KiB of shared memory (tests/kernels/sm90_compile.py), no spills.
-    block_m = 64 if max_q_len <= 64 or dtype == torch.float32 else 128
-    block_n = 32 if dtype == torch.float32 else 64
+    # NOTE: every built-in tile compiles for sm_90 without register spills
+    # (tests/kernels/sm90_compile.py checks the cubins' local memory).
+    if dtype == torch.float32:
+        # fp32 ("ieee") dots run on CUDA cores with both operands in registers: a 64x32
+        # tile at D=128 spills 7 KiB per thread to local memory.
+        if head_dim <= 128:
+            return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    # FA2 tiles for Hopper: 128x64, 8 warps for D=128, 3 cp.async stages of K/V:
+    # ~97 KiB of shared memory. D=256 halves the key tile (a 64-wide one spills).
+    block_m = 64 if max_q_len <= 64 else 128
+    block_n = 64 if head_dim <= 128 else 32
     num_warps = 8 if head_dim >= 128 and block_m == 128 else 4
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 3}
 
