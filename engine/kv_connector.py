@@ -17,6 +17,7 @@ A verification failure or a store error is a miss: the engine recomputes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -37,7 +38,7 @@ from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
 from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
 from kvstore.transport.memcopy import buffer_address, local_buffer, plan, slice_extents
-from kvstore.transport.session import safe_end
+from kvstore.transport.session import LAYERED_AHEAD, safe_end
 
 log = logging.getLogger(__name__)
 
@@ -536,8 +537,10 @@ class StoreConnector:
         """Starts streaming chunks ``off ..`` of ``p`` layer-major (``StreamedLanding``) and waits
         for their headers; False (nothing started) where it does not apply: replication wants
         the chunks' bytes, or the node cannot stream."""
+        if not self.stream_loads or self.stream_ring is None or p.replicate:
+            return False
         get = self._layered_reader()
-        if not self.stream_loads or self.stream_ring is None or p.replicate or get is None:
+        if get is None:
             return False
 
         def check(j: int, head: bytes):
@@ -604,7 +607,9 @@ class StoreConnector:
         (``batch_get_layered``: the node sends the parts); None when neither is there."""
         session = self._session(Mover.RDMA)
         if session is not None:
-            return session.get_layered
+            # NOTE: parts in flight are of one layer; within it, no more than a ring group holds
+            # (two groups at most among them: the ring's third unit stays free to take).
+            return functools.partial(session.get_layered, ahead=min(LAYERED_AHEAD, self.stream_ring.group))
         return getattr(self.client, "batch_get_layered", None)
 
     def _in_place_session(self):

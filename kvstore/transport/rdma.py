@@ -8,13 +8,25 @@ tests exercise.
 - Node: ``NodeEndpoint`` registers the whole DRAM arena as one memory region
   (remote read and write) and, per client, creates an RC queue pair connected
   to the client's (their addresses are exchanged by ``KVStore.ConnectRdma``).
-- Client: ``RdmaMover`` owns one RC queue pair; for each copy it posts one work
-  request per extent (READ for gets, WRITE for puts) against ``arena address +
-  offset`` with the node's rkey, and polls the completion queue until every
-  request has completed. Buffers their owner keeps alive (an engine's staging
+- Client: ``RdmaMover`` owns one RC queue pair and its completion queue; for each
+  copy it posts one work request per extent (READ for gets, WRITE for puts)
+  against ``arena address + offset`` with the node's rkey. ``post_read`` returns
+  a ticket at once and ``wait(ticket)`` reaps completions until that copy is in
+  (``SendQueue``: up to ``DEPTH`` requests in flight, so several copies overlap);
+  ``read``/``write`` do both. Buffers their owner keeps alive (an engine's staging
   pool and stream ring) are registered once (``register_buffer``); any other
-  buffer is registered for the one copy (``ibv_reg_mr`` pins and maps its pages
-  each time: tens of microseconds per MiB, a cost of the order of the transfer).
+  buffer is registered for its one copy (``ibv_reg_mr`` pins and maps its pages
+  each time: tens of microseconds per MiB, a cost of the order of the transfer)
+  and deregistered once that copy completed.
+- A failed completion (the queue pair is then in the error state and flushes
+  the rest) or ``POLL_TIMEOUT_S`` without progress fails the copies in flight
+  with ``DataLossError`` (their keys read as misses) and destroys the queue pair,
+  which ends any transfer still under way before the buffers are used again; the
+  next copy connects a new one (``num_reconnects``).
+
+The verbs themselves (``_Device``: device, PD, CQs, QPs, MRs, posting and
+polling) are the only part that needs a device; the rest is tested here against
+a simulated HCA (tests/transport/test_rdma_queue.py).
 
 pyverbs is optional (``pip install .[rdma]``; Debian/Ubuntu ship it as
 ``python3-pyverbs``) and imported lazily. Without it, or without an ibverbs
@@ -29,11 +41,11 @@ import os
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import DataLossError, FailedPreconditionError
+from kvstore.errors import CrescentError, DataLossError, FailedPreconditionError
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.memcopy import buffer_address
 
@@ -41,8 +53,11 @@ GID_INDEX = int(os.environ.get("CRESCENT_RDMA_GID_INDEX", "0"))
 """GID table index used on both ends (RoCE setups may need another; IB uses 0)."""
 MAX_QPS = 256
 """Client queue pairs a node keeps; the least recently connected goes first."""
-_WINDOW = 128  # work requests in flight per poll round
-_POLL_TIMEOUT_S = 30.0
+DEPTH = 256
+"""Work requests in flight on a client queue pair (its send queue's size)."""
+POLL_TIMEOUT_S = 30.0
+"""A queue pair with requests outstanding and no completion for this long is broken."""
+_POLL_BATCH = 32
 
 
 class RdmaUnavailableError(FailedPreconditionError):
@@ -123,10 +138,101 @@ class QpInfo:
     psn: int
 
 
-class _Device:
-    """A device context, protection domain and completion queue on the first active port."""
+class SendQueue:
+    """The send queue of one RC queue pair, by sequence number: ``post`` a copy's work requests
+    and get its ticket (the number of its last request); ``wait(ticket)`` until they completed.
 
-    def __init__(self, cq_depth: int = 4 * _WINDOW) -> None:
+    Every request is signaled, and an RC queue pair completes its send queue in posting order,
+    so the completions counted so far tell which tickets are done. At most ``depth`` requests
+    are outstanding (posting more reaps completions first): the queue stays full while a long
+    copy streams, and copies posted back to back overlap.
+
+    The first failed completion, a post the device refuses, or ``timeout_s`` of polling with
+    no completion breaks the queue: that call and every later one raise DataLossError. Its
+    owner must then destroy the queue pair (ending any transfer still in flight) before the
+    copies' buffers are used again. Not thread-safe (``RdmaMover`` holds a lock).
+
+    Args:
+        post_one: ``post_one(wr_id, request)`` posts one work request.
+        poll: ``poll(n)`` returns up to ``n`` completions, ``(wr_id, status)``, 0 meaning success.
+    """
+
+    def __init__(self, post_one: Callable[[int, tuple], None], poll: Callable[[int], list[tuple[int, int]]],
+                 depth: int = DEPTH, timeout_s: float = POLL_TIMEOUT_S) -> None:
+        self._post_one, self._poll = post_one, poll
+        self.depth, self.timeout_s = depth, timeout_s
+        self.posted = 0
+        self.completed = 0
+        self.broken: str | None = None
+        """Why the queue broke, or None."""
+
+    @property
+    def outstanding(self) -> int:
+        return self.posted - self.completed
+
+    def post(self, requests: Sequence[tuple]) -> int:
+        """Posts ``requests`` in order; returns the ticket of the last (``completed`` reaches it
+        once all are done)."""
+        for req in requests:
+            if self.posted - self.completed >= self.depth:
+                self._reap(self.posted - self.depth + 1)
+            self._check()
+            try:
+                self._post_one(self.posted + 1, req)
+            except Exception as exc:  # noqa: BLE001 - a full queue, a QP in the error state
+                self._break(f"posting work request {self.posted + 1} failed: {exc}")
+            self.posted += 1
+        return self.posted
+
+    def wait(self, ticket: int) -> None:
+        """Returns once every request up to ``ticket`` completed successfully."""
+        self._reap(ticket)
+
+    def _reap(self, upto: int) -> None:
+        stalled_since = None
+        while self.completed < upto:
+            self._check()
+            done = self._poll(min(self.posted - self.completed, _POLL_BATCH))
+            for wr_id, status in done:
+                if status != 0:
+                    self._break(f"RDMA work request {wr_id} failed with status {status}")
+                self.completed = max(self.completed, wr_id)  # in order: everything before it is done too
+            if done:
+                stalled_since = None
+                continue
+            now = time.monotonic()
+            if stalled_since is None:
+                stalled_since = now
+            elif now - stalled_since > self.timeout_s:
+                self._break(f"RDMA: {self.posted - self.completed} work requests did not complete in "
+                            f"{self.timeout_s:g} s")
+            time.sleep(0)  # an empty poll lets the other Python threads (the step) run
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise DataLossError(self.broken)
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        raise DataLossError(why)
+
+
+def work_request(wr_id: int, read: bool, laddr: int, n: int, lkey: int, raddr: int, rkey: int):
+    """One signaled RDMA READ (remote → local) or WRITE (local → remote) of ``n`` bytes (pyverbs)."""
+    import pyverbs.enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ if read else e.IBV_WR_RDMA_WRITE, num_sge=1,
+                sg=[SGE(laddr, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(rkey, raddr)
+    return wr
+
+
+class _Device:
+    """A device context and protection domain on the first active port, with a completion queue
+    for the node's queue pairs (which post nothing) and the verbs the movers use."""
+
+    def __init__(self, cq_depth: int = 2 * DEPTH) -> None:
         reason = probe()
         if reason is not None:
             raise RdmaUnavailableError(reason)
@@ -161,16 +267,32 @@ class _Device:
             access |= e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
         return MR(self.pd, max(1, nbytes), access, address=addr)
 
-    def create_qp(self):
-        """An RC queue pair in INIT, allowing remote read and write."""
+    def new_cq(self, depth: int = DEPTH):
+        from pyverbs.cq import CQ
+
+        return CQ(self.ctx, depth, None, None, 0)
+
+    def create_qp(self, cq=None):
+        """An RC queue pair in INIT, allowing remote read and write, completing into ``cq``
+        (the device's shared one by default)."""
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
         e = self.e
-        cap = QPCap(max_send_wr=2 * _WINDOW, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+        cq = cq or self.cq
+        cap = QPCap(max_send_wr=DEPTH, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
         attr = QPAttr(port_num=self.port)
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
         return QP(self.pd, init, attr)
+
+    def post(self, qp, wr_id: int, request: tuple) -> None:
+        """Posts ``work_request(wr_id, *request)`` on ``qp``."""
+        qp.post_send(work_request(wr_id, *request))
+
+    def poll(self, cq, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` completions of ``cq``: ``(wr_id, status)``, status 0 (IBV_WC_SUCCESS) if it worked."""
+        got, wcs = cq.poll(n)
+        return [(wc.wr_id, wc.status) for wc in wcs[:got]]
 
     def local_info(self, qp, psn: int) -> QpInfo:
         return QpInfo(self.gid.gid.encode(), self.port_attr.lid, qp.qp_num, psn)
@@ -242,21 +364,49 @@ class RdmaMover:
 
     Args:
         connect: sends this end's ``QpInfo`` to the node (``KVStore.ConnectRdma``)
-            and returns the node's ``(QpInfo, arena address, rkey)``.
+            and returns the node's ``(QpInfo, arena address, rkey)``; called again
+            for a new queue pair after one broke.
+        arena_bytes: the arena's size: a descriptor outside it is refused before
+            anything is posted (DataLossError), as the shm mover does.
+        device: the verbs (``_Device``, closed with the mover); made here by default.
     """
 
     mover = Mover.RDMA
 
-    def __init__(self, connect: Callable[[QpInfo], tuple[QpInfo, int, int]]) -> None:
-        self._dev = _Device()
-        self._qp = self._dev.create_qp()
-        psn = random.getrandbits(24)
-        remote, self.raddr, self.rkey = connect(self._dev.local_info(self._qp, psn))
-        self._dev.connect(self._qp, psn, remote)
-        self._lock = threading.Lock()  # one poster at a time on the queue pair
+    def __init__(self, connect: Callable[[QpInfo], tuple[QpInfo, int, int]], arena_bytes: int | None = None,
+                 device=None) -> None:
+        self._dev = device if device is not None else _Device()
+        self._connect = connect
+        self.arena_bytes = arena_bytes
+        self._lock = threading.Lock()  # one thread at a time posts or reaps on the queue pair
         self._regions = Regions()
+        self._once: deque[tuple[int, list]] = deque()
+        """(ticket, MRs) registered for one copy, deregistered once the ticket completed."""
         self.num_registrations = 0
         """Memory regions registered for a single copy (buffers not registered for good)."""
+        self.num_reconnects = 0
+        """Queue pairs connected after one broke."""
+        self._qp = self._cq = self._queue = None
+        try:
+            self._open()
+        except BaseException:
+            self._dev.close()
+            raise
+
+    def _open(self) -> None:
+        cq = self._dev.new_cq()
+        qp = self._dev.create_qp(cq)
+        try:
+            psn = random.getrandbits(24)
+            remote, self.raddr, self.rkey = self._connect(self._dev.local_info(qp, psn))
+            self._dev.connect(qp, psn, remote)
+        except BaseException:
+            qp.close()
+            cq.close()
+            raise
+        self._qp, self._cq = qp, cq
+        self._queue = SendQueue(lambda wr_id, req: self._dev.post(qp, wr_id, req), lambda n: self._dev.poll(cq, n),
+                                DEPTH, POLL_TIMEOUT_S)
 
     def register_buffer(self, addr: int, nbytes: int) -> None:
         """Registers ``[addr, addr + nbytes)`` until ``unregister_buffer(addr)`` or ``close``:
@@ -292,56 +442,111 @@ class RdmaMover:
         """RDMA READs: ``ops`` are ``(local addr, arena offset, length)``; ``buffers``
         the ``(addr, nbytes)`` of the local memory they land in (registered for this call
         unless ``register_buffer`` covers them)."""
-        self._post(ops, buffers, read=True)
+        self.wait(self.post(ops, buffers, read=True))
 
     def write(self, ops: Sequence[tuple[int, int, int]], buffers: Sequence[tuple[int, int]]) -> None:
         """RDMA WRITEs: ``ops`` are ``(local addr, arena offset, length)``."""
-        self._post(ops, buffers, read=False)
+        self.wait(self.post(ops, buffers, read=False))
 
-    def close(self) -> None:
-        self._dev.close()
+    def post_read(self, ops: Sequence[tuple[int, int, int]], buffers: Sequence[tuple[int, int]]):
+        """Posts ``read``'s work requests and returns at once: ``wait`` on the ticket before using
+        the buffers (later copies may be posted meanwhile: they overlap this one)."""
+        return self.post(ops, buffers, read=True)
 
-    def _post(self, ops, buffers, read: bool) -> None:
-        from pyverbs.wr import SGE, SendWR
+    def post(self, ops, buffers, read: bool):
+        """Posts one copy; returns its ticket for ``wait``.
 
+        Raises:
+            DataLossError: a descriptor outside the arena (nothing posted), or the queue pair
+                broke while posting (it is destroyed; the next copy connects a new one).
+        """
         if not ops:
-            return
-        e = self._dev.e
-        opcode = e.IBV_WR_RDMA_READ if read else e.IBV_WR_RDMA_WRITE
+            return None
+        if self.arena_bytes is not None:
+            for _, off, n in ops:
+                if off < 0 or n < 0 or off + n > self.arena_bytes:
+                    raise DataLossError(f"descriptor outside the arena: offset {off} + {n} > {self.arena_bytes}")
         buffers = [(a, n) for a, n in buffers if n]  # nothing to register for empty values
         with self._lock:
-            # NOTE: a buffer no one registered for good is registered per call, not cached:
+            if self._queue is None:
+                self._reconnect()
+            # NOTE: a buffer no one registered for good is registered per copy, not cached:
             # a cached registration of freed and reused memory would move bytes to the wrong pages.
-            mrs, once = [], []
-            for a, n in buffers:
-                mr = self._regions.covering(a, n)
-                if mr is None:
-                    mr = self._dev.register(a, n, remote=False)
-                    once.append(mr)
-                mrs.append((a, n, mr))
-            self.num_registrations += len(once)
+            spans, once = [], []
             try:
-                for start in range(0, len(ops), _WINDOW):
-                    window = ops[start : start + _WINDOW]
-                    for i, (laddr, off, n) in enumerate(window):
-                        lkey = next(mr.lkey for a, size, mr in mrs if a <= laddr and laddr + n <= a + size)
-                        wr = SendWR(wr_id=start + i, opcode=opcode, num_sge=1, sg=[SGE(laddr, n, lkey)],
-                                    send_flags=e.IBV_SEND_SIGNALED)
-                        wr.set_wr_rdma(self.rkey, self.raddr + off)
-                        self._qp.post_send(wr)
-                    self._poll(len(window))
-            finally:
-                for mr in once:
-                    mr.close()
+                for a, n in buffers:
+                    mr = self._regions.covering(a, n)
+                    if mr is None:
+                        mr = self._dev.register(a, n, remote=False)
+                        once.append(mr)
+                    spans.append((a, a + n, mr.lkey))
+                spans.sort()
+                starts = [a for a, _, _ in spans]
+                reqs = []
+                for laddr, off, n in ops:
+                    i = bisect.bisect_right(starts, laddr) - 1
+                    if i < 0 or laddr + n > spans[i][1]:
+                        raise ValueError(f"local range {laddr:#x}+{n} lies in none of the copy's buffers")
+                    reqs.append((read, laddr, n, spans[i][2], self.raddr + off, self.rkey))
+                ticket = self._queue.post(reqs)
+            except DataLossError:  # the queue pair broke while this copy was being posted
+                self._destroy()
+                self._close_once(once)
+                raise
+            except BaseException:
+                self._close_once(once)  # nothing of this copy was posted
+                raise
+            self.num_registrations += len(once)
+            if once:
+                self._once.append((ticket, once))
+            return self._queue, ticket
 
-    def _poll(self, num: int) -> None:
-        e = self._dev.e
-        deadline = time.monotonic() + _POLL_TIMEOUT_S
-        while num:
-            got, wcs = self._dev.cq.poll(num)
-            for wc in wcs[:got]:
-                if wc.status != e.IBV_WC_SUCCESS:
-                    raise DataLossError(f"RDMA work request {wc.wr_id} failed with status {wc.status}")
-            num -= got
-            if num and time.monotonic() > deadline:
-                raise DataLossError(f"RDMA: {num} work requests did not complete in {_POLL_TIMEOUT_S:.0f} s")
+    def wait(self, ticket) -> None:
+        """Returns once the copy of ``ticket`` (from ``post``) completed.
+
+        Raises:
+            DataLossError: it failed, or the queue pair broke before it completed (destroyed:
+                no transfer of it goes on after this returns).
+        """
+        if ticket is None:
+            return
+        queue, seq = ticket
+        with self._lock:
+            if queue is not self._queue:
+                raise DataLossError(f"the RDMA queue pair of this copy broke: {queue.broken}")
+            try:
+                queue.wait(seq)
+            except DataLossError:
+                self._destroy()
+                raise
+            while self._once and self._once[0][0] <= queue.completed:
+                self._close_once(self._once.popleft()[1])
+
+    def close(self) -> None:
+        with self._lock:
+            self._destroy()
+            self._dev.close()  # closes the PD and the MRs made from it
+
+    def _reconnect(self) -> None:
+        try:
+            self._open()
+        except CrescentError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyverbs errors: this copy fails, the next tries again
+            raise DataLossError(f"RDMA: reconnecting the queue pair failed: {exc}") from exc
+        self.num_reconnects += 1
+
+    def _destroy(self) -> None:
+        """Destroys the queue pair (ending every transfer in flight), then frees the copies'
+        registrations; the next post connects a new one."""
+        if self._qp is not None:
+            self._qp.close()
+            self._cq.close()
+        self._qp = self._cq = self._queue = None
+        while self._once:
+            self._close_once(self._once.popleft()[1])
+
+    @staticmethod
+    def _close_once(mrs: list) -> None:
+        for mr in mrs:
+            mr.close()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +58,9 @@ WRITE_PIECE_BYTES = 64 << 20
 """A put batch is copied in pieces of this size, with a deadline check before each."""
 DESCRIPTOR_CACHE_KEYS = 1 << 14
 """Keys whose last descriptors a session keeps (the values it may read locally, ``_read_local``)."""
+LAYERED_AHEAD = 8
+"""Parts of a layered read (``get_layered``) in flight at once: a chunk-layer is ~1 MiB for an
+8B model's 256-token chunk, so ~8 MiB on the wire while Python hands the earlier ones on."""
 REPORT_EVERY_S = 1.0
 """How often (at most) a session tells the node how many values it read locally."""
 
@@ -267,7 +270,7 @@ def _open_mover(mover: Mover, arena: ArenaRef, stub, call, timeout_s: float):
         return QpInfo(r.gid, r.lid, r.qp_num, r.psn), r.addr, r.rkey
 
     try:
-        return RdmaMover(connect)
+        return RdmaMover(connect, arena_bytes=arena.size)
     except CrescentError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyverbs errors: fall back, saying why
@@ -600,22 +603,31 @@ class DescriptorSession:
 
     def get_layered(self, keys: Sequence[bytes], head: int, layer: int,
                     on_sizes: Callable[[list[int | None]], None], dest: Callable[[int, int], object],
-                    arrived: Callable[[int, int], None]) -> bool:
+                    arrived: Callable[[int, int], None], ahead: int = LAYERED_AHEAD) -> bool:
         """``StoreClient.batch_get_layered`` done with this session's one-sided mover (RDMA READs
         across hosts, copies from the mapped arena on one): one read lease on ``keys``; then each
         value's head into ``dest(value, -1)``, layer 0 of every value into ``dest(value, 0)``,
         layer 1, … (the order of ``datachannel.layered_parts``), each part read straight into
         its buffer and ``arrived(value, part)`` called once it is in and the lease still held it.
 
+        Up to ``ahead`` parts of one layer (or of the heads) are read at once: over RDMA their
+        READs are in flight together, so the wire does not wait on Python between parts.
+        ``dest`` is asked for a part's buffer once at most ``ahead - 1`` parts before it are
+        still to arrive, all of its own layer: the heads all arrived before any layer's buffer
+        is asked for (a header may change where the layers go), and layer ``l`` before layer
+        ``l + 1``'s (a receiver's ring may reuse them). ``arrived`` comes in order.
+
         ``on_sizes`` gets each value's size first (None: a miss, or not ``head`` + whole layers).
         Returns False, having called nothing, when a value is held outside the DRAM arena (on
         the node's disk or device tier, which one-sided reads cannot reach: read another way).
         Raises UnavailableError when the lease ran out before a part's read ended (nothing
-        arrives after it); a callback's exception propagates. The lease ends on every path.
+        arrives after it); a callback's exception propagates. The lease ends on every path, and
+        no read lands in a buffer after this returns.
         """
         from kvstore.datachannel import layered_parts
 
         with self._granted(lambda h: h.control.acquire(keys, self.mover), read=True) as (h, g):
+            pending: deque = deque()  # (value, part, ticket, buffer keep-alive), in posting order
             try:
                 if any(d.status is ItemStatus.ELSEWHERE for d in g.items):
                     return False
@@ -628,7 +640,19 @@ class DescriptorSession:
                         extents[d.index] = value_extents(d.slots, d.size, sb)
                 on_sizes(sizes)
                 end = safe_end(g)
+
+                def arrive_first() -> None:
+                    j, part, ticket, _ = pending[0]
+                    h.mover.wait(ticket)
+                    pending.popleft()
+                    if time.monotonic() >= end:
+                        self.num_invalid_reads += 1
+                        raise UnavailableError(f"read lease ran out before part {part} of value {j} was read")
+                    arrived(j, part)
+
                 for j, part, off, n in layered_parts(sizes, head, layer):
+                    while pending and (len(pending) >= ahead or part != pending[-1][1]):
+                        arrive_first()
                     addr, cap, ka = local_buffer(dest(j, part))
                     if n > cap:
                         raise InvalidArgumentError(f"part {part} of value {j} ({n} bytes) exceeds its buffer "
@@ -637,14 +661,16 @@ class DescriptorSession:
                     for aoff, ln in slice_extents(extents[j], off, n):
                         ops.append((addr + pos, aoff, ln))
                         pos += ln
-                    h.mover.read(ops, [(addr, cap)])
-                    del ka
-                    if time.monotonic() >= end:
-                        self.num_invalid_reads += 1
-                        raise UnavailableError(f"read lease ran out before part {part} of value {j} was read")
-                    arrived(j, part)
+                    pending.append((j, part, h.mover.post_read(ops, [(addr, cap)]), ka))
+                while pending:
+                    arrive_first()
                 return True
             finally:
+                for _, _, ticket, _ in pending:  # reads posted ahead of a failure: over before returning
+                    try:
+                        h.mover.wait(ticket)
+                    except CrescentError:  # its queue pair broke and was destroyed: nothing lands later
+                        pass
                 if g.lease_id:
                     self._end_read(h, g.lease_id)
 

@@ -103,6 +103,13 @@ class ShmMover:
         base = self.base
         self._engine.run([(base + off, local, n) for local, off, n in ops])
 
+    def post_read(self, ops: Sequence[Op], buffers=()) -> None:
+        """``read``, done by the time it returns (the RDMA mover's returns at once): its ticket."""
+        self.read(ops, buffers)
+
+    def wait(self, ticket) -> None:
+        """Nothing to wait for: ``post_read`` copied already."""
+
     def tensor(self, offset: int, n: int):
         """Arena bytes ``[offset, offset + n)`` as a CPU uint8 tensor viewing the mapping (no
         copy): valid while a lease holds them and this mover is open."""

@@ -240,3 +240,81 @@ def test_reads_into_buffers_registered_for_good_register_nothing_per_copy(make_n
     else:
         assert not hasattr(m, "register_buffer")
     c.close()
+
+
+def _recorded_read(session, keys, ahead, fail_at=None, events=None):
+    events, bufs = [] if events is None else events, {}
+
+    def dest(j, part):
+        events.append(("dest", j, part))
+        bufs[j, part] = bytearray(HEAD if part < 0 else LAYER)
+        return memoryview(bufs[j, part])
+
+    def arrived(j, part):
+        if (j, part) == fail_at:
+            raise RuntimeError("the receiver gave up")
+        events.append(("arrived", j, part))
+
+    sizes = []
+    ok = session.get_layered(keys, HEAD, LAYER, sizes.extend, dest, arrived, ahead=ahead)
+    return ok, sizes, events, bufs
+
+
+def _in_flight_at_each_dest(events):
+    """Per ``dest`` call: the parts asked for before it that had not arrived yet."""
+    asked, arrived, out = [], set(), []
+    for kind, j, part in events:
+        if kind == "dest":
+            out.append(((j, part), [q for q in asked if q not in arrived]))
+            asked.append((j, part))
+        else:
+            arrived.add((j, part))
+    return out
+
+
+def test_a_one_sided_layered_read_keeps_up_to_ahead_parts_of_one_layer_in_flight(make_node, mover):
+    """``ahead`` parts are read at once (RDMA: their READs in flight together): a part's buffer
+    is asked for while up to ``ahead - 1`` earlier parts are still to arrive, only ever parts
+    of its own layer (every head arrives before a layer's buffer is asked for, layer l before
+    layer l+1's); parts arrive in order, with their bytes."""
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    vals = {bytes([i]) * 4: _value(20 + i, 3) for i in range(7)}
+    for k, v in vals.items():
+        c.put(k, v)
+    keys = list(vals)
+    ok, sizes, events, bufs = _recorded_read(session, keys, ahead=4)
+    assert ok
+    parts = [(j, p) for j, p, _, _ in layered_parts(sizes, HEAD, LAYER)]
+    assert [e[1:] for e in events if e[0] == "arrived"] == parts == [e[1:] for e in events if e[0] == "dest"]
+    flights = _in_flight_at_each_dest(events)
+    for (j, part), waiting in flights:
+        assert len(waiting) <= 3 and all(p == part for _, p in waiting), (j, part, waiting)
+    assert max(len(w) for _, w in flights) == 3  # it did read ahead
+    for (j, part), buf in bufs.items():
+        v = vals[keys[j]]
+        assert bytes(buf) == (v[:HEAD] if part < 0 else v[HEAD + part * LAYER : HEAD + (part + 1) * LAYER])
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    c.close()
+
+
+def test_a_one_sided_layered_read_a_receiver_breaks_off_mid_flight_ends_cleanly(make_node, mover):
+    """A receiver that raises in ``arrived`` with parts read ahead of it: the error propagates,
+    nothing arrives after it, the reads in flight are over before the call returns, and the
+    lease is ended; the session reads again afterwards."""
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    vals = {bytes([i]) * 4: _value(40 + i, 3) for i in range(6)}
+    for k, v in vals.items():
+        c.put(k, v)
+    keys = list(vals)
+    events = []
+    with pytest.raises(RuntimeError, match="gave up"):
+        _recorded_read(session, keys, ahead=4, fail_at=(2, 1), events=events)
+    arrivals = [e[1:] for e in events if e[0] == "arrived"]
+    assert arrivals == [(j, -1) for j in range(6)] + [(j, 0) for j in range(6)] + [(0, 1), (1, 1)]
+    assert ("dest", 5, 1) in events  # parts 3..5 of layer 1 were read ahead of the failure
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    ok, sizes, events, _ = _recorded_read(session, keys, ahead=4)
+    assert ok and len([e for e in events if e[0] == "arrived"]) == 6 * 4
+    c.close()
