@@ -260,6 +260,16 @@ def _recorded_read(session, keys, ahead, fail_at=None, events=None):
     return ok, sizes, events, bufs
 
 
+def _stored_one_sided(make_node, mover, n, seed):
+    """A node holding ``n`` three-layer values, and a one-sided session to it."""
+    node = make_node()
+    c, session = _one_sided(node, mover)
+    vals = {bytes([i]) * 4: _value(seed + i, 3) for i in range(n)}
+    for k, v in vals.items():
+        c.put(k, v)
+    return node, c, session, vals
+
+
 def _in_flight_at_each_dest(events):
     """Per ``dest`` call: the parts asked for before it that had not arrived yet."""
     asked, arrived, out = [], set(), []
@@ -277,11 +287,7 @@ def test_a_one_sided_layered_read_keeps_up_to_ahead_parts_of_one_layer_in_flight
     is asked for while up to ``ahead - 1`` earlier parts are still to arrive, only ever parts
     of its own layer (every head arrives before a layer's buffer is asked for, layer l before
     layer l+1's); parts arrive in order, with their bytes."""
-    node = make_node()
-    c, session = _one_sided(node, mover)
-    vals = {bytes([i]) * 4: _value(20 + i, 3) for i in range(7)}
-    for k, v in vals.items():
-        c.put(k, v)
+    node, c, session, vals = _stored_one_sided(make_node, mover, 7, seed=20)
     keys = list(vals)
     ok, sizes, events, bufs = _recorded_read(session, keys, ahead=4)
     assert ok
@@ -302,11 +308,7 @@ def test_a_one_sided_layered_read_a_receiver_breaks_off_mid_flight_ends_cleanly(
     """A receiver that raises in ``arrived`` with parts read ahead of it: the error propagates,
     nothing arrives after it, the reads in flight are over before the call returns, and the
     lease is ended; the session reads again afterwards."""
-    node = make_node()
-    c, session = _one_sided(node, mover)
-    vals = {bytes([i]) * 4: _value(40 + i, 3) for i in range(6)}
-    for k, v in vals.items():
-        c.put(k, v)
+    node, c, session, vals = _stored_one_sided(make_node, mover, 6, seed=40)
     keys = list(vals)
     events = []
     with pytest.raises(RuntimeError, match="gave up"):

@@ -187,14 +187,19 @@ def _expected(hca: SimulatedHca, ops, base: int) -> bytes:
     return bytes(out)
 
 
+def _read_new(m: RdmaMover, hca: SimulatedHca, pieces: int, seed: int = 2) -> None:
+    """Reads ``pieces`` scattered 64-byte extents into a new buffer and checks its bytes."""
+    buf = bytearray(pieces * 64)
+    ops = _scattered_ops(buf, pieces, 64, seed)
+    m.read(ops, [(buffer_address(buf), len(buf))])
+    assert bytes(buf) == _expected(hca, ops, buffer_address(buf))
+
+
 def test_a_copy_longer_than_the_send_queue_streams_through_it_full(hca):
     """1,000 requests through a send queue of 256: never more in flight than it holds (the
     device would refuse), and it fills (no stop between windows); the bytes are the arena's."""
     m = _mover(hca)
-    buf = bytearray(1000 * 64)
-    ops = _scattered_ops(buf, 1000, 64)
-    m.read(ops, [(buffer_address(buf), len(buf))])
-    assert bytes(buf) == _expected(hca, ops, buffer_address(buf))
+    _read_new(m, hca, 1000)
     assert hca.max_outstanding == DEPTH and hca.outstanding == 0
     assert m.num_registrations == 1 and all(mr.closed for mr in hca.mrs.values())
     src = bytearray(random.Random(3).randbytes(300 * 128))
@@ -233,20 +238,15 @@ def test_a_failed_request_fails_its_copy_destroys_the_queue_pair_and_the_next_co
     destroyed before the copy's one-off registrations are (no transfer can touch the buffer
     after the call returns), and the next copy connects a new queue pair and works."""
     m = _mover(hca)
-    buf = bytearray(600 * 64)
-    ops = _scattered_ops(buf, 600, 64)
     hca.fail_in = fail_in
     with pytest.raises(DataLossError, match="failed with status 10"):
-        m.read(ops, [(buffer_address(buf), len(buf))])
+        _read_new(m, hca, 600)
     first = hca.qps[0]
     assert first.closed and first.cq.closed
     destroyed = hca.events.index(("destroy", first.qp_num))
     assert [e for e in hca.events[:destroyed] if e[0] == "dereg"] == []  # deregistered only after
     assert all(mr.closed for mr in hca.mrs.values())
-    buf2 = bytearray(len(buf))
-    ops2 = _scattered_ops(buf2, 600, 64)
-    m.read(ops2, [(buffer_address(buf2), len(buf2))])
-    assert bytes(buf2) == _expected(hca, ops2, buffer_address(buf2))
+    _read_new(m, hca, 600)
     assert m.num_reconnects == 1 and hca.connects == 2 and not hca.qps[1].closed
     m.close()
 
@@ -273,15 +273,13 @@ def test_a_stalled_queue_pair_fails_in_time_instead_of_hanging(hca, monkeypatch)
     fails, the queue pair is destroyed, and the next copy works on a new one."""
     monkeypatch.setattr(rdma, "POLL_TIMEOUT_S", 0.2)
     m = _mover(hca)
-    buf = bytearray(10 * 64)
-    ops = _scattered_ops(buf, 10, 64)
     hca.stall = True
     with pytest.raises(DataLossError, match="did not complete in 0.2 s"):
-        m.read(ops, [(buffer_address(buf), len(buf))])
+        _read_new(m, hca, 10)
     assert hca.qps[0].closed
     hca.stall = False
-    m.read(ops, [(buffer_address(buf), len(buf))])
-    assert bytes(buf) == _expected(hca, ops, buffer_address(buf)) and m.num_reconnects == 1
+    _read_new(m, hca, 10)
+    assert m.num_reconnects == 1
     m.close()
 
 
@@ -325,10 +323,7 @@ def test_threads_sharing_a_mover_each_get_their_own_bytes(hca):
     def work(t: int) -> None:
         try:
             for i in range(20):
-                buf = bytearray(40 * 64)
-                ops = _scattered_ops(buf, 40, 64, seed=t * 100 + i)
-                m.read(ops, [(buffer_address(buf), len(buf))])
-                assert bytes(buf) == _expected(hca, ops, buffer_address(buf))
+                _read_new(m, hca, 40, seed=t * 100 + i)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
