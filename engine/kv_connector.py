@@ -607,8 +607,9 @@ class StoreConnector:
         (``batch_get_layered``: the node sends the parts); None when neither is there."""
         session = self._session(Mover.RDMA)
         if session is not None:
-            # NOTE: parts in flight are of one layer; within it, no more than a ring group holds
-            # (two groups at most among them: the ring's third unit stays free to take).
+            # NOTE: reading a group's first part takes the ring unit of the group three back, free
+            # once that group arrived and landed: parts in flight (of one layer) must not reach back
+            # to it. At most a group of them do not (more stalled the stream: a test with groups of 3).
             return functools.partial(session.get_layered, ahead=min(LAYERED_AHEAD, self.stream_ring.group))
         return getattr(self.client, "batch_get_layered", None)
 

@@ -37,6 +37,7 @@ device, ``probe()`` says why in one line, ``NodeEndpoint``/``RdmaMover`` raise
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import random
 import threading
@@ -49,6 +50,8 @@ from kvstore.errors import CrescentError, DataLossError, FailedPreconditionError
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.memcopy import buffer_address
 
+log = logging.getLogger(__name__)
+
 GID_INDEX = int(os.environ.get("CRESCENT_RDMA_GID_INDEX", "0"))
 """GID table index used on both ends (RoCE setups may need another; IB uses 0)."""
 MAX_QPS = 256
@@ -57,6 +60,8 @@ DEPTH = 256
 """Work requests in flight on a client queue pair (its send queue's size)."""
 POLL_TIMEOUT_S = 30.0
 """A queue pair with requests outstanding and no completion for this long is broken."""
+RECONNECT_BACKOFF_S = 1.0
+"""After a failed reconnect, copies fail at once (misses) this long before the next try."""
 _POLL_BATCH = 32
 
 
@@ -140,17 +145,19 @@ class QpInfo:
 
 class SendQueue:
     """The send queue of one RC queue pair, by sequence number: ``post`` a copy's work requests
-    and get its ticket (the number of its last request); ``wait(ticket)`` until they completed.
+    and get its ticket (the number of its last request); reap completions until ``completed``
+    reaches it.
 
     Every request is signaled, and an RC queue pair completes its send queue in posting order,
     so the completions counted so far tell which tickets are done. At most ``depth`` requests
     are outstanding (posting more reaps completions first): the queue stays full while a long
     copy streams, and copies posted back to back overlap.
 
-    The first failed completion, a post the device refuses, or ``timeout_s`` of polling with
-    no completion breaks the queue: that call and every later one raise DataLossError. Its
-    owner must then destroy the queue pair (ending any transfer still in flight) before the
-    copies' buffers are used again. Not thread-safe (``RdmaMover`` holds a lock).
+    A failed completion breaks the queue (``broken`` says why; the requests before it did
+    complete), and so do a post the device refuses, a poll that fails, and ``timeout_s`` of
+    polling with requests outstanding and none completing: those raise DataLossError. The
+    owner must then destroy the queue pair (ending every transfer still in flight) before the
+    buffers of the copies not completed are used again. Not thread-safe (``RdmaMover`` locks).
 
     Args:
         post_one: ``post_one(wr_id, request)`` posts one work request.
@@ -165,17 +172,16 @@ class SendQueue:
         self.completed = 0
         self.broken: str | None = None
         """Why the queue broke, or None."""
+        self._stalled_since: float | None = None
 
     @property
     def outstanding(self) -> int:
         return self.posted - self.completed
 
     def post(self, requests: Sequence[tuple]) -> int:
-        """Posts ``requests`` in order; returns the ticket of the last (``completed`` reaches it
-        once all are done)."""
+        """Posts ``requests`` in order; returns the ticket of the last."""
         for req in requests:
-            if self.posted - self.completed >= self.depth:
-                self._reap(self.posted - self.depth + 1)
+            self.wait(self.posted + 1 - self.depth)  # room for one more
             self._check()
             try:
                 self._post_one(self.posted + 1, req)
@@ -185,28 +191,39 @@ class SendQueue:
         return self.posted
 
     def wait(self, ticket: int) -> None:
-        """Returns once every request up to ``ticket`` completed successfully."""
-        self._reap(ticket)
-
-    def _reap(self, upto: int) -> None:
-        stalled_since = None
-        while self.completed < upto:
+        """Reaps until every request up to ``ticket`` completed; DataLossError if one of them
+        will not."""
+        empty = 0
+        while self.completed < ticket:
             self._check()
+            if self.reap():
+                empty = 0
+            else:
+                empty += 1
+                pause(empty)
+
+    def reap(self) -> bool:
+        """Polls once; True when requests completed (the queue may have broken after them)."""
+        if self.broken is not None or self.posted == self.completed:
+            return False
+        try:
             done = self._poll(min(self.posted - self.completed, _POLL_BATCH))
-            for wr_id, status in done:
-                if status != 0:
-                    self._break(f"RDMA work request {wr_id} failed with status {status}")
-                self.completed = max(self.completed, wr_id)  # in order: everything before it is done too
-            if done:
-                stalled_since = None
-                continue
-            now = time.monotonic()
-            if stalled_since is None:
-                stalled_since = now
-            elif now - stalled_since > self.timeout_s:
-                self._break(f"RDMA: {self.posted - self.completed} work requests did not complete in "
-                            f"{self.timeout_s:g} s")
-            time.sleep(0)  # an empty poll lets the other Python threads (the step) run
+        except Exception as exc:  # noqa: BLE001 - the completions it took are lost: nothing is certain
+            self._break(f"polling the completion queue failed: {exc}")
+        for wr_id, status in done:
+            if status != 0:  # the rest are flushed: the queue pair is in the error state
+                self.broken = f"RDMA work request {wr_id} failed with status {status}"
+                break
+            self.completed = max(self.completed, wr_id)  # in order: everything before it is done too
+        if done:
+            self._stalled_since = None
+            return True
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        elif now - self._stalled_since > self.timeout_s:
+            self._break(f"RDMA: {self.posted - self.completed} work requests did not complete in {self.timeout_s:g} s")
+        return False
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -215,6 +232,12 @@ class SendQueue:
     def _break(self, why: str) -> None:
         self.broken = why
         raise DataLossError(why)
+
+
+def pause(empty_polls: int) -> None:
+    """Between empty polls: give the GIL to the other Python threads (the step), and after a
+    thousand, the core too (a long transfer, a stalled peer)."""
+    time.sleep(0 if empty_polls < 1000 else 50e-6)
 
 
 def work_request(wr_id: int, read: bool, laddr: int, n: int, lkey: int, raddr: int, rkey: int):
@@ -378,15 +401,19 @@ class RdmaMover:
         self._dev = device if device is not None else _Device()
         self._connect = connect
         self.arena_bytes = arena_bytes
-        self._lock = threading.Lock()  # one thread at a time posts or reaps on the queue pair
+        self._lock = threading.Lock()  # one thread at a time posts or polls the queue pair
         self._regions = Regions()
         self._once: deque[tuple[int, list]] = deque()
-        """(ticket, MRs) registered for one copy, deregistered once the ticket completed."""
+        """(ticket, MRs) registered for one copy on the current queue pair, deregistered once the
+        ticket completed (or the queue pair is destroyed)."""
         self.num_registrations = 0
         """Memory regions registered for a single copy (buffers not registered for good)."""
         self.num_reconnects = 0
         """Queue pairs connected after one broke."""
         self._qp = self._cq = self._queue = None
+        self._closed = False
+        self._retry_at = 0.0
+        self.raddr = self.rkey = None
         try:
             self._open()
         except BaseException:
@@ -394,17 +421,20 @@ class RdmaMover:
             raise
 
     def _open(self) -> None:
-        cq = self._dev.new_cq()
+        cq = self._dev.new_cq(DEPTH)  # room for every completion of a full send queue (DEPTH)
         qp = self._dev.create_qp(cq)
         try:
             psn = random.getrandbits(24)
-            remote, self.raddr, self.rkey = self._connect(self._dev.local_info(qp, psn))
+            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn))
+            if self.raddr is not None and (raddr, rkey) != (self.raddr, self.rkey):
+                # NOTE: the node registers its arena once: another address is another node process,
+                # whose slots the descriptors in hand do not describe (the session re-maps).
+                raise DataLossError("RDMA: the node's arena is not the one this mover reads (restarted?)")
             self._dev.connect(qp, psn, remote)
         except BaseException:
-            qp.close()
-            cq.close()
+            _close_quietly(qp, cq)
             raise
-        self._qp, self._cq = qp, cq
+        self._qp, self._cq, self.raddr, self.rkey = qp, cq, raddr, rkey
         self._queue = SendQueue(lambda wr_id, req: self._dev.post(qp, wr_id, req), lambda n: self._dev.poll(cq, n),
                                 DEPTH, POLL_TIMEOUT_S)
 
@@ -429,7 +459,15 @@ class RdmaMover:
                 raise
 
     def unregister_buffer(self, addr: int) -> None:
+        """Ends ``register_buffer(addr)``, once the copies posted before have completed (a
+        transfer through a deregistered region would fail and break the queue pair)."""
         with self._lock:
+            queue = self._queue
+            if queue is not None and queue.outstanding:
+                try:
+                    queue.wait(queue.posted)
+                except DataLossError:  # their waiters learn of it
+                    self._destroy()
             mr = self._regions.pop(addr)
         if mr is not None:
             mr.close()
@@ -457,8 +495,10 @@ class RdmaMover:
         """Posts one copy; returns its ticket for ``wait``.
 
         Raises:
-            DataLossError: a descriptor outside the arena (nothing posted), or the queue pair
-                broke while posting (it is destroyed; the next copy connects a new one).
+            DataLossError: a descriptor outside the arena (nothing posted), a queue pair that
+                broke while posting (destroyed: nothing of the copy lands later), or one that
+                cannot be reconnected now.
+            ValueError: a local range outside ``buffers`` (nothing posted).
         """
         if not ops:
             return None
@@ -468,85 +508,126 @@ class RdmaMover:
                     raise DataLossError(f"descriptor outside the arena: offset {off} + {n} > {self.arena_bytes}")
         buffers = [(a, n) for a, n in buffers if n]  # nothing to register for empty values
         with self._lock:
+            if self._closed:
+                raise FailedPreconditionError("the RDMA mover is closed")
             if self._queue is None:
                 self._reconnect()
+            queue = self._queue
+            self._release_once(queue)
             # NOTE: a buffer no one registered for good is registered per copy, not cached:
             # a cached registration of freed and reused memory would move bytes to the wrong pages.
-            spans, once = [], []
+            once: list = []
             try:
-                for a, n in buffers:
-                    mr = self._regions.covering(a, n)
-                    if mr is None:
-                        mr = self._dev.register(a, n, remote=False)
-                        once.append(mr)
-                    spans.append((a, a + n, mr.lkey))
-                spans.sort()
-                starts = [a for a, _, _ in spans]
-                reqs = []
-                for laddr, off, n in ops:
-                    i = bisect.bisect_right(starts, laddr) - 1
-                    if i < 0 or laddr + n > spans[i][1]:
-                        raise ValueError(f"local range {laddr:#x}+{n} lies in none of the copy's buffers")
-                    reqs.append((read, laddr, n, spans[i][2], self.raddr + off, self.rkey))
-                ticket = self._queue.post(reqs)
-            except DataLossError:  # the queue pair broke while this copy was being posted
-                self._destroy()
-                self._close_once(once)
-                raise
+                reqs = self._requests(ops, buffers, read, once)
             except BaseException:
-                self._close_once(once)  # nothing of this copy was posted
+                _close_quietly(*once)
+                raise
+            posted = queue.posted
+            try:
+                ticket = queue.post(reqs)
+            except BaseException:
+                if queue.posted > posted or queue.broken is not None:  # some of it is in flight: end it first
+                    self._destroy()
+                _close_quietly(*once)
                 raise
             self.num_registrations += len(once)
             if once:
                 self._once.append((ticket, once))
-            return self._queue, ticket
+            return queue, ticket
 
     def wait(self, ticket) -> None:
-        """Returns once the copy of ``ticket`` (from ``post``) completed.
+        """Returns once the copy of ``ticket`` (from ``post``) completed. Threads wait side by
+        side: each polls a batch at a time under the lock, and a ticket another thread reaped
+        returns without it.
 
         Raises:
-            DataLossError: it failed, or the queue pair broke before it completed (destroyed:
-                no transfer of it goes on after this returns).
+            DataLossError: it failed, or its queue pair broke before it completed (the queue
+                pair is then destroyed: nothing of it lands after this returns).
         """
         if ticket is None:
             return
         queue, seq = ticket
-        with self._lock:
-            if queue is not self._queue:
-                raise DataLossError(f"the RDMA queue pair of this copy broke: {queue.broken}")
-            try:
-                queue.wait(seq)
-            except DataLossError:
-                self._destroy()
-                raise
-            while self._once and self._once[0][0] <= queue.completed:
-                self._close_once(self._once.popleft()[1])
+        empty = 0
+        while seq > queue.completed:
+            with self._lock:
+                if queue is not self._queue:
+                    raise DataLossError(f"the RDMA queue pair of this copy broke: {queue.broken}")
+                try:
+                    progressed = queue.reap()
+                except DataLossError:
+                    self._destroy()
+                    raise
+                if queue.broken is not None:  # a later request failed; those before it did complete
+                    self._destroy()
+                    if seq > queue.completed:
+                        raise DataLossError(queue.broken)
+                self._release_once(queue)
+            if progressed:
+                empty = 0
+            else:
+                empty += 1
+                pause(empty)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._destroy()
             self._dev.close()  # closes the PD and the MRs made from it
 
+    def _requests(self, ops, buffers, read: bool, once: list) -> list[tuple]:
+        """The work requests of a copy, registering the buffers no region covers into ``once``."""
+        spans = []
+        for a, n in buffers:
+            mr = self._regions.covering(a, n)
+            if mr is None:
+                mr = self._dev.register(a, n, remote=False)
+                once.append(mr)
+            spans.append((a, a + n, mr.lkey))
+        spans.sort()
+        starts = [a for a, _, _ in spans]
+        reqs = []
+        for laddr, off, n in ops:
+            i = bisect.bisect_right(starts, laddr) - 1
+            if i < 0 or laddr + n > spans[i][1]:
+                raise ValueError(f"local range {laddr:#x}+{n} lies in none of the copy's buffers")
+            reqs.append((read, laddr, n, spans[i][2], self.raddr + off, self.rkey))
+        return reqs
+
+    def _release_once(self, queue: SendQueue) -> None:
+        while self._once and self._once[0][0] <= queue.completed:
+            _close_quietly(*self._once.popleft()[1])
+
     def _reconnect(self) -> None:
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise DataLossError("RDMA: the queue pair broke and reconnecting failed moments ago")
         try:
             self._open()
-        except CrescentError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - pyverbs errors: this copy fails, the next tries again
+        except Exception as exc:
+            self._retry_at = now + RECONNECT_BACKOFF_S  # no connect call per copy while the node is away
+            if isinstance(exc, CrescentError):
+                raise
             raise DataLossError(f"RDMA: reconnecting the queue pair failed: {exc}") from exc
         self.num_reconnects += 1
 
     def _destroy(self) -> None:
         """Destroys the queue pair (ending every transfer in flight), then frees the copies'
-        registrations; the next post connects a new one."""
-        if self._qp is not None:
-            self._qp.close()
-            self._cq.close()
+        one-off registrations; the next post connects a new one. Never raises: a device that
+        refuses (removed, reset) leaves the objects to the context's close."""
+        qp, cq, once = self._qp, self._cq, self._once
         self._qp = self._cq = self._queue = None
-        while self._once:
-            self._close_once(self._once.popleft()[1])
+        self._once = deque()
+        _close_quietly(qp, cq)
+        for _, mrs in once:
+            _close_quietly(*mrs)
 
-    @staticmethod
-    def _close_once(mrs: list) -> None:
-        for mr in mrs:
-            mr.close()
+
+def _close_quietly(*objs) -> None:
+    """Closes verbs objects in order, logging (not raising) a refusal: cleanup must finish."""
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("RDMA: closing %s failed: %s", type(obj).__name__, exc)

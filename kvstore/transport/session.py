@@ -666,13 +666,15 @@ class DescriptorSession:
                     arrive_first()
                 return True
             finally:
-                for _, _, ticket, _ in pending:  # reads posted ahead of a failure: over before returning
-                    try:
-                        h.mover.wait(ticket)
-                    except CrescentError:  # its queue pair broke and was destroyed: nothing lands later
-                        pass
-                if g.lease_id:
-                    self._end_read(h, g.lease_id)
+                try:
+                    for _, _, ticket, _ in pending:  # reads posted ahead of a failure: over before returning
+                        try:
+                            h.mover.wait(ticket)
+                        except Exception as exc:  # noqa: BLE001 - its queue pair was destroyed: nothing lands
+                            log.debug("a read posted ahead failed after the stream stopped: %s", exc)
+                finally:
+                    if g.lease_id:
+                        self._end_read(h, g.lease_id)
 
     # ---- step by step ---------------------------------------------------------------
 

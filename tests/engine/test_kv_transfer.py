@@ -810,3 +810,50 @@ def test_loads_and_saves_copy_only_through_buffers_made_at_start(nodes, referenc
         assert sum(1 for _, _, n in seen if n == head) <= 20  # one header per chunk streamed
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("group", [3, 32])
+def test_rdma_streams_read_ahead_through_the_ring_beside_the_step(nodes, reference, monkeypatch, group):
+    """The connector's own RDMA reader (``_layered_reader``: ``get_layered`` with ``ahead`` at most
+    a ring group) over reads that land asynchronously (an RDMA mover on a simulated HCA whose
+    remote memory is the node's arena: no ibverbs device here), the ring's groups smaller than a
+    layer's chunks (3: four groups a layer, the lander freeing units while later ones are read
+    ahead) or not: exact tokens, every chunk from the stream, the reads into the ring registered
+    once (none per part but the headers), nothing leased or taken at the end."""
+    from engine import kv_connector
+    from engine.kv_connector import StoreConnector
+    from kvstore.transport.descriptors import Mover
+    from tests.transport.simulated_hca import reads_over_simulated_rdma
+
+    node = nodes()
+    _seed(node.address, reference)
+    client = StoreClient(node.address, transport="shm")
+    session = client.descriptor_session()
+    streams = []
+    real = session.get_layered
+
+    def get_layered(*args, **kwargs):
+        streams.append(kwargs.get("ahead"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "get_layered", get_layered)
+    monkeypatch.setattr(kv_connector, "STAGE_CHUNKS", group)
+    monkeypatch.setattr(StoreConnector, "_in_place_session", lambda self: None)
+    monkeypatch.setattr(StoreConnector, "_session", lambda self, mover: session if mover is Mover.RDMA else None)
+    with reads_over_simulated_rdma(session) as hca:
+        eng = make_engine(client=client, batch=3)
+        try:
+            session.register_buffers(eng.connector._host_buffers)
+            seq = run(eng, PROMPT)
+            st = eng.connector.stats
+            assert list(seq.output) == reference
+            assert streams == [min(8, group)] and eng.connector.stream_ring.group == group
+            assert seq.num_store_tokens == 10 * CHUNK and st.chunks_loaded_in_place == 0
+            rdma = session._handle.mover.rdma
+            assert rdma.num_registrations == 10 and rdma.num_reconnects == 0  # the headers' buffers only
+            assert hca.executed > 10 * 2  # the heads and every layer of every chunk
+            assert session.num_invalid_reads == 0 and eng.connector.pool.in_use == 0
+            assert all(ev.is_set() for ev in eng.connector.stream_ring.free)
+            assert node.transport.leases.stats()["num_remote_leases"] == 0
+        finally:
+            eng.close()  # and the client

@@ -4,6 +4,7 @@ layout as None with no bytes, values spanning slots and on the disk tier, and a 
 callback breaks off or a node that goes away mid-stream."""
 
 import random
+import time
 
 import pytest
 
@@ -242,8 +243,8 @@ def test_reads_into_buffers_registered_for_good_register_nothing_per_copy(make_n
     c.close()
 
 
-def _recorded_read(session, keys, ahead, fail_at=None, events=None):
-    events, bufs = [] if events is None else events, {}
+def _recorded_read(session, keys, ahead, fail_at=None, events=None, bufs=None):
+    events, bufs = [] if events is None else events, {} if bufs is None else bufs
 
     def dest(j, part):
         events.append(("dest", j, part))
@@ -320,3 +321,68 @@ def test_a_one_sided_layered_read_a_receiver_breaks_off_mid_flight_ends_cleanly(
     ok, sizes, events, _ = _recorded_read(session, keys, ahead=4)
     assert ok and len([e for e in events if e[0] == "arrived"]) == 6 * 4
     c.close()
+
+
+# ---- the same, with reads that land asynchronously: an RDMA mover on a simulated HCA whose remote
+# memory is the node's mapped arena (no ibverbs device here; tests/transport/simulated_hca.py) ----
+
+
+@pytest.fixture
+def over_rdma(make_node):
+    from tests.transport.simulated_hca import reads_over_simulated_rdma
+
+    node, c, session, vals = _stored_one_sided(make_node, "shm", 6, seed=60)
+    with reads_over_simulated_rdma(session) as hca:
+        yield node, session, vals, hca
+    c.close()
+
+
+def _landed_nothing_later(bufs, hca):
+    """After a call returned: nothing more lands in its buffers while the device runs on."""
+    before, executed = {k: bytes(v) for k, v in bufs.items()}, hca.executed
+    time.sleep(0.05)  # the device's thread runs: a read still in flight would land now
+    return {k: bytes(v) for k, v in bufs.items()} == before and hca.executed == executed
+
+
+def test_a_layered_read_over_rdma_reads_ahead_and_every_byte_lands(over_rdma):
+    """Reads in flight together on the device (they land while the next are posted): the parts
+    arrive in order with their bytes, read ahead as far as ``ahead`` within a layer."""
+    node, session, vals, hca = over_rdma
+    keys = list(vals)
+    ok, sizes, events, bufs = _recorded_read(session, keys, ahead=4)
+    assert ok
+    assert [e[1:] for e in events if e[0] == "arrived"] == [(j, p) for j, p, _, _ in
+                                                            layered_parts(sizes, HEAD, LAYER)]
+    assert max(len(w) for _, w in _in_flight_at_each_dest(events)) == 3
+    for (j, part), buf in bufs.items():
+        v = vals[keys[j]]
+        assert bytes(buf) == (v[:HEAD] if part < 0 else v[HEAD + part * LAYER : HEAD + (part + 1) * LAYER])
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+
+
+@pytest.mark.parametrize("fault", ["receiver", "request", "poll"])
+def test_a_layered_read_over_rdma_that_stops_mid_flight_leaves_nothing_landing(over_rdma, fault):
+    """The stream stops with reads posted ahead (the receiver raises, a request fails on the
+    device, the device's poll fails): the error propagates, the parts that arrived are a
+    prefix, no read lands in a buffer after the call returned, the lease is ended, and the
+    next read works (on a new queue pair where the old one broke)."""
+    from kvstore.errors import DataLossError
+
+    node, session, vals, hca = over_rdma
+    keys = list(vals)
+    events, bufs = [], {}
+    if fault == "request":
+        hca.fail_in = 6 + 6 + 3  # the heads, layer 0, then the fourth read of layer 1
+    hca.poll_raises = fault == "poll"
+    with pytest.raises(RuntimeError if fault == "receiver" else DataLossError):
+        _recorded_read(session, keys, ahead=4, fail_at=(2, 1) if fault == "receiver" else None, events=events,
+                       bufs=bufs)
+    assert _landed_nothing_later(bufs, hca)
+    parts = [(j, p) for j, p, _, _ in layered_parts([len(v) for v in vals.values()], HEAD, LAYER)]
+    arrived = [e[1:] for e in events if e[0] == "arrived"]
+    assert arrived == parts[: len(arrived)] and len(arrived) < len(parts)
+    assert node.transport.leases.stats()["num_remote_leases"] == 0
+    hca.poll_raises = False
+    ok, _, again, _ = _recorded_read(session, keys, ahead=4)
+    assert ok and len([e for e in again if e[0] == "arrived"]) == len(parts)
+    assert session._handle.mover.rdma.num_reconnects == (0 if fault == "receiver" else 1)

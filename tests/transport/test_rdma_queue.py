@@ -5,169 +5,38 @@ themselves (``rdma._Device``: posting, polling, registering) cannot run. What
 sits above them can: ``SendQueue`` (tickets, a send queue kept full, in-order
 completions, a failure or a stall breaking the queue) and ``RdmaMover`` (memory
 regions for one copy freed only after it, a broken queue pair destroyed before
-its buffers are reused, the next copy reconnecting). ``SimulatedHca`` stands in
-for the device with the behaviour RC verbs specify: a send queue of fixed
-depth, completions in posting order, a failed request putting the queue pair in
-the error state and flushing the rest, copies done (``memmove``) between real
-buffers of this process at poll time, after checking the lkey's region is still
-registered and covers the range. What stays unverified is the real device's
-side: ``_Device``'s pyverbs calls (``tests/transport/test_units.py`` builds its
-work requests with the real pyverbs where it is installed) and RoCE/IB timing.
+its buffers are reused, the next copy reconnecting, threads waiting side by
+side). ``SimulatedHca`` (simulated_hca.py) stands in for the device with the
+behaviour RC verbs specify: a send queue of fixed depth, completions in posting
+order, a failed request putting the queue pair in the error state and flushing
+the rest, copies done (``memmove``) between real buffers of this process, at
+poll time or on the device's own thread right after posting, after checking the
+lkey's region is still registered and covers the range. What stays unverified
+is the real device's side: ``_Device``'s pyverbs calls (the last test builds
+its work requests with the real pyverbs) and RoCE/IB timing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import random
 import threading
+import time
 from collections import deque
 
 import pytest
 
-from kvstore.errors import DataLossError
+from kvstore.errors import DataLossError, FailedPreconditionError
 from kvstore.transport import rdma
 from kvstore.transport.memcopy import buffer_address
-from kvstore.transport.rdma import DEPTH, QpInfo, RdmaMover, SendQueue
-
-SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR = 0, 4, 5, 10  # ibv_wc_status
-
-
-class _MR:
-    def __init__(self, hca: SimulatedHca, addr: int, n: int) -> None:
-        self.hca, self.addr, self.n = hca, addr, n
-        self.lkey = next(hca.keys)
-        self.closed = False
-        hca.mrs[self.lkey] = self
-
-    def close(self) -> None:
-        self.closed = True
-        self.hca.events.append(("dereg", self.lkey))
-
-
-class _CQ:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class _QP:
-    def __init__(self, hca: SimulatedHca, cq: _CQ) -> None:
-        self.cq, self.qp_num = cq, next(hca.keys)
-        self.sq: deque = deque()
-        self.error = False
-        self.closed = False
-        self.hca = hca
-
-    def close(self) -> None:
-        self.closed = True
-        self.sq.clear()  # a destroyed queue pair moves nothing more
-        self.hca.events.append(("destroy", self.qp_num))
-
-
-class SimulatedHca:
-    """``rdma._Device``'s interface over this process's memory: the node's arena is ``arena``."""
-
-    def __init__(self, arena_bytes: int = 1 << 20, seed: int = 0) -> None:
-        self.arena = bytearray(arena_bytes)
-        self.raddr, self.rkey = buffer_address(self.arena), 0x5EED
-        self.keys = iter(range(100, 1 << 30))
-        self.mrs: dict[int, _MR] = {}
-        self.qps: list[_QP] = []
-        self.events: list[tuple] = []
-        self.rng = random.Random(seed)
-        self.fail_in = None  # the request that many executions from now fails (remote access error)
-        self.stall = False  # polls find nothing
-        self.max_outstanding = 0
-        self.executed = 0
-        self.closed = False
-
-    def connect_fn(self):
-        """The mover's ``connect``: the node's answer (its QP, arena address and rkey)."""
-        self.connects = 0
-
-        def connect(info: QpInfo):
-            self.connects += 1
-            return QpInfo(b"node", 1, 7, 1), self.raddr, self.rkey
-
-        return connect
-
-    # ---- the verbs RdmaMover calls ----------------------------------------------------------
-
-    def new_cq(self, depth: int = DEPTH) -> _CQ:
-        return _CQ()
-
-    def create_qp(self, cq: _CQ) -> _QP:
-        qp = _QP(self, cq)
-        self.qps.append(qp)
-        return qp
-
-    def local_info(self, qp: _QP, psn: int) -> QpInfo:
-        return QpInfo(b"client", 1, qp.qp_num, psn)
-
-    def connect(self, qp: _QP, psn: int, remote: QpInfo) -> None:
-        pass
-
-    def register(self, addr: int, nbytes: int, remote: bool) -> _MR:
-        return _MR(self, addr, nbytes)
-
-    def post(self, qp: _QP, wr_id: int, request: tuple) -> None:
-        assert not qp.closed, "posted on a destroyed queue pair"
-        if len(qp.sq) >= DEPTH:
-            raise OSError(12, "ibv_post_send: the send queue is full")  # what a real one answers
-        qp.sq.append((wr_id, *request))
-        self.max_outstanding = max(self.max_outstanding, len(qp.sq))
-
-    def poll(self, cq: _CQ, n: int) -> list[tuple[int, int]]:
-        assert not cq.closed, "polled a destroyed completion queue"
-        qp = next(q for q in self.qps if q.cq is cq)
-        if self.stall:
-            return []
-        out = []
-        for _ in range(self.rng.randint(0, n)):  # a poll finds some of what is done, maybe none
-            if not qp.sq:
-                break
-            wr_id, read, laddr, nbytes, lkey, raddr, rkey = qp.sq.popleft()
-            out.append((wr_id, self._execute(qp, read, laddr, nbytes, lkey, raddr, rkey)))
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-
-    def _execute(self, qp: _QP, read, laddr, nbytes, lkey, raddr, rkey) -> int:
-        if qp.error:
-            return WR_FLUSH_ERR
-        if self.fail_in is not None:
-            self.fail_in -= 1
-            if self.fail_in < 0:
-                self.fail_in = None
-                qp.error = True
-                return REM_ACCESS_ERR
-        mr = self.mrs.get(lkey)
-        if mr is None or mr.closed or not (mr.addr <= laddr and laddr + nbytes <= mr.addr + mr.n):
-            qp.error = True
-            return LOC_PROT_ERR
-        if rkey != self.rkey or not (self.raddr <= raddr and raddr + nbytes <= self.raddr + len(self.arena)):
-            qp.error = True
-            return REM_ACCESS_ERR
-        if read:
-            ctypes.memmove(laddr, raddr, nbytes)
-        else:
-            ctypes.memmove(raddr, laddr, nbytes)
-        self.executed += 1
-        return SUCCESS
-
-    @property
-    def outstanding(self) -> int:
-        return sum(len(q.sq) for q in self.qps if not q.closed)
-
+from kvstore.transport.rdma import DEPTH, RdmaMover, SendQueue
+from tests.transport.simulated_hca import SimulatedHca
 
 @pytest.fixture
 def hca():
     h = SimulatedHca()
     h.arena[:] = random.Random(1).randbytes(len(h.arena))
-    return h
+    yield h
+    h.shutdown()
 
 
 def _mover(hca: SimulatedHca) -> RdmaMover:
@@ -251,35 +120,134 @@ def test_a_failed_request_fails_its_copy_destroys_the_queue_pair_and_the_next_co
     m.close()
 
 
-def test_a_ticket_of_a_queue_pair_that_broke_fails_too(hca):
-    """Two copies in flight, the first fails: waiting for either raises (the second's requests
-    were flushed with the queue pair), and nothing of either lands afterwards."""
+@pytest.fixture
+def live_hca():
+    """A simulated HCA that moves bytes on its own thread, right after posting."""
+    h = SimulatedHca(background=True)
+    h.arena[:] = random.Random(1).randbytes(len(h.arena))
+    yield h
+    h.shutdown()
+
+
+def test_a_copy_behind_a_failed_one_fails_and_one_before_it_does_not(live_hca):
+    """Three copies in flight; a request of the second fails on the device. The first had
+    completed: its wait returns (its bytes are in), before and after the queue pair broke. The
+    second and third fail (the third's requests were flushed), and the queue pair is gone."""
+    hca = live_hca
     m = _mover(hca)
-    b1, b2 = bytearray(50 * 64), bytearray(50 * 64)
-    t1 = m.post_read(_scattered_ops(b1, 50, 64), [(buffer_address(b1), len(b1))])
-    t2 = m.post_read(_scattered_ops(b2, 50, 64, seed=9), [(buffer_address(b2), len(b2))])
-    hca.fail_in = 1
-    with pytest.raises(DataLossError):
-        m.wait(t1)
+    bufs = [bytearray(50 * 64) for _ in range(3)]
+    ops = [_scattered_ops(b, 50, 64, seed=i) for i, b in enumerate(bufs)]
+    hca.stall = True
+    tickets = [m.post_read(o, [(buffer_address(b), len(b))]) for o, b in zip(ops, bufs)]
+    hca.fail_in = 60  # the 11th request of the second copy
+    hca.stall = False
+    m.wait(tickets[0])
+    assert bytes(bufs[0]) == _expected(hca, ops[0], buffer_address(bufs[0]))
+    with pytest.raises(DataLossError, match="failed with status 10"):
+        m.wait(tickets[1])
     with pytest.raises(DataLossError, match="broke"):
-        m.wait(t2)
-    executed = hca.executed
-    assert hca.outstanding == 0 and executed < 100
+        m.wait(tickets[2])
+    m.wait(tickets[0])  # still done
+    assert hca.qps[0].closed and hca.connects == 1
     m.close()
 
 
-def test_a_stalled_queue_pair_fails_in_time_instead_of_hanging(hca, monkeypatch):
+def test_a_stalled_queue_pair_fails_in_time_and_nothing_of_it_lands_later(live_hca, monkeypatch):
     """No completion for ``POLL_TIMEOUT_S`` (a peer that vanished without an error): the copy
-    fails, the queue pair is destroyed, and the next copy works on a new one."""
+    fails and its queue pair is destroyed, so when the peer comes back nothing of that copy
+    lands in the buffer (the caller reuses it); the next copy works on a new queue pair."""
+    hca = live_hca
     monkeypatch.setattr(rdma, "POLL_TIMEOUT_S", 0.2)
     m = _mover(hca)
+    buf = bytearray(10 * 64)
     hca.stall = True
     with pytest.raises(DataLossError, match="did not complete in 0.2 s"):
-        _read_new(m, hca, 10)
+        m.read(_scattered_ops(buf, 10, 64), [(buffer_address(buf), len(buf))])
     assert hca.qps[0].closed
     hca.stall = False
+    time.sleep(0.05)  # the device's thread runs: a queue pair left alive would land the reads now
+    assert bytes(buf) == bytes(len(buf)) and hca.executed == 0
     _read_new(m, hca, 10)
     assert m.num_reconnects == 1
+    m.close()
+
+
+def test_a_done_copy_is_not_held_up_by_another_threads_wait(live_hca):
+    """A thread waiting on a copy the device is not moving does not keep another thread, whose
+    copy completed, waiting behind it: each polls a batch at a time under the mover's lock."""
+    hca = live_hca
+    m = _mover(hca)
+    small, big = bytearray(4 * 64), bytearray(200 * 64)
+    a = m.post_read(_scattered_ops(small, 4, 64), [(buffer_address(small), len(small))])
+    while hca.outstanding:  # the first copy executed, not yet reaped
+        time.sleep(0.001)
+    hca.stall = True
+    b = m.post_read(_scattered_ops(big, 200, 64, seed=3), [(buffer_address(big), len(big))])
+    waiter = threading.Thread(target=m.wait, args=(b,))
+    waiter.start()
+    m.wait(a)
+    assert waiter.is_alive()  # the other copy is still being waited for
+    hca.stall = False
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+    m.close()
+
+
+def test_a_device_that_fails_to_poll_or_close_leaves_a_working_mover(hca):
+    """A poll the device refuses breaks the queue pair like a failed request (the copy fails,
+    nothing of it lands later); a destroy it refuses is logged, not raised, and the mover
+    connects a new queue pair for the next copy all the same."""
+    m = _mover(hca)
+    hca.poll_raises = True
+    with pytest.raises(DataLossError, match="polling the completion queue failed"):
+        _read_new(m, hca, 20)
+    assert hca.qps[0].closed and all(mr.closed for mr in hca.mrs.values())
+    hca.poll_raises = False
+    _read_new(m, hca, 20)
+    hca.fail_in, hca.close_raises = 0, True
+    with pytest.raises(DataLossError, match="failed with status"):
+        _read_new(m, hca, 20)
+    hca.close_raises = False
+    _read_new(m, hca, 20)
+    assert m.num_reconnects == 2
+    m.close()
+
+
+def test_a_node_that_cannot_be_reconnected_is_not_asked_again_on_every_copy(hca, monkeypatch):
+    """After a failed reconnect, copies fail at once (misses) for ``RECONNECT_BACKOFF_S``
+    instead of each making a connect call; a node whose arena moved (a new process) is refused."""
+    m = _mover(hca)
+    hca.fail_in = 0
+    with pytest.raises(DataLossError):
+        _read_new(m, hca, 5)
+    real = hca.raddr
+    hca.raddr += 4096  # the node came back with another arena
+    with pytest.raises(DataLossError, match="not the one this mover reads"):
+        _read_new(m, hca, 5)
+    with pytest.raises(DataLossError, match="moments ago"):
+        _read_new(m, hca, 5)
+    assert hca.connects == 2
+    hca.raddr = real
+    monkeypatch.setattr(m, "_retry_at", 0.0)  # the back-off is over
+    _read_new(m, hca, 5)
+    assert hca.connects == 3 and m.num_reconnects == 1
+    m.close()
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        _read_new(m, hca, 5)
+
+
+def test_unregistering_a_buffer_waits_for_the_copies_posted_through_it(live_hca):
+    """A registration ended while a copy through it is in flight would fail that copy on the
+    device and break the queue pair: ``unregister_buffer`` lets the posted copies finish first."""
+    hca = live_hca
+    m = _mover(hca)
+    buf = bytearray(200 * 64)
+    m.register_buffer(buffer_address(buf), len(buf))
+    ops = _scattered_ops(buf, 200, 64)
+    t = m.post_read(ops, [(buffer_address(buf), len(buf))])
+    m.unregister_buffer(buffer_address(buf))
+    m.wait(t)
+    assert bytes(buf) == _expected(hca, ops, buffer_address(buf)) and m.num_reconnects == 0
     m.close()
 
 
