@@ -141,6 +141,9 @@ class QpInfo:
     lid: int
     qp_num: int
     psn: int
+    rd_atomic: int = 0
+    """RDMA READs this end's device has in flight at once on a queue pair: as initiator (the
+    client's) or as responder (the node's); 0: unknown."""
 
 
 class SendQueue:
@@ -278,6 +281,11 @@ class _Device:
             raise RdmaUnavailableError(f"ibverbs device {self.name} has no active port")
         self.port_attr = self.ctx.query_port(self.port)
         self.gid = self.ctx.query_gid(self.port, GID_INDEX)
+        dev = self.ctx.query_device()
+        self.rd_atomic_init = max(1, min(16, dev.max_qp_init_rd_atom))
+        """RDMA READs a queue pair here may issue at once."""
+        self.rd_atomic_resp = max(1, min(16, dev.max_qp_rd_atom))
+        """RDMA READs a queue pair here may answer at once."""
         self.pd = PD(self.ctx)
         self.cq = CQ(self.ctx, cq_depth, None, None, 0)
 
@@ -317,19 +325,19 @@ class _Device:
         got, wcs = cq.poll(n)
         return [(wc.wr_id, wc.status) for wc in wcs[:got]]
 
-    def local_info(self, qp, psn: int) -> QpInfo:
-        return QpInfo(self.gid.gid.encode(), self.port_attr.lid, qp.qp_num, psn)
+    def local_info(self, qp, psn: int, rd_atomic: int) -> QpInfo:
+        return QpInfo(self.gid.gid.encode(), self.port_attr.lid, qp.qp_num, psn, rd_atomic)
 
-    def connect(self, qp, local_psn: int, remote: QpInfo) -> None:
-        """Moves ``qp`` to RTS, connected to ``remote``."""
+    def connect(self, qp, local_psn: int, remote: QpInfo, max_rd_atomic: int, max_dest_rd_atomic: int) -> None:
+        """Moves ``qp`` to RTS, connected to ``remote``, issuing up to ``max_rd_atomic`` READs at
+        once and answering up to ``max_dest_rd_atomic``."""
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
         attr = QPAttr(port_num=self.port)
         attr.path_mtu = self.port_attr.active_mtu
-        dev = self.ctx.query_device()
-        attr.max_dest_rd_atomic = max(1, min(16, dev.max_qp_rd_atom))  # READs we answer at once
-        attr.max_rd_atomic = max(1, min(16, dev.max_qp_init_rd_atom))  # READs we issue at once
+        attr.max_dest_rd_atomic = max_dest_rd_atomic
+        attr.max_rd_atomic = max_rd_atomic
         attr.min_rnr_timer = 12
         attr.timeout = 14
         attr.retry_cnt = 7
@@ -348,33 +356,48 @@ class _Device:
 class NodeEndpoint:
     """The node's arena as a memory region, and one RC queue pair per connected client."""
 
-    def __init__(self, arena) -> None:
-        self._dev = _Device()
+    def __init__(self, arena, device=None) -> None:
+        self._dev = device if device is not None else _Device()
         self.device, self.port = self._dev.name, self._dev.port
         self.addr = buffer_address(arena.buf)
         self.mr = self._dev.register(self.addr, arena.capacity_bytes, remote=True)
         self.rkey = self.mr.rkey
-        self._qps: OrderedDict[int, object] = OrderedDict()
+        self._qps: OrderedDict[int, tuple[object, bytes]] = OrderedDict()
+        """This end's queue pair number → (queue pair, the client's GID), oldest first."""
         self._lock = threading.Lock()
 
-    def connect(self, gid: bytes, lid: int, qp_num: int, psn: int) -> QpInfo:
-        """A new queue pair connected to the client's; returns this end's address.
+    def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, rd_atomic: int = 0, replaces: int = 0) -> QpInfo:
+        """A new queue pair connected to the client's; returns this end's address, with the READs
+        it answers at once (the client issues no more: more would fail the queue pair).
+
+        ``replaces``: this end of the client's previous queue pair (which broke), closed now
+        rather than when 256 newer ones push it out; only one connected to the same GID.
 
         Raises:
             FailedPreconditionError: the device refused (bad peer address, no resources).
         """
         with self._lock:
+            old = self._qps.get(replaces) if replaces else None
+            if old is not None and old[1] == gid:
+                del self._qps[replaces]
+                _close_quietly(old[0])
             try:
                 qp = self._dev.create_qp()
                 my_psn = random.getrandbits(24)
-                self._dev.connect(qp, my_psn, QpInfo(gid, lid, qp_num, psn))
+                resp = self._dev.rd_atomic_resp
+                self._dev.connect(qp, my_psn, QpInfo(gid, lid, qp_num, psn, rd_atomic), max_rd_atomic=1,
+                                  max_dest_rd_atomic=resp)
             except Exception as exc:  # noqa: BLE001 - pyverbs errors become one status
                 raise FailedPreconditionError(f"RDMA connect failed: {exc}") from exc
-            self._qps[qp.qp_num] = qp
+            self._qps[qp.qp_num] = (qp, gid)
             while len(self._qps) > MAX_QPS:
-                _, old = self._qps.popitem(last=False)
-                old.close()
-            return self._dev.local_info(qp, my_psn)
+                _, (gone, _) = self._qps.popitem(last=False)
+                _close_quietly(gone)
+            return self._dev.local_info(qp, my_psn, resp)
+
+    @property
+    def num_qps(self) -> int:
+        return len(self._qps)
 
     def close(self) -> None:
         with self._lock:
@@ -386,9 +409,10 @@ class RdmaMover:
     """Client end: one RC queue pair to one node, posting READ/WRITE against its arena.
 
     Args:
-        connect: sends this end's ``QpInfo`` to the node (``KVStore.ConnectRdma``)
-            and returns the node's ``(QpInfo, arena address, rkey)``; called again
-            for a new queue pair after one broke.
+        connect: ``connect(info, replaces)`` sends this end's ``QpInfo`` to the node
+            (``KVStore.ConnectRdma``) and returns the node's ``(QpInfo, arena address,
+            rkey)``; called again for a new queue pair after one broke, with the
+            node's end of the broken one (``replaces``; 0 the first time).
         arena_bytes: the arena's size: a descriptor outside it is refused before
             anything is posted (DataLossError), as the shm mover does.
         device: the verbs (``_Device``, closed with the mover); made here by default.
@@ -396,7 +420,7 @@ class RdmaMover:
 
     mover = Mover.RDMA
 
-    def __init__(self, connect: Callable[[QpInfo], tuple[QpInfo, int, int]], arena_bytes: int | None = None,
+    def __init__(self, connect: Callable[[QpInfo, int], tuple[QpInfo, int, int]], arena_bytes: int | None = None,
                  device=None) -> None:
         self._dev = device if device is not None else _Device()
         self._connect = connect
@@ -411,6 +435,9 @@ class RdmaMover:
         self.num_reconnects = 0
         """Queue pairs connected after one broke."""
         self._qp = self._cq = self._queue = None
+        self._node_qp_num = 0  # the node's end of the last queue pair connected
+        self.rd_atomic = 0
+        """RDMA READs in flight at once on the queue pair: the fewer of what the two ends can."""
         self._closed = False
         self._retry_at = 0.0
         self.raddr = self.rkey = None
@@ -425,16 +452,20 @@ class RdmaMover:
         qp = self._dev.create_qp(cq)
         try:
             psn = random.getrandbits(24)
-            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn))
+            mine = self._dev.rd_atomic_init
+            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn, mine), self._node_qp_num)
+            self._node_qp_num = remote.qp_num
             if self.raddr is not None and (raddr, rkey) != (self.raddr, self.rkey):
                 # NOTE: the node registers its arena once: another address is another node process,
                 # whose slots the descriptors in hand do not describe (the session re-maps).
                 raise DataLossError("RDMA: the node's arena is not the one this mover reads (restarted?)")
-            self._dev.connect(qp, psn, remote)
+            # NOTE: more READs in flight than the node's end answers at once fail the queue pair.
+            rd_atomic = min(mine, remote.rd_atomic) if remote.rd_atomic else mine
+            self._dev.connect(qp, psn, remote, max_rd_atomic=rd_atomic, max_dest_rd_atomic=1)
         except BaseException:
             _close_quietly(qp, cq)
             raise
-        self._qp, self._cq, self.raddr, self.rkey = qp, cq, raddr, rkey
+        self._qp, self._cq, self.raddr, self.rkey, self.rd_atomic = qp, cq, raddr, rkey, rd_atomic
         self._queue = SendQueue(lambda wr_id, req: self._dev.post(qp, wr_id, req), lambda n: self._dev.poll(cq, n),
                                 DEPTH, POLL_TIMEOUT_S)
 

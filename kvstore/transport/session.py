@@ -264,10 +264,11 @@ def _open_mover(mover: Mover, arena: ArenaRef, stub, call, timeout_s: float):
         return ShmMover(arena)
     from kvstore.transport.rdma import QpInfo, RdmaMover, RdmaUnavailableError
 
-    def connect(info: QpInfo):
+    def connect(info: QpInfo, replaces: int):
         r = call(lambda: stub.ConnectRdma(pb.RdmaConnectRequest(gid=info.gid, lid=info.lid, qp_num=info.qp_num,
-                                                               psn=info.psn), timeout=timeout_s))
-        return QpInfo(r.gid, r.lid, r.qp_num, r.psn), r.addr, r.rkey
+                                                               psn=info.psn, rd_atomic=info.rd_atomic,
+                                                               replaces_qp_num=replaces), timeout=timeout_s))
+        return QpInfo(r.gid, r.lid, r.qp_num, r.psn, r.rd_atomic), r.addr, r.rkey
 
     try:
         return RdmaMover(connect, arena_bytes=arena.size)

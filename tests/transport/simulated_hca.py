@@ -19,7 +19,7 @@ SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR = 0, 4, 5, 10  # ibv_wc_stat
 class _MR:
     def __init__(self, hca: SimulatedHca, addr: int, n: int) -> None:
         self.hca, self.addr, self.n = hca, addr, n
-        self.lkey = next(hca.keys)
+        self.lkey = self.rkey = next(hca.keys)
         self.closed = False
         hca.mrs[self.lkey] = self
 
@@ -78,6 +78,9 @@ class SimulatedHca:
             self.arena = None
             self.raddr, self.size = remote
         self.rkey = 0x5EED
+        self.name, self.port = "sim0", 1
+        self.rd_atomic_init = self.rd_atomic_resp = 16
+        self.node_rd_atomic = 16  # what the node's end answers at once (connect_fn's reply)
         self.lock = threading.Lock()
         self.keys = iter(range(100, 1 << 30))
         self.mrs: dict[int, _MR] = {}
@@ -100,9 +103,12 @@ class SimulatedHca:
     def connect_fn(self):
         """The mover's ``connect``: the node's answer (its QP, arena address and rkey)."""
 
-        def connect(info: QpInfo):
+        self.replaced: list[int] = []
+
+        def connect(info: QpInfo, replaces: int):
             self.connects += 1
-            return QpInfo(b"node", 1, 7, 1), self.raddr, self.rkey
+            self.replaced.append(replaces)
+            return QpInfo(b"node", 1, 1000 + self.connects, 1, self.node_rd_atomic), self.raddr, self.rkey
 
         return connect
 
@@ -116,17 +122,18 @@ class SimulatedHca:
     def new_cq(self, depth: int = DEPTH) -> _CQ:
         return _CQ(self)
 
-    def create_qp(self, cq: _CQ) -> _QP:
-        qp = _QP(self, cq)
+    def create_qp(self, cq: _CQ | None = None) -> _QP:
+        """``cq`` None: the device's shared one (the node's queue pairs, which post nothing)."""
+        qp = _QP(self, cq if cq is not None else _CQ(self))
         with self.lock:
             self.qps.append(qp)
         return qp
 
-    def local_info(self, qp: _QP, psn: int) -> QpInfo:
-        return QpInfo(b"client", 1, qp.qp_num, psn)
+    def local_info(self, qp: _QP, psn: int, rd_atomic: int) -> QpInfo:
+        return QpInfo(b"client", 1, qp.qp_num, psn, rd_atomic)
 
-    def connect(self, qp: _QP, psn: int, remote: QpInfo) -> None:
-        pass
+    def connect(self, qp: _QP, psn: int, remote: QpInfo, max_rd_atomic: int, max_dest_rd_atomic: int) -> None:
+        qp.remote, qp.rd_atomic, qp.dest_rd_atomic = remote, max_rd_atomic, max_dest_rd_atomic
 
     def register(self, addr: int, nbytes: int, remote: bool) -> _MR:
         with self.lock:

@@ -337,3 +337,40 @@ def test_work_requests_are_built_with_the_real_pyverbs():
     for read, opcode in ((True, e.IBV_WR_RDMA_READ), (False, e.IBV_WR_RDMA_WRITE)):
         wr = rdma.work_request(41, read, 0x10000, 4096, 7, 0x7F0000001000, 0x5EED)
         assert (wr.wr_id, wr.opcode, wr.num_sge, wr.send_flags) == (41, opcode, 1, e.IBV_SEND_SIGNALED)
+
+
+def test_a_reconnect_names_the_broken_queue_pair_and_reads_no_deeper_than_the_node_answers(hca):
+    """The client issues no more READs at once than the node's end answers (more would fail the
+    queue pair on the device), and a reconnect names the node's end of the broken queue pair."""
+    hca.node_rd_atomic = 4
+    m = _mover(hca)
+    assert m.rd_atomic == 4 and hca.qps[0].rd_atomic == 4
+    hca.fail_in = 0
+    with pytest.raises(DataLossError):
+        _read_new(m, hca, 5)
+    _read_new(m, hca, 5)
+    assert hca.replaced == [0, 1001]
+    m.close()
+
+
+class _Arena:
+    def __init__(self, n: int) -> None:
+        self.buf, self.capacity_bytes = bytearray(n), n
+
+
+def test_the_node_closes_a_clients_broken_queue_pair_when_it_reconnects():
+    """``NodeEndpoint``: one queue pair per connection, answering as many READs at once as its
+    device does; a reconnect's ``replaces`` closes the client's old one (only one connected to
+    the same GID: another client cannot close it), and at most ``MAX_QPS`` are kept."""
+    hca = SimulatedHca()
+    node = rdma.NodeEndpoint(_Arena(1 << 16), device=hca)
+    a = node.connect(b"gid-a", 1, 11, 5, rd_atomic=16)
+    assert a.rd_atomic == hca.rd_atomic_resp and hca.qps[-1].dest_rd_atomic == hca.rd_atomic_resp
+    b = node.connect(b"gid-b", 1, 12, 5, replaces=a.qp_num)  # not b's to close
+    assert node.num_qps == 2 and not hca.qps[0].closed
+    node.connect(b"gid-a", 1, 13, 5, replaces=a.qp_num)
+    assert node.num_qps == 2 and hca.qps[0].closed and not hca.qps[1].closed
+    for i in range(rdma.MAX_QPS):
+        node.connect(b"gid-c", 1, 100 + i, 5)
+    assert node.num_qps == rdma.MAX_QPS and hca.qps[1].closed and b.qp_num == hca.qps[1].qp_num
+    node.close()
