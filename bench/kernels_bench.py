@@ -419,10 +419,6 @@ def engine_markdown(rows: list[EngineRow], model: str, overrides: dict, peak_tbs
 
 # ---------------------------------------------------------------- tuning sweep
 
-PREFILL_GRID = [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=w, num_stages=s) for bn in (64, 128) for w in (4, 8)
-                for s in (2, 3, 4)] + [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
-DECODE_GRID = [dict(BLOCK_N=bn, num_warps=4, num_stages=s) for bn in (32, 64, 128) for s in (2, 3, 4)] + [
-    dict(BLOCK_N=64, num_warps=8, num_stages=3)]
 BUILT_IN = {"prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             "decode": dict(BLOCK_N=64, num_warps=4, num_stages=3)}
 
@@ -463,7 +459,7 @@ def sweep(device, timer, out: Path, heads: int, kv_heads: int, head_dim: int,
         cases["decode"].append((f"B={batch} ctx={ctx}", lambda cfg, a=args: paged_decode_attention(*a, config=cfg),
                                 gold, lowp))
     chosen: dict = {}
-    grids = grids or {"prefill": PREFILL_GRID, "decode": DECODE_GRID}
+    grids = grids or tuning.GRIDS
     for kernel, grid in grids.items():
         times: dict[str, list[float]] = {}
         for cfg in grid:

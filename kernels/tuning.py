@@ -22,6 +22,17 @@ import torch
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 KEYS = {"prefill": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), "decode": ("BLOCK_N", "num_warps", "num_stages")}
+# NOTE: the sweep's candidates (D=128, bf16), each compiled for sm_90 without register spills
+# (tests/kernels/sm90_compile.py checks them all). Left out after compiling (Triton 3.6 and 3.9):
+# 128-row prefill tiles on 4 warps (they spill 250-800 bytes a thread) and 4 stages (the same
+# cubin as 3: K/V behind a page-table load get two buffers either way).
+GRIDS = {
+    "prefill": [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=8, num_stages=s) for bn in (64, 128) for s in (2, 3)]
+    + [dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)],
+    "decode": [dict(BLOCK_N=bn, num_warps=4, num_stages=s) for bn in (32, 64, 128) for s in (2, 3)]
+    + [dict(BLOCK_N=64, num_warps=8, num_stages=3)],
+}
+"""What ``bench/kernels_bench.py --sweep`` times on a GPU (and writes the fastest of to ``configs/``)."""
 
 
 def device_key(device: torch.device) -> str:
@@ -60,4 +71,4 @@ def lookup(kernel: str, device: torch.device, name: str) -> dict[str, int] | Non
     return dict(cfg) if cfg else None
 
 
-__all__ = ["CONFIG_DIR", "KEYS", "device_key", "lookup", "variant"]
+__all__ = ["CONFIG_DIR", "GRIDS", "KEYS", "device_key", "lookup", "variant"]

@@ -32,7 +32,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode_attention, fp8, kv_pages, prefill_attention  # noqa: E402
+from kernels import decode_attention, fp8, kv_pages, prefill_attention, tuning  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUDA = torch.device("cuda")  # only its .type is read by the launch configs
@@ -112,6 +112,26 @@ def main() -> None:
                     {**attn_ptrs, "seq_lens_ptr": "*i32", "mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
                     {"NUM_HEADS": 32, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": head_dim, "PAGE_SIZE": 16,
                      "NUM_SPLITS": splits, **cfg, **flags},
+                    floats=("qk_scale",), num_warps=num_warps, num_stages=num_stages,
+                )  # fmt: skip
+        if dtype == torch.bfloat16:  # the candidates bench/kernels_bench.py --sweep times (D=128)
+            for i, cfg in enumerate(tuning.GRIDS["prefill"]):
+                cfg = dict(cfg)
+                num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+                compile_kernel(
+                    prefill_attention._chunked_prefill_kernel, f"sweep{i}-{dt}-D128",
+                    {**attn_ptrs, "cu_q_ptr": "*i32", "ctx_ptr": "*i32"},
+                    {"GROUP": 4, "HEAD_DIM": 128, "PAGE_SIZE": 16, **cfg, **flags},
+                    floats=("qk_scale",), num_warps=num_warps, num_stages=num_stages,
+                )  # fmt: skip
+            for i, cfg in enumerate(tuning.GRIDS["decode"]):
+                cfg = dict(cfg)
+                num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+                compile_kernel(
+                    decode_attention._decode_split_kernel, f"sweep{i}-{dt}-D128",
+                    {**attn_ptrs, "seq_lens_ptr": "*i32", "mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
+                    {"NUM_HEADS": 32, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "NUM_SPLITS": 4,
+                     **cfg, **flags},
                     floats=("qk_scale",), num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
         compile_kernel(

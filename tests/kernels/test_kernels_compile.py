@@ -26,7 +26,9 @@ def test_kernels_compile_for_sm90_pipelined():
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = {" ".join(line.split()[:2]): dict(kv.split("=") for kv in line.split()[2:]) for line in result.stdout.splitlines()}
-    assert len(lines) == 38, result.stdout
+    from kernels.tuning import GRIDS
+
+    assert len(lines) == 38 + len(GRIDS["prefill"]) + len(GRIDS["decode"]), result.stdout
     for name, stats in lines.items():
         if name.startswith(("_chunked_prefill_kernel", "_decode_split_kernel")):
             # NOTE: cp.async stages in the K/V loop: without them a load stalls every tile.
@@ -38,12 +40,13 @@ def test_kernels_compile_for_sm90_pipelined():
             assert int(stats["ld16"]) > 0 and int(stats["st16"]) > 0, f"{name}: not vectorized"
         # Hopper's most shared memory one block may ask for: 227 KiB.
         assert int(stats["shared"]) <= 227 * 1024, f"{name}: {stats['shared']} bytes of shared memory"
-    for head_dim in (32, 64, 128, 256):
-        for q in (8192, 16):
-            assert int(lines[f"_chunked_prefill_kernel bf16-D{head_dim}-q{q}"]["wgmma"]) > 0, f"prefill D{head_dim}: no wgmma"
+    for name, stats in lines.items():
+        if name.startswith("_chunked_prefill_kernel bf16"):
+            assert int(stats["wgmma"]) > 0, f"{name}: no wgmma"
     if lines["_kv_pages_kernel bf16-gather"]["stack"] == "NA":
         pytest.skip("this Triton wheel has no cuobjdump: register spills unchecked")
     # NOTE: a stack frame is spilled registers: every tile round-trips through local memory
-    # (an fp32 prefill tile of 64x32 at D=128 spilled 7 KiB a thread).
+    # (an fp32 prefill tile of 64x32 at D=128 spilled 7 KiB a thread). The sweep's candidates
+    # too: a spilling one only costs the GPU run its time.
     spilled = {name: stats["stack"] for name, stats in lines.items() if stats["stack"] != "0"}
     assert not spilled, f"kernels spill registers at their launch configs (stack bytes): {spilled}"
