@@ -61,7 +61,9 @@ DEPTH = 256
 POLL_TIMEOUT_S = 30.0
 """A queue pair with requests outstanding and no completion for this long is broken."""
 RECONNECT_BACKOFF_S = 1.0
-"""After a failed reconnect, copies fail at once (misses) this long before the next try."""
+"""After a failed reconnect, copies fail at once (misses) this long before the next try; the
+wait doubles with every failure in a row, up to ``RECONNECT_BACKOFF_MAX_S``."""
+RECONNECT_BACKOFF_MAX_S = 30.0
 _POLL_BATCH = 32
 
 
@@ -182,16 +184,27 @@ class SendQueue:
         return self.posted - self.completed
 
     def post(self, requests: Sequence[tuple]) -> int:
-        """Posts ``requests`` in order; returns the ticket of the last."""
-        for req in requests:
-            self.wait(self.posted + 1 - self.depth)  # room for one more
-            self._check()
+        """Posts ``requests`` in order, reaping for room; returns the ticket of the last."""
+        i = 0
+        while i < len(requests):
+            i = self.post_some(requests, i)
+            if i < len(requests):
+                self.wait(self.posted + 1 - self.depth)  # room for one more
+        return self.posted
+
+    def post_some(self, requests: Sequence[tuple], start: int = 0) -> int:
+        """Posts ``requests[start:]`` in order while the send queue has room; returns the index of
+        the first not posted."""
+        self._check()
+        i = start
+        while i < len(requests) and self.posted - self.completed < self.depth:
             try:
-                self._post_one(self.posted + 1, req)
+                self._post_one(self.posted + 1, requests[i])
             except Exception as exc:  # noqa: BLE001 - a full queue, a QP in the error state
                 self._break(f"posting work request {self.posted + 1} failed: {exc}")
             self.posted += 1
-        return self.posted
+            i += 1
+        return i
 
     def wait(self, ticket: int) -> None:
         """Reaps until every request up to ``ticket`` completed; DataLossError if one of them
@@ -362,24 +375,28 @@ class NodeEndpoint:
         self.addr = buffer_address(arena.buf)
         self.mr = self._dev.register(self.addr, arena.capacity_bytes, remote=True)
         self.rkey = self.mr.rkey
-        self._qps: OrderedDict[int, tuple[object, bytes]] = OrderedDict()
-        """This end's queue pair number → (queue pair, the client's GID), oldest first."""
+        self._qps: OrderedDict[int, tuple[object, bytes, int]] = OrderedDict()
+        """This end's queue pair number → (queue pair, the client's GID and queue pair number), oldest first."""
         self._lock = threading.Lock()
 
-    def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, rd_atomic: int = 0, replaces: int = 0) -> QpInfo:
+    def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, rd_atomic: int = 0,
+                replaces: tuple[int, int] = (0, 0)) -> QpInfo:
         """A new queue pair connected to the client's; returns this end's address, with the READs
         it answers at once (the client issues no more: more would fail the queue pair).
 
-        ``replaces``: this end of the client's previous queue pair (which broke), closed now
-        rather than when 256 newer ones push it out; only one connected to the same GID.
+        ``replaces``: the two ends (this one's number, the client's) of the client's previous
+        queue pair, which broke: closed now rather than when 256 newer ones push it out. Only a
+        queue pair connected to that client end at that GID is (processes on one host share the
+        GID, and a device reuses numbers).
 
         Raises:
             FailedPreconditionError: the device refused (bad peer address, no resources).
         """
         with self._lock:
-            old = self._qps.get(replaces) if replaces else None
-            if old is not None and old[1] == gid:
-                del self._qps[replaces]
+            mine, theirs = replaces
+            old = self._qps.get(mine) if mine else None
+            if old is not None and old[1:] == (gid, theirs):
+                del self._qps[mine]
                 _close_quietly(old[0])
             try:
                 qp = self._dev.create_qp()
@@ -389,9 +406,9 @@ class NodeEndpoint:
                                   max_dest_rd_atomic=resp)
             except Exception as exc:  # noqa: BLE001 - pyverbs errors become one status
                 raise FailedPreconditionError(f"RDMA connect failed: {exc}") from exc
-            self._qps[qp.qp_num] = (qp, gid)
+            self._qps[qp.qp_num] = (qp, gid, qp_num)
             while len(self._qps) > MAX_QPS:
-                _, (gone, _) = self._qps.popitem(last=False)
+                _, (gone, _, _) = self._qps.popitem(last=False)
                 _close_quietly(gone)
             return self._dev.local_info(qp, my_psn, resp)
 
@@ -408,11 +425,15 @@ class NodeEndpoint:
 class RdmaMover:
     """Client end: one RC queue pair to one node, posting READ/WRITE against its arena.
 
+    Thread-safe: threads post and wait side by side, each holding the mover's lock for one
+    batch of posts or one poll at a time (the send queue completes in order whatever thread
+    posted, and each waiter returns once the completions counted reach its ticket).
+
     Args:
         connect: ``connect(info, replaces)`` sends this end's ``QpInfo`` to the node
             (``KVStore.ConnectRdma``) and returns the node's ``(QpInfo, arena address,
-            rkey)``; called again for a new queue pair after one broke, with the
-            node's end of the broken one (``replaces``; 0 the first time).
+            rkey)``; called again for a new queue pair after one broke, with the broken
+            one's two ends (``replaces``: ``(node's qp_num, ours)``; None the first time).
         arena_bytes: the arena's size: a descriptor outside it is refused before
             anything is posted (DataLossError), as the shm mover does.
         device: the verbs (``_Device``, closed with the mover); made here by default.
@@ -420,51 +441,63 @@ class RdmaMover:
 
     mover = Mover.RDMA
 
-    def __init__(self, connect: Callable[[QpInfo, int], tuple[QpInfo, int, int]], arena_bytes: int | None = None,
-                 device=None) -> None:
+    def __init__(self, connect: Callable[[QpInfo, tuple[int, int] | None], tuple[QpInfo, int, int]],
+                 arena_bytes: int | None = None, device=None) -> None:
         self._dev = device if device is not None else _Device()
         self._connect = connect
         self.arena_bytes = arena_bytes
-        self._lock = threading.Lock()  # one thread at a time posts or polls the queue pair
+        self._lock = threading.Lock()  # held for one batch of posts, one poll, or a state change
         self._regions = Regions()
-        self._once: deque[tuple[int, list]] = deque()
-        """(ticket, MRs) registered for one copy on the current queue pair, deregistered once the
-        ticket completed (or the queue pair is destroyed)."""
+        self._once: deque[list] = deque()
+        """[ticket, MRs] registered for one copy on the current queue pair, deregistered once the
+        ticket completed (None while the copy is still being posted) or the queue pair is destroyed."""
         self.num_registrations = 0
         """Memory regions registered for a single copy (buffers not registered for good)."""
         self.num_reconnects = 0
         """Queue pairs connected after one broke."""
         self._qp = self._cq = self._queue = None
-        self._node_qp_num = 0  # the node's end of the last queue pair connected
+        self._ends: tuple[int, int] | None = None  # (node's qp_num, ours) of the last queue pair connected
         self.rd_atomic = 0
         """RDMA READs in flight at once on the queue pair: the fewer of what the two ends can."""
-        self._closed = False
-        self._retry_at = 0.0
         self.raddr = self.rkey = None
+        self._closed = False
+        self._stale: str | None = None  # the node's arena moved: this mover is done
+        self._connecting = False
+        self._retry_at = 0.0
+        self._backoff = RECONNECT_BACKOFF_S
         try:
-            self._open()
+            self._install(*self._dial())
         except BaseException:
             self._dev.close()
             raise
 
-    def _open(self) -> None:
+    def _dial(self):
+        """A new queue pair connected to the node (a ConnectRdma call; not under the lock)."""
         cq = self._dev.new_cq(DEPTH)  # room for every completion of a full send queue (DEPTH)
-        qp = self._dev.create_qp(cq)
+        qp = None
         try:
+            qp = self._dev.create_qp(cq)
             psn = random.getrandbits(24)
             mine = self._dev.rd_atomic_init
-            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn, mine), self._node_qp_num)
-            self._node_qp_num = remote.qp_num
-            if self.raddr is not None and (raddr, rkey) != (self.raddr, self.rkey):
-                # NOTE: the node registers its arena once: another address is another node process,
-                # whose slots the descriptors in hand do not describe (the session re-maps).
-                raise DataLossError("RDMA: the node's arena is not the one this mover reads (restarted?)")
+            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn, mine), self._ends)
+            self._ends = (remote.qp_num, qp.qp_num)
             # NOTE: more READs in flight than the node's end answers at once fail the queue pair.
             rd_atomic = min(mine, remote.rd_atomic) if remote.rd_atomic else mine
             self._dev.connect(qp, psn, remote, max_rd_atomic=rd_atomic, max_dest_rd_atomic=1)
         except BaseException:
             _close_quietly(qp, cq)
             raise
+        return qp, cq, raddr, rkey, rd_atomic
+
+    def _install(self, qp, cq, raddr: int, rkey: int, rd_atomic: int) -> None:
+        """Makes a dialled queue pair the current one (under the lock, or before any thread)."""
+        if self.raddr is not None and (raddr, rkey) != (self.raddr, self.rkey):
+            # NOTE: the node registers its arena once: another address is another node process,
+            # whose slots the descriptors in hand do not describe. The session re-maps (a grant
+            # names the new arena); this mover serves no more copies.
+            _close_quietly(qp, cq)
+            self._stale = "RDMA: the node's arena is not the one this mover reads (restarted?)"
+            raise DataLossError(self._stale)
         self._qp, self._cq, self.raddr, self.rkey, self.rd_atomic = qp, cq, raddr, rkey, rd_atomic
         self._queue = SendQueue(lambda wr_id, req: self._dev.post(qp, wr_id, req), lambda n: self._dev.poll(cq, n),
                                 DEPTH, POLL_TIMEOUT_S)
@@ -479,6 +512,7 @@ class RdmaMover:
             ValueError: the range overlaps another registered one, or is empty.
         """
         with self._lock:
+            self._check_open()
             if self._regions.has(addr, nbytes):
                 return
             mr = self._dev.register(addr, nbytes, remote=False) if nbytes > 0 else None
@@ -493,12 +527,15 @@ class RdmaMover:
         """Ends ``register_buffer(addr)``, once the copies posted before have completed (a
         transfer through a deregistered region would fail and break the queue pair)."""
         with self._lock:
+            self._check_open()
             queue = self._queue
-            if queue is not None and queue.outstanding:
-                try:
-                    queue.wait(queue.posted)
-                except DataLossError:  # their waiters learn of it
-                    self._destroy()
+            last = queue.posted if queue is not None else 0
+        if last:
+            try:
+                self.wait((queue, last))
+            except DataLossError:  # their waiters learn of it; the queue pair is gone
+                pass
+        with self._lock:
             mr = self._regions.pop(addr)
         if mr is not None:
             mr.close()
@@ -518,17 +555,17 @@ class RdmaMover:
         self.wait(self.post(ops, buffers, read=False))
 
     def post_read(self, ops: Sequence[tuple[int, int, int]], buffers: Sequence[tuple[int, int]]):
-        """Posts ``read``'s work requests and returns at once: ``wait`` on the ticket before using
-        the buffers (later copies may be posted meanwhile: they overlap this one)."""
+        """Posts ``read``'s work requests and returns once they are all posted: ``wait`` on the
+        ticket before using the buffers (later copies may be posted meanwhile: they overlap)."""
         return self.post(ops, buffers, read=True)
 
     def post(self, ops, buffers, read: bool):
-        """Posts one copy; returns its ticket for ``wait``.
+        """Posts one copy (a batch at a time: the send queue holds ``DEPTH``); returns its ticket.
 
         Raises:
             DataLossError: a descriptor outside the arena (nothing posted), a queue pair that
-                broke while posting (destroyed: nothing of the copy lands later), or one that
-                cannot be reconnected now.
+                broke while posting (destroyed: nothing of the copy lands later), or none now
+                (reconnecting, or failed to moments ago).
             ValueError: a local range outside ``buffers`` (nothing posted).
         """
         if not ops:
@@ -538,12 +575,10 @@ class RdmaMover:
                 if off < 0 or n < 0 or off + n > self.arena_bytes:
                     raise DataLossError(f"descriptor outside the arena: offset {off} + {n} > {self.arena_bytes}")
         buffers = [(a, n) for a, n in buffers if n]  # nothing to register for empty values
+        queue = self._current_queue()
         with self._lock:
-            if self._closed:
-                raise FailedPreconditionError("the RDMA mover is closed")
-            if self._queue is None:
-                self._reconnect()
-            queue = self._queue
+            if queue is not self._queue:
+                raise DataLossError("RDMA: the queue pair broke before this copy was posted")
             self._release_once(queue)
             # NOTE: a buffer no one registered for good is registered per copy, not cached:
             # a cached registration of freed and reused memory would move bytes to the wrong pages.
@@ -553,23 +588,31 @@ class RdmaMover:
             except BaseException:
                 _close_quietly(*once)
                 raise
-            posted = queue.posted
-            try:
-                ticket = queue.post(reqs)
-            except BaseException:
-                if queue.posted > posted or queue.broken is not None:  # some of it is in flight: end it first
-                    self._destroy()
-                _close_quietly(*once)
-                raise
+            entry = [None, once]
+            self._once.append(entry)  # from here _destroy frees them (after ending the transfers)
             self.num_registrations += len(once)
-            if once:
-                self._once.append((ticket, once))
-            return queue, ticket
+        i, empty = 0, 0
+        while True:
+            with self._lock:
+                if queue is not self._queue:
+                    raise DataLossError(f"RDMA: the queue pair broke while this copy was posted: {queue.broken}")
+                try:
+                    i = queue.post_some(reqs, i)
+                    if i == len(reqs):
+                        entry[0] = queue.posted
+                        return queue, queue.posted
+                    progressed = queue.reap()  # room for the rest
+                except BaseException:
+                    self._destroy()  # some of it may be in flight: end it before the buffers go
+                    raise
+                if queue.broken is not None:
+                    self._destroy()
+                    raise DataLossError(queue.broken)
+            empty = 0 if progressed else empty + 1
+            pause(empty)
 
     def wait(self, ticket) -> None:
-        """Returns once the copy of ``ticket`` (from ``post``) completed. Threads wait side by
-        side: each polls a batch at a time under the lock, and a ticket another thread reaped
-        returns without it.
+        """Returns once the copy of ``ticket`` (from ``post``) completed.
 
         Raises:
             DataLossError: it failed, or its queue pair broke before it completed (the queue
@@ -580,9 +623,14 @@ class RdmaMover:
         queue, seq = ticket
         empty = 0
         while seq > queue.completed:
-            with self._lock:
+            if not self._lock.acquire(timeout=0.001):  # another thread posts or polls: it may reap ours
+                continue
+            try:
+                if seq <= queue.completed:
+                    break
                 if queue is not self._queue:
-                    raise DataLossError(f"the RDMA queue pair of this copy broke: {queue.broken}")
+                    raise DataLossError(f"RDMA: the queue pair of this copy was destroyed before it completed "
+                                        f"({queue.broken or 'closed'})")
                 try:
                     progressed = queue.reap()
                 except DataLossError:
@@ -593,17 +641,54 @@ class RdmaMover:
                     if seq > queue.completed:
                         raise DataLossError(queue.broken)
                 self._release_once(queue)
-            if progressed:
-                empty = 0
-            else:
-                empty += 1
-                pause(empty)
+            finally:
+                self._lock.release()
+            empty = 0 if progressed else empty + 1
+            pause(empty)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._destroy()
             self._dev.close()  # closes the PD and the MRs made from it
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError("the RDMA mover is closed")
+
+    def _current_queue(self) -> SendQueue:
+        """The queue pair's send queue, connecting a new queue pair first if the last broke: the
+        ConnectRdma call runs outside the lock, and other copies fail at once meanwhile."""
+        with self._lock:
+            self._check_open()
+            if self._stale is not None:
+                raise DataLossError(self._stale)
+            if self._queue is not None:
+                return self._queue
+            if self._connecting:
+                raise DataLossError("RDMA: the queue pair broke and is being reconnected")
+            if time.monotonic() < self._retry_at:
+                raise DataLossError("RDMA: the queue pair broke and reconnecting failed moments ago")
+            self._connecting = True
+        try:
+            dialled = self._dial()
+        except Exception as exc:
+            with self._lock:
+                self._connecting = False
+                self._retry_at = time.monotonic() + self._backoff  # from the failure: a slow one counts
+                self._backoff = min(2 * self._backoff, RECONNECT_BACKOFF_MAX_S)
+            if isinstance(exc, CrescentError):
+                raise
+            raise DataLossError(f"RDMA: reconnecting the queue pair failed: {exc}") from exc
+        with self._lock:
+            self._connecting = False
+            if self._closed:
+                _close_quietly(*dialled[:2])
+                self._check_open()
+            self._install(*dialled)
+            self._backoff = RECONNECT_BACKOFF_S
+            self.num_reconnects += 1
+            return self._queue
 
     def _requests(self, ops, buffers, read: bool, once: list) -> list[tuple]:
         """The work requests of a copy, registering the buffers no region covers into ``once``."""
@@ -625,21 +710,8 @@ class RdmaMover:
         return reqs
 
     def _release_once(self, queue: SendQueue) -> None:
-        while self._once and self._once[0][0] <= queue.completed:
+        while self._once and self._once[0][0] is not None and self._once[0][0] <= queue.completed:
             _close_quietly(*self._once.popleft()[1])
-
-    def _reconnect(self) -> None:
-        now = time.monotonic()
-        if now < self._retry_at:
-            raise DataLossError("RDMA: the queue pair broke and reconnecting failed moments ago")
-        try:
-            self._open()
-        except Exception as exc:
-            self._retry_at = now + RECONNECT_BACKOFF_S  # no connect call per copy while the node is away
-            if isinstance(exc, CrescentError):
-                raise
-            raise DataLossError(f"RDMA: reconnecting the queue pair failed: {exc}") from exc
-        self.num_reconnects += 1
 
     def _destroy(self) -> None:
         """Destroys the queue pair (ending every transfer in flight), then frees the copies'

@@ -267,6 +267,6 @@ class DescriptorRpcs:
         if t.rdma is None:
             raise FailedPreconditionError(f"this node has no RDMA endpoint: {t.rdma_reason}")
         info = t.rdma.connect(request.gid, request.lid, request.qp_num, request.psn, rd_atomic=request.rd_atomic,
-                              replaces=request.replaces_qp_num)
+                              replaces=(request.replaces_qp_num, request.replaces_client_qp_num))
         return pb.RdmaConnectResponse(gid=info.gid, lid=info.lid, qp_num=info.qp_num, psn=info.psn,
                                       addr=t.rdma.addr, rkey=t.rdma.rkey, rd_atomic=info.rd_atomic), "rdma"

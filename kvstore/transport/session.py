@@ -264,10 +264,11 @@ def _open_mover(mover: Mover, arena: ArenaRef, stub, call, timeout_s: float):
         return ShmMover(arena)
     from kvstore.transport.rdma import QpInfo, RdmaMover, RdmaUnavailableError
 
-    def connect(info: QpInfo, replaces: int):
-        r = call(lambda: stub.ConnectRdma(pb.RdmaConnectRequest(gid=info.gid, lid=info.lid, qp_num=info.qp_num,
-                                                               psn=info.psn, rd_atomic=info.rd_atomic,
-                                                               replaces_qp_num=replaces), timeout=timeout_s))
+    def connect(info: QpInfo, replaces: tuple[int, int] | None):
+        node_end, client_end = replaces or (0, 0)
+        r = call(lambda: stub.ConnectRdma(pb.RdmaConnectRequest(
+            gid=info.gid, lid=info.lid, qp_num=info.qp_num, psn=info.psn, rd_atomic=info.rd_atomic,
+            replaces_qp_num=node_end, replaces_client_qp_num=client_end), timeout=timeout_s))
         return QpInfo(r.gid, r.lid, r.qp_num, r.psn, r.rd_atomic), r.addr, r.rkey
 
     try:
@@ -622,8 +623,10 @@ class DescriptorSession:
         Returns False, having called nothing, when a value is held outside the DRAM arena (on
         the node's disk or device tier, which one-sided reads cannot reach: read another way).
         Raises UnavailableError when the lease ran out before a part's read ended (nothing
-        arrives after it); a callback's exception propagates. The lease ends on every path, and
-        no read lands in a buffer after this returns.
+        arrives after it), or when the node had ended it by the time it was released (every
+        part arrived, but may be stale: the caller's check decides); a callback's exception
+        propagates. The lease ends on every path, and no read lands in a buffer after this
+        returns.
         """
         from kvstore.datachannel import layered_parts
 
@@ -665,7 +668,6 @@ class DescriptorSession:
                     pending.append((j, part, h.mover.post_read(ops, [(addr, cap)]), ka))
                 while pending:
                     arrive_first()
-                return True
             finally:
                 try:
                     for _, _, ticket, _ in pending:  # reads posted ahead of a failure: over before returning
@@ -674,8 +676,11 @@ class DescriptorSession:
                         except Exception as exc:  # noqa: BLE001 - its queue pair was destroyed: nothing lands
                             log.debug("a read posted ahead failed after the stream stopped: %s", exc)
                 finally:
-                    if g.lease_id:
-                        self._end_read(h, g.lease_id)
+                    released = not g.lease_id or self._end_read(h, g.lease_id)
+        if not released:  # the node had ended the lease: its slots may have been rewritten under the reads
+            self.num_invalid_reads += 1
+            raise UnavailableError("the read lease had expired at release: the parts read may be stale")
+        return True
 
     # ---- step by step ---------------------------------------------------------------
 

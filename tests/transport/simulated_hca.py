@@ -93,6 +93,8 @@ class SimulatedHca:
         self.close_raises = False
         self.max_outstanding = 0
         self.executed = 0
+        self.polls = 0
+        self.posted = 0
         self.connects = 0
         self.closed = False
         self._thread = None
@@ -103,9 +105,9 @@ class SimulatedHca:
     def connect_fn(self):
         """The mover's ``connect``: the node's answer (its QP, arena address and rkey)."""
 
-        self.replaced: list[int] = []
+        self.replaced: list = []
 
-        def connect(info: QpInfo, replaces: int):
+        def connect(info: QpInfo, replaces):
             self.connects += 1
             self.replaced.append(replaces)
             return QpInfo(b"node", 1, 1000 + self.connects, 1, self.node_rd_atomic), self.raddr, self.rkey
@@ -145,9 +147,11 @@ class SimulatedHca:
             if len(qp.sq) + len(qp.cq.done) >= DEPTH:
                 raise OSError(12, "ibv_post_send: the send queue is full")  # what a real one answers
             qp.sq.append((wr_id, *request))
+            self.posted += 1
             self.max_outstanding = max(self.max_outstanding, len(qp.sq) + len(qp.cq.done))
 
     def poll(self, cq: _CQ, n: int) -> list[tuple[int, int]]:
+        self.polls += 1
         with self.lock:
             assert not cq.closed, "polled a destroyed completion queue"
             if self.poll_raises:

@@ -145,7 +145,7 @@ def test_a_copy_behind_a_failed_one_fails_and_one_before_it_does_not(live_hca):
     assert bytes(bufs[0]) == _expected(hca, ops[0], buffer_address(bufs[0]))
     with pytest.raises(DataLossError, match="failed with status 10"):
         m.wait(tickets[1])
-    with pytest.raises(DataLossError, match="broke"):
+    with pytest.raises(DataLossError, match="destroyed before it completed"):
         m.wait(tickets[2])
     m.wait(tickets[0])  # still done
     assert hca.qps[0].closed and hca.connects == 1
@@ -172,27 +172,85 @@ def test_a_stalled_queue_pair_fails_in_time_and_nothing_of_it_lands_later(live_h
     m.close()
 
 
-def test_a_done_copy_is_not_held_up_by_another_threads_wait(live_hca):
-    """A thread waiting on a copy the device is not moving does not keep another thread, whose
-    copy completed, waiting behind it: each polls a batch at a time under the mover's lock."""
+def test_a_done_copy_is_not_held_up_by_another_thread_posting_or_waiting(live_hca):
+    """Threads share the mover's lock a batch at a time: a copy that completed returns while
+    another thread waits on a copy the device is not moving, or posts more requests than the
+    send queue holds (a big put), each of them polling or posting under the lock meanwhile."""
     hca = live_hca
     m = _mover(hca)
-    small, big = bytearray(4 * 64), bytearray(200 * 64)
-    a = m.post_read(_scattered_ops(small, 4, 64), [(buffer_address(small), len(small))])
-    while hca.outstanding:  # the first copy executed, not yet reaped
-        time.sleep(0.001)
-    hca.stall = True
-    b = m.post_read(_scattered_ops(big, 200, 64, seed=3), [(buffer_address(big), len(big))])
-    waiter = threading.Thread(target=m.wait, args=(b,))
-    waiter.start()
-    m.wait(a)
-    assert waiter.is_alive()  # the other copy is still being waited for
-    hca.stall = False
-    waiter.join(timeout=60)
-    assert not waiter.is_alive()
+    for big_job in ("wait", "post"):
+        small = bytearray(4 * 64)
+        a = m.post_read(_scattered_ops(small, 4, 64), [(buffer_address(small), len(small))])
+        while hca.outstanding:  # the small copy executed, not yet reaped
+            time.sleep(0.001)
+        hca.stall = True
+        big = bytearray(1000 * 64)
+        ops = _scattered_ops(big, 1000, 64, seed=3)
+        if big_job == "wait":
+            b = m.post_read(ops[:200], [(buffer_address(big), len(big))])
+            other = threading.Thread(target=m.wait, args=(b,))
+        else:
+            other = threading.Thread(target=m.read, args=(ops, [(buffer_address(big), len(big))]))
+        polls = hca.polls
+        other.start()
+        while hca.polls < polls + 3:  # the other thread is in its loop, polling under the lock
+            time.sleep(0.001)
+        m.wait(a)
+        assert other.is_alive(), big_job  # still waiting for the device
+        hca.stall = False
+        other.join(timeout=60)
+        assert not other.is_alive()
     m.close()
 
 
+def test_a_small_copy_is_posted_between_the_batches_of_a_big_one(hca):
+    """A copy of more requests than the send queue holds (a 64 MiB put is ~1,000) is posted a
+    batch at a time, the lock let go in between: another thread's copy gets on the queue pair
+    before the big one's last request, not after it."""
+    m = _mover(hca)
+    big = bytearray(1000 * 64)
+    x = threading.Thread(target=m.read, args=(_scattered_ops(big, 1000, 64), [(buffer_address(big), len(big))]))
+    x.start()
+    while hca.posted < 300:  # the big copy is on its way
+        time.sleep(0.001)
+    small = bytearray(64)
+    ops = _scattered_ops(small, 1, 64, seed=5)
+    t = m.post_read(ops, [(buffer_address(small), len(small))])
+    x.join(timeout=60)
+    assert not x.is_alive() and t[1] < 1001  # not after the big copy's 1,000 requests
+    m.wait(t)
+    assert bytes(small) == _expected(hca, ops, buffer_address(small))
+    m.close()
+
+
+def test_a_copy_completed_before_another_thread_broke_the_queue_pair_stays_good(hca):
+    """Thread A waits on a copy; under the lock meanwhile, another reaps A's completions and a
+    failure after them, and destroys the queue pair: A's copy completed, so A returns."""
+    m = _mover(hca)
+    buf = bytearray(8 * 64)
+    a = m.post_read(_scattered_ops(buf, 8, 64), [(buffer_address(buf), len(buf))])
+    other = bytearray(8 * 64)
+    m.post_read(_scattered_ops(other, 8, 64, seed=7), [(buffer_address(other), len(other))])
+    hca.fail_in = 8  # the other copy's first request
+    errors = []
+    with m._lock:
+        waiter = threading.Thread(target=lambda: _catch(errors, m.wait, a))
+        waiter.start()
+        queue = m._queue
+        while queue.broken is None:
+            queue.reap()
+        assert queue.completed >= a[1]
+        m._destroy()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and errors == []
+    m.close()
+
+
+def _catch(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        errors.append(exc)
 def test_a_device_that_fails_to_poll_or_close_leaves_a_working_mover(hca):
     """A poll the device refuses breaks the queue pair like a failed request (the copy fails,
     nothing of it lands later); a destroy it refuses is logged, not raised, and the mover
@@ -214,32 +272,61 @@ def test_a_device_that_fails_to_poll_or_close_leaves_a_working_mover(hca):
 
 
 def test_a_node_that_cannot_be_reconnected_is_not_asked_again_on_every_copy(hca, monkeypatch):
-    """After a failed reconnect, copies fail at once (misses) for ``RECONNECT_BACKOFF_S``
-    instead of each making a connect call; a node whose arena moved (a new process) is refused."""
+    """After a failed reconnect (even a slow one: the back-off counts from the failure), copies
+    fail at once (misses) instead of each making a connect call, for ``RECONNECT_BACKOFF_S``,
+    doubling while the failures go on; a connect that succeeds resets it."""
+    monkeypatch.setattr(rdma, "RECONNECT_BACKOFF_S", 0.05)
+    m = _mover(hca)
+    m._backoff = rdma.RECONNECT_BACKOFF_S
+    hca.fail_in = 0
+    with pytest.raises(DataLossError):
+        _read_new(m, hca, 5)
+    good = hca.connect_fn()
+
+    def slow_refusal(info, replaces):
+        time.sleep(0.1)  # longer than the back-off
+        raise OSError(111, "connection refused")
+
+    m._connect = slow_refusal
+    with pytest.raises(DataLossError, match="reconnecting the queue pair failed"):
+        _read_new(m, hca, 5)
+    with pytest.raises(DataLossError, match="moments ago"):
+        _read_new(m, hca, 5)
+    assert m._backoff == 0.1  # doubled
+    m._connect = good
+    while True:  # the back-off ends
+        try:
+            _read_new(m, hca, 5)
+            break
+        except DataLossError as exc:
+            assert "moments ago" in str(exc)
+            time.sleep(0.01)
+    assert m.num_reconnects == 1 and m._backoff == 0.05
+    m.close()
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        _read_new(m, hca, 5)
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        m.register_buffer(0x1000, 64)
+
+
+def test_a_node_with_another_arena_retires_the_mover(hca):
+    """A reconnect answered with another arena address (a new node process, whose slots the
+    descriptors in hand do not describe) is refused, and so is every later copy, at once: the
+    session re-maps through its grants, which name the new arena."""
     m = _mover(hca)
     hca.fail_in = 0
     with pytest.raises(DataLossError):
         _read_new(m, hca, 5)
-    real = hca.raddr
-    hca.raddr += 4096  # the node came back with another arena
-    with pytest.raises(DataLossError, match="not the one this mover reads"):
-        _read_new(m, hca, 5)
-    with pytest.raises(DataLossError, match="moments ago"):
-        _read_new(m, hca, 5)
+    hca.raddr += 4096
+    for _ in range(2):
+        with pytest.raises(DataLossError, match="not the one this mover reads"):
+            _read_new(m, hca, 5)
     assert hca.connects == 2
-    hca.raddr = real
-    monkeypatch.setattr(m, "_retry_at", 0.0)  # the back-off is over
-    _read_new(m, hca, 5)
-    assert hca.connects == 3 and m.num_reconnects == 1
     m.close()
-    with pytest.raises(FailedPreconditionError, match="closed"):
-        _read_new(m, hca, 5)
-
-
-def test_unregistering_a_buffer_waits_for_the_copies_posted_through_it(live_hca):
+def test_unregistering_a_buffer_waits_for_the_copies_posted_through_it(hca):
     """A registration ended while a copy through it is in flight would fail that copy on the
-    device and break the queue pair: ``unregister_buffer`` lets the posted copies finish first."""
-    hca = live_hca
+    device and break the queue pair: ``unregister_buffer`` lets the posted copies finish first
+    (the device moves nothing until polled here, so without the wait every request would fail)."""
     m = _mover(hca)
     buf = bytearray(200 * 64)
     m.register_buffer(buffer_address(buf), len(buf))
@@ -249,8 +336,6 @@ def test_unregistering_a_buffer_waits_for_the_copies_posted_through_it(live_hca)
     m.wait(t)
     assert bytes(buf) == _expected(hca, ops, buffer_address(buf)) and m.num_reconnects == 0
     m.close()
-
-
 def test_one_off_registrations_live_exactly_as_long_as_their_copy(hca):
     """A buffer nobody registered for good is registered for its copy and deregistered once
     the copy completed, not before (the device checks the region at every transfer)."""
@@ -339,20 +424,21 @@ def test_work_requests_are_built_with_the_real_pyverbs():
         assert (wr.wr_id, wr.opcode, wr.num_sge, wr.send_flags) == (41, opcode, 1, e.IBV_SEND_SIGNALED)
 
 
-def test_a_reconnect_names_the_broken_queue_pair_and_reads_no_deeper_than_the_node_answers(hca):
+@pytest.mark.parametrize("node_depth", [4, 0])
+def test_a_reconnect_names_the_broken_queue_pair_and_reads_no_deeper_than_the_node_answers(hca, node_depth):
     """The client issues no more READs at once than the node's end answers (more would fail the
-    queue pair on the device), and a reconnect names the node's end of the broken queue pair."""
-    hca.node_rd_atomic = 4
+    queue pair on the device; a node that does not say, 0, leaves the client's own limit), and a
+    reconnect names both ends of the broken queue pair."""
+    hca.node_rd_atomic = node_depth
     m = _mover(hca)
-    assert m.rd_atomic == 4 and hca.qps[0].rd_atomic == 4
+    want = node_depth or hca.rd_atomic_init
+    assert m.rd_atomic == want and hca.qps[0].rd_atomic == want
     hca.fail_in = 0
     with pytest.raises(DataLossError):
         _read_new(m, hca, 5)
     _read_new(m, hca, 5)
-    assert hca.replaced == [0, 1001]
+    assert hca.replaced == [None, (1001, hca.qps[0].qp_num)]
     m.close()
-
-
 class _Arena:
     def __init__(self, n: int) -> None:
         self.buf, self.capacity_bytes = bytearray(n), n
@@ -360,17 +446,19 @@ class _Arena:
 
 def test_the_node_closes_a_clients_broken_queue_pair_when_it_reconnects():
     """``NodeEndpoint``: one queue pair per connection, answering as many READs at once as its
-    device does; a reconnect's ``replaces`` closes the client's old one (only one connected to
-    the same GID: another client cannot close it), and at most ``MAX_QPS`` are kept."""
+    device does; a reconnect's ``replaces`` closes the client's old one, but only when both of
+    its ends and the GID match (processes on one host share a GID: another one naming it
+    closes nothing), and at most ``MAX_QPS`` are kept."""
     hca = SimulatedHca()
     node = rdma.NodeEndpoint(_Arena(1 << 16), device=hca)
-    a = node.connect(b"gid-a", 1, 11, 5, rd_atomic=16)
+    a = node.connect(b"host-1", 1, 11, 5, rd_atomic=16)
     assert a.rd_atomic == hca.rd_atomic_resp and hca.qps[-1].dest_rd_atomic == hca.rd_atomic_resp
-    b = node.connect(b"gid-b", 1, 12, 5, replaces=a.qp_num)  # not b's to close
-    assert node.num_qps == 2 and not hca.qps[0].closed
-    node.connect(b"gid-a", 1, 13, 5, replaces=a.qp_num)
-    assert node.num_qps == 2 and hca.qps[0].closed and not hca.qps[1].closed
+    b = node.connect(b"host-1", 1, 12, 5, replaces=(a.qp_num, 12))  # same host, another process
+    node.connect(b"host-2", 1, 11, 5, replaces=(a.qp_num, 11))  # another host, same client number
+    assert node.num_qps == 3 and not hca.qps[0].closed
+    node.connect(b"host-1", 1, 13, 5, replaces=(a.qp_num, 11))
+    assert node.num_qps == 3 and hca.qps[0].closed and not hca.qps[1].closed
     for i in range(rdma.MAX_QPS):
-        node.connect(b"gid-c", 1, 100 + i, 5)
+        node.connect(b"host-3", 1, 100 + i, 5)
     assert node.num_qps == rdma.MAX_QPS and hca.qps[1].closed and b.qp_num == hca.qps[1].qp_num
     node.close()

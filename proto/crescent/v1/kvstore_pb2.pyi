@@ -393,20 +393,22 @@ class AbortWriteResponse(_message.Message):
     def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
 
 class RdmaConnectRequest(_message.Message):
-    __slots__ = ("gid", "lid", "qp_num", "psn", "rd_atomic", "replaces_qp_num")
+    __slots__ = ("gid", "lid", "qp_num", "psn", "rd_atomic", "replaces_qp_num", "replaces_client_qp_num")
     GID_FIELD_NUMBER: _ClassVar[int]
     LID_FIELD_NUMBER: _ClassVar[int]
     QP_NUM_FIELD_NUMBER: _ClassVar[int]
     PSN_FIELD_NUMBER: _ClassVar[int]
     RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
     REPLACES_QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_CLIENT_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     gid: bytes
     lid: int
     qp_num: int
     psn: int
     rd_atomic: int
     replaces_qp_num: int
-    def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., rd_atomic: _Optional[int] = ..., replaces_qp_num: _Optional[int] = ...) -> None: ...
+    replaces_client_qp_num: int
+    def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., rd_atomic: _Optional[int] = ..., replaces_qp_num: _Optional[int] = ..., replaces_client_qp_num: _Optional[int] = ...) -> None: ...
 
 class RdmaConnectResponse(_message.Message):
     __slots__ = ("gid", "lid", "qp_num", "psn", "addr", "rkey", "rd_atomic")
