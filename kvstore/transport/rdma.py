@@ -393,11 +393,7 @@ class NodeEndpoint:
             FailedPreconditionError: the device refused (bad peer address, no resources).
         """
         with self._lock:
-            mine, theirs = replaces
-            old = self._qps.get(mine) if mine else None
-            if old is not None and old[1:] == (gid, theirs):
-                del self._qps[mine]
-                _close_quietly(old[0])
+            self._release(gid, *replaces)
             try:
                 qp = self._dev.create_qp()
                 my_psn = random.getrandbits(24)
@@ -411,6 +407,20 @@ class NodeEndpoint:
                 _, (gone, _, _) = self._qps.popitem(last=False)
                 _close_quietly(gone)
             return self._dev.local_info(qp, my_psn, resp)
+
+    def disconnect(self, gid: bytes, qp_num: int, client_qp_num: int) -> bool:
+        """Closes the queue pair a client closed (this end's number, the client's, its GID):
+        whether one matched. Only both ends and the GID together name it, as for ``replaces``."""
+        with self._lock:
+            return self._release(gid, qp_num, client_qp_num)
+
+    def _release(self, gid: bytes, mine: int, theirs: int) -> bool:
+        old = self._qps.get(mine) if mine else None
+        if old is None or old[1:] != (gid, theirs):
+            return False
+        del self._qps[mine]
+        _close_quietly(old[0])
+        return True
 
     @property
     def num_qps(self) -> int:
@@ -437,14 +447,19 @@ class RdmaMover:
         arena_bytes: the arena's size: a descriptor outside it is refused before
             anything is posted (DataLossError), as the shm mover does.
         device: the verbs (``_Device``, closed with the mover); made here by default.
+        disconnect: ``disconnect(gid, ends)`` asks the node to close its end of the last
+            queue pair (``KVStore.DisconnectRdma``) once ``close`` destroyed this one; best
+            effort (a node that does not answer keeps it until newer ones push it out).
     """
 
     mover = Mover.RDMA
 
     def __init__(self, connect: Callable[[QpInfo, tuple[int, int] | None], tuple[QpInfo, int, int]],
-                 arena_bytes: int | None = None, device=None) -> None:
+                 arena_bytes: int | None = None, device=None,
+                 disconnect: Callable[[bytes, tuple[int, int]], None] | None = None) -> None:
         self._dev = device if device is not None else _Device()
         self._connect = connect
+        self._disconnect = disconnect
         self.arena_bytes = arena_bytes
         self._lock = threading.Lock()  # held for one batch of posts, one poll, or a state change
         self._regions = Regions()
@@ -457,6 +472,7 @@ class RdmaMover:
         """Queue pairs connected after one broke."""
         self._qp = self._cq = self._queue = None
         self._ends: tuple[int, int] | None = None  # (node's qp_num, ours) of the last queue pair connected
+        self._gid = b""  # this end's GID, as the node knows it
         self.rd_atomic = 0
         """RDMA READs in flight at once on the queue pair: the fewer of what the two ends can."""
         self.raddr = self.rkey = None
@@ -469,6 +485,7 @@ class RdmaMover:
             self._install(*self._dial())
         except BaseException:
             self._dev.close()
+            self._say_closed(self._ends)  # the node connected its end before ours failed
             raise
 
     def _dial(self):
@@ -479,8 +496,10 @@ class RdmaMover:
             qp = self._dev.create_qp(cq)
             psn = random.getrandbits(24)
             mine = self._dev.rd_atomic_init
-            remote, raddr, rkey = self._connect(self._dev.local_info(qp, psn, mine), self._ends)
-            self._ends = (remote.qp_num, qp.qp_num)
+            info = self._dev.local_info(qp, psn, mine)
+            remote, raddr, rkey = self._connect(info, self._ends)
+            with self._lock:  # the node has this end now: named by the next reconnect, or by close
+                self._gid, self._ends = info.gid, (remote.qp_num, qp.qp_num)
             # NOTE: more READs in flight than the node's end answers at once fail the queue pair.
             rd_atomic = min(mine, remote.rd_atomic) if remote.rd_atomic else mine
             self._dev.connect(qp, psn, remote, max_rd_atomic=rd_atomic, max_dest_rd_atomic=1)
@@ -647,10 +666,15 @@ class RdmaMover:
             pause(empty)
 
     def close(self) -> None:
+        """Destroys the queue pair and the registrations, then asks the node to close its end."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            ends, self._ends = self._ends, None
             self._destroy()
             self._dev.close()  # closes the PD and the MRs made from it
+        self._say_closed(ends)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -677,6 +701,7 @@ class RdmaMover:
                 self._connecting = False
                 self._retry_at = time.monotonic() + self._backoff  # from the failure: a slow one counts
                 self._backoff = min(2 * self._backoff, RECONNECT_BACKOFF_MAX_S)
+            self._disconnect_if_closed()
             if isinstance(exc, CrescentError):
                 raise
             raise DataLossError(f"RDMA: reconnecting the queue pair failed: {exc}") from exc
@@ -684,11 +709,29 @@ class RdmaMover:
             self._connecting = False
             if self._closed:
                 _close_quietly(*dialled[:2])
-                self._check_open()
-            self._install(*dialled)
-            self._backoff = RECONNECT_BACKOFF_S
-            self.num_reconnects += 1
-            return self._queue
+            else:
+                self._install(*dialled)
+                self._backoff = RECONNECT_BACKOFF_S
+                self.num_reconnects += 1
+                return self._queue
+        self._disconnect_if_closed()  # closed while connecting: the node's new end too
+        self._check_open()
+
+    def _disconnect_if_closed(self) -> None:
+        with self._lock:
+            ends = self._ends if self._closed else None
+            if ends is not None:
+                self._ends = None
+        self._say_closed(ends)
+
+    def _say_closed(self, ends: tuple[int, int] | None) -> None:
+        """Asks the node to close its end of ``ends`` (not under the lock)."""
+        if ends is None or self._disconnect is None:
+            return
+        try:
+            self._disconnect(self._gid, ends)
+        except Exception as exc:  # noqa: BLE001 - the node's LRU closes it in the end
+            log.info("RDMA: the node did not close its end of queue pair %d: %s", ends[1], exc)
 
     def _requests(self, ops, buffers, read: bool, once: list) -> list[tuple]:
         """The work requests of a copy, registering the buffers no region covers into ``once``."""

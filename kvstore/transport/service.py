@@ -270,3 +270,11 @@ class DescriptorRpcs:
                               replaces=(request.replaces_qp_num, request.replaces_client_qp_num))
         return pb.RdmaConnectResponse(gid=info.gid, lid=info.lid, qp_num=info.qp_num, psn=info.psn,
                                       addr=t.rdma.addr, rkey=t.rdma.rkey, rd_atomic=info.rd_atomic), "rdma"
+
+    @_rpc("disconnect_rdma")
+    def DisconnectRdma(self, request, context):
+        t = self.node.transport
+        if t.rdma is None:
+            raise FailedPreconditionError(f"this node has no RDMA endpoint: {t.rdma_reason}")
+        return pb.RdmaDisconnectResponse(closed=t.rdma.disconnect(request.gid, request.qp_num,
+                                                                  request.client_qp_num)), "rdma"

@@ -61,6 +61,8 @@ DESCRIPTOR_CACHE_KEYS = 1 << 14
 LAYERED_AHEAD = 8
 """Parts of a layered read (``get_layered``) in flight at once: a chunk-layer is ~1 MiB for an
 8B model's 256-token chunk, so ~8 MiB on the wire while Python hands the earlier ones on."""
+DISCONNECT_TIMEOUT_S = 2.0
+"""Deadline of the one DisconnectRdma call a closing RDMA mover makes (not retried)."""
 REPORT_EVERY_S = 1.0
 """How often (at most) a session tells the node how many values it read locally."""
 
@@ -271,8 +273,13 @@ def _open_mover(mover: Mover, arena: ArenaRef, stub, call, timeout_s: float):
             replaces_qp_num=node_end, replaces_client_qp_num=client_end), timeout=timeout_s))
         return QpInfo(r.gid, r.lid, r.qp_num, r.psn, r.rd_atomic), r.addr, r.rkey
 
+    def disconnect(gid: bytes, ends: tuple[int, int]):
+        # NOTE: once, with a short deadline: a node that is gone needs no telling
+        stub.DisconnectRdma(pb.RdmaDisconnectRequest(gid=gid, qp_num=ends[0], client_qp_num=ends[1]),
+                            timeout=min(timeout_s, DISCONNECT_TIMEOUT_S))
+
     try:
-        return RdmaMover(connect, arena_bytes=arena.size)
+        return RdmaMover(connect, arena_bytes=arena.size, disconnect=disconnect)
     except CrescentError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyverbs errors: fall back, saying why
@@ -489,7 +496,7 @@ class DescriptorSession:
                 return sizes, elsewhere
             sb = h.arena.slot_bytes
             ok, ops, bufs, keep, cuda = [], [], [], [], []
-            copied = late = False
+            copied = late = failed = False
             try:
                 for d in g.items:
                     if d.status is not ItemStatus.OK:
@@ -509,11 +516,17 @@ class DescriptorSession:
                             f"value of key {bytes(keys[i]).hex()} ({size} bytes) exceeds its buffer of {cap}")
                     ok.append((i, size))
                 if time.monotonic() < g.expires_at:  # else the lease is over: nothing to copy
-                    h.mover.read(ops, bufs)
-                    for dst, size, ext in cuda:
-                        self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
-                    copied = time.monotonic() < safe_end(g)
-                late = not copied
+                    try:
+                        h.mover.read(ops, bufs)
+                        for dst, size, ext in cuda:
+                            self.staging().to_device(dst, size, _filler(h.mover, ext, read=True))
+                    except DataLossError as exc:  # the mover failed (rdma: its queue pair broke)
+                        log.warning("%s read of %d values failed (%s): reading them another way",
+                                    self.mover.value, len(ok), exc)
+                        failed = True
+                    else:
+                        copied = time.monotonic() < safe_end(g)
+                late = not copied and not failed
             finally:
                 if copied and h.control.release_later is not None:
                     h.control.release_later([g.lease_id], self._late_answer)
@@ -525,6 +538,8 @@ class DescriptorSession:
         if valid:
             for i, size in ok:
                 sizes[i] = size
+        elif failed:  # the values are intact on the node: the caller streams them
+            elsewhere = sorted(elsewhere + [i for i, _ in ok])
         return sizes, elsewhere
 
     def _remember(self, h: _Handle, keys: Sequence[bytes], items) -> None:
@@ -595,7 +610,7 @@ class DescriptorSession:
                 for i in ok:
                     stored[i] = True
                 self._remember(h, keys, [d for d in g.items if d.status is ItemStatus.OK])
-            except FailedPreconditionError as exc:  # expired: the caller stores these another way
+            except (FailedPreconditionError, DataLossError) as exc:  # expired, or the mover failed (rdma)
                 log.info("write reservation not committed (%s); storing %d values another way", exc, len(ok))
                 other += ok
             finally:

@@ -60,6 +60,8 @@ def test_bad_requests_get_precise_statuses(make_node):
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in msg
     code, msg = _code(lambda: s.ConnectRdma(pb.RdmaConnectRequest(), timeout=30))
     assert code is grpc.StatusCode.FAILED_PRECONDITION and "RDMA" in msg
+    code, msg = _code(lambda: s.DisconnectRdma(pb.RdmaDisconnectRequest(qp_num=7), timeout=30))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "RDMA" in msg
     # nothing was left behind by the refused requests
     assert node.transport.leases.stats()["num_remote_reservations"] == 0 and _dram_used(node) == 0
     tcp_only = make_node(transport="tcp")

@@ -25,8 +25,10 @@ from collections import deque
 
 import pytest
 
+from kvstore.client import StoreClient
 from kvstore.errors import DataLossError, FailedPreconditionError
 from kvstore.transport import rdma
+from kvstore.transport.descriptors import Mover
 from kvstore.transport.memcopy import buffer_address
 from kvstore.transport.rdma import DEPTH, RdmaMover, SendQueue
 from tests.transport.simulated_hca import SimulatedHca
@@ -462,3 +464,111 @@ def test_the_node_closes_a_clients_broken_queue_pair_when_it_reconnects():
         node.connect(b"host-3", 1, 100 + i, 5)
     assert node.num_qps == rdma.MAX_QPS and hca.qps[1].closed and b.qp_num == hca.qps[1].qp_num
     node.close()
+
+
+def test_a_closed_mover_asks_the_node_to_close_its_end_once_and_a_refusal_does_not_fail_it(hca):
+    """``close`` destroys this end, then names both ends of the last queue pair to the node
+    (DisconnectRdma), once; a node that does not answer leaves the close done."""
+    told = []
+    m = RdmaMover(hca.connect_fn(), arena_bytes=len(hca.arena), device=hca,
+                  disconnect=lambda gid, ends: told.append((gid, ends)))
+    hca.fail_in = 0
+    with pytest.raises(DataLossError):
+        _read_new(m, hca, 5)
+    _read_new(m, hca, 5)  # reconnected: the node's end of the broken one was named by ConnectRdma
+    m.close()
+    m.close()
+    assert told == [(b"client", (1002, hca.qps[1].qp_num))] and hca.qps[1].closed
+
+    def refuse(gid, ends):
+        raise OSError("the node is gone")
+
+    hca2 = SimulatedHca()
+    m2 = RdmaMover(hca2.connect_fn(), arena_bytes=len(hca2.arena), device=hca2, disconnect=refuse)
+    m2.close()
+    assert hca2.qps[0].closed
+    with pytest.raises(FailedPreconditionError):
+        _read_new(m2, hca2, 1)
+
+
+def test_a_mover_closed_while_it_reconnects_tells_the_node_of_the_new_end(hca):
+    """The ConnectRdma of a reconnect runs outside the lock; a close meanwhile must not leave the
+    queue pair the node just connected to this closed mover (it would stay until pushed out)."""
+    told, entered, go = [], threading.Event(), threading.Event()
+    connect = hca.connect_fn()
+
+    def slow_connect(info, replaces):
+        if replaces is not None:
+            entered.set()
+            go.wait(30)
+        return connect(info, replaces)
+
+    m = RdmaMover(slow_connect, arena_bytes=len(hca.arena), device=hca,
+                  disconnect=lambda gid, ends: told.append(ends))
+    hca.fail_in = 0
+    with pytest.raises(DataLossError):
+        _read_new(m, hca, 5)
+    failed = []
+    t = threading.Thread(target=lambda: failed.append(pytest.raises(Exception, _read_new, m, hca, 5)))
+    t.start()
+    assert entered.wait(30)
+    m.close()  # the old ends were replaced by the dial in flight: nothing to tell yet, or the old ones
+    go.set()
+    t.join(30)
+    assert failed and told[-1] == (1002, hca.qps[1].qp_num) and hca.qps[1].closed
+
+
+def test_the_node_closes_the_queue_pair_a_client_names_when_it_closes():
+    """``NodeEndpoint.disconnect``: both ends and the GID must match one connected queue pair."""
+    hca = SimulatedHca()
+    node = rdma.NodeEndpoint(_Arena(1 << 16), device=hca)
+    a = node.connect(b"host-1", 1, 11, 5)
+    b = node.connect(b"host-1", 1, 12, 5)
+    assert not node.disconnect(b"host-2", a.qp_num, 11) and not node.disconnect(b"host-1", a.qp_num, 12)
+    assert not node.disconnect(b"host-1", 0, 0) and node.num_qps == 2
+    assert node.disconnect(b"host-1", a.qp_num, 11) and node.num_qps == 1 and hca.qps[0].closed
+    assert not node.disconnect(b"host-1", a.qp_num, 11) and not hca.qps[1].closed
+    node.close()
+    assert not node.disconnect(b"host-1", b.qp_num, 12)
+
+
+def _offer_simulated_rdma(node, monkeypatch) -> tuple[SimulatedHca, SimulatedHca]:
+    """``node`` (in-process) offers RDMA through a ``NodeEndpoint`` on a simulated HCA, and this
+    process's RDMA movers get another one whose remote memory is the node's arena: everything
+    of the RDMA path runs (gRPC, grants, leases, the mover) but the verbs."""
+    t = node.transport
+    node_hca = SimulatedHca()
+    t.rdma, t.rdma_reason = rdma.NodeEndpoint(node.store.dram, device=node_hca), ""
+    t.offered.insert(t.offered.index(Mover.SHM) + 1, Mover.RDMA)
+    client_hca = SimulatedHca(remote=(t.rdma.addr, node.store.dram.capacity_bytes), background=True)
+    client_hca.rkey = t.rdma.rkey
+    monkeypatch.setattr(rdma, "probe", lambda: None)
+    monkeypatch.setattr(rdma, "_Device", lambda: client_hca)
+    return node_hca, client_hca
+
+
+def test_a_client_reading_over_rdma_leaves_the_node_no_queue_pair_once_closed(make_node, monkeypatch):
+    """A client of a real node over gRPC, reading over (simulated) RDMA: its values arrive; a copy
+    on a queue pair that breaks is done over the stream instead (before, batch_get raised
+    DataLossError), the next over a new queue pair, the broken one closed on the node when the
+    client reconnects; the last one when the client closes (before DisconnectRdma, a closed
+    client's stayed until 256 newer ones pushed it out)."""
+    node = make_node()
+    node_hca, client_hca = _offer_simulated_rdma(node, monkeypatch)
+    rng = random.Random(3)
+    values = {f"k{i}".encode(): rng.randbytes(1000 + 97 * i) for i in range(24)}
+    keys = list(values)
+    with StoreClient(node.address, transport="rdma") as c:
+        assert c.batch_put(list(values.items())) == [True] * len(keys)
+        assert c.transport == "rdma" and c.batch_get(keys) == list(values.values())
+        assert node.transport.rdma.num_qps == 1 and client_hca.executed > 0
+        client_hca.fail_in = 3  # the queue pair breaks mid-read: the values come over the stream
+        assert c.batch_get(keys) == list(values.values()) and client_hca.qps[0].closed
+        executed = client_hca.executed
+        assert c.batch_get(keys) == list(values.values()) and client_hca.executed > executed  # rdma again
+        assert node.transport.rdma.num_qps == 1 and node_hca.qps[0].closed  # the broken one named
+        client_hca.fail_in = 2  # a put whose writes fail is stored another way
+        assert c.batch_put([(k, v[::-1]) for k, v in values.items()]) == [True] * len(keys)
+        assert c.batch_get(keys) == [v[::-1] for v in values.values()]
+    assert node.transport.rdma.num_qps == 0 and all(q.closed for q in node_hca.qps)
+    assert all(q.closed for q in client_hca.qps)

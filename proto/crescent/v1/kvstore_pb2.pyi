@@ -428,6 +428,22 @@ class RdmaConnectResponse(_message.Message):
     rd_atomic: int
     def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., addr: _Optional[int] = ..., rkey: _Optional[int] = ..., rd_atomic: _Optional[int] = ...) -> None: ...
 
+class RdmaDisconnectRequest(_message.Message):
+    __slots__ = ("gid", "qp_num", "client_qp_num")
+    GID_FIELD_NUMBER: _ClassVar[int]
+    QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    gid: bytes
+    qp_num: int
+    client_qp_num: int
+    def __init__(self, gid: _Optional[bytes] = ..., qp_num: _Optional[int] = ..., client_qp_num: _Optional[int] = ...) -> None: ...
+
+class RdmaDisconnectResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
 class MoverStats(_message.Message):
     __slots__ = ("mover", "num_reads", "num_writes", "bytes_read", "bytes_written")
     MOVER_FIELD_NUMBER: _ClassVar[int]

@@ -114,6 +114,11 @@ class KVStoreStub:
                 request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.SerializeToString,
                 response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.FromString,
                 _registered_method=True)
+        self.DisconnectRdma = channel.unary_unary(
+                '/crescent.v1.KVStore/DisconnectRdma',
+                request_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectRequest.SerializeToString,
+                response_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -248,6 +253,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DisconnectRdma(self, request, context):
+        """Closes the node's end of a queue pair the client closed (both ends and the GID must match).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +342,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ConnectRdma,
                     request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.FromString,
                     response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.SerializeToString,
+            ),
+            'DisconnectRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisconnectRdma,
+                    request_deserializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectRequest.FromString,
+                    response_serializer=proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -764,6 +781,33 @@ class KVStore:
             '/crescent.v1.KVStore/ConnectRdma',
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectRequest.SerializeToString,
             proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisconnectRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KVStore/DisconnectRdma',
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectRequest.SerializeToString,
+            proto_dot_crescent_dot_v1_dot_kvstore__pb2.RdmaDisconnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
