@@ -5,27 +5,36 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import random
 import threading
 import time
 from collections import deque
 
 from kvstore.transport.memcopy import buffer_address
+from kvstore.transport import rdma
 from kvstore.transport.rdma import DEPTH, QpInfo, RdmaMover
 
 SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR = 0, 4, 5, 10  # ibv_wc_status
+
+_NUMBERS = itertools.count(1 << 20)
+"""Keys and queue pair numbers of every simulated device: unique in the process, as on a fabric."""
+_REMOTE: dict[int, _MR] = {}
+"""rkey → a region some simulated device registered for remote access: what another device's
+READ or WRITE naming that rkey reaches (a node's arena, registered by its ``NodeEndpoint``)."""
 
 
 class _MR:
     def __init__(self, hca: SimulatedHca, addr: int, n: int) -> None:
         self.hca, self.addr, self.n = hca, addr, n
-        self.lkey = self.rkey = next(hca.keys)
+        self.lkey = self.rkey = next(_NUMBERS)
         self.closed = False
         hca.mrs[self.lkey] = self
 
     def close(self) -> None:
         with self.hca.lock:  # not while the device moves bytes through it
             self.closed = True
+            _REMOTE.pop(self.rkey, None)
             self.hca.events.append(("dereg", self.lkey))
 
 
@@ -41,7 +50,7 @@ class _CQ:
 
 class _QP:
     def __init__(self, hca: SimulatedHca, cq: _CQ) -> None:
-        self.cq, self.qp_num = cq, next(hca.keys)
+        self.cq, self.qp_num = cq, next(_NUMBERS)
         self.sq: deque = deque()  # posted, not executed yet
         self.error = False
         self.closed = False
@@ -82,7 +91,6 @@ class SimulatedHca:
         self.rd_atomic_init = self.rd_atomic_resp = 16
         self.node_rd_atomic = 16  # what the node's end answers at once (connect_fn's reply)
         self.lock = threading.Lock()
-        self.keys = iter(range(100, 1 << 30))
         self.mrs: dict[int, _MR] = {}
         self.qps: list[_QP] = []
         self.events: list[tuple] = []
@@ -139,7 +147,10 @@ class SimulatedHca:
 
     def register(self, addr: int, nbytes: int, remote: bool) -> _MR:
         with self.lock:
-            return _MR(self, addr, nbytes)
+            mr = _MR(self, addr, nbytes)
+            if remote:
+                _REMOTE[mr.rkey] = mr
+            return mr
 
     def post(self, qp: _QP, wr_id: int, request: tuple) -> None:
         with self.lock:
@@ -200,7 +211,12 @@ class SimulatedHca:
         if mr is None or mr.closed or not (mr.addr <= laddr and laddr + nbytes <= mr.addr + mr.n):
             qp.error = True
             return LOC_PROT_ERR
-        if rkey != self.rkey or not (self.raddr <= raddr and raddr + nbytes <= self.raddr + self.size):
+        if rkey == self.rkey:  # this device's ``arena`` / ``remote``
+            base, size = self.raddr, self.size
+        else:  # a region another device registered (e.g. a node's arena); a closed one is gone
+            region = _REMOTE.get(rkey)
+            base, size = (region.addr, region.n) if region is not None else (0, -1)
+        if not (base <= raddr and raddr + nbytes <= base + size):
             qp.error = True
             return REM_ACCESS_ERR
         if read:
@@ -234,6 +250,23 @@ class _ReadsOverRdma:
 
     def unregister_buffer(self, addr: int) -> None:
         self.rdma.unregister_buffer(addr)
+
+
+def simulate_rdma(monkeypatch) -> list[SimulatedHca]:
+    """From here on, every ``rdma._Device`` this process makes is a ``SimulatedHca`` (bytes
+    moved at poll time): nodes started in-process register their arena on one (``NodeEndpoint``)
+    and offer RDMA, clients choose it (``probe`` says yes) and read and write the arena through
+    the rkey the node gave. Everything of the RDMA path runs (gRPC, grants, leases, the mover,
+    the session) but the verbs. Returns the devices made, in order."""
+    made: list[SimulatedHca] = []
+
+    def device():
+        made.append(SimulatedHca(remote=(0, 0)))
+        return made[-1]
+
+    monkeypatch.setattr(rdma, "_Device", device)
+    monkeypatch.setattr(rdma, "probe", lambda: None)
+    return made
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ def test_lease_ttl_is_validated():
         StoreConfig(transport="smoke-signals")
 
 
-def test_reservation_is_invisible_until_commit_and_commits_once(make_node, mover):
+def test_reservation_is_invisible_until_commit_and_commits_once(mover, make_node):
     node = make_node()
     c = StoreClient(node.address, transport=mover)
     session = c.descriptor_session()
@@ -101,7 +101,7 @@ def test_reservation_is_invisible_until_commit_and_commits_once(make_node, mover
     c.close()
 
 
-def test_expired_lease_fails_release_even_after_the_slots_hold_another_key(make_node, mover):
+def test_expired_lease_fails_release_even_after_the_slots_hold_another_key(mover, make_node):
     node = make_node(dram=1 << 20, lease_ttl_s=0.3)  # 16 slots, no disk: eviction drops
     c = StoreClient(node.address, transport=mover)
     session = c.descriptor_session()
@@ -149,7 +149,7 @@ def test_get_reports_a_miss_when_its_lease_expired_during_the_copy(make_node, la
     c.close()
 
 
-def test_expired_reservation_cannot_commit_and_its_slots_return_after_quarantine(make_node, mover, node_clock):
+def test_expired_reservation_cannot_commit_and_its_slots_return_after_quarantine(mover, make_node, node_clock):
     ttl = 0.3  # the node's sweeper runs every ttl/4 s of real time; its deadlines move only with `clock`
     node = make_node(lease_ttl_s=ttl)
     clock = node_clock(node)

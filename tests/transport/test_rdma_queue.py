@@ -31,7 +31,7 @@ from kvstore.transport import rdma
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.memcopy import buffer_address
 from kvstore.transport.rdma import DEPTH, RdmaMover, SendQueue
-from tests.transport.simulated_hca import SimulatedHca
+from tests.transport.simulated_hca import SimulatedHca, simulate_rdma
 
 @pytest.fixture
 def hca():
@@ -532,35 +532,22 @@ def test_the_node_closes_the_queue_pair_a_client_names_when_it_closes():
     assert not node.disconnect(b"host-1", b.qp_num, 12)
 
 
-def _offer_simulated_rdma(node, monkeypatch) -> tuple[SimulatedHca, SimulatedHca]:
-    """``node`` (in-process) offers RDMA through a ``NodeEndpoint`` on a simulated HCA, and this
-    process's RDMA movers get another one whose remote memory is the node's arena: everything
-    of the RDMA path runs (gRPC, grants, leases, the mover) but the verbs."""
-    t = node.transport
-    node_hca = SimulatedHca()
-    t.rdma, t.rdma_reason = rdma.NodeEndpoint(node.store.dram, device=node_hca), ""
-    t.offered.insert(t.offered.index(Mover.SHM) + 1, Mover.RDMA)
-    client_hca = SimulatedHca(remote=(t.rdma.addr, node.store.dram.capacity_bytes), background=True)
-    client_hca.rkey = t.rdma.rkey
-    monkeypatch.setattr(rdma, "probe", lambda: None)
-    monkeypatch.setattr(rdma, "_Device", lambda: client_hca)
-    return node_hca, client_hca
-
-
 def test_a_client_reading_over_rdma_leaves_the_node_no_queue_pair_once_closed(make_node, monkeypatch):
     """A client of a real node over gRPC, reading over (simulated) RDMA: its values arrive; a copy
     on a queue pair that breaks is done over the stream instead (before, batch_get raised
     DataLossError), the next over a new queue pair, the broken one closed on the node when the
     client reconnects; the last one when the client closes (before DisconnectRdma, a closed
     client's stayed until 256 newer ones pushed it out)."""
+    devices = simulate_rdma(monkeypatch)
     node = make_node()
-    node_hca, client_hca = _offer_simulated_rdma(node, monkeypatch)
+    (node_hca,) = devices
     rng = random.Random(3)
     values = {f"k{i}".encode(): rng.randbytes(1000 + 97 * i) for i in range(24)}
     keys = list(values)
     with StoreClient(node.address, transport="rdma") as c:
         assert c.batch_put(list(values.items())) == [True] * len(keys)
         assert c.transport == "rdma" and c.batch_get(keys) == list(values.values())
+        client_hca = devices[1]
         assert node.transport.rdma.num_qps == 1 and client_hca.executed > 0
         client_hca.fail_in = 3  # the queue pair breaks mid-read: the values come over the stream
         assert c.batch_get(keys) == list(values.values()) and client_hca.qps[0].closed
