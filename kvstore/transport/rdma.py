@@ -333,6 +333,14 @@ class _Device:
         """Posts ``work_request(wr_id, *request)`` on ``qp``."""
         qp.post_send(work_request(wr_id, *request))
 
+    def stop(self, qp) -> None:
+        """Moves ``qp`` to the error state: the device flushes its requests, moving nothing more."""
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr()
+        attr.qp_state = self.e.IBV_QPS_ERR
+        qp.modify(attr, self.e.IBV_QP_STATE)
+
     def poll(self, cq, n: int) -> list[tuple[int, int]]:
         """Up to ``n`` completions of ``cq``: ``(wr_id, status)``, status 0 (IBV_WC_SUCCESS) if it worked."""
         got, wcs = cq.poll(n)
@@ -763,7 +771,20 @@ class RdmaMover:
         qp, cq, once = self._qp, self._cq, self._once
         self._qp = self._cq = self._queue = None
         self._once = deque()
-        _close_quietly(qp, cq)
+        if qp is not None:
+            try:
+                qp.close()
+            except Exception as exc:  # noqa: BLE001
+                # NOTE: a queue pair still alive could land its READs in buffers the callers
+                # reuse; in the error state it flushes them instead. (Deregistering the one-off
+                # regions below fences their buffers whatever the device did.)
+                log.warning("RDMA: destroying the queue pair failed (%s): moving it to the error state", exc)
+                try:
+                    self._dev.stop(qp)
+                except Exception as exc2:  # noqa: BLE001
+                    log.error("RDMA: the device refused to stop queue pair %d as well (%s): reads posted "
+                              "on it may still land in registered buffers", qp.qp_num, exc2)
+        _close_quietly(cq)
         for _, mrs in once:
             _close_quietly(*mrs)
 

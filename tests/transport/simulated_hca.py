@@ -74,8 +74,9 @@ class SimulatedHca:
     right after posting, as a real HCA moves bytes while the host does other things. A request
     occupies its send queue until its completion is polled. ``fail_in``: the request that many
     executions from now fails (remote access error; the queue pair goes to the error state and
-    flushes the rest); ``stall``: nothing executes; ``poll_raises`` / ``close_raises``: the
-    device refuses those calls.
+    flushes the rest); ``stall``: nothing executes; ``poll_raises`` / ``close_raises`` /
+    ``stop_raises``: the device refuses those calls (a queue pair it would not destroy keeps
+    executing).
     """
 
     def __init__(self, arena_bytes: int = 1 << 20, seed: int = 0, remote: tuple[int, int] | None = None,
@@ -99,6 +100,7 @@ class SimulatedHca:
         self.stall = False
         self.poll_raises = False
         self.close_raises = False
+        self.stop_raises = False
         self.max_outstanding = 0
         self.executed = 0
         self.polls = 0
@@ -160,6 +162,13 @@ class SimulatedHca:
             qp.sq.append((wr_id, *request))
             self.posted += 1
             self.max_outstanding = max(self.max_outstanding, len(qp.sq) + len(qp.cq.done))
+
+    def stop(self, qp: _QP) -> None:
+        with self.lock:
+            if self.stop_raises:
+                raise OSError(5, "ibv_modify_qp: input/output error")
+            qp.error = True  # the rest flush: nothing more moves
+            self.events.append(("stop", qp.qp_num))
 
     def poll(self, cq: _CQ, n: int) -> list[tuple[int, int]]:
         self.polls += 1

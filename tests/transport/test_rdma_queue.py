@@ -174,6 +174,32 @@ def test_a_stalled_queue_pair_fails_in_time_and_nothing_of_it_lands_later(live_h
     m.close()
 
 
+def test_a_queue_pair_the_device_will_not_destroy_is_stopped_before_its_buffers_are_reused(live_hca, monkeypatch,
+                                                                                           caplog):
+    """A destroy the device refuses leaves the queue pair executing: it is moved to the error
+    state, so its reads flush instead of landing later in a buffer registered for good (which no
+    deregistration fences); a device refusing that too is logged as the hazard it is."""
+    hca = live_hca
+    monkeypatch.setattr(rdma, "POLL_TIMEOUT_S", 0.2)
+    m = _mover(hca)
+    buf = bytearray(10 * 64)
+    m.register_buffer(buffer_address(buf), len(buf))
+    hca.stall, hca.close_raises = True, True
+    with pytest.raises(DataLossError, match="did not complete"):
+        m.read(_scattered_ops(buf, 10, 64), [(buffer_address(buf), len(buf))])
+    assert not hca.qps[0].closed and ("stop", hca.qps[0].qp_num) in hca.events
+    hca.stall = hca.close_raises = False
+    time.sleep(0.05)  # the device's thread runs: a queue pair left executing would land the reads now
+    assert bytes(buf) == bytes(len(buf)) and hca.executed == 0
+    _read_new(m, hca, 10)  # on a new queue pair
+    hca.stall = hca.close_raises = hca.stop_raises = True
+    with pytest.raises(DataLossError, match="did not complete"):
+        m.read(_scattered_ops(buf, 10, 64), [(buffer_address(buf), len(buf))])
+    assert "may still land in registered buffers" in caplog.text
+    hca.stall = hca.close_raises = hca.stop_raises = False
+    m.close()
+
+
 def test_a_done_copy_is_not_held_up_by_another_thread_posting_or_waiting(live_hca):
     """Threads share the mover's lock a batch at a time: a copy that completed returns while
     another thread waits on a copy the device is not moving, or posts more requests than the
