@@ -172,17 +172,28 @@ def _seed(address: str, reference, check="auto") -> list[bytes]:
         eng.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def _rdma_if(transport: str, monkeypatch) -> None:
+    """For ``rdma``: the verbs simulated where no device is (``simulate_rdma``), before any node starts."""
+    from kvstore.transport.rdma import probe
+    from tests.transport.simulated_hca import simulate_rdma
+
+    if transport == "rdma" and probe() is not None:
+        simulate_rdma(monkeypatch)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "rdma"])
 @pytest.mark.parametrize("check", ["xxh3", "wsum"])
 @pytest.mark.parametrize("bad", [0, 5, 9])
-def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check, transport):
+def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, reference, bad, check, transport,
+                                                                  monkeypatch):
     """In place (shm), xxh3 payloads are checked before they land; wsum64 payloads where they
     landed, layer by layer beside the step that needs them (the GPU's way; here on the CPU):
     the chunks after a bad one land too, the step computes over them, and is thrown away and
-    recomputed from exactly the bad chunk. Streamed (tcp), both checks end with the stream,
-    after the step: thrown away too."""
+    recomputed from exactly the bad chunk. Streamed (tcp, rdma), both checks end with the
+    stream, after the step: thrown away too."""
     from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, parse_header
 
+    _rdma_if(transport, monkeypatch)
     node = nodes()
     keys = _seed(node.address, reference, check)
     with StoreClient(node.address) as c:
@@ -193,12 +204,13 @@ def test_a_bad_chunk_mid_load_recomputes_from_exactly_that_chunk(nodes, referenc
     # chunk 5 is in the middle of batch 2, 9 ends the last one
     eng = make_engine(client=StoreClient(node.address, transport=transport), batch=2)
     try:
+        assert eng.connector.client.transport == transport
         seq = run(eng, PROMPT)
         st = eng.connector.stats
         assert list(seq.output) == reference
         assert seq.num_store_tokens == bad * CHUNK and st.chunks_loaded == bad and st.load_failures == 1
         # checked after the step that computed beside its landing: thrown away
-        assert st.late_failures == (1 if check == "wsum" or transport == "tcp" else 0)
+        assert st.late_failures == (1 if check == "wsum" or transport != "shm" else 0)
         assert st.chunks_loaded_in_place == (bad if transport == "shm" else 0)
         assert eng.connector.pool.in_use == 0
         assert eng.connector.flush(timeout_s=120)
@@ -300,8 +312,11 @@ def test_saves_never_make_the_engine_wait_on_a_hung_store(reference):
 # ---- in place: leased chunks read where the node keeps them (same host) -------------------------
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transport):
+@pytest.mark.parametrize("transport", ["shm", "tcp", "rdma"])
+def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transport, monkeypatch):
+    """shm reads the leased slots in place; the others stream every chunk (rdma: READs into
+    the ring, as an engine on another host does)."""
+    _rdma_if(transport, monkeypatch)
     node = nodes()
     _seed(node.address, reference)
     eng = make_engine(client=StoreClient(node.address, transport=transport), batch=3)
@@ -312,6 +327,8 @@ def test_same_host_loads_read_the_leased_slots_in_place(nodes, reference, transp
         assert st.chunks_loaded_in_place == (10 if transport == "shm" else 0)
         assert eng.connector.pool.in_use == 0
         assert node.transport.leases.stats()["num_remote_leases"] == 0  # every lease ended
+        moved = eng.connector.client.stats()["movers"]
+        assert moved[transport]["num_reads"] >= 1, moved  # rdma: every chunk read with READs
     finally:
         eng.close()
 
