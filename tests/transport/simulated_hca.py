@@ -15,13 +15,16 @@ from kvstore.transport.memcopy import buffer_address
 from kvstore.transport import rdma
 from kvstore.transport.rdma import DEPTH, QpInfo, RdmaMover
 
-SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR = 0, 4, 5, 10  # ibv_wc_status
+SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR, RETRY_EXC_ERR = 0, 4, 5, 10, 12  # ibv_wc_status
 
 _NUMBERS = itertools.count(1 << 20)
 """Keys and queue pair numbers of every simulated device: unique in the process, as on a fabric."""
 _REMOTE: dict[int, _MR] = {}
 """rkey → a region some simulated device registered for remote access: what another device's
 READ or WRITE naming that rkey reaches (a node's arena, registered by its ``NodeEndpoint``)."""
+_LIVE: dict[int, _QP] = {}
+"""Queue pairs not destroyed, by number: a request to a region of another device needs the
+queue pair it is connected to alive and connected back (else the retries run out)."""
 
 
 class _MR:
@@ -51,6 +54,7 @@ class _CQ:
 class _QP:
     def __init__(self, hca: SimulatedHca, cq: _CQ) -> None:
         self.cq, self.qp_num = cq, next(_NUMBERS)
+        self.remote = None
         self.sq: deque = deque()  # posted, not executed yet
         self.error = False
         self.closed = False
@@ -61,6 +65,7 @@ class _QP:
             if self.hca.close_raises:
                 raise OSError(5, "ibv_destroy_qp: input/output error")
             self.closed = True
+            _LIVE.pop(self.qp_num, None)
             self.sq.clear()  # a destroyed queue pair moves nothing more
             self.hca.events.append(("destroy", self.qp_num))
 
@@ -139,6 +144,7 @@ class SimulatedHca:
         qp = _QP(self, cq if cq is not None else _CQ(self))
         with self.lock:
             self.qps.append(qp)
+            _LIVE[qp.qp_num] = qp
         return qp
 
     def local_info(self, qp: _QP, psn: int, rd_atomic: int) -> QpInfo:
@@ -184,7 +190,16 @@ class SimulatedHca:
             return [cq.done.popleft() for _ in range(min(n, len(cq.done)))]
 
     def close(self) -> None:
+        """Closes the device context: with it every region and queue pair made from it."""
         self.shutdown()
+        with self.lock:
+            for mr in self.mrs.values():
+                mr.closed = True
+                _REMOTE.pop(mr.rkey, None)
+            for qp in self.qps:
+                qp.closed = True
+                _LIVE.pop(qp.qp_num, None)
+                qp.sq.clear()
 
     # ---- the device -------------------------------------------------------------------------
 
@@ -220,18 +235,26 @@ class SimulatedHca:
         if mr is None or mr.closed or not (mr.addr <= laddr and laddr + nbytes <= mr.addr + mr.n):
             qp.error = True
             return LOC_PROT_ERR
+        region = None
         if rkey == self.rkey:  # this device's ``arena`` / ``remote``
             base, size = self.raddr, self.size
         else:  # a region another device registered (e.g. a node's arena); a closed one is gone
             region = _REMOTE.get(rkey)
             base, size = (region.addr, region.n) if region is not None else (0, -1)
-        if not (base <= raddr and raddr + nbytes <= base + size):
-            qp.error = True
-            return REM_ACCESS_ERR
-        if read:
-            ctypes.memmove(laddr, raddr, nbytes)
-        else:
-            ctypes.memmove(raddr, laddr, nbytes)
+            peer = _LIVE.get(qp.remote.qp_num)
+            if peer is None or peer.remote is None or peer.remote.qp_num != qp.qp_num:
+                qp.error = True  # the node's end is gone (closed, or the node stopped)
+                return RETRY_EXC_ERR
+        # a deregistration (or the context's close) waits for this access, as a device's does
+        owner = region.hca.lock if region is not None and region.hca is not self else contextlib.nullcontext()
+        with owner:
+            if (region is not None and region.closed) or not (base <= raddr and raddr + nbytes <= base + size):
+                qp.error = True
+                return REM_ACCESS_ERR
+            if read:
+                ctypes.memmove(laddr, raddr, nbytes)
+            else:
+                ctypes.memmove(raddr, laddr, nbytes)
         self.executed += 1
         return SUCCESS
 

@@ -585,3 +585,45 @@ def test_a_client_reading_over_rdma_leaves_the_node_no_queue_pair_once_closed(ma
         assert c.batch_get(keys) == [v[::-1] for v in values.values()]
     assert node.transport.rdma.num_qps == 0 and all(q.closed for q in node_hca.qps)
     assert all(q.closed for q in client_hca.qps)
+
+
+def test_an_rdma_client_follows_its_node_through_a_restart(make_node, monkeypatch):
+    """The node stops (its queue pairs and arena registration end with its device) and a new one
+    starts at the same address: the client's reads fail over to the stream or fail cleanly
+    while it is down, then it reads and writes the new node over RDMA again (a new queue
+    pair, to the new arena), and its old mover's end is gone from both."""
+    from kvstore.client import Retry
+    from kvstore.errors import UnavailableError
+
+    devices = simulate_rdma(monkeypatch)
+    node = make_node()
+    values = {f"k{i}".encode(): bytes([i]) * (70_000 + i) for i in range(4)}
+    keys = list(values)
+    c = StoreClient(node.address, transport="rdma", retry=Retry(attempts=3, backoff_s=0.02, max_backoff_s=0.1),
+                    timeout_s=30)
+    try:
+        c.batch_put(list(values.items()))
+        assert c.transport == "rdma" and c.batch_get(keys) == list(values.values())
+        old_mover = c.descriptor_session()._handle.mover
+        port = node.address.rpartition(":")[2]
+        node.stop(0)
+        assert all(q.closed for q in devices[0].qps)  # the node's ends went with it
+        with pytest.raises(UnavailableError):
+            c.batch_get(keys)
+        node = make_node(listen=f"127.0.0.1:{port}")
+        got = None
+        for _ in range(50):  # the client's next calls find the new node
+            try:
+                got = c.batch_get(keys)
+                break
+            except UnavailableError:
+                time.sleep(0.1)
+        assert got == [None] * len(keys)  # DRAM is volatile: the new node is empty, and says so
+        c.batch_put(list(values.items()))
+        assert c.batch_get(keys) == list(values.values()) and c.transport == "rdma"
+        mover = c.descriptor_session()._handle.mover
+        assert mover is not old_mover and mover.raddr == node.transport.rdma.addr
+        assert node.transport.rdma.num_qps == 1
+    finally:
+        c.close()
+    assert node.transport.rdma.num_qps == 0
