@@ -24,6 +24,7 @@ from kvstore.store import Tier, TieredStore
 from kvstore.transport.descriptors import SHM_PROOF_HEADER, Mover, descriptor_pb
 from kvstore.transport.identity import host_identity
 from kvstore.transport.leases import GrantResult, LeaseTable
+from kvstore.transport.rdma import MAX_QPS
 from proto.crescent.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,10 @@ class MoverCollector:
         expired.add_metric(["lease"], s["num_expired_leases"])
         expired.add_metric(["reservation"], s["num_expired_reservations"])
         yield expired
+        if self.transport.rdma is not None:
+            yield GaugeMetricFamily("crescent_store_rdma_queue_pairs",
+                                    f"RDMA queue pairs of connected clients held (at most {MAX_QPS})",
+                                    value=self.transport.rdma.num_qps)
 
 
 def _rpc(op: str):
@@ -227,8 +232,8 @@ class DescriptorRpcs:
         return pb.TransportsResponse(
             host=pb.HostIdentity(hostname=ident.hostname, boot_id=ident.boot_id), arena=t.arena,
             offered=[m.pb for m in t.offered], lease_ttl_s=t.config.lease_ttl_s,
-            rdma=pb.RdmaEndpoint(available=r is not None, reason=t.rdma_reason,
-                                 device=r.device if r else "", port=r.port if r else 0),
+            rdma=pb.RdmaEndpoint(available=r is not None, reason=t.rdma_reason, device=r.device if r else "",
+                                 port=r.port if r else 0, num_queue_pairs=r.num_qps if r else 0),
             device_arena=t.device_arena), "grpc"
 
     @_rpc("acquire_read")

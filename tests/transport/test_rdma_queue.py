@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 
+import grpc
 import pytest
 
 from kvstore.client import StoreClient
@@ -31,6 +32,8 @@ from kvstore.transport import rdma
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.memcopy import buffer_address
 from kvstore.transport.rdma import DEPTH, RdmaMover, SendQueue
+from proto.crescent.v1 import kvstore_pb2 as pb
+from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.transport.simulated_hca import SimulatedHca, simulate_rdma
 
 @pytest.fixture
@@ -575,6 +578,10 @@ def test_a_client_reading_over_rdma_leaves_the_node_no_queue_pair_once_closed(ma
         assert c.transport == "rdma" and c.batch_get(keys) == list(values.values())
         client_hca = devices[1]
         assert node.transport.rdma.num_qps == 1 and client_hca.executed > 0
+        assert "crescent_store_rdma_queue_pairs 1.0" in _metrics(node)
+        with grpc.insecure_channel(node.address) as ch:
+            r = pb_grpc.KVStoreStub(ch).Transports(pb.TransportsRequest(), timeout=30)
+        assert r.rdma.available and r.rdma.num_queue_pairs == 1 and pb.MOVER_RDMA in r.offered
         client_hca.fail_in = 3  # the queue pair breaks mid-read: the values come over the stream
         assert c.batch_get(keys) == list(values.values()) and client_hca.qps[0].closed
         executed = client_hca.executed
@@ -584,7 +591,13 @@ def test_a_client_reading_over_rdma_leaves_the_node_no_queue_pair_once_closed(ma
         assert c.batch_put([(k, v[::-1]) for k, v in values.items()]) == [True] * len(keys)
         assert c.batch_get(keys) == [v[::-1] for v in values.values()]
     assert node.transport.rdma.num_qps == 0 and all(q.closed for q in node_hca.qps)
-    assert all(q.closed for q in client_hca.qps)
+    assert all(q.closed for q in client_hca.qps) and "crescent_store_rdma_queue_pairs 0.0" in _metrics(node)
+
+
+def _metrics(node) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(node.metrics.registry).decode()
 
 
 def test_an_rdma_client_follows_its_node_through_a_restart(make_node, monkeypatch):

@@ -247,16 +247,18 @@ class ArenaInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file_dev: _Optional[int] = ..., file_ino: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., table_offset: _Optional[int] = ...) -> None: ...
 
 class RdmaEndpoint(_message.Message):
-    __slots__ = ("available", "reason", "device", "port")
+    __slots__ = ("available", "reason", "device", "port", "num_queue_pairs")
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUE_PAIRS_FIELD_NUMBER: _ClassVar[int]
     available: bool
     reason: str
     device: str
     port: int
-    def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    num_queue_pairs: int
+    def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[str] = ..., port: _Optional[int] = ..., num_queue_pairs: _Optional[int] = ...) -> None: ...
 
 class DeviceArenaInfo(_message.Message):
     __slots__ = ("available", "reason", "name", "size", "slot_bytes", "device_uuid", "device_index", "ipc_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
