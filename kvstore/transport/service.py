@@ -179,10 +179,10 @@ class MoverCollector:
         expired.add_metric(["lease"], s["num_expired_leases"])
         expired.add_metric(["reservation"], s["num_expired_reservations"])
         yield expired
-        if self.transport.rdma is not None:
-            yield GaugeMetricFamily("crescent_store_rdma_queue_pairs",
-                                    f"RDMA queue pairs of connected clients held (at most {MAX_QPS})",
-                                    value=self.transport.rdma.num_qps)
+        rdma = self.transport.rdma
+        yield GaugeMetricFamily("crescent_store_rdma_queue_pairs",
+                                f"RDMA queue pairs of connected clients held (at most {MAX_QPS}; 0 without RDMA)",
+                                value=rdma.num_qps if rdma is not None else 0)
 
 
 def _rpc(op: str):

@@ -222,3 +222,4 @@ def test_metrics_show_the_movers(make_node):
     assert 'crescent_store_mover_bytes_total{mover="shm",op="write"} 1000.0' in text
     assert 'crescent_store_op_seconds_count{op="acquire_read",path="shm"} 1.0' in text
     assert "crescent_store_remote_leases 0.0" in text
+    assert "crescent_store_rdma_queue_pairs 0.0" in text  # no RDMA endpoint here: none held
