@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -276,6 +277,7 @@ def make_handler(gw: Gateway):
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
+            self._headers_sent = True
             self.wfile.write(data)
 
         def _discard(self, length: int) -> None:
@@ -288,8 +290,54 @@ def make_handler(gw: Gateway):
             self._json(status, {"error": {"message": message, "type": etype, "param": kw.get("param"),
                                           "code": kw.get("code")}})
 
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own errors (a malformed request line or header, an unsupported
+            method) in the OpenAI error shape too, on a connection then closed."""
+            self.close_connection = True
+            if self.command == "HEAD":
+                super().send_error(code, message, explain)
+                return
+            self._error(code, message or HTTPStatus(code).phrase,
+                        "invalid_request_error" if code < 500 else "server_error")
+
+        def _not_allowed(self):
+            self._error(405, f"{self.command} is not supported here (GET /v1/models, /health, /metrics; "
+                             "POST /v1/completions, /v1/chat/completions)", code="method_not_allowed")
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
+        def _body_length(self) -> int:
+            """The request's Content-Length; BadRequest (the connection then closed) when the
+            body's length cannot be known: chunked, missing with a body, or not a number."""
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                raise BadRequest("send the body with a Content-Length (chunked transfer encoding is not supported)")
+            raw = self.headers.get("Content-Length")
+            try:
+                length = int(raw) if raw is not None else 0
+            except ValueError:
+                length = -1
+            if length < 0 or (raw is not None and not raw.strip().isdigit()):
+                self.close_connection = True
+                raise BadRequest(f"Content-Length must be a byte count, got {raw!r}")
+            return length
+
+        def _authorized(self, endpoint: str):
+            """(ok, tenant): with API keys, the caller's tenant, or a 401 already sent (ok False)."""
+            if gw.api_keys is None:
+                return True, None
+            tenant = gw.tenant(self.headers.get("Authorization"))
+            if tenant is None:
+                gw.m_requests.labels(endpoint, "401").inc()
+                self._error(401, "a valid API key is needed (Authorization: Bearer <key>)", code="invalid_api_key")
+                return False, None
+            return True, tenant
+
         def do_GET(self):
             if self.path == "/v1/models":
+                if gw.api_keys is not None and gw.tenant(self.headers.get("Authorization")) is None:
+                    return self._error(401, "a valid API key is needed (Authorization: Bearer <key>)",
+                                       code="invalid_api_key")
                 self._json(200, {"object": "list", "data": [{"id": gw.model_name, "object": "model",
                                                              "created": 0, "owned_by": "crescent"}]})
             elif self.path == "/health":
@@ -306,27 +354,30 @@ def make_handler(gw: Gateway):
                 self._error(404, f"no route for GET {self.path}", code="not_found")
 
         def do_POST(self):
+            self._headers_sent = False
             chat = self.path == "/v1/chat/completions"
             endpoint = "chat" if chat else "completions"
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                return self._error(404, f"no route for POST {self.path}", code="not_found")
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    # NOTE: read first: a client still sending its body would not see an early answer
+                length = self._body_length()
+                if length > MAX_BODY or self.path not in ("/v1/completions", "/v1/chat/completions"):
+                    # NOTE: read first: a client still sending its body would not see an early answer,
+                    # and a body left unread would be parsed as the connection's next request
                     self._discard(length)
-                    raise BadRequest(f"request body over {MAX_BODY} bytes")
+                    if length > MAX_BODY:
+                        raise BadRequest(f"request body over {MAX_BODY} bytes")
+                    return self._error(404, f"no route for POST {self.path}", code="not_found")
+                body = self.rfile.read(length)
+                ok, tenant = self._authorized(endpoint)  # before the body's contents: no model name to a stranger
+                if not ok:
+                    return
                 try:
-                    body = json.loads(self.rfile.read(length) or b"null")
+                    body = json.loads(body or b"null")
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise BadRequest(f"the body is not valid JSON: {exc}") from None
+                except RecursionError:
+                    raise BadRequest("the body's JSON is nested too deeply") from None
                 req = parse_request(body, chat, gw.model_name)
-                if gw.api_keys is not None:
-                    tenant = gw.tenant(self.headers.get("Authorization"))
-                    if tenant is None:
-                        gw.m_requests.labels(endpoint, "401").inc()
-                        return self._error(401, "a valid API key is needed (Authorization: Bearer <key>)",
-                                           code="invalid_api_key")
+                if tenant is not None:
                     # the tenant's cache salt comes from its key, never from the request
                     req = dataclasses.replace(req, cache_salt=tenant.cache_salt)
                     if not gw.admit(tenant):
@@ -334,8 +385,6 @@ def make_handler(gw: Gateway):
                         return self._error(429, f"tenant {tenant.name!r} has {tenant.max_concurrent} requests in "
                                                 "flight, its quota; retry shortly", "rate_limit_error",
                                            code="tenant_quota_exceeded")
-                else:
-                    tenant = None
                 try:
                     prompt = gw.encode(req)
                     if req.stream:
@@ -364,6 +413,12 @@ def make_handler(gw: Gateway):
             except StreamCut:
                 gw.m_requests.labels(endpoint, "503").inc()
                 self.close_connection = True
+            except Exception:  # noqa: BLE001 - a bug must still answer, never drop the connection
+                log.exception("request to %s failed", self.path)
+                gw.m_requests.labels(endpoint, "500").inc()
+                self.close_connection = True
+                if not self._headers_sent:
+                    self._error(500, "internal error (logged by the gateway)", "server_error")
 
         def _run(self, req, prompt):
             t0 = time.perf_counter()
@@ -411,6 +466,7 @@ def make_handler(gw: Gateway):
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            self._headers_sent = True
             detok = _Detok(gw.tokenizer, req.stop)
             n, cached, first = 0, 0, True
 

@@ -36,6 +36,19 @@ class ParsedRequest:
     user: str | None
 
 
+UINT32_MAX = (1 << 32) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {v!r}", name)
+    return v
+
+
 def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
     v = body.get(name, default)
     if v is None:
@@ -72,6 +85,9 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
             if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one prompt)",
                                  "prompt")
+            if not all(0 <= t <= UINT32_MAX for t in prompt):
+                raise BadRequest("token ids in 'prompt' must be non-negative (and below the vocabulary size)",
+                                 "prompt")
         elif not isinstance(prompt, str) or not prompt:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
     n = _num(body, "n", 1, 1, 1, integer=True)
@@ -88,14 +104,14 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
     return ParsedRequest(
         chat=chat, prompt=prompt,
-        max_tokens=_num(body, limit_name, 16, 1, None, integer=True),
+        max_tokens=_num(body, limit_name, 16, 1, UINT32_MAX, integer=True),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
-        seed=_num(body, "seed", None, integer=True),
-        stream=bool(body.get("stream", False)),
+        seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
+        stream=_flag(body, "stream", False),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-        stop=stop, ignore_eos=bool(body.get("ignore_eos", False)), cache_salt=salt,
-        speculative=bool(body.get("speculative", True)),
+        stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
+        speculative=_flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None)
 
 

@@ -3,6 +3,7 @@ stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no
 
 import http.client
 import json
+import socket
 import ssl
 import urllib.parse
 
@@ -199,6 +200,57 @@ def test_bodies_over_8_mib_get_400_and_8_mib_is_served(disagg):
     assert len(body) == MAX_BODY
     status, data = request(disagg.url, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+
+
+def raw_exchange(url: str, data: bytes) -> tuple[int, dict, bytes]:
+    """Sends ``data`` as is and reads one response: (status, headers, body)."""
+    u = urllib.parse.urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=300) as sock:
+        sock.sendall(data)
+        r = http.client.HTTPResponse(sock)
+        r.begin()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 1 << 40), ("seed", 1 << 70), ("prompt", [-1, 5]),
+                                         ("prompt", [1 << 40]), ("stream", "false"), ("ignore_eos", 1)])
+def test_values_beyond_what_the_engines_take_are_400_naming_the_field(disagg, field, value):
+    """Before, numbers outside the protobuf fields' range dropped the connection unanswered."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+    status, data = request(disagg.url, "POST", "/v1/completions", json.dumps(body).encode(),
+                           {"Content-Type": "application/json"})
+    assert status == 400, data
+    err = json.loads(data)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field
+
+
+def test_malformed_http_gets_an_openai_error_and_never_desyncs_the_connection(disagg):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for extra, payload, why in ((f"Content-Length: abc\r\n", body, "Content-Length"),
+                                (f"Content-Length: -5\r\n", body, "Content-Length"),
+                                ("Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
+                                 "chunked")):
+        status, headers, data = raw_exchange(disagg.url, (head + extra + "\r\n").encode() + payload)
+        assert status == 400 and why in json.loads(data)["error"]["message"] and headers["connection"] == "close"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, data = request(disagg.url, "POST", "/v1/completions", deep, {"Content-Type": "application/json"})
+    assert status == 400 and "nested too deeply" in json.loads(data)["error"]["message"]
+    status, headers, data = raw_exchange(disagg.url, b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 405 and json.loads(data)["error"]["code"] == "method_not_allowed"
+    status, headers, data = raw_exchange(disagg.url, b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 501 and json.loads(data)["error"]["type"] == "server_error"
+    # a POST to an unknown path: its body is read, not taken for the connection's next request
+    u = urllib.parse.urlparse(disagg.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        for path, want in (("/v1/embeddings", 404), ("/v1/completions", 200)):
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            assert r.status == want, data
+    finally:
+        conn.close()
 
 
 # ---- metrics ----------------------------------------------------------------------------
@@ -428,12 +480,19 @@ def test_api_keys_bind_each_request_to_its_tenant_and_cache_salt(tmp_path):
         status, body = request(s.url, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
                                {"Content-Type": "application/json"})  # no Authorization header at all
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        # a stranger learns nothing of what is served: not from a wrong model's error, not from /v1/models
+        status, body = request(s.url, "POST", "/v1/completions", json.dumps({"model": "x", "prompt": "hi"}).encode(),
+                               {"Content-Type": "application/json"})
+        assert status == 401 and MODEL not in body.decode()
+        status, body = request(s.url, "GET", "/v1/models")
+        assert status == 401 and MODEL not in body.decode()
+        assert [m.id for m in s.client(keys["acme"]).models.list()] == [MODEL]
         with pytest.raises(openai.AuthenticationError):
             s.client("sk-unknown-000").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert cached("acme") == 0 and cached("acme") > 0  # its own prefix, reused
         assert cached("globex") == 0  # the same prompt, another tenant (its "cache_salt": "acme" ignored)
         assert cached("c") == 0 and cached("d") > 0  # the two sharing tenants reuse each other's
-        assert metrics(s.url)[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "401")))] == 2
+        assert metrics(s.url)[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "401")))] == 3
     finally:
         s.close()
         plain.close()
