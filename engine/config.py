@@ -247,6 +247,8 @@ class EngineConfig:
 
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         check_etcd(self.etcd)
+        if self.page_size <= 0 or self.chunk_tokens <= 0:
+            raise ValueError(f"page_size ({self.page_size}) and chunk_tokens ({self.chunk_tokens}) must be positive")
         if self.chunk_tokens % self.page_size:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of page_size ({self.page_size})")
         if self.chunk_size <= 0 or self.max_num_batched_tokens < self.chunk_size:

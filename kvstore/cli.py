@@ -137,8 +137,8 @@ def _register_certs(sub) -> None:
 def _run_certs_init(ns: argparse.Namespace) -> int:
     from kvstore import tls
 
-    if not ns.days > 0:
-        print("crescent certs init: error: --days must be > 0", file=sys.stderr)
+    if not 0 < ns.days <= 36500:
+        print("crescent certs init: error: --days must be in (0, 36500]", file=sys.stderr)
         return 2
     try:
         paths = tls.init_dir(ns.dir, ns.host, ns.days)
@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: no abbreviations: a subcommand flag such as `up --tls` must not read as a prefix of --tls-cert
     parser = argparse.ArgumentParser(prog="crescent", description="Crescent: a KV-cache store for LLM serving",
                                      allow_abbrev=False)
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging level (default: WARNING)")
     parser.add_argument("--host-id", default=None, metavar="NAME",
                         help="this process's host, for same-host movers (default: $CRESCENT_HOST_ID, else the "
                              "hostname): processes with different host ids never use shared memory")

@@ -15,6 +15,70 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "tb": 1000**4, "tib": 1024**4}
 
 
+def check_address(flag: str, address: str) -> None:
+    """Raises ValueError unless ``address`` is ``host:port`` with a port in [0, 65535]."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} must be host:port (port 0-65535), got {address!r}")
+
+
+def check_port(flag: str, port: int | None, off: int | None = None) -> None:
+    """Raises ValueError unless ``port`` is None, in [0, 65535], or ``off`` (the value meaning none)."""
+    if port is not None and port != off and not 0 <= port <= 65535:
+        raise ValueError(f"{flag} must be a port in [0, 65535]{f' (or {off}: none)' if off is not None else ''}, "
+                         f"got {port}")
+
+
+def port_arg(text: str) -> int:
+    """argparse type of a port flag: one-line usage error outside [0, 65535]."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {port}")
+    return port
+
+
+def count_arg(text: str) -> int:
+    """argparse type of a count that fits the wire's 32 bits (0 allowed: the default's meaning)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= n < 1 << 32:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2^32), got {n}")
+    return n
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type of a deadline: seconds in (0, 86400]."""
+    import argparse
+
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 < s <= 86400.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be in (0, 86400] seconds, got {text}")
+    return s
+
+
+def address_arg(text: str) -> str:
+    """argparse type of a host:port flag."""
+    import argparse
+
+    try:
+        check_address("the address", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the address ")) from None
+    return text
+
+
 def check_etcd(endpoints: str | None) -> None:
     """ValueError unless ``endpoints`` is None or ``host:port[,host:port...]``."""
     if endpoints is not None:
@@ -171,9 +235,9 @@ class StoreConfig:
             raise ValueError(f"--drain-s must be in [0, 3600] seconds, got {self.drain_s}")
         if self.transport not in ("auto", "shm", "rdma", "tcp"):
             raise ValueError(f"--transport must be auto, shm, rdma or tcp, got {self.transport!r}")
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--listen must be host:port, got {self.listen!r}")
+        check_address("--listen", self.listen)
+        check_port("--data-port", self.data_port, off=-1)
+        check_port("--metrics-port", self.metrics_port)
         if self.advertise_host is not None and (not self.advertise_host or any(c.isspace() for c in self.advertise_host)):
             raise ValueError(f"--advertise-host must be a host name or address, got {self.advertise_host!r}")
         check_etcd(self.etcd)
@@ -181,5 +245,5 @@ class StoreConfig:
         if self.conductor is not None:
             for c in self.conductor.split(","):
                 c_host, _, c_port = c.strip().rpartition(":")
-                if not c_host or not c_port.isdigit():
+                if not c_host or not c_port.isdigit() or int(c_port) > 65535:
                     raise ValueError(f"--conductor must be host:port[,host:port...], got {self.conductor!r}")

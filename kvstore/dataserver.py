@@ -96,7 +96,8 @@ class DataChannelServer:
                     c.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5)
 
     def _accept_loop(self) -> None:
         while not self._closed:

@@ -251,7 +251,24 @@ class StoreNode:
             except Exception as exc:  # zmq.ZMQError: a bad or busy endpoint
                 raise OSError(f"cannot publish KV events on {config.kv_events_endpoint}: {exc}") from None
             listener = self.kv_events.listener(listener)
-        self.store = TieredStore(config, listener=listener, quotas=auth.quotas(auth.table()))
+        self.transport = None
+        try:
+            self.store = TieredStore(config, listener=listener, quotas=auth.quotas(auth.table()))
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.stop()
+            raise
+        try:
+            self._make_parts(config)
+        except BaseException:  # a node that cannot start leaves nothing behind (its arena is --dram of memory)
+            if self.kv_events is not None:
+                self.kv_events.stop()
+            if self.transport is not None:
+                self.transport.stop()
+            self.store.close()
+            raise
+
+    def _make_parts(self, config: StoreConfig) -> None:
         self.metrics = StoreMetrics(self.store)
         self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
@@ -265,19 +282,18 @@ class StoreNode:
         host = config.listen.rpartition(":")[0]
         self.port = tls.add_port(self.server, config.listen)
         if self.port == 0:
-            if self.kv_events is not None:
-                self.kv_events.stop()
-            self.transport.stop()
-            self.store.close()
             raise OSError(f"cannot listen on {config.listen} (address in use or not local)")
         self.host = host
         self.address = f"{advertised_host(host, config.advertise_host)}:{self.port}"
         self.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         self.data_server = None
         if config.data_port >= 0:
-            self.data_server = DataChannelServer(
-                self.store, host, config.data_port,
-                on_op=self._on_tcp_op, grants=self.transport)
+            try:
+                self.data_server = DataChannelServer(
+                    self.store, host, config.data_port,
+                    on_op=self._on_tcp_op, grants=self.transport)
+            except OSError as exc:
+                raise OSError(f"cannot listen on --data-port {config.data_port}: {exc.strerror or exc}") from None
         self._metrics_server = None
 
     def _on_tcp_op(self, op: str, seconds: float, path: str) -> None:
@@ -288,16 +304,25 @@ class StoreNode:
             self.metrics.observe(_CHANNEL_OPS[op], seconds, path)
 
     def start(self) -> StoreNode:
-        if self.agent is not None:
-            self.agent.attach(self)  # before serving: the agent must see every event
-        if self.kv_events is not None:
-            self.kv_events.start(self.store)
-        self.transport.start()
-        self.server.start()
-        if self.data_server:
-            self.data_server.start()
-        if self.config.metrics_port is not None:
-            self._metrics_server = self.metrics.serve(self.config.metrics_port, self.host)
+        try:
+            if self.config.metrics_port is not None:  # first: a busy port stops the node before it serves
+                try:
+                    self._metrics_server = self.metrics.serve(self.config.metrics_port, self.host)
+                except OSError as exc:
+                    raise OSError(f"cannot serve metrics on --metrics-port {self.config.metrics_port}: "
+                                  f"{exc.strerror or exc}") from None
+            if self.agent is not None:
+                self.agent.attach(self)  # before serving: the agent must see every event
+            if self.kv_events is not None:
+                self.kv_events.start(self.store)
+            self.transport.start()
+            self.server.start()
+            if self.data_server:
+                self.data_server.start()
+        except BaseException:
+            self._drained.set()  # no drain: nothing was served
+            self.stop(grace=0)
+            raise
         return self
 
     def stop(self, grace: float = 2.0) -> None:

@@ -30,6 +30,7 @@ import datetime
 import functools
 import ipaddress
 import os
+import ssl
 
 import grpc
 
@@ -62,7 +63,17 @@ def _read(name: str, path: str) -> bytes:
 
 @functools.lru_cache(maxsize=8)
 def _load(cert: str, key: str, ca: str, client_auth: bool) -> TlsConfig:
-    return TlsConfig(_read("cert", cert), _read("key", key), _read("ca", ca), client_auth)
+    loaded = TlsConfig(_read("cert", cert), _read("key", key), _read("ca", ca), client_auth)
+    try:  # a key that is not the certificate's would fail every handshake with a message about something else
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-key {key} is not the key of --tls-cert {cert} (or either is not valid PEM): "
+                         f"{exc.reason or exc}") from None
+    try:
+        ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-ca {ca}: no valid CA certificate: {exc.reason or exc}") from None
+    return loaded
 
 
 def config() -> TlsConfig | None:
@@ -102,7 +113,6 @@ def _paths() -> tuple[str, str, str]:
 
 def server_context():
     """An ``ssl.SSLContext`` for the data channel's server side under TLS, else None."""
-    import ssl
 
     tls = config()
     if tls is None:
@@ -118,7 +128,6 @@ def server_context():
 
 def client_context():
     """An ``ssl.SSLContext`` for data-channel clients under TLS (checks the node's name), else None."""
-    import ssl
 
     if config() is None:
         return None

@@ -84,6 +84,31 @@ def test_bad_flags_and_busy_port_are_clear_errors(tmp_path):
         r = _run_store("--listen", f"127.0.0.1:{s.getsockname()[1]}")
     assert r.returncode == 2 and "cannot listen" in r.stderr
     assert "Traceback" not in r.stderr
+    for flag, value in (("--listen", "127.0.0.1:99999"), ("--data-port", "-7"), ("--metrics-port", "99999")):
+        r = _run_store("--listen", "127.0.0.1:0", flag, value) if flag != "--listen" else _run_store(flag, value)
+        assert r.returncode == 2 and f"{flag} must be" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_node_that_cannot_start_says_which_port_and_leaves_no_arena():
+    """A busy --data-port or --metrics-port: one line naming the flag, and the arena (--dram of
+    shared memory) removed, not left for a later node to reap."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = str(s.getsockname()[1])
+        for flag in ("--data-port", "--metrics-port"):
+            p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0",
+                                  "--dram", "64MiB", flag, busy], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = p.communicate(timeout=120)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            assert p.returncode == 2 and err.startswith(f"crescent store: error: cannot") and flag in err, err
+            assert len(err.strip().splitlines()) == 1
+            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{p.pid}-")]
 
 
 def test_sigterm_stops_gracefully_and_frees_the_arena():

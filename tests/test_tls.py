@@ -96,6 +96,11 @@ def test_certs_init_writes_a_ca_and_pairs_and_never_overwrites(certs):
         tls.configure(a["node"], a["node-key"], None)
     with pytest.raises(ValueError, match="not a PEM file"):
         tls.configure(a["node"], a["node-key"], __file__)
+    # before, a key of another pair bound no port ("address in use") or failed every handshake
+    with pytest.raises(ValueError, match="is not the key of --tls-cert"):
+        tls.configure(a["node"], certs["b"]["node-key"], a["ca"])
+    with pytest.raises(ValueError, match="no valid CA certificate"):
+        tls.configure(a["node"], a["node-key"], a["ca-key"])
 
 
 def test_mtls_store_node_serves_certified_clients_and_refuses_the_others(certs):

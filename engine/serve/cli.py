@@ -10,6 +10,7 @@ import sys
 def register(sub) -> None:
     from engine.config import EngineConfig
     from kvstore.cli import add_config_args
+    from kvstore.config import address_arg, port_arg
 
     p = sub.add_parser("engine", help="run a prefill, decode or monolithic engine",
                        description="Run an engine behind the crescent.v1.Engine gRPC service. prefill: "
@@ -17,11 +18,12 @@ def register(sub) -> None:
                                    "decode: loads them and streams tokens (prefilling locally when needed); "
                                    "both: a monolithic engine.")
     p.add_argument("role", choices=["prefill", "decode", "both"])
-    p.add_argument("--listen", default="127.0.0.1:7500", help="gRPC address host:port (default: 127.0.0.1:7500)")
+    p.add_argument("--listen", default="127.0.0.1:7500", type=address_arg,
+                   help="gRPC address host:port (default: 127.0.0.1:7500)")
     p.add_argument("--advertise-host", default=None, metavar="HOST",
                    help="host the conductor and gateway reach this engine at (default: the --listen host, or "
                         "this machine's hostname when that is a wildcard such as 0.0.0.0)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: none)")
+    p.add_argument("--metrics-port", type=port_arg, default=None, help="Prometheus /metrics port (default: none)")
     p.add_argument("--fetch-timeout-s", type=float, default=2.0,
                    help="decode: how long to wait for a prefill engine's chunks to appear in the store "
                         "after the last one arrived (default: 2.0)")
@@ -31,7 +33,8 @@ def register(sub) -> None:
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
                        description="OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions "
                                    "(stream: true as SSE), /v1/models, /health, /metrics.")
-    g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address host:port (default: 127.0.0.1:8000)")
+    g.add_argument("--listen", default="127.0.0.1:8000", type=address_arg,
+                   help="HTTP address host:port (default: 127.0.0.1:8000)")
     g.add_argument("--model", default="random:tiny", help="model (for the tokenizer and the served name)")
     g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     g.add_argument("--prefill", nargs="*", default=[], metavar="ADDR", help="prefill engine addresses")

@@ -27,6 +27,7 @@ import urllib.request
 import grpc
 
 from kvstore import tls
+from kvstore.config import port_arg
 from kvstore.procs import stop_processes
 from proto.crescent.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -42,10 +43,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default="./crescent-data", help="data folder: disk tier, logs, up.json "
                                                              "(default: ./crescent-data)")
     p.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
-    p.add_argument("--store-port", type=int, default=7400, help="store gRPC port (0: any free port)")
-    p.add_argument("--prefill-port", type=int, default=7500, help="prefill engine port (0: any free port)")
-    p.add_argument("--decode-port", type=int, default=7501, help="decode engine port (0: any free port)")
-    p.add_argument("--gateway-port", type=int, default=8000, help="gateway HTTP port (0: any free port)")
+    p.add_argument("--store-port", type=port_arg, default=7400, help="store gRPC port (0: any free port)")
+    p.add_argument("--prefill-port", type=port_arg, default=7500, help="prefill engine port (0: any free port)")
+    p.add_argument("--decode-port", type=port_arg, default=7501, help="decode engine port (0: any free port)")
+    p.add_argument("--gateway-port", type=port_arg, default=8000, help="gateway HTTP port (0: any free port)")
     p.add_argument("--dram", default="1GiB", help="store DRAM tier (default: 1GiB)")
     p.add_argument("--disk-size", default="4GiB", help="store disk tier (default: 4GiB)")
     p.add_argument("--chunk-size", type=int, default=512, help="chunked-prefill size (default: 512)")
@@ -58,7 +59,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
                         "no prefill engine (default: disagg)")
     p.add_argument("--no-store", action="store_true", help="run without a store node")
-    p.add_argument("--conductor-port", type=int, default=7300, help="conductor port (0: any free port)")
+    p.add_argument("--conductor-port", type=port_arg, default=7300, help="conductor port (0: any free port)")
     p.add_argument("--no-conductor", action="store_true",
                    help="run without a conductor (the gateway routes round-robin)")
     p.add_argument("--conductors", type=int, default=1, metavar="M",

@@ -11,6 +11,7 @@ import os
 import sys
 
 from kvstore.conductor.config import POLICY_NAMES, ConductorConfig
+from kvstore.config import count_arg, seconds_arg
 
 DEFAULT_CONDUCTOR = "127.0.0.1:7300"
 
@@ -51,7 +52,7 @@ def _common() -> argparse.ArgumentParser:
                         f"registered in --etcd, else {DEFAULT_CONDUCTOR})")
     p.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
                    help="etcd where conductor replicas register: find them there (default: $CRESCENT_ETCD)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="deadline of each call (default: 5)")
+    p.add_argument("--timeout", type=seconds_arg, default=5.0, metavar="S", help="deadline of each call (default: 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -65,7 +66,7 @@ def _key_args(p: argparse.ArgumentParser) -> None:
                    help="a tokenizer.json (or its folder) for --text; 'bytes': UTF-8 bytes as ids (default)")
     p.add_argument("--namespace", metavar="HEX",
                    help="chunk-key namespace, 32 hex digits (default: the one the registered engines share)")
-    p.add_argument("--chunk-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--chunk-tokens", type=count_arg, default=0, metavar="N",
                    help="tokens per chunk (default: the engines', else 256)")
 
 
@@ -93,7 +94,7 @@ def _register_ctl(sub) -> None:
     c.set_defaults(ctl_handler="cmd_lookup")
     c = cmds.add_parser("schedule", parents=[common], help="ask Schedule where a prompt would run")
     _key_args(c)
-    c.add_argument("--num-tokens", type=int, default=0, help="prompt length (default: from --tokens/--text)")
+    c.add_argument("--num-tokens", type=count_arg, default=0, help="prompt length (default: from --tokens/--text)")
     c.add_argument("--policy", choices=POLICY_NAMES, help="override the conductor's policy")
     c.add_argument("--vllm", action="store_true",
                    help="choose among the vLLM instances the conductor follows (--vllm-kv-events)")

@@ -9,15 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvstore.config import check_address, check_port
+
 PolicyName = Literal["random", "round-robin", "load", "cache-local", "cache-aware"]
 POLICY_NAMES: tuple[str, ...] = ("random", "round-robin", "load", "cache-local", "cache-aware")
-
-
-def check_address(flag: str, address: str) -> None:
-    """Raises ValueError unless ``address`` is ``host:port``."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{flag} must be host:port, got {address!r}")
 
 
 @dataclass
@@ -80,6 +75,7 @@ class ConductorConfig:
 
     def __post_init__(self) -> None:
         check_address("--listen", self.listen)
+        check_port("--metrics-port", self.metrics_port)
         if not self.heartbeat_interval > 0:
             raise ValueError(f"--heartbeat-interval must be > 0, got {self.heartbeat_interval}")
         if not self.dead_timeout > self.heartbeat_interval:

@@ -46,8 +46,16 @@ def _client(ns):
 
     from kvstore.conductor.cli import DEFAULT_CONDUCTOR
 
+    from kvstore.config import check_address, check_etcd
+
     # NOTE: with --etcd and no --conductor, the replicas come from etcd alone
     conductor = ns.conductor or (None if ns.etcd else DEFAULT_CONDUCTOR)
+    try:
+        for address in (conductor or "").split(",") if conductor is not None else ():
+            check_address("--conductor", address.strip())
+        check_etcd(ns.etcd)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return ConductorClient(conductor, timeout_s=ns.timeout, etcd=ns.etcd)
 
 

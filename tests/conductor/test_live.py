@@ -159,6 +159,21 @@ def test_bad_flags_exit_2(capsys):
     assert rc == 2 and "--dead-timeout (0.5) must exceed" in err
     rc, _, err = run_cli(capsys, "conductor", "--policy", "fastest")
     assert rc == 2 and "invalid choice: 'fastest'" in err
+    # numbers and addresses checked before anything is sent (they crashed, dialled :443 or wrapped)
+    for args, want in ((("ctl", "schedule", "--keys", "aabb", "--num-tokens=-5"), "--num-tokens: must be in"),
+                       (("ctl", "schedule", "--keys", "aabb", "--chunk-tokens", str(1 << 40)), "--chunk-tokens: must"),
+                       (("ctl", "nodes", "--timeout", "nan"), "--timeout: must be in"),
+                       (("ctl", "nodes", "--conductor", "127.0.0.1"), "--conductor must be host:port"),
+                       (("ctl", "nodes", "--conductor", ",,"), "--conductor must be host:port"),
+                       (("ctl", "nodes", "--etcd", "bad"), "--etcd"),
+                       (("--log-level", "bogus", "ctl", "nodes"), "invalid choice: 'BOGUS'"),
+                       (("conductor", "--metrics-port", "70000"), "--metrics-port must be a port"),
+                       (("engine", "both", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
+                       (("engine", "both", "--page-size", "0"), "page_size (0)"),
+                       (("gateway", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
+                       (("up", "--gateway-port", "-1"), "--gateway-port: a port is in")):
+        rc, _, err = run_cli(capsys, *args)
+        assert rc == 2 and want in err and "Traceback" not in err, (args, err)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
