@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from engine.config import BYTE_BOS, BYTE_EOS
@@ -74,7 +75,20 @@ class HFTokenizer:
         return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
-def load_tokenizer(model: str):
-    if not model.startswith("random:") and os.path.exists(os.path.join(model, "tokenizer.json")):
+def load_tokenizer(model: str, require: bool = False):
+    """The model folder's ``tokenizer.json``; UTF-8 bytes for a ``random:`` preset, and (with a
+    warning) for a folder without one, unless ``require``.
+
+    Raises:
+        ValueError: ``model`` is neither a preset nor a folder; or ``require`` and no tokenizer.json.
+    """
+    if model.startswith("random:"):
+        return ByteTokenizer()
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is neither a random:* preset nor a checkpoint folder")
+    if os.path.exists(os.path.join(model, "tokenizer.json")):
         return HFTokenizer(model)
+    if require:
+        raise ValueError(f"no tokenizer.json in {model} (a Hugging Face fast tokenizer is needed to encode text)")
+    logging.getLogger(__name__).warning("no tokenizer.json in %s: text is encoded as UTF-8 bytes", model)
     return ByteTokenizer()

@@ -124,7 +124,7 @@ class Gateway:
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self._inflight: dict[str, int] = {}
         self._inflight_lock = threading.Lock()
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model, require=True)  # the gateway's whole job is text to token ids
         static = RoundRobinRouter(prefill, decode) if decode else None
         if router is None and (conductor or etcd):
             router = ConductorRouter(conductor, fallback=static, etcd=etcd)

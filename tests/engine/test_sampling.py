@@ -51,3 +51,18 @@ def test_byte_tokenizer_round_trip():
     ids = t.encode("héllo", add_bos=True)
     assert ids[0] == t.bos_token_id and t.decode(ids) == "héllo"
     assert t.decode([104, 300, 105, t.eos_token_id]) == "h<|300|>i"
+
+
+def test_a_model_path_without_a_tokenizer_is_refused_where_text_is_encoded(tmp_path, caplog):
+    """The gateway turns text into ids: a typo in --model (it used bytes for ids, silently, in
+    front of a real model) or a folder without tokenizer.json is an error there; an engine,
+    which gets ids, warns and encodes text as bytes."""
+    from engine.serve.gateway import Gateway
+    from engine.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match="neither a random:\\* preset nor a checkpoint folder"):
+        load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        Gateway(str(tmp_path), [], ["127.0.0.1:1"])
+    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer) and "no tokenizer.json" in caplog.text
+    assert isinstance(load_tokenizer("random:tiny", require=True), ByteTokenizer)
