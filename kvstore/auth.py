@@ -120,6 +120,8 @@ def load(path: str) -> dict[bytes, Principal]:
         token, tenant, scopes = (e.get(k) if isinstance(e, dict) else None for k in ("token", "tenant", "scopes"))
         if not isinstance(token, str) or len(token) < 8:
             raise ValueError(f"--auth-file {path}: tokens[{i}].token must be a string of at least 8 characters")
+        if not printable_token(token):  # no client could send it
+            raise ValueError(f"--auth-file {path}: tokens[{i}].token must be printable ASCII without spaces")
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"--auth-file {path}: tokens[{i}].tenant must be a non-empty string")
         if not isinstance(scopes, list) or not scopes or any(s not in SCOPES for s in scopes):
@@ -204,6 +206,11 @@ def table() -> dict[bytes, Principal] | None:
     return load(os.path.abspath(path)) if path else None
 
 
+def printable_token(token: str) -> bool:
+    """Whether ``token`` fits a bearer header (printable ASCII, no spaces): what a gRPC header value carries."""
+    return all(33 <= ord(c) <= 126 for c in token)
+
+
 def configure(auth_file: str | None, token: str | None) -> None:
     """Sets this process's (and its children's) auth file and client token; reads the file at once.
 
@@ -214,6 +221,8 @@ def configure(auth_file: str | None, token: str | None) -> None:
         os.environ[FILE_ENV] = os.path.abspath(auth_file)
         table()
     if token:
+        if not printable_token(token):
+            raise ValueError("--token must be printable ASCII without spaces")
         os.environ[TOKEN_ENV] = token
 
 

@@ -121,6 +121,8 @@ def from_grpc(err: grpc.RpcError) -> CrescentError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, CrescentError)
+    if code is grpc.StatusCode.UNIMPLEMENTED:  # a store dialled as a conductor, or the other way round
+        details = f"{details} (the server there does not serve this call: is it the right kind of server?)"
     exc = cls(f"{code.name}: {details}")
     exc.grpc_code = code
     exc.leader = leader_hint(err) if hasattr(err, "code") else None

@@ -252,6 +252,12 @@ class TieredStore:
                 self._quota_refusal(ns, size)
             if only not in (None, Tier.DISK):
                 raise ResourceExhaustedError(f"the {only.name} tier cannot hold {size} bytes now")
+            room = {t.name.lower(): a.num_slots * a.slot_bytes for t, a in self._arenas}
+            if self.disk is not None:
+                room["disk"] = self.disk.capacity_bytes
+        if all(disk_cost(size) > n if t == "disk" else size > n for t, n in room.items()):
+            raise ResourceExhaustedError(f"a value of {size} bytes is larger than every tier of this node ("
+                                         + ", ".join(f"{t} {n} bytes" for t, n in room.items()) + ")")
         raise ResourceExhaustedError(
             f"no tier can hold {size} bytes: every resident value is leased or pinned, or the store is full")
 

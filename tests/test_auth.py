@@ -50,7 +50,8 @@ def test_the_auth_file_is_checked_at_start(tmp_path):
              ({"tokens": [{"token": "short", "tenant": "a", "scopes": ["tenant"]}]}, "at least 8"),
              ({"tokens": [{"token": TENANT, "tenant": "", "scopes": ["tenant"]}]}, "tenant must be"),
              ({"tokens": [{"token": TENANT, "tenant": "a", "scopes": ["root"]}]}, "scopes must list"),
-             ({"tokens": [{"token": TENANT, "tenant": "a", "scopes": ["tenant"]}] * 2}, "repeats")]
+             ({"tokens": [{"token": TENANT, "tenant": "a", "scopes": ["tenant"]}] * 2}, "repeats"),
+             ({"tokens": [{"token": "tok en-123", "tenant": "a", "scopes": ["tenant"]}]}, "printable ASCII")]
     for i, (doc, why) in enumerate(cases):
         p = tmp_path / f"{i}.json"
         p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
@@ -59,6 +60,9 @@ def test_the_auth_file_is_checked_at_start(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvstore.cli", "--auth-file", str(tmp_path / "missing.json"), "store"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "missing.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "--token", "a\nb-token", "ctl", "nodes"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)  # it was "INTERNAL: Invalid metadata"
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--token must be printable" in r.stderr
 
 
 def test_a_store_node_takes_only_known_tokens_and_admin_operations_need_the_admin_scope(auth_file):

@@ -187,8 +187,10 @@ def test_leases_block_eviction_and_full_leased_dram_is_exhausted():
     s.put(b"c", val(3))  # evicts b, not the leased a
     assert s.exists([b"a", b"b", b"c"]) == [True, False, True]
     lc = s.acquire(b"c")
-    with pytest.raises(ResourceExhaustedError):
+    with pytest.raises(ResourceExhaustedError, match="leased or pinned"):
         s.put(b"d", val(4))
+    with pytest.raises(ResourceExhaustedError, match=f"larger than every tier of this node \\(dram {2 * SLOT} bytes"):
+        s.put(b"e", os.urandom(3 * SLOT))  # no eviction could ever make room: said so
     assert b"".join(la.views) == val(1)
     s.release(la)
     s.release(la)  # idempotent

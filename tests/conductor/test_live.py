@@ -58,6 +58,8 @@ def test_live_cluster(cluster, cli):
     m = {x["member_id"]: x for x in ctl("nodes", conductor=cond.address, json_out=True)}  # the real entry point
     assert m["engine-b"]["kind"] == "prefill" and m["engine-b"]["store_node"] == "store-b"
     assert m["store-a"]["kind"] == "store" and m["store-a"]["state"] == "alive"
+    rc, _, err = cli("nodes", conductor=stores["store-a"].address)  # a store is not a conductor: said so
+    assert rc == 1 and "UNIMPLEMENTED" in err and "right kind of server" in err and err.count("\n") == 1
 
     # Prefix P1 is cached on store-b, P2 on store-a.
     keys1, keys2 = chunk_keys(P1, NS, CHUNK), chunk_keys(P2, NS, CHUNK)
