@@ -17,6 +17,15 @@ HTTP_POLL_S = 0.05
 0.5 s, is how long ``shutdown()`` waited: each HTTP listener made its process stop ~0.5 s later."""
 
 
+def say(text: str) -> None:
+    """Prints a server's status line; a stdout that went away (a closed pipe, a gone terminal) is
+    no reason to skip its graceful stop."""
+    try:
+        print(text, flush=True)
+    except OSError:  # BrokenPipeError
+        pass
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """Asks ``proc`` to stop (SIGTERM), kills it after ``grace_s``; returns its exit status."""
     return stop_processes([proc], grace_s)[0]

@@ -24,7 +24,7 @@ from kvstore.liveness import server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics, stop_http
-from kvstore.procs import StopSignals, wait_in_slices
+from kvstore.procs import StopSignals, say, wait_in_slices
 from kvstore.store import Reservation, TieredStore, check_key
 from kvstore.transport.descriptors import Mover
 from kvstore.transport.service import DescriptorRpcs, NodeTransport
@@ -355,7 +355,8 @@ def serve(config: StoreConfig) -> None:
     dc = f", data channel :{node.data_server.port}" if node.data_server else ""
     tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
     ev = f", KV events {node.kv_events.endpoint}" if node.kv_events else ""
-    print(f"crescent store {node.node_id} listening on {node.address}{dc} (tiers: {tiers}){ev}", flush=True)
+    m = f", metrics :{node._metrics_server.server_port}" if node._metrics_server is not None else ""
+    say(f"crescent store {node.node_id} listening on {node.address}{dc}{m} (tiers: {tiers}){ev}")
     stop.wait()
-    print("crescent store: stopping", flush=True)
+    say("crescent store: stopping")
     node.stop()

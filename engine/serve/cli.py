@@ -95,5 +95,21 @@ def _run_gateway(ns: argparse.Namespace) -> int:
 
 def _run_up(ns: argparse.Namespace) -> int:
     from engine.serve.up import run_up
+    from kvstore.config import parse_size
 
+    try:  # checked here, once, not by each part as it starts (exit 1 with a child's usage text)
+        for flag, value in (("--dram", ns.dram), ("--disk-size", ns.disk_size), ("--kv-cache-memory", ns.kv_cache_memory)):
+            try:
+                size = parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+            if size <= 0:
+                raise ValueError(f"{flag} must be positive, got {value!r}")
+        os.makedirs(os.path.join(os.path.abspath(ns.data), "logs"), exist_ok=True)
+    except ValueError as exc:
+        print(f"crescent up: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"crescent up: error: --data {ns.data}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return run_up(ns)

@@ -19,7 +19,7 @@ from kvstore import auth, tls
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.liveness import server_options
 from kvstore.metrics import stop_http
-from kvstore.procs import StopSignals
+from kvstore.procs import StopSignals, say
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -230,8 +230,8 @@ def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, f
     node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s, advertise_host).start()
     stop = StopSignals()
     store = f", store {cfg.store}" if cfg.store else ""
-    print(f"crescent engine {role} ({cfg.model}) listening on {node.address}{store}", flush=True)
+    say(f"crescent engine {role} ({cfg.model}) listening on {node.address}{store}")
     stop.wait()
-    print(f"crescent engine {role}: stopping", flush=True)
+    say(f"crescent engine {role}: stopping")
     node.stop()
     gc.freeze()  # what is left is torch's heap: the collection at exit would walk it (~0.5 s) for nothing

@@ -30,7 +30,7 @@ from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRo
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
-from kvstore.procs import HTTP_POLL_S, StopSignals
+from kvstore.procs import HTTP_POLL_S, StopSignals, say
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
@@ -578,7 +578,7 @@ class GatewayServer:
 def serve(gw: Gateway, listen: str, ssl_context=None) -> None:
     srv = GatewayServer(gw, listen, ssl_context).start()
     stop = StopSignals()
-    print(f"crescent gateway serving {gw.model_name} on {srv.url}/v1", flush=True)
+    say(f"crescent gateway serving {gw.model_name} on {srv.url}/v1")
     stop.wait()
-    print("crescent gateway: stopping", flush=True)
+    say("crescent gateway: stopping")
     srv.stop()

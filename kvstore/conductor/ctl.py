@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import sys
 
 from kvstore.config import format_size
@@ -296,6 +297,13 @@ def cmd_replay(ns) -> int:
         if ns.limit is not None and ns.limit < 1:
             raise ValueError("--limit must be >= 1")
         requests = load_trace(ns.trace, ns.limit)
+        if ns.compare:  # before the replays, not after them
+            try:
+                os.makedirs(ns.out, exist_ok=True)
+                with tempfile.TemporaryFile(dir=ns.out):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"--out {ns.out}: cannot write there ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     rows = []

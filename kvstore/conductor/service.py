@@ -36,7 +36,7 @@ from kvstore.health import HealthStatus, advertised_host
 from kvstore.errors import (LEADER_METADATA, CrescentError, FailedPreconditionError, InvalidArgumentError,
                             NotFoundError)
 from kvstore.liveness import server_options
-from kvstore.procs import StopSignals
+from kvstore.procs import StopSignals, say
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
 from proto.crescent.v1 import conductor_pb2_grpc as cpb_grpc
@@ -687,8 +687,8 @@ def serve(config: ConductorConfig) -> None:
     metrics = f", metrics :{conductor.metrics_port}" if conductor.metrics_port is not None else ""
     if conductor.kv_events is not None:
         metrics += f", cluster KV events {conductor.kv_events.endpoint}"
-    print(f"crescent conductor listening on {conductor.address}{metrics} (policy {config.policy}, "
-          f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)", flush=True)
+    say(f"crescent conductor listening on {conductor.address}{metrics} (policy {config.policy}, "
+        f"heartbeat {config.heartbeat_interval:g} s, dead after {config.dead_timeout:g} s)")
     stop.wait()
-    print("crescent conductor: stopping", flush=True)
+    say("crescent conductor: stopping")
     conductor.stop()

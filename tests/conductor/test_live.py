@@ -173,7 +173,8 @@ def test_bad_flags_exit_2(capsys):
                        (("engine", "both", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
                        (("engine", "both", "--page-size", "0"), "page_size (0)"),
                        (("gateway", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
-                       (("up", "--gateway-port", "-1"), "--gateway-port: a port is in")):
+                       (("up", "--gateway-port", "-1"), "--gateway-port: a port is in"),
+                       (("up", "--dram", "12XB"), "--dram: not a size")):
         rc, _, err = run_cli(capsys, *args)
         assert rc == 2 and want in err and "Traceback" not in err, (args, err)
     with socket.socket() as s:

@@ -112,11 +112,14 @@ def test_ctl_replay_table(capsys):
 
 def test_ctl_replay_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "zero.json").write_text('{"network_bandwidth": 0}')
+    (tmp_path / "a-file").write_text("")
     for args, msg in [((TRACE, "--profile", str(tmp_path / "zero.json")), "network_bandwidth must be > 0"),
                       ((str(tmp_path / "missing.jsonl"),), "cannot read the trace"),
                       ((TRACE, "--prefill", "0"), "--prefill and --decode must be at least 1"),
                       ((TRACE, "--profile", str(tmp_path / "nope.json")), "cannot read the profile"),
-                      ((TRACE, "--limit", "0"), "--limit must be >= 1")]:
+                      ((TRACE, "--limit", "0"), "--limit must be >= 1"),
+                      # checked before the replays (it failed after every policy had run)
+                      ((TRACE, "--compare", "--out", str(tmp_path / "a-file" / "out")), "cannot write there")]:
         rc, _, err = run_cli(capsys, "ctl", "replay", *args, "--no-progress")
         assert rc == 2, (args, err)
         assert err.startswith("crescent ctl: error: ") and msg in err
