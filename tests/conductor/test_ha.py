@@ -217,5 +217,5 @@ def test_etcd_alone_finds_the_replicas_for_clients_members_and_ctl(replicas, etc
             assert c.address == follower.address
     finally:
         node.stop(grace=0)
-    bad = ctl("nodes", "--etcd", "nohost")
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "etcd" in bad.stderr
+    bad = ctl("nodes", "--etcd", "nohost")  # no port: bad input (2), not an unreachable etcd (1)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "etcd" in bad.stderr
