@@ -67,6 +67,8 @@ def test_sigterm_taken_by_a_side_thread_stops_the_server(server):
         signal_a_side_thread(p.pid)
         assert p.proc.wait(timeout=120) == 0, p.proc.stderr.read()[-2000:]
         assert stopping in p.proc.stdout.read()
+        err = p.proc.stderr.read()
+        assert "leaked" not in err and "Traceback" not in err, err[-2000:]  # a clean stop says nothing more
     finally:
         p.stop()
 

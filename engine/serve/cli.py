@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -73,7 +74,16 @@ def _run_engine(ns: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"crescent engine: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    # NOTE: the engine has stopped (its store client closed, its calls answered): the process
+    # leaves without the interpreter's teardown, whose last collection walks torch's heap (~1 s)
+    # and whose end has Triton's bindings report the objects they still hold as leaks
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    os._exit(0)
 
 
 def _run_gateway(ns: argparse.Namespace) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -234,4 +233,3 @@ def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, f
     stop.wait()
     say(f"crescent engine {role}: stopping")
     node.stop()
-    gc.freeze()  # what is left is torch's heap: the collection at exit would walk it (~0.5 s) for nothing
