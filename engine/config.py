@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -271,6 +272,18 @@ class EngineConfig:
 
         if self.store_transport not in REQUESTS:
             raise ValueError(f"store_transport must be one of {', '.join(REQUESTS)}, got {self.store_transport!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint folder or a random: preset, got {self.model!r}")
+        for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
+                              ("chunk_check", ("auto", "xxh3", "wsum"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0 (0: from kv_cache_memory), got {self.num_pages}")
+        if self.kv_cache_memory <= 0 and not self.num_pages:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
 
     def torch_device(self) -> torch.device:
         import torch  # here, not at the top: the CLI reads this module for its flags without torch

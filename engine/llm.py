@@ -52,17 +52,27 @@ class LLM:
         Saves of newly computed chunks are flushed before returning, so another
         engine can reuse them at once.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 ignore_eos=ignore_eos)
         salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
         encoded = [self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
         for ids in encoded:  # all or nothing: a bad prompt queues none of the batch
             self.engine.validate(ids, params)
         seqs = [self.engine.add_request(ids, params, cache_salt=salt) for ids in encoded]
-        while any(not s.is_finished for s in seqs):
-            self.engine.step()
+        try:
+            while any(not s.is_finished for s in seqs):
+                self.engine.step()
+        except BaseException:
+            for s in seqs:  # a failed step leaves none of them queued (the next call would fail the same way)
+                self.engine.abort(s.seq_id)
+            raise
         if self.engine.connector is not None:
             self.engine.connector.flush()
         return [RequestOutput(prompt_token_ids=s.prompt, token_ids=list(s.output),

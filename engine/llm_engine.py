@@ -145,6 +145,8 @@ class LLMEngine:
                 engine's own pages held them (``local_prefix_chunks``).
         """
         self.validate(prompt, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []),
                        replicate=replicate)
         if self.connector is not None:
@@ -163,11 +165,17 @@ class LLMEngine:
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises ValueError, naming the problem, for a request this engine cannot serve."""
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a list of token ids, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt token ids must be integers")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if len(prompt) + params.max_tokens > self.model_config.max_position_embeddings:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the model's "
                              f"context of {self.model_config.max_position_embeddings}")

@@ -21,7 +21,7 @@ from kvstore import tls
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.datachannel import Status, _Connections
 from kvstore.liveness import channel_options
-from kvstore.errors import (CrescentError, DataLossError, InvalidArgumentError,
+from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             ResourceExhaustedError, UnavailableError, call_grpc)
 from kvstore.store import Tier
 from kvstore.transport.gpu import host_to_cuda, is_cuda
@@ -136,11 +136,22 @@ class StoreClient:
         self._transport_req = transport
         self._local_reads = local_reads
         self._selection = None  # kvstore.transport.session.Selection, resolved on first use
+        self._closed = False
 
     # ---- plumbing -----------------------------------------------------------
 
     def _call(self, fn: Callable[[], T]) -> T:
-        return call_grpc(fn, self.retry)
+        self._check_open()
+        try:
+            return call_grpc(fn, self.retry)
+        except CrescentError as exc:
+            if self._closed:  # closed by another thread during the call (gRPC says CANCELLED)
+                raise FailedPreconditionError(f"the client of {self.address} was closed during the call") from exc
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError(f"the client of {self.address} is closed")
 
     def health(self) -> dict:
         h = self._read_health(self.retry)
@@ -150,6 +161,7 @@ class StoreClient:
 
     def _read_health(self, retry: Retry | None) -> pb.HealthResponse:
         """Health, remembered as the node's limits, data port and token."""
+        self._check_open()
         h = call_grpc(lambda: self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s), retry)
         self._limits = h
         return h
@@ -203,6 +215,8 @@ class StoreClient:
         the call retried under the client's ``Retry``, each attempt re-reading the
         node's data port and token (Health) first, so a client follows a restarted node.
         """
+        self._check_open()
+
         def once():
             dc = self._data_channel(retry=False)  # this loop retries
             if dc is None:
@@ -225,6 +239,7 @@ class StoreClient:
         Its step-wise calls (acquire/read/release, reserve/write/commit/abort)
         are for callers that drive the descriptor protocol themselves.
         """
+        self._check_open()
         if self._selection is None:
             from kvstore.transport.session import select
 
@@ -540,6 +555,11 @@ class StoreClient:
                                                       "evictions": t.evictions} for t in r.tiers}}
 
     def close(self) -> None:
+        """Ends the client (a call under way on another thread finishes or fails cleanly; later
+        calls raise FailedPreconditionError). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._selection is not None and self._selection.session is not None:
             self._selection.session.close()
         if self._dc is not None:

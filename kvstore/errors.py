@@ -112,6 +112,10 @@ def call_grpc(fn, retry=None):
             return fn()
         except grpc.RpcError as exc:
             raise from_grpc(exc) from None
+        except ValueError as exc:  # grpc's answer on a channel another thread closed meanwhile
+            if "closed" not in str(exc).lower() or "channel" not in str(exc).lower():
+                raise
+            raise FailedPreconditionError(f"the client was closed: {exc}") from None
 
     return retry.call(once) if retry is not None else once()
 

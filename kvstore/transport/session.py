@@ -359,6 +359,7 @@ class DescriptorSession:
         self._device_wanted = False
         self._unreported = [0, 0, 0]  # local reads the node has not been told of: values, bytes, batches
         self._reported_at = time.monotonic()
+        self._closed = False
 
     @property
     def mover(self) -> Mover:
@@ -852,7 +853,12 @@ class DescriptorSession:
                 log.debug("could not settle the data channel: %s", exc)
 
     def close(self) -> None:
-        """Reports the last local reads, and closes the mover once no copy uses it any more."""
+        """Reports the last local reads, and closes the mover once no copy uses it any more (a
+        copy under way ends first; later calls raise FailedPreconditionError). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._report(self._handle)
         self._retire(self._handle)
 
@@ -860,6 +866,8 @@ class DescriptorSession:
     def _use(self):
         """The current mover, kept open while the caller copies with it."""
         with self._lock:
+            if self._closed:  # its mapping may be gone: a copy now would fault
+                raise FailedPreconditionError("the descriptor session is closed")
             h = self._handle
             h.users += 1
         try:

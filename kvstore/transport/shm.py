@@ -146,8 +146,11 @@ class ShmMover:
         return None
 
     def close(self) -> None:
+        if self._fd < 0:  # closed already
+            return
         self._engine.close()
         os.close(self._fd)
+        self._fd = -1
         for v in (self.generations, self.touched):
             if v is not None:
                 v.release()

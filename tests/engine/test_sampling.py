@@ -27,10 +27,41 @@ def test_top_p_keeps_only_the_nucleus():
     assert picks == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5)])
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(max_tokens=None), dict(max_tokens="3"), dict(temperature="0.5"),
+                                 dict(seed=1.5), dict(seed=1 << 64), dict(stop_token_ids=5),
+                                 dict(stop_token_ids="ab"), dict(stop_token_ids=None)])
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_bad_request_is_refused_whole_and_the_engine_stays_usable():
+    """Before, a request whose bad field surfaced inside a step (a non-string salt, float token
+    ids) stayed queued: every later generate() failed the same way, and a seed beyond 64 bits
+    left a sequence holding its pages for good."""
+    from engine.config import EngineConfig
+
+    with LLM("random:tiny", dtype="float32") as llm:
+        want = llm.generate([[5, 6, 7]], max_tokens=2)[0].token_ids
+        for kw, why in ((dict(prompts=[1, 2], tenant_salt=5), "tenant_salt"),
+                        (dict(prompts=[[1.5, 2]]), "integers"), (dict(prompts=[[1, None]]), "integers"),
+                        (dict(prompts=None), "prompts must be"), (dict(prompts=[[1, 2]], seed=1 << 64), "seed")):
+            with pytest.raises(ValueError, match=why):
+                llm.generate(**kw)
+        assert llm.generate([[5, 6, 7]], max_tokens=2)[0].token_ids == want
+        assert llm.generate((5, 6, 7), max_tokens=2)[0].token_ids == want  # a tuple is a prompt too
+        assert not llm.engine.seqs and not llm.engine.has_work()
+        real = llm.engine.step
+        llm.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("a step failed"))
+        with pytest.raises(RuntimeError, match="a step failed"):
+            llm.generate([[5, 6, 7]], max_tokens=2)
+        llm.engine.step = real
+        assert not llm.engine.seqs and llm.generate([[5, 6, 7]], max_tokens=2)[0].token_ids == want
+    for kw in (dict(dtype="float8"), dict(device="tpu"), dict(num_pages=-3), dict(model=None),
+               dict(chunk_check="md5"), dict(kv_cache_memory=0)):
+        with pytest.raises(ValueError, match=next(iter(kw)) if "model" not in kw else "model"):
+            EngineConfig(**kw)
 
 
 def test_engine_seeded_sampling_and_bad_requests():

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from kvstore.client import StoreClient
-from kvstore.errors import InvalidArgumentError
+from kvstore.errors import FailedPreconditionError, InvalidArgumentError
 from kvstore.store import Tier
 from kvstore.transport.descriptors import ArenaRef
 from kvstore.transport.rdma import probe
 from kvstore.transport.shm import ShmMover, ShmUnavailableError
+from tests.helpers import wait_for
 
 MiB = 1 << 20
 SLOT = 64 << 10
@@ -223,3 +224,44 @@ def test_metrics_show_the_movers(make_node):
     assert 'crescent_store_op_seconds_count{op="acquire_read",path="shm"} 1.0' in text
     assert "crescent_store_remote_leases 0.0" in text
     assert "crescent_store_rdma_queue_pairs 0.0" in text  # no RDMA endpoint here: none held
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_a_closed_client_refuses_every_call_and_a_close_under_puts_is_clean(node, transport):
+    """Before, an shm client used after close() copied through its unmapped arena (SIGSEGV: the
+    whole process died), a second close() raised EBADF, grpc raised gRPC's own ValueError and
+    tcp reopened its sockets."""
+    c = StoreClient(node.address, transport=transport)
+    c.put(b"k", b"v")
+    c.close()
+    c.close()
+    for call in (lambda: c.put(b"k2", b"x"), lambda: c.get(b"k"), lambda: c.stats(), lambda: c.health(),
+                 lambda: c.batch_get_into([b"k"], [bytearray(4)]), lambda: c.exists([b"k"])):
+        with pytest.raises(FailedPreconditionError, match="closed"):
+            call()
+    c = StoreClient(node.address, transport=transport)
+    stop, errors = threading.Event(), []
+
+    def writer(t: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                c.put(b"w%d-%d" % (t, i % 20), os.urandom(3 * SLOT))
+            except FailedPreconditionError:
+                pass  # closed under it: refused cleanly
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+                return
+            i += 1
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["num_entries"] >= 5, what="puts under way")
+    c.close()  # while they put
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert node.transport.leases.stats()["num_remote_reservations"] == 0  # nothing left reserved
