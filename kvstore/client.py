@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar, Union
 
 from kvstore import tls
-from kvstore.config import MAX_KEY_BYTES
+from kvstore.config import MAX_KEY_BYTES, check_address
 from kvstore.datachannel import Status, _Connections
 from kvstore.liveness import channel_options
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
@@ -32,6 +32,8 @@ from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 FRAME_BYTES = 4 << 20
+MAX_TIMEOUT_S = 1e6
+"""The longest deadline a call takes (gRPC turns much longer ones into an immediate DEADLINE_EXCEEDED)."""
 _OPTIONS = channel_options(FRAME_BYTES + (1 << 20))
 """Dead nodes noticed within seconds, returning ones found within ~2 s (kvstore/liveness.py)."""
 
@@ -51,6 +53,14 @@ class Retry:
     backoff_s: float = 0.05
     max_backoff_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
+            raise InvalidArgumentError(f"Retry.attempts must be an integer >= 1, got {self.attempts!r}")
+        for name in ("backoff_s", "max_backoff_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 3600.0:  # also NaN
+                raise InvalidArgumentError(f"Retry.{name} must be seconds in [0, 3600], got {v!r}")
+
     def call(self, fn: Callable[[], T]) -> T:
         delay = self.backoff_s
         for attempt in range(self.attempts):
@@ -65,12 +75,29 @@ class Retry:
 
 
 def as_bytes_view(buf: Buffer) -> memoryview:
-    """A flat byte view of a buffer-like or a contiguous CPU tensor (no copy)."""
+    """A flat byte view of a buffer-like or a contiguous CPU tensor (no copy).
+
+    Raises:
+        InvalidArgumentError: not a buffer (str, int, None...), or not contiguous.
+    """
     if hasattr(buf, "data_ptr"):  # torch.Tensor
         from kvstore.chunk import tensor_bytes
 
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise InvalidArgumentError(f"a tensor value or buffer must be a contiguous CPU or CUDA tensor, got "
+                                       f"{'a non-contiguous one' if buf.device.type == 'cpu' else buf.device.type}")
         return tensor_bytes(buf)
-    return memoryview(buf).cast("B")
+    if isinstance(buf, str):
+        raise InvalidArgumentError("a value or buffer is bytes-like (bytes, bytearray, memoryview, numpy array) "
+                                   "or a tensor, got str: encode it first")
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidArgumentError(f"a value or buffer is bytes-like (bytes, bytearray, memoryview, numpy array) "
+                                   f"or a tensor, got {type(buf).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("a value or buffer must be C-contiguous")
+    return view.cast("B")
 
 
 def _parts(value: Value) -> list:
@@ -90,6 +117,8 @@ def _host_parts(parts: list) -> list[memoryview]:
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)) or not hasattr(keys, "__iter__"):
+        raise InvalidArgumentError(f"keys must be a list of bytes, got {type(keys).__name__}")
     out = []
     for k in keys:
         if not isinstance(k, (bytes, bytearray)):
@@ -124,6 +153,16 @@ class StoreClient:
                  data_channel: bool = True, transport: str = "auto", local_reads: bool = True) -> None:
         if transport not in REQUESTS:
             raise InvalidArgumentError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
+        try:
+            check_address("the address", address)
+        except ValueError:
+            raise InvalidArgumentError(f"a node's address is host:port (port 0-65535), got {address!r}") from None
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise InvalidArgumentError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
+        if retry is None:
+            retry = Retry(attempts=1)
+        if not isinstance(retry, Retry):
+            raise InvalidArgumentError(f"retry must be a Retry (or None: no retries), got {type(retry).__name__}")
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry
@@ -284,6 +323,8 @@ class StoreClient:
         Raises:
             InvalidArgumentError: a bad key or value size (nothing is sent).
         """
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+            raise InvalidArgumentError("batch_put takes a list of (key, value) pairs")
         keys = _check_keys([k for k, _ in items])
         values = [_parts(v) for _, v in items]
         limit = (self._limits or self._read_health(self.retry)).max_value_bytes
@@ -405,6 +446,8 @@ class StoreClient:
             InvalidArgumentError: a value is larger than its buffer.
         """
         keys = _check_keys(keys)
+        if not isinstance(buffers, (list, tuple)):
+            raise InvalidArgumentError(f"buffers must be a list, one per key, got {type(buffers).__name__}")
         views = [b if is_cuda(b) else as_bytes_view(b) for b in buffers]
         if len(views) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} buffers")
@@ -525,6 +568,8 @@ class StoreClient:
     def pin(self, keys: Sequence[bytes], ttl_s: float = 600.0) -> int:
         """Protects keys from eviction for ``ttl_s`` seconds; returns keys found."""
         keys = _check_keys(keys)
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool):
+            raise InvalidArgumentError(f"ttl_s must be seconds, got {ttl_s!r}")
         r = self._call(lambda: self._stub.Pin(pb.PinRequest(keys=keys, ttl_s=ttl_s), timeout=self.timeout_s))
         return r.num_pinned
 

@@ -8,7 +8,9 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
+import torch
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -347,7 +349,31 @@ def test_client_refuses_bad_input_before_sending(node):
         c.put(b"k", bytes(node.config.max_value_size + 1))
     with pytest.raises(InvalidArgumentError, match="writable"):
         c.batch_get_into([b"k"], [b"readonly"])
+    # values and arguments of the wrong kind: a precise error, not a TypeError from deep inside
+    for value, why in (("text", "got str"), (5, "got int"), (None, "got NoneType"),
+                       (np.zeros((4, 4))[:, ::2], "C-contiguous"), (torch.zeros(4, 4).t(), "non-contiguous"),
+                       (torch.zeros(4, device="meta"), "got meta")):
+        with pytest.raises(InvalidArgumentError, match=why):
+            c.put(b"k", value)
+    for call, why in ((lambda: c.batch_get(None), "keys must be a list"), (lambda: c.batch_put(None), "pairs"),
+                      (lambda: c.batch_get_into([b"k"], None), "buffers must be a list"),
+                      (lambda: c.pin([b"k"], None), "ttl_s"), (lambda: c.pin([b"k"], "10"), "ttl_s")):
+        with pytest.raises(InvalidArgumentError, match=why):
+            call()
     c.close()
+    # deadlines gRPC cannot take (they failed every call at once), ports beyond 65535 (dialled
+    # modulo 65536), retry policies that fail only once the node is down
+    for kw, why in ((dict(timeout_s=float("inf")), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
+                    (dict(timeout_s=0), "timeout_s"), (dict(retry="x"), "retry must be")):
+        with pytest.raises(InvalidArgumentError, match=why):
+            StoreClient(node.address, **kw)
+    with pytest.raises(InvalidArgumentError, match="host:port"):
+        StoreClient("127.0.0.1:99999")
+    for kw in (dict(attempts=0), dict(attempts=1.5), dict(backoff_s=-1), dict(max_backoff_s=float("nan"))):
+        with pytest.raises(InvalidArgumentError, match="Retry"):
+            Retry(**kw)
+    with StoreClient(node.address, retry=None) as once:  # None: no retries
+        assert once.retry.attempts == 1 and once.get(b"missing") is None
 
 
 def test_unreachable_node_is_unavailable_after_retries():

@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import (CrescentError, DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError,
                             UnavailableError)
 
@@ -106,7 +107,12 @@ class MooncakeDistributedStore:
                      "mover, shared memory on the node's host, else TCP or RDMA)", ", ".join(ignored) or "no options",
                      protocol)
         self._hostname = local_hostname
-        store = StoreClient(master_server_address, timeout_s=30)
+        self.close()  # a second setup replaces the first's clients, not leaks them
+        try:
+            store = StoreClient(master_server_address, timeout_s=30)
+        except CrescentError as exc:
+            log.error("setup: %s", exc)
+            return INVALID_PARAMS
         try:
             store.health()
             self._client, self._cluster = store, False
@@ -141,6 +147,9 @@ class MooncakeDistributedStore:
         if c is None:
             return [INTERNAL_ERROR] * len(items)
         replicas = getattr(config, "replica_num", 1) or 1
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            log.error("replica_num must be a positive integer, got %r", replicas)
+            return [INVALID_PARAMS] * len(items)
         try:
             if self._cluster and replicas > 1:
                 rc = self._replicated.get(replicas)
@@ -239,6 +248,8 @@ class MooncakeDistributedStore:
     # ---- zero copy ------------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (buffer_ptr, size)):
+            return INVALID_PARAMS
         if not buffer_ptr or size <= 0:
             return INVALID_PARAMS
         with self._lock:
@@ -254,11 +265,14 @@ class MooncakeDistributedStore:
 
     def _view(self, ptr: int, size: int) -> memoryview | None:
         """A writable view of ``size`` bytes at ``ptr``, if they lie inside a registered buffer."""
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (ptr, size)):
+            return None
         with self._lock:
             ok = size >= 0 and any(start <= ptr and ptr + size <= start + n for start, n in self._buffers.items())
         if not ok:
             return None
-        return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(b"")
+        # NOTE: an empty buffer is writable too (an empty value reads into it: 0 bytes)
+        return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(bytearray())
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
@@ -284,7 +298,7 @@ class MooncakeDistributedStore:
             return [INVALID_PARAMS] * len(keys)
         if self._client is None:
             return [INTERNAL_ERROR] * len(keys)
-        views = [self._view(p, n) for p, n in zip(buffer_ptrs, sizes)]
+        views = [self._view(p, n) if _valid_key(k) else None for k, p, n in zip(keys, buffer_ptrs, sizes)]
         out = [INVALID_PARAMS] * len(keys)
         todo = [i for i, v in enumerate(views) if v is not None]
         try:
@@ -306,4 +320,16 @@ class MooncakeDistributedStore:
 
 
 def _key(key: str) -> bytes:
-    return key.encode() if isinstance(key, str) else bytes(key)
+    """Mooncake's keys are strings (its binding refuses other types: so does this one); bytes pass."""
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key)
+    raise TypeError(f"a key is a str, got {type(key).__name__}")  # bytes(5) would be five NUL bytes
+
+
+def _valid_key(key) -> bool:
+    try:
+        return 0 < len(_key(key)) <= MAX_KEY_BYTES
+    except TypeError:
+        return False

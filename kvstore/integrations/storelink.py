@@ -43,15 +43,16 @@ class StoreLinkConfig:
     """After a connection fault, seconds during which the node is not asked at all."""
 
     def __post_init__(self) -> None:
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"store address must be host:port, got {self.address!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        from kvstore.client import MAX_TIMEOUT_S
+        from kvstore.config import check_address
+
+        check_address("store address", self.address)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # also NaN
+            raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
         if self.attempts < 1:
             raise ValueError(f"attempts must be at least 1, got {self.attempts}")
-        if self.cooldown_s < 0:
-            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+        if not 0 <= self.cooldown_s <= 3600:
+            raise ValueError(f"cooldown_s must be in [0, 3600] seconds, got {self.cooldown_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from kvstore.datachannel import Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
-from kvstore.store import Tier
+from kvstore.store import Tier, check_key
 from kvstore.transport.descriptors import (SHM_PROOF_HEADER, ArenaRef, DeviceArenaRef, Grant, ItemStatus, Mover,
                                            SlotDescriptor, ops_for, value_extents)
 from kvstore.transport.gpu import CudaStaging, is_cuda
@@ -706,6 +706,7 @@ class DescriptorSession:
         ``mover`` ``cuda_ipc`` leases device-tier values instead (``open_device`` first): the
         grant names the device arena, and ``in_place`` gives its mapping."""
         mover = mover or self.mover
+        _check_keys(keys)
         if mover is Mover.CUDA_IPC and not self.device_mapped:
             raise FailedPreconditionError("the node's device tier is not mapped here (open_device)")
         with self._granted(lambda h: h.control.acquire(keys, mover), read=True) as (_, g):
@@ -724,11 +725,19 @@ class DescriptorSession:
 
     def release(self, lease_id: int) -> None:
         """Ends a read lease. Raises FailedPreconditionError when it had expired."""
+        _check_lease(lease_id)
         with self._use() as h:
             h.control.release(lease_id)
 
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Grant:
         """A write reservation for ``(key, size)`` items (0: nothing reserved)."""
+        if isinstance(items, (bytes, str)) or not hasattr(items, "__iter__") \
+                or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+            raise InvalidArgumentError("reserve takes a list of (key, size) pairs")
+        _check_keys([k for k, _ in items])
+        for _, n in items:
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1 << 63:
+                raise InvalidArgumentError(f"a size is a byte count, got {n!r}")
         with self._granted(lambda h: h.control.reserve(items, self.mover), read=False) as (_, g):
             return g
 
@@ -745,10 +754,12 @@ class DescriptorSession:
 
     def commit(self, lease_id: int) -> None:
         """Makes a reservation's values visible. Raises FailedPreconditionError when it expired."""
+        _check_lease(lease_id)
         with self._use() as h:
             h.control.commit(lease_id)
 
     def abort(self, lease_id: int) -> int:
+        _check_lease(lease_id)
         with self._use() as h:
             return h.control.abort(lease_id)
 
@@ -1001,6 +1012,18 @@ def safe_end(g: Grant) -> float:
     """
     ttl = g.expires_at - g.sent_at
     return g.expires_at - LEASE_MARGIN * ttl
+
+
+def _check_keys(keys) -> None:
+    if isinstance(keys, (bytes, bytearray, str)) or not hasattr(keys, "__iter__"):
+        raise InvalidArgumentError(f"keys must be a list of bytes, got {type(keys).__name__}")
+    for k in keys:
+        check_key(k)
+
+
+def _check_lease(lease_id) -> None:
+    if not isinstance(lease_id, int) or isinstance(lease_id, bool) or not 0 <= lease_id < 1 << 64:
+        raise InvalidArgumentError(f"a lease id is an unsigned 64-bit integer, got {lease_id!r}")
 
 
 def _check_deadline(expires_at: float) -> None:

@@ -81,6 +81,19 @@ def test_zero_copy_needs_registered_buffers(store):
     assert store.batch_get_into(["s1", "tensor", "gone", "s2"], [sp, sp, sp, sp + 32], [32, 64, 32, 32]) == \
         [32, BUFFER_OVERFLOW, OBJECT_NOT_FOUND, 32]
     assert store.batch_get_into(["s1"], [sp], [32, 1]) == [INVALID_PARAMS]
+    # an empty buffer reads an empty value (0) or misses; bad keys and buffers are INVALID_PARAMS
+    # (all three read BUFFER_OVERFLOW before), a non-string key is a TypeError as in Mooncake's
+    # binding (it was stored under bytes(5): five NUL bytes)
+    assert store.put("empty", b"") == 0
+    assert store.batch_get_into(["empty", "gone"], [sp, sp], [0, 0]) == [0, OBJECT_NOT_FOUND]
+    assert store.batch_get_into(["", "k" * 2000, "s1"], [sp, sp, sp], [32, 32, 32]) == \
+        [INVALID_PARAMS, INVALID_PARAMS, 32]
+    with pytest.raises(TypeError, match="a key is a str"):
+        store.put(5, b"x")
+    assert store.register_buffer(sp, None) == INVALID_PARAMS and store.register_buffer("0x10", 8) == INVALID_PARAMS
+    cfg = ReplicateConfig()
+    cfg.replica_num = "2"
+    assert store.put("r", b"x", cfg) == INVALID_PARAMS
     for p in (src, dst, sp):
         assert store.unregister_buffer(p) == 0
     assert store.unregister_buffer(sp) == INVALID_PARAMS
@@ -90,6 +103,7 @@ def test_setup_errors_and_a_dead_master():
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "", 0, 0, "tcp", "", "") == INVALID_PARAMS
     assert s.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:1") == RPC_FAIL
+    assert s.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:99999") == INVALID_PARAMS
     assert s.get("k") == b"" and s.put("k", b"v") < 0 and s.is_exist("k") == -1
 
 

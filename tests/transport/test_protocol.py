@@ -236,3 +236,24 @@ def test_store_acquire_in_place(tmp_path):
         assert store.stats()["misses"] == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("data_channel", [True, False])
+def test_the_step_by_step_calls_refuse_bad_arguments_before_sending(make_node, data_channel):
+    """They raised TypeError or struct.error from the encoders, and a 2000-byte key on the data
+    channel broke the connection (DataLossError)."""
+    from kvstore.errors import InvalidArgumentError
+
+    node = make_node()
+    with StoreClient(node.address, data_channel=data_channel) as c:
+        s = c.descriptor_session()
+        for call, why in ((lambda: s.acquire(["k1"]), "must be bytes"), (lambda: s.acquire(None), "list of bytes"),
+                          (lambda: s.acquire([b"k" * 2000]), "exceeds the limit"),
+                          (lambda: s.reserve([(b"r", 1 << 64)]), "byte count"),
+                          (lambda: s.reserve([(b"r", 1.5)]), "byte count"), (lambda: s.reserve(None), "pairs"),
+                          (lambda: s.release(1 << 64), "lease id"), (lambda: s.commit(-1), "lease id")):
+            with pytest.raises(InvalidArgumentError, match=why):
+                call()
+        assert s.acquire([b"absent"]).lease_id == 0  # the session still works
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
