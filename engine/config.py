@@ -272,6 +272,12 @@ class EngineConfig:
 
         if self.store_transport not in REQUESTS:
             raise ValueError(f"store_transport must be one of {', '.join(REQUESTS)}, got {self.store_transport!r}")
+        from kvstore.config import check_address
+
+        if self.store is not None:
+            check_address("--store", self.store)
+        for c in (self.conductor or "").split(",") if self.conductor else ():
+            check_address("--conductor", c.strip())
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint folder or a random: preset, got {self.model!r}")
         for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),

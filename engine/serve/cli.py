@@ -67,11 +67,12 @@ def _run_engine(ns: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.serve.engine_server import serve
     from kvstore.cli import config_from_args
+    from kvstore.errors import CrescentError
 
     try:
         cfg = config_from_args(EngineConfig, ns)
         serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s, ns.advertise_host)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, CrescentError) as exc:
         print(f"crescent engine: error: {exc}", file=sys.stderr)
         return 2
     # NOTE: the engine has stopped (its store client closed, its calls answered): the process

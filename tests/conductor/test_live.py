@@ -172,6 +172,7 @@ def test_bad_flags_exit_2(capsys):
                        (("conductor", "--metrics-port", "70000"), "--metrics-port must be a port"),
                        (("engine", "both", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
                        (("engine", "both", "--page-size", "0"), "page_size (0)"),
+                       (("engine", "both", "--store", "localhost"), "--store must be host:port"),
                        (("gateway", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
                        (("up", "--gateway-port", "-1"), "--gateway-port: a port is in"),
                        (("up", "--dram", "12XB"), "--dram: not a size")):
