@@ -145,6 +145,9 @@ class LLMEngine:
                 engine's own pages held them (``local_prefix_chunks``).
         """
         self.validate(prompt, params)
+        vocab = self.model_config.vocab_size
+        if output_prefix and not all(isinstance(t, int) and 0 <= t < vocab for t in output_prefix):
+            raise ValueError(f"output_prefix token ids must be in [0, {vocab})")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         seq = Sequence(list(prompt), params, cache_salt=cache_salt, output=list(output_prefix or []),

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.spec_decode import target_probs, verify
+
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's convention): dividing logits by less overflows."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:  # logits / 1e-45 overflow: as good as greedy, and taken as such
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):

@@ -73,7 +73,7 @@ class EngineService(pb_grpc.EngineServicer):
             elif kind == "done":
                 break
             else:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, val)
+                context.abort(grpc.StatusCode.INTERNAL if kind == "failed" else grpc.StatusCode.INVALID_ARGUMENT, val)
         if first is None:
             context.abort(grpc.StatusCode.CANCELLED, "request aborted")
         seq = h.seq
@@ -106,6 +106,18 @@ class EngineService(pb_grpc.EngineServicer):
         prefix = [request.first_token] if request.HasField("first_token") else None
         if prefix is None:
             self.num_local_prefills += 1
+        else:
+            first = request.first_token
+            vocab = self.engine.model_config.vocab_size
+            if first >= vocab:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_token must be in [0, {vocab})")
+            # NOTE: the prefill engine's token may end the request already (as its response says)
+            s = request.sampling
+            done = "length" if params.max_tokens <= 1 else \
+                "stop" if first in s.stop_token_ids or (first in self.engine.eos and not s.ignore_eos) else None
+            if done:
+                yield pb.GenerateResponse(finished=True, finish_reason=done, num_prompt_tokens=len(prompt))
+                return
         prefetched, skip = None, 0
         conn = self.engine.connector
         if conn is not None and request.chunk_keys:
@@ -118,8 +130,8 @@ class EngineService(pb_grpc.EngineServicer):
         pending = []
         while True:
             kind, val = h.events.get()
-            if kind == "error":
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, val)
+            if kind in ("error", "failed"):
+                context.abort(grpc.StatusCode.INTERNAL if kind == "failed" else grpc.StatusCode.INVALID_ARGUMENT, val)
             seq = h.seq
             cached = seq.num_store_tokens + seq.num_local_tokens if seq is not None else 0
             if kind == "token":

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Handle:
-    """A submitted request: read ``events`` for ``("token", id)``, ``("done", reason)`` or ``("error", msg)``."""
+    """A submitted request: read ``events`` for ``("token", id)``, ``("done", reason)``, ``("error", msg)``
+    (the request itself was refused) or ``("failed", msg)`` (a step failed under it: not its fault)."""
 
     events: queue.Queue = field(default_factory=queue.Queue)
     seq: Sequence | None = None
@@ -107,7 +108,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
                 log.exception("engine step failed")
                 for h in list(self._handles.values()):
-                    h.events.put(("error", f"engine step failed: {exc}"))
+                    h.events.put(("failed", f"engine step failed: {exc}"))
                     self.engine.abort(h.seq.seq_id)
                 self._handles.clear()
                 continue

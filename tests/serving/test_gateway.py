@@ -527,3 +527,38 @@ def test_a_tenant_over_its_concurrency_quota_gets_429_with_retry_after_and_other
         assert s.client("sk-acme-111111").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
     finally:
         s.close()
+
+
+def test_an_engine_refuses_a_bad_first_token_alone_and_takes_tiny_temperatures_as_greedy(fresh):
+    """A first_token beyond the vocabulary reached the model and failed the whole step, so every
+    request running beside it died (with INVALID_ARGUMENT, not their fault); a temperature of
+    1e-45 overflowed the logits the same way. A first_token that already ends the request ends it."""
+    import threading
+
+    stub = epb_grpc.EngineStub(grpc.insecure_channel(fresh.decode.address))
+    beside = {}
+
+    def long_request():
+        toks = []
+        for m in stub.Generate(epb.GenerateRequest(prompt_token_ids=list(range(1, 300)),
+                                                   sampling=epb.SamplingOptions(max_tokens=40, ignore_eos=True)),
+                               timeout=300):
+            toks += m.token_ids
+        beside["tokens"] = len(toks)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(epb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=epb.SamplingOptions(max_tokens=4),
+                                               first_token=1 << 20), timeout=300))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "first_token" in e.value.details()
+    tiny = list(stub.Generate(epb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=epb.SamplingOptions(
+        max_tokens=3, temperature=1e-45, ignore_eos=True)), timeout=300))
+    greedy = list(stub.Generate(epb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=epb.SamplingOptions(
+        max_tokens=3, ignore_eos=True)), timeout=300))
+    assert [x for m in tiny for x in m.token_ids] == [x for m in greedy for x in m.token_ids]
+    done = list(stub.Generate(epb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=epb.SamplingOptions(max_tokens=1),
+                                                  first_token=9), timeout=300))
+    assert [(list(m.token_ids), m.finished, m.finish_reason) for m in done] == [([], True, "length")]
+    t.join(timeout=300)
+    assert beside == {"tokens": 40}
