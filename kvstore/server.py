@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import socket
 import threading
 import time
@@ -188,8 +189,8 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         keys = auth.scoped(auth.prefix_of(context, self.node.principals), request.keys)
         for k in keys:
             check_key(k)
-        if not request.ttl_s >= 0:  # also rejects NaN
-            raise InvalidArgumentError("ttl_s must be >= 0")
+        if not 0 <= request.ttl_s < math.inf:  # also rejects NaN; inf pinned for good (the conductor refuses it too)
+            raise InvalidArgumentError("ttl_s must be a finite number >= 0")
         return pb.PinResponse(num_pinned=self.store.pin(keys, request.ttl_s))
 
     @_rpc("stats")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -525,8 +526,8 @@ class TieredStore:
 
     def pin(self, keys: Iterable[bytes], ttl_s: float) -> int:
         """Protects keys from eviction for ``ttl_s`` seconds (0 unpins); returns keys found."""
-        if ttl_s < 0:
-            raise InvalidArgumentError("pin ttl must be >= 0")
+        if not 0 <= ttl_s < math.inf:
+            raise InvalidArgumentError("pin ttl must be a finite number >= 0")
         until = time.monotonic() + ttl_s if ttl_s > 0 else 0.0
         n = 0
         with self._lock:

@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 1 << 16
 """Most keys one call may carry."""
 _REFIT_EVERY = 8
+MAX_PROMPT_TOKENS = 1 << 24
+"""Longest prompt (and output) a Schedule call or a measured sample may name: 16M tokens."""
+MAX_SAMPLE_S = 3600.0
+"""Longest measured prefill or decode step taken into the cost model."""
+MAX_TIER_BYTES = 1 << 60
+"""A tier's capacity or use beyond this (an exbibyte) is not a measurement."""
 
 
 def _rpc(fn):
@@ -77,6 +83,28 @@ class _SampleWindow:
         if self._new >= _REFIT_EVERY:
             self._new = 0
             self._fit(list(self.samples))
+
+
+def _add(msg, field: str, value: int) -> None:
+    """``msg.field += value``, saturating at the uint64 a protobuf field holds (members report counters)."""
+    setattr(msg, field, min(getattr(msg, field) + value, (1 << 64) - 1))
+
+
+def _check_load(request: cpb.HeartbeatRequest) -> None:
+    """INVALID_ARGUMENT for a reported load no member measures: it would be kept, summed (past
+    64 bits) and shown (unknown tiers and NaN break the console and ctl)."""
+    which = request.WhichOneof("load")
+    if which == "engine":
+        if not 0.0 <= request.engine.kv_usage <= 1.0:  # also NaN
+            raise InvalidArgumentError(f"kv_usage must be a fraction in [0, 1], got {request.engine.kv_usage}")
+    elif which == "store":
+        for t in request.store.tiers:
+            try:
+                Tier(t.tier)
+            except ValueError:
+                raise InvalidArgumentError(f"unknown tier {t.tier}") from None
+            if max(t.capacity_bytes, t.used_bytes) > MAX_TIER_BYTES:
+                raise InvalidArgumentError(f"tier {Tier(t.tier).name.lower()}: more than {MAX_TIER_BYTES} bytes")
 
 
 def _keys(keys) -> list[bytes]:
@@ -304,7 +332,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             raise InvalidArgumentError(f"unknown member kind {request.kind}") from None
         if kind is MemberKind.STORE:
             host, _, port = request.address.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or int(port) > 65535:
                 raise InvalidArgumentError(f"a store node needs its address as host:port, got {request.address!r}")
         if request.namespace and len(request.namespace) != 16:
             raise InvalidArgumentError(f"a namespace is 16 bytes, got {len(request.namespace)}")
@@ -328,10 +356,13 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     @_rpc
     def Heartbeat(self, request, context):
+        _check_load(request)
+        # NOTE: a sample beyond what any engine measures (an hour) would skew the cost model for all
         samples = [PrefillSample(s.num_new_tokens, s.num_cached_tokens, s.seconds)
-                   for s in request.prefill_samples if s.seconds > 0 and math.isfinite(s.seconds)]
+                   for s in request.prefill_samples if 0 < s.seconds <= MAX_SAMPLE_S
+                   and s.num_new_tokens <= MAX_PROMPT_TOKENS and s.num_cached_tokens <= MAX_PROMPT_TOKENS]
         steps = [DecodeSample(s.num_seqs, s.num_context_tokens, s.seconds)
-                 for s in request.decode_samples if s.num_seqs and s.seconds > 0 and math.isfinite(s.seconds)]
+                 for s in request.decode_samples if s.num_seqs and 0 < s.seconds <= MAX_SAMPLE_S]
         with self._lock:
             m = self.members.get(request.member_id, request.incarnation)
             if m is None:
@@ -410,6 +441,8 @@ class Conductor(cpb_grpc.ConductorServicer):
     def Schedule(self, request, context):
         keys = _keys(auth.scoped(auth.prefix_of(context, self.principals), request.keys))  # a tenant's chunks: its namespace
         chunk_tokens = request.chunk_tokens or self.config.chunk_tokens
+        if request.num_tokens > MAX_PROMPT_TOKENS or request.num_output_tokens > MAX_PROMPT_TOKENS:
+            raise InvalidArgumentError(f"num_tokens and num_output_tokens must be at most {MAX_PROMPT_TOKENS}")
         if request.num_tokens < max(1, len(keys) * chunk_tokens):
             raise InvalidArgumentError(
                 f"num_tokens ({request.num_tokens}) must be >= 1 and cover the {len(keys)} keys "
@@ -539,14 +572,10 @@ class Conductor(cpb_grpc.ConductorServicer):
                     continue
                 for t in s.tiers:
                     acc = tiers.setdefault(t.tier, pb.TierStats(tier=t.tier))
-                    acc.capacity_bytes += t.capacity_bytes
-                    acc.used_bytes += t.used_bytes
-                    acc.num_entries += t.num_entries
-                    acc.hits += t.hits
-                    acc.evictions += t.evictions
-                resp.misses += s.misses
-                resp.bytes_in += s.bytes_in
-                resp.bytes_out += s.bytes_out
+                    for f in ("capacity_bytes", "used_bytes", "num_entries", "hits", "evictions"):
+                        _add(acc, f, getattr(t, f))
+                for f in ("misses", "bytes_in", "bytes_out"):
+                    _add(resp, f, getattr(s, f))
             resp.tiers.extend(tiers[t] for t in sorted(tiers))
             c = self.counters
             resp.num_scheduled, resp.num_rejected = c["scheduled"], c["rejected"]
@@ -584,14 +613,16 @@ class Conductor(cpb_grpc.ConductorServicer):
         total = nodes = 0
         failed = []
         for node, (address, node_keys) in sorted(by_node.items()):
-            client = StoreClient(address, timeout_s=10.0, retry=Retry(attempts=2), data_channel=False)
+            client = None
             try:
+                client = StoreClient(address, timeout_s=10.0, retry=Retry(attempts=2), data_channel=False)
                 total += op(client, node_keys)
                 nodes += 1
-            except CrescentError as exc:
+            except CrescentError as exc:  # (one node failing is said below; the others are still done)
                 failed.append(f"{node}: {exc}")
             finally:
-                client.close()
+                if client is not None:
+                    client.close()
         if failed:
             raise FailedPreconditionError(f"{len(failed)} of {len(by_node)} store node(s) failed: "
                                           f"{'; '.join(failed)}")

@@ -39,6 +39,8 @@ DEFAULT_SLO_TTFT_S = 2.0
 DEFAULT_SLO_ITL_S = 0.1
 DEFAULT_QUANTILE = 0.9
 MAX_INSTANCES = 4096
+MIN_RPS = 1e-6
+"""Slower targets (one request in 11+ days) are no load to size for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,8 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
     rps = target_rps if target_rps else rate
     if not rps > 0 or not math.isfinite(rps):
         raise ValueError("no target rate: give --target-rps (the measured requests have no measurable rate)")
+    if rps < MIN_RPS:
+        raise ValueError(f"a target rate of {rps:.3g} req/s is below the {MIN_RPS:g} req/s sizing considers")
     arrivals = arrivals_at(samples, rps, min_requests)
     n = len(samples)
     mean_prompt = sum(r.prompt_tokens for r in samples) / n
@@ -220,6 +224,9 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
         return quantile(ttfts(k), q)
 
     floor_p = max(1, math.ceil(rps * mean_service * (1 + 1e-9)))
+    if floor_p > MAX_INSTANCES:  # (simulating that many would take the memory of as many instances' queues)
+        raise ValueError(f"{rps:.3g} req/s is {rps * mean_service:.3g} prefill instances' worth of work, more than "
+                         f"the {MAX_INSTANCES} sizing considers")
     feasible = True
     # With enough instances no request waits: its TTFT is its own service time.
     alone = quantile(services, q)

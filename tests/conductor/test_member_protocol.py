@@ -220,3 +220,42 @@ def test_a_bad_batch_ends_only_its_own_stream(stub):
         q.put(None)
         t.join(60)
     assert result["ack"].num_events == 2
+
+
+def test_loads_and_requests_no_member_measures_are_refused_and_state_stays_sane(stub):
+    """Before: a tier 99 or a NaN kv_usage was kept and broke the console and ctl; capacities
+    summed past 64 bits failed ClusterStats (UNKNOWN); an hour-plus prefill sample or a
+    2^32-token Schedule skewed the cost model so that Sizing simulated millions of instances
+    (MemoryError); a store port beyond 65535 was registered, then failed PinChunks for all."""
+    from kvstore.conductor.service import MAX_PROMPT_TOKENS
+    from proto.crescent.v1 import kvstore_pb2 as pb
+
+    def code(fn):
+        with pytest.raises(grpc.RpcError) as e:
+            fn()
+        return e.value.code(), e.value.details()
+
+    s1, s2 = register(stub, "s1"), register(stub, "s2")
+    p1 = register(stub, "p1", kind=PREFILL, address="127.0.0.1:2")
+    for load, why in ((dict(store=cpb.StoreLoad(tiers=[pb.TierStats(tier=99)])), "unknown tier"),
+                      (dict(store=cpb.StoreLoad(tiers=[pb.TierStats(tier=2, capacity_bytes=(1 << 64) - 1)])), "bytes"),
+                      (dict(engine=cpb.EngineLoad(kv_usage=float("nan"))), "kv_usage")):
+        c, msg = code(lambda: heartbeat(stub, "s1" if "store" in load else "p1", s1 if "store" in load else p1, **load))
+        assert c is grpc.StatusCode.INVALID_ARGUMENT and why in msg
+    big = cpb.StoreLoad(tiers=[pb.TierStats(tier=2, capacity_bytes=1 << 60, hits=(1 << 64) - 1)], misses=(1 << 64) - 1)
+    assert heartbeat(stub, "s1", s1, store=big).known and heartbeat(stub, "s2", s2, store=big).known
+    stats = stub.ClusterStats(cpb.ClusterStatsRequest(), timeout=30)  # sums saturate instead of failing
+    assert stats.misses == (1 << 64) - 1 and stats.tiers[0].capacity_bytes == 1 << 61
+    assert {m.member_id for m in members(stub).values()} >= {"s1", "s2", "p1"}
+    c, msg = code(lambda: stub.Schedule(cpb.ScheduleRequest(num_tokens=MAX_PROMPT_TOKENS + 1), timeout=30))
+    assert c is grpc.StatusCode.INVALID_ARGUMENT and "at most" in msg
+    absurd = [cpb.PrefillSample(num_new_tokens=1 + i, seconds=1e7 * (1 + i)) for i in range(8)]
+    assert heartbeat(stub, "p1", p1, prefill_samples=absurd).known  # taken, not believed
+    for _ in range(4):
+        stub.Schedule(cpb.ScheduleRequest(num_tokens=500), timeout=30)
+    for rps in (1e9, 5e-324):
+        c, msg = code(lambda: stub.Sizing(cpb.SizingRequest(target_rps=rps), timeout=30))
+        assert c is grpc.StatusCode.INVALID_ARGUMENT and "sizing considers" in msg
+    assert stub.Sizing(cpb.SizingRequest(target_rps=2), timeout=30).num_prefill >= 1
+    c, msg = code(lambda: register(stub, "s3", address="127.0.0.1:99999999999"))
+    assert c is grpc.StatusCode.INVALID_ARGUMENT
