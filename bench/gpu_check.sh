@@ -82,5 +82,8 @@ step "speculative decoding: a step verifying K drafts vs a plain decode step, ra
 timeout $(lim 25) python3 bench/spec_decode_bench.py --verify-cost --model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' \
   --context 4096 --batch 1,8 --ks 1,2,4,8 --kv-cache-memory 8GiB --json "$FIG/spec_verify_gpu.json" 2>&1 | grep -v Warning
 
+step "the engine's host time per decode step on this machine's CPU (what a replayed graph leaves), against the H200 floor"
+timeout $(lim 20) python3 bench/engine_host_bench.py --steps 100 --reps 1 2>&1 | tail -10
+
 step "done"
 ls -la "$FIG"

@@ -67,6 +67,11 @@ class DecodeGraphs:
         self._dev_i64 = torch.zeros(3, max_batch, dtype=torch.int64, device=self.device)
         self._dev_i32 = torch.zeros(max_batch, 1 + max_pages, dtype=torch.int32, device=self.device)
         self._cu = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
+        self._rows: list[tuple[list[int], int] | None] = [None] * max_batch
+        """What each block-table row of the host mirror holds: (a sequence's page list, pages
+        written), or None (padding). A list seen again is only longer (``Sequence.pages`` is
+        appended to in place, replaced otherwise): its new pages alone are written, so a step
+        costs O(batch), not O(batch x pages)."""
         self._fill_padding(0, max_batch)
         self._dev_i64.copy_(self._host_i64)
         self._dev_i32.copy_(self._host_i32)
@@ -99,6 +104,7 @@ class DecodeGraphs:
         self._np_i64[2, start:end] = self.scratch_page * self.page_size
         self._np_i32[start:end, 0] = 0
         self._np_i32[start:end, 1:] = self.scratch_page
+        self._rows[start:end] = [None] * (end - start)
 
     def _capture(self) -> None:
         # NOTE: largest bucket first, all in one memory pool: the smaller graphs reuse the
@@ -143,9 +149,16 @@ class DecodeGraphs:
         self._np_i64[1, :batch] = positions
         self._np_i64[2, :batch] = slots
         self._np_i32[:batch, 0] = positions
+        rows, table = self._rows, self._np_i32
         for b, pages in enumerate(tables):
-            self._np_i32[b, 1 : 1 + len(pages)] = pages
-            self._np_i32[b, 1 + len(pages) :] = self.scratch_page
+            n, held = len(pages), rows[b]
+            if held is not None and held[0] is pages and held[1] <= n:
+                if held[1] < n:
+                    table[b, 1 + held[1] : 1 + n] = pages[held[1] :]
+            else:
+                table[b, 1 : 1 + n] = pages
+                table[b, 1 + n :] = self.scratch_page
+            rows[b] = (pages, n)
         self._fill_padding(batch, bucket)
         self._dev_i64.copy_(self._host_i64, non_blocking=True)  # contiguous, a few KiB
         self._dev_i32[:bucket].copy_(self._host_i32[:bucket], non_blocking=True)

@@ -222,12 +222,11 @@ class LLMEngine:
         if ns is None:
             ns = self._page_ns[salt] = make_namespace(self._page_fp, salt)
         page = self.cfg.page_size
-        toks = seq.tokens
-        upto_pages = min(upto_pages, len(toks) // page)
+        upto_pages = min(upto_pages, seq.num_tokens // page)
         while len(hs) < upto_pages:
             i = len(hs)
-            hs.append(chunk_key(hs[-1] if hs else ROOT_KEY, ns, toks[i * page : (i + 1) * page]))
-        return hs[:upto_pages]
+            hs.append(chunk_key(hs[-1] if hs else ROOT_KEY, ns, seq.token_range(i * page, (i + 1) * page)))
+        return hs if len(hs) == upto_pages else hs[:upto_pages]  # (the cache itself: read, never change)
 
     def _draft(self) -> None:
         """Proposes speculative tokens for every decoding sequence that takes them."""
@@ -282,28 +281,33 @@ class LLMEngine:
             logits = self.runner.run(scheduled, kv_ready=ready)
         finally:
             rolled_back = self._finish_loads(loads)
-        before = {id(s.seq): s.seq.num_computed for s in scheduled}
+        # NOTE: this runs for every sequence of every step, and on a GPU the device waits for it
+        # (a replayed decode step is one launch): per sequence, as little Python as it takes.
+        before = [s.seq.num_computed for s in scheduled]
         results: list[StepOutput] = []
         rows, params, ids, first_row = [], [], [], []
         row = 0
         for s in scheduled:
-            if id(s.seq) in rolled_back:  # computed over KV that failed its check: nothing of it counts
+            seq = s.seq
+            if rolled_back and id(seq) in rolled_back:  # computed over KV that failed its check: nothing counts
                 first_row.append(None)
                 row += 1 + s.num_draft
                 continue
             first_row.append(row)
             if s.num_draft:  # verified below; its drafts' KV counts once accepted
-                s.seq.num_computed += 1
+                seq.num_computed += 1
             else:
-                s.seq.num_computed += s.num_new_tokens
-                if s.seq.num_computed == s.seq.num_tokens:
+                seq.num_computed += s.num_new_tokens
+                if seq.num_computed == len(seq.prompt) + len(seq.output):
                     rows.append(row)
-                    params.append(s.seq.params)
-                    ids.append(s.seq.seq_id)
+                    params.append(seq.params)
+                    ids.append(seq.seq_id)
             row += 1 + s.num_draft
         sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
-        for s, r in zip(scheduled, first_row):
+        eos, page = self.eos, self.cfg.page_size
+        saving = self.connector is not None
+        for s, r, b in zip(scheduled, first_row, before):
             seq = s.seq
             if r is None:
                 continue
@@ -316,28 +320,33 @@ class LLMEngine:
                 seq.num_accepted_tokens += len(new) - 1
                 seq.draft = []
             elif r in sampled:
-                new = [sampled[r]]
+                new = (sampled[r],)
             else:
-                self._after_compute(seq, before[id(seq)])
+                self._after_compute(seq, b)
                 continue
             reason = None
-            for n, tok in enumerate(new, 1):
+            p = seq.params
+            n = 0
+            for tok in new:
+                n += 1
                 seq.output.append(tok)
-                self.num_generated += 1
-                if len(seq.output) >= seq.params.max_tokens:
+                if len(seq.output) >= p.max_tokens:
                     reason = "length"
-                elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
+                elif tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
                     reason = "stop"
                 if reason:
                     break
-            new = new[:n]
+            self.num_generated += n
+            if n < len(new):
+                new = new[:n]
             if s.num_draft:  # the accepted drafts' KV is in the pages; the rejected ones' is not counted
                 seq.num_computed = seq.num_tokens - 1
                 seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)
                 self._trim_pages(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._after_compute(seq, before[id(seq)])
+            if saving or seq.num_computed // page != b // page:  # (a chunk ends on a page boundary)
+                self._after_compute(seq, b)
             if reason:
                 self.num_finished += 1
                 if isinstance(self.drafter, NgramDrafter):
@@ -346,7 +355,10 @@ class LLMEngine:
                 seq.finish_time = now
                 self.seqs.pop(seq.seq_id, None)
                 self._forget(seq)
-            results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1) for j, tok in enumerate(new)]
+            if n == 1:
+                results.append(StepOutput(seq, new[0], reason is not None))
+            else:
+                results += [StepOutput(seq, tok, reason is not None and j == n - 1) for j, tok in enumerate(new)]
         return results
 
     def _trim_pages(self, seq: Sequence) -> None:
@@ -354,7 +366,7 @@ class LLMEngine:
         extra = len(seq.pages) - self.blocks.pages_for(seq.num_tokens)
         if extra > 0:
             self.blocks.free(seq.pages[-extra:])
-            del seq.pages[-extra:]
+            seq.pages = seq.pages[:-extra]  # a new list: never shortened in place (Sequence.pages)
 
     def _begin_load(self, seq: Sequence, scheduled, loads: list):
         """Starts loading ``seq``'s store hits into its pages. Chunks that fail a check made now
@@ -409,9 +421,9 @@ class LLMEngine:
                 seq.num_saved_chunks = done
 
     def _register_pages(self, seq: Sequence, first: int) -> None:
-        if not self.cfg.enable_prefix_caching:
-            return
         full = seq.num_computed // self.cfg.page_size
+        if full <= first or not self.cfg.enable_prefix_caching:  # a decode step fills a page in 16
+            return
         hashes = self._hashes(seq, full)
         for i in range(first, full):
             self.blocks.register(seq.pages[i], hashes[i])

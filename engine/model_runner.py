@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 import kernels
@@ -88,25 +89,25 @@ class ModelRunner:
                 return self._run_decode_graph(graphs, scheduled)
             graphs.fallbacks += 1
         ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
-        tables = torch.zeros(len(scheduled), max_pages, dtype=torch.int32)
+        tables = np.zeros((len(scheduled), max_pages), dtype=np.int32)
         for b, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed if s.start is None else s.start
-            toks = seq.tokens + seq.draft if seq.draft else seq.tokens
-            ids += toks[start : start + n]
+            ids += seq.token_range(start, start + n)  # (not seq.tokens: a copy of the whole context)
             pos += range(start, start + n)
-            slots += [seq.pages[p // page] * page + p % page for p in range(start, start + n)]
+            pages = seq.pages
+            slots += [pages[p // page] * page + p % page for p in range(start, start + n)]
             cu.append(cu[-1] + n)
             rows += range(cu[-1] - 1 - s.num_draft, cu[-1])
             ctx.append(start)
-            tables[b, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            tables[b, : len(pages)] = pages
         dev = self.device
         # NOTE: to_device: queued through pinned memory, so the host does not wait here for the
         # work still running on the compute stream (saves' gathers, a load's waits)
         meta = AttnMetadata(
             positions=to_device(pos, torch.int64, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=to_device(tables, torch.int32, dev),
+            block_tables=to_device(torch.from_numpy(tables), torch.int32, dev),
             cu_q_lens=to_device(cu, torch.int32, dev),
             context_lens=to_device(ctx, torch.int32, dev),
             is_decode=all(s.num_new_tokens == 1 for s in scheduled),

@@ -26,7 +26,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
-    """Block table: physical page of each logical page, in token order."""
+    """Block table: physical page of each logical page, in token order. Only ever appended to in
+    place; any other change assigns a new list (the decode buffers rewrite a row only then)."""
     num_computed: int = 0
     """Leading tokens whose KV is in this sequence's pages."""
     num_store_tokens: int = 0
@@ -61,6 +62,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt, output, then draft, copying only those (decode's hot
+        path: ``tokens`` copies the whole context)."""
+        np_ = len(self.prompt)
+        if end <= np_:
+            return self.prompt[start:end]
+        rest = self.output + self.draft if end > np_ + len(self.output) else self.output
+        if start >= np_:
+            return rest[start - np_ : end - np_]
+        return self.prompt[start:] + rest[: end - np_]
 
     def token_at(self, pos: int) -> int:
         """The token at ``pos`` of prompt, output, then draft (no list built: decode's hot path)."""

@@ -111,3 +111,86 @@ def test_captured_decode_graphs_give_the_eager_tokens(batch):
     assert graphs is not None and graphs.captured and graphs.buckets == [1, 2, 4, 8, 16]
     assert _generate(graphed, prompts) == _generate(eager, prompts)
     assert graphs.steps >= 23
+
+
+def test_block_table_rows_follow_every_change_of_the_page_lists():
+    """The host mirror writes only a row's new pages when it holds the same page list, longer;
+    every other change (another sequence in the row, a list replaced or shortened, a row turned
+    padding) rewrites the row. After any mix of them each row is exactly its table, then scratch."""
+    eng = _engine(enforce_eager=True, max_num_seqs=8)
+    graphs = eng.runner.make_decode_graphs(capture=False)
+    scratch, width = graphs.scratch_page, graphs.max_pages
+    r = random.Random(7)
+    lists = [[r.randrange(scratch) for _ in range(r.randrange(1, 4))] for _ in range(12)]
+    order = list(range(len(lists)))
+    rows_rewritten = appended = 0
+    for _ in range(400):
+        op = r.random()
+        k = r.randrange(len(lists))
+        if op < 0.4 and len(lists[k]) < width:  # grows in place, as the scheduler does
+            lists[k] += [r.randrange(scratch) for _ in range(r.randrange(1, 3))][: width - len(lists[k])]
+            appended += 1
+        elif op < 0.55:  # shortened into a new list (spec decode's trim), then maybe regrown to the same length
+            n = len(lists[k])
+            lists[k] = lists[k][: r.randrange(1, n + 1)]
+            lists[k] += [r.randrange(scratch) for _ in range(n - len(lists[k]))]
+        elif op < 0.6 and len(lists[k]) > 1:  # shortened in place: rewritten all the same
+            del lists[k][-1]
+        elif op < 0.65:  # replaced (preempted, readmitted with other pages)
+            lists[k] = [r.randrange(scratch) for _ in range(r.randrange(1, width + 1))]
+        if r.random() < 0.2:  # rows change owners now and then; batches grow and shrink
+            r.shuffle(order)
+        batch = r.randrange(1, 9)
+        tables = [lists[i] for i in order[:batch]]
+        held = [h[0] if h else None for h in graphs._rows[:batch]]
+        rows_rewritten += sum(h is not t for h, t in zip(held, tables))
+        graphs.run([0] * batch, [0] * batch, [scratch * graphs.page_size] * batch, tables)
+        bucket = graphs.buckets[next(i for i, b in enumerate(graphs.buckets) if b >= batch)]
+        mirror = graphs._host_i32[:bucket, 1:].tolist()
+        for b in range(bucket):
+            want = tables[b] if b < batch else []
+            assert mirror[b] == want + [scratch] * (width - len(want)), (b, batch)
+        assert (graphs._dev_i32[:bucket] == graphs._host_i32[:bucket]).all()
+    assert rows_rewritten > 50 and appended > 50  # both paths taken
+
+
+def test_static_buffers_keep_the_plain_tokens_while_batches_shift_and_sequences_are_preempted():
+    """Sequences of different lengths finish at different steps (rows change owners), and a pool
+    too small for all of them preempts and readmits some (their page lists replaced)."""
+    r = random.Random(3)
+    prompts = [[r.randrange(3, 500) for _ in range(r.randrange(5, 40))] for _ in range(8)]
+    lengths = [r.randrange(4, 40) for _ in prompts]
+
+    def generate(eng):
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        while not all(s.is_finished for s in seqs):
+            eng.step()
+        return [list(s.output) for s in seqs], sum(s.num_preemptions for s in seqs)
+
+    def engine():
+        return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", num_pages=20, max_num_seqs=8,
+                                      enforce_eager=True, enable_prefix_caching=False))
+
+    want, preempted = generate(engine())
+    eng = engine()
+    graphs = eng.runner.decode_graphs = eng.runner.make_decode_graphs(capture=False)
+    assert generate(eng) == (want, preempted)
+    assert preempted > 0 and graphs.steps > 20
+
+
+def test_static_buffers_keep_the_plain_tokens_under_ngram_speculation():
+    """Verification steps run eagerly and free the pages of rejected drafts; the decode steps
+    between them go through the buffers, whose rows must follow those trimmed page lists."""
+    r = random.Random(5)
+    # repetitive prompts, so that prompt lookup drafts often (and is often wrong: random weights)
+    prompts = [[r.randrange(3, 30) for _ in range(r.randrange(20, 60))] for _ in range(3)]
+
+    def engine():
+        return _engine(enforce_eager=True, speculative="ngram", num_speculative_tokens=4, ngram_max=3, ngram_min=3)
+
+    plain = engine()
+    want = _generate(plain, prompts, max_tokens=40)
+    eng = engine()
+    graphs = eng.runner.decode_graphs = eng.runner.make_decode_graphs(capture=False)
+    assert _generate(eng, prompts, max_tokens=40) == want
+    assert graphs.steps > 5 and eng.num_draft_tokens > eng.num_accepted_tokens > 0

@@ -148,3 +148,14 @@ def test_preemption_frees_the_newest_sequence_and_requeues_it_first():
     assert b.status is SeqStatus.WAITING and b.num_preemptions == 1 and b.pages == []
     assert sched.waiting[0] is b and b.num_computed == 0
     assert len(a.pages) == 3
+
+
+def test_token_range_is_the_slice_of_prompt_output_and_draft():
+    seq = Sequence([10, 11, 12, 13], SamplingParams(), output=[20, 21, 22], draft=[30, 31])
+    whole = seq.tokens + seq.draft
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert seq.token_range(start, end) == whole[start:end], (start, end)
+    seq.output.clear()
+    seq.draft.clear()
+    assert seq.token_range(2, 4) == [12, 13] and seq.token_range(4, 4) == []

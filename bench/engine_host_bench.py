@@ -1,0 +1,192 @@
+"""The engine's host time per decode step: what a replayed CUDA graph does not remove.
+
+On a GPU a pure decode step is one graph replay, but around it the engine's Python runs
+on the host while the device waits: scheduling, filling the graph's input buffers,
+sampling's wait for the tokens, appending them, stop checks, the local prefix cache's page
+hashes. That time adds to the inter-token latency one for one, so it must stay well under
+the step's HBM floor (issue 13: ITL <= 1.15x the floor at batch 64, <= 2x at batch 1).
+
+This runs the engine's real decode loop on the CPU through the CUDA graphs' static buffers
+(``DecodeGraphs(capture=False)``, the host code a GPU runs), with the model's forward pass
+replaced by what a replay hands the host: the graph's static output tensor, no computation
+(prefill included: the KV is never read, the tokens do not matter). The LM head and the sampler still run (on a GPU they are
+device work, so their time is timed apart and left out of the host time). Reported per batch
+and context: host microseconds per step, its parts, and the ratio to the HBM floor of the
+same batch on an H200 (``random:llama3-8b`` cut to 8 layers in bf16, weights + KV at 4.8 TB/s:
+the shapes of issue 13's engine target), computed, not measured.
+
+    .venv/bin/python bench/engine_host_bench.py                 # ~1 min on 2 cores
+    .venv/bin/python bench/engine_host_bench.py --write-docs    # + docs/benchmarks.md, docs/engine_host.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import median, publish, table  # noqa: E402
+
+CONFIGS = [(1, 4096), (8, 4096), (64, 4096), (256, 1024)]
+H200_TBS = 4.8
+FLOOR_MODEL, FLOOR_LAYERS = "llama3-8b", 8
+
+
+def floor_ms(batch: int, ctx: int, tbs: float = H200_TBS) -> float:
+    """HBM floor of one decode step of ``random:llama3-8b`` cut to 8 layers in bf16: every weight
+    read once (the embedding only for the batch's rows: left out) plus the batch's KV, at ``tbs``.
+    The same count as bench/kernels_bench.py's ``_step_bytes``, from the config alone."""
+    from engine.config import preset_config
+
+    mc = preset_config(FLOOR_MODEL, {"num_hidden_layers": FLOOR_LAYERS})
+    h, hd, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_attention_heads * hd, mc.num_key_value_heads * hd
+    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    weights = mc.num_hidden_layers * layer + h + mc.vocab_size * h  # + final norm, LM head
+    kv_bytes = batch * ctx * mc.num_hidden_layers * 2 * kv * 2
+    return (weights * 2 + kv_bytes) / (tbs * 1e12) * 1e3
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def measure(batch: int, ctx: int, steps: int, prefix_caching: bool) -> dict:
+    """Host microseconds per pure decode step of ``batch`` sequences at ``ctx`` tokens."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    max_tokens = steps + 40
+    cfg = EngineConfig(model="random:tiny", hf_overrides={"max_position_embeddings": 8192}, dtype="float32", device="cpu",
+                       max_num_seqs=batch, chunk_size=8192, max_num_batched_tokens=max(8192, ctx),
+                       num_pages=batch * (-(-(ctx + max_tokens + 16) // 16)) + 8,
+                       enable_prefix_caching=prefix_caching)
+    eng = LLMEngine(cfg)
+    runner = eng.runner
+    graphs = runner.decode_graphs = runner.make_decode_graphs(capture=False)
+    # The model computes nothing: a replay hands the host the graph's static output tensor (and
+    # the prefill's KV is never read here). So every step's time is the engine's host work.
+    static = torch.zeros(max(graphs.max_batch, cfg.max_num_batched_tokens), runner.model_config.hidden_size)
+    runner.model.forward = lambda ids, meta, kv_caches: static[: ids.shape[0]]
+    gen = torch.Generator().manual_seed(batch * 7919 + ctx)
+    seqs = [eng.add_request(torch.randint(3, 250, (ctx,), generator=gen).tolist(),
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
+    t = time.perf_counter()
+    while any(s.num_computed < s.num_tokens - 1 or not s.output for s in seqs):  # prefill
+        eng.step()
+    prefill_s = time.perf_counter() - t
+    parts = {"schedule": 0.0, "inputs": 0.0, "lm_head": 0.0, "sample": 0.0}
+
+    def timed(obj, name, part):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[part] += time.perf_counter() - t0
+        setattr(obj, name, wrapper)
+
+    timed(eng.scheduler, "schedule", "schedule")
+    timed(graphs, "run", "inputs")
+    timed(runner.model, "logits", "lm_head")
+    timed(eng.sampler, "sample", "sample")
+    eng.step()
+    for k in parts:
+        parts[k] = 0.0
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = time.perf_counter() - t
+    assert graphs.steps == steps + 1 and graphs.fallbacks == 0, "a step left the decode buffers"
+    assert all(len(s.output) >= steps + 1 and not s.is_finished for s in seqs)
+    host = wall - parts["lm_head"]
+    us = {k: v / steps * 1e6 for k, v in parts.items()}
+    us["outputs"] = (host - parts["schedule"] - parts["inputs"] - parts["sample"]) / steps * 1e6
+    return {"batch": batch, "ctx": ctx, "prefix_caching": prefix_caching, "host_us": host / steps * 1e6,
+            "prefill_s": prefill_s, **us}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default 200)")
+    p.add_argument("--reps", type=int, default=5, help="runs per configuration; medians reported (default 5)")
+    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section and the PNG")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.reps < 1:
+        p.error("--steps and --reps must be >= 1")
+    torch.set_num_threads(1)  # the host path is one thread; keep BLAS threads off the other core
+    results = []
+    total = 2 * len(CONFIGS) * args.reps
+    n = 0
+    for prefix in (True, False):
+        for batch, ctx in CONFIGS:
+            runs = []
+            for _ in range(args.reps):
+                n += 1
+                r = measure(batch, ctx, args.steps, prefix)
+                runs.append(r)
+                print(f"[{n}/{total}] prefix caching {'on ' if prefix else 'off'} B={batch:<3d} ctx={ctx:<5d} "
+                      f"host {r['host_us']:7.1f} us/step (prefill {r['prefill_s']:.1f} s)", flush=True)
+            med = {k: median([r[k] for r in runs]) if isinstance(runs[0][k], float) else runs[0][k] for k in runs[0]}
+            med["spread"] = (min(r["host_us"] for r in runs), max(r["host_us"] for r in runs))
+            med["floor_ms"] = floor_ms(batch, ctx)
+            results.append(med)
+
+    headers = ["prefix cache", "batch", "context", "host µs/step", "range", "schedule", "inputs", "sample",
+               "outputs", "H200 floor ms", "host / floor"]
+    rows = [["on" if r["prefix_caching"] else "off", r["batch"], r["ctx"], f"{r['host_us']:.0f}",
+             f"{r['spread'][0]:.0f}–{r['spread'][1]:.0f}", f"{r['schedule']:.0f}", f"{r['inputs']:.0f}",
+             f"{r['sample']:.0f}", f"{r['outputs']:.0f}", f"{r['floor_ms']:.3f}",
+             f"{r['host_us'] / 1e3 / r['floor_ms']:.2f}"] for r in results]
+    md = table(headers, rows)
+    print(md)
+    body = (f"Host time of pure decode steps through the CUDA graphs' static buffers, the model's forward "
+            f"replaced by a replay's static output (`random:tiny` for the engine's state; the model's "
+            f"size does not enter the host path), {args.steps} steps, median of {args.reps}; CPU: "
+            f"{cpu_name()}, one thread. Parts: `schedule` the scheduler, `inputs` the buffers' fill and "
+            f"copy, `sample` argmax and the tokens to the host, `outputs` the rest of the step (tokens "
+            f"appended, stop checks, page hashes, step outputs); the LM head's time is left out (device "
+            f"work on a GPU). The floor: `random:{FLOOR_MODEL}` cut to {FLOOR_LAYERS} layers, bf16, "
+            f"weights + the batch's KV at {H200_TBS} TB/s; on a GPU the host time adds to it one for one. "
+            f"Command: `.venv/bin/python bench/engine_host_bench.py --write-docs`.\n\n{md}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    labels = [f"B={b}\nctx={c}" for b, c in CONFIGS]
+    x = range(len(CONFIGS))
+    for off, prefix in ((-0.2, True), (0.2, False)):
+        vals = [next(r["host_us"] / 1e3 for r in results if r["prefix_caching"] == prefix and (r["batch"], r["ctx"]) == bc)
+                for bc in CONFIGS]
+        ax.bar([i + off for i in x], vals, width=0.38, label=f"host ms/step, prefix cache {'on' if prefix else 'off'}")
+    ax.plot(list(x), [floor_ms(b, c) for b, c in CONFIGS], "k_", markersize=40, mew=2,
+            label=f"H200 HBM floor of the step ({FLOOR_MODEL}, {FLOOR_LAYERS} layers)")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Engine host time per decode step (CPU) vs the GPU step's floor")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    publish(fig, "engine_host", body, args.write_docs)
+
+
+if __name__ == "__main__":
+    main()
