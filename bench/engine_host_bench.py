@@ -178,12 +178,14 @@ def main(argv: list[str] | None = None) -> None:
         vals = [next(r["host_us"] / 1e3 for r in results if r["prefix_caching"] == prefix and (r["batch"], r["ctx"]) == bc)
                 for bc in CONFIGS]
         ax.bar([i + off for i in x], vals, width=0.38, label=f"host ms/step, prefix cache {'on' if prefix else 'off'}")
-    ax.plot(list(x), [floor_ms(b, c) for b, c in CONFIGS], "k_", markersize=40, mew=2,
-            label=f"H200 HBM floor of the step ({FLOOR_MODEL}, {FLOOR_LAYERS} layers)")
+    floors = [floor_ms(b, c) for b, c in CONFIGS]
+    ax.hlines(floors, [i - 0.42 for i in x], [i + 0.42 for i in x], colors="k", linewidth=2,
+              label=f"H200 HBM floor of the step ({FLOOR_MODEL}, {FLOOR_LAYERS} layers)")
+    ax.set_ylim(0, 1.35 * max(floors + [r["host_us"] / 1e3 for r in results]))
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per decode step")
     ax.set_title("Engine host time per decode step (CPU) vs the GPU step's floor")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     publish(fig, "engine_host", body, args.write_docs)
 
