@@ -226,7 +226,7 @@ class LLMEngine:
         while len(hs) < upto_pages:
             i = len(hs)
             hs.append(chunk_key(hs[-1] if hs else ROOT_KEY, ns, seq.token_range(i * page, (i + 1) * page)))
-        return hs if len(hs) == upto_pages else hs[:upto_pages]  # (the cache itself: read, never change)
+        return hs[:upto_pages]
 
     def _draft(self) -> None:
         """Proposes speculative tokens for every decoding sequence that takes them."""
@@ -281,15 +281,13 @@ class LLMEngine:
             logits = self.runner.run(scheduled, kv_ready=ready)
         finally:
             rolled_back = self._finish_loads(loads)
-        # NOTE: this runs for every sequence of every step, and on a GPU the device waits for it
-        # (a replayed decode step is one launch): per sequence, as little Python as it takes.
         before = [s.seq.num_computed for s in scheduled]
         results: list[StepOutput] = []
         rows, params, ids, first_row = [], [], [], []
         row = 0
         for s in scheduled:
             seq = s.seq
-            if rolled_back and id(seq) in rolled_back:  # computed over KV that failed its check: nothing counts
+            if id(seq) in rolled_back:  # computed over KV that failed its check: nothing of it counts
                 first_row.append(None)
                 row += 1 + s.num_draft
                 continue
@@ -298,15 +296,13 @@ class LLMEngine:
                 seq.num_computed += 1
             else:
                 seq.num_computed += s.num_new_tokens
-                if seq.num_computed == len(seq.prompt) + len(seq.output):
+                if seq.num_computed == seq.num_tokens:
                     rows.append(row)
                     params.append(seq.params)
                     ids.append(seq.seq_id)
             row += 1 + s.num_draft
         sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
-        eos, page = self.eos, self.cfg.page_size
-        saving = self.connector is not None
         for s, r, b in zip(scheduled, first_row, before):
             seq = s.seq
             if r is None:
@@ -320,33 +316,28 @@ class LLMEngine:
                 seq.num_accepted_tokens += len(new) - 1
                 seq.draft = []
             elif r in sampled:
-                new = (sampled[r],)
+                new = [sampled[r]]
             else:
                 self._after_compute(seq, b)
                 continue
             reason = None
-            p = seq.params
-            n = 0
-            for tok in new:
-                n += 1
+            for n, tok in enumerate(new, 1):
                 seq.output.append(tok)
-                if len(seq.output) >= p.max_tokens:
+                self.num_generated += 1
+                if len(seq.output) >= seq.params.max_tokens:
                     reason = "length"
-                elif tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
+                elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
                     reason = "stop"
                 if reason:
                     break
-            self.num_generated += n
-            if n < len(new):
-                new = new[:n]
+            new = new[:n]
             if s.num_draft:  # the accepted drafts' KV is in the pages; the rejected ones' is not counted
                 seq.num_computed = seq.num_tokens - 1
                 seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)
                 self._trim_pages(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if saving or seq.num_computed // page != b // page:  # (a chunk ends on a page boundary)
-                self._after_compute(seq, b)
+            self._after_compute(seq, b)
             if reason:
                 self.num_finished += 1
                 if isinstance(self.drafter, NgramDrafter):
@@ -355,10 +346,7 @@ class LLMEngine:
                 seq.finish_time = now
                 self.seqs.pop(seq.seq_id, None)
                 self._forget(seq)
-            if n == 1:
-                results.append(StepOutput(seq, new[0], reason is not None))
-            else:
-                results += [StepOutput(seq, tok, reason is not None and j == n - 1) for j, tok in enumerate(new)]
+            results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1) for j, tok in enumerate(new)]
         return results
 
     def _trim_pages(self, seq: Sequence) -> None:

@@ -118,16 +118,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.budget
         # 1. decodes, each with its speculative tokens (``seq.draft``) as far as the budget goes
-        page = self.blocks.page_size
         for seq in list(self.running):
-            num_tokens = seq.num_tokens
-            if num_tokens - seq.num_computed != 1 or budget == 0:
+            if seq.num_tokens - seq.num_computed != 1 or budget == 0:
                 continue
-            if seq.draft:
-                del seq.draft[budget - 1:]
-            end = num_tokens + len(seq.draft)
-            # (a decode needs a page once in page_size steps: check before calling)
-            if end > len(seq.pages) * page and not self._pages_or_preempt(seq, end, out):
+            del seq.draft[budget - 1:]
+            if not self._pages_or_preempt(seq, seq.num_tokens + len(seq.draft), out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, 1 + len(seq.draft), len(seq.draft)))
             budget -= 1 + len(seq.draft)
