@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.spec_decode import target_probs, verify
+from kernels.host import to_device
 
 
 SAMPLING_EPS = 1e-5
@@ -55,6 +56,37 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+class SampledTokens:
+    """Tokens sampled on the device, on their way to the host (page-locked, asynchronous on CUDA)."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device_tokens = tokens
+        """``[n]`` int64 where they were sampled (the next step's input ids, without a round trip)."""
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def rows(self, rows: list[int]) -> torch.Tensor:
+        """Those rows of the tokens, on the device (no host synchronisation)."""
+        if rows == list(range(len(rows))):
+            return self.device_tokens[: len(rows)]
+        return self.device_tokens.index_select(0, to_device(rows, torch.int64, self.device_tokens.device))
+
+    def tolist(self) -> list[int]:
+        """The tokens on the host; waits for the device to have sampled them."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 class Sampler:
     """Picks one token per row of logits; keeps one generator per seeded request."""
 
@@ -72,13 +104,24 @@ class Sampler:
             params: one per row.
             seq_ids: one per row (keys of the per-request generators).
         """
-        out = logits.argmax(dim=-1).tolist()
+        return self.sample_async(logits, params, seq_ids).tolist()
+
+    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> SampledTokens:
+        """``sample`` without waiting: the tokens are drawn on the logits' device and start their
+        copy to the host (the next step can be launched before they arrive).
+
+        A sampled row draws by the exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` from
+        the request's generator, picks token ``i`` with probability ``probs[i]`` exactly, with
+        no host synchronisation (``torch.multinomial`` waits for the device).
+        """
+        out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
                 continue
             probs = target_probs(logits[i], p.temperature, p.top_p)
-            out[i] = int(torch.multinomial(probs, 1, generator=self.generator(sid, p, logits.device)))
-        return out
+            q = torch.empty_like(probs).exponential_(generator=self.generator(sid, p, logits.device))
+            out[i] = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax()
+        return SampledTokens(out)
 
     def generator(self, seq_id: int, p: SamplingParams, device: torch.device) -> torch.Generator:
         """The request's generator, made (seeded) on first use."""

@@ -116,7 +116,8 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
     if top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        # (no boolean indexing: its shape depends on the data, so the host would wait for the device)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p * keep)
         probs = probs / probs.sum()
     return probs
 

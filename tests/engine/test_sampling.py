@@ -5,6 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampling import Sampler
+from engine.spec_decode import target_probs
 from engine.tokenizer import ByteTokenizer
 
 
@@ -15,6 +16,19 @@ def test_greedy_is_argmax_and_seeded_sampling_repeats():
     p = SamplingParams(temperature=1.0, seed=7)
     a = [Sampler().sample(logits[:1], [p], [0])[0] for _ in range(3)]
     assert len(set(a)) == 1
+
+
+def test_the_exponential_race_samples_the_nucleus_distribution():
+    """The sampler draws token i with probability probs[i] (after temperature and top-p)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    for top_p, temperature in ((1.0, 1.0), (0.7, 0.8)):
+        probs = target_probs(logits[0], temperature, top_p)
+        s, n = Sampler(), 20_000
+        p = SamplingParams(temperature=temperature, top_p=top_p, seed=11)
+        counts = torch.bincount(torch.tensor([s.sample(logits, [p], [0])[0] for _ in range(n)]), minlength=6)
+        freq = counts / n
+        assert torch.allclose(freq, probs, atol=0.015), (freq, probs)  # ~4 sigma at n = 20k
+        assert not counts[probs == 0].any()
 
 
 def test_top_p_keeps_only_the_nucleus():
