@@ -131,7 +131,8 @@ class DecodeGraphs:
     def fits(self, batch: int, max_pages: int) -> bool:
         return 0 < batch <= self.max_batch and max_pages <= self.max_pages
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of ``B`` sequences (one token each): ``[B, hidden]`` final hidden states.
 
         Args:
@@ -139,6 +140,8 @@ class DecodeGraphs:
             positions: its position (also the tokens cached before it: one token per sequence).
             slots: the cache slot its K/V goes to.
             tables: each sequence's pages.
+            input_ids: ``[B]`` on the device: the tokens instead of ``ids`` (sampled there by the
+                step before, not yet known to the host); copied in behind the host mirrors.
         """
         batch = len(ids)
         self.steps += 1
@@ -162,6 +165,8 @@ class DecodeGraphs:
         self._fill_padding(batch, bucket)
         self._dev_i64.copy_(self._host_i64, non_blocking=True)  # contiguous, a few KiB
         self._dev_i32[:bucket].copy_(self._host_i32[:bucket], non_blocking=True)
+        if input_ids is not None:
+            self._dev_i64[0, :batch].copy_(input_ids)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_connector import StoreConnector
 from engine.model_runner import ModelRunner, load_model_config
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import SampledTokens, Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.spec_decode import NgramDrafter
@@ -56,6 +56,23 @@ class StepOutput:
     seq: Sequence
     token: int
     finished: bool
+
+
+PENDING = -1
+"""In ``seq.output``: the token a launched step is sampling, not yet on the host (async scheduling)."""
+
+
+@dataclass
+class _Launched:
+    """A step, each of whose sequences samples one token, launched with its tokens left on the
+    device (``async_scheduling``)."""
+
+    sampled: SampledTokens
+    entries: list[tuple[Sequence, int, int, int]]
+    """Per row: the sequence, where its token goes in ``seq.output`` (a ``PENDING`` now), and
+    the positions the step computed (``seq.num_computed`` before and after it)."""
+    rows: dict[int, int]
+    """seq_id -> its row of ``sampled``."""
 
 
 class LLMEngine:
@@ -123,6 +140,12 @@ class LLMEngine:
             if dmc.vocab_size != mc.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dmc.vocab_size}) is not the target's ({mc.vocab_size})")
             self.drafter = DraftModelDrafter(ModelRunner(draft_cfg, dmc))
+        self.async_scheduling = cfg.async_scheduling
+        """(``EngineConfig.async_scheduling``; may be switched between steps.)"""
+        self._launched: _Launched | None = None
+        """The step whose tokens are still on the device (async scheduling), or None."""
+        self.num_overlapped_steps = 0
+        """Steps launched before the tokens of the step before them were on the host."""
         self.num_spec_steps = 0
         """Sequence-steps that verified drafts; draft tokens verified, and of those accepted."""
         self.num_draft_tokens = 0
@@ -190,9 +213,11 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.finish(seq, "abort")
             self._forget(seq)
+            while seq.output and seq.output[-1] == PENDING:  # a launched step's row of it is thrown away
+                seq.output.pop()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     # ---- one step -------------------------------------------------------------
 
@@ -254,6 +279,12 @@ class LLMEngine:
         self.drafter.draft(fits)
 
     def step(self) -> list[StepOutput]:
+        """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a pure decode
+        step is launched and its tokens returned by the next call, which launches the next step
+        first when nothing it schedules depends on them (``_can_overlap``)."""
+        done: list[StepOutput] = []
+        if self._launched is not None and not self._can_overlap():
+            done = self._resolve()
         if self.drafter is not None:
             self._draft()
         if self.cfg.enable_prefix_caching:
@@ -269,7 +300,7 @@ class LLMEngine:
                         scheduled = self._begin_load(seq, scheduled, loads)
             if not scheduled:
                 self.last_step_prefill_tokens = None
-                return []
+                return done
             self.last_step_prefill_tokens = out.num_prefill_tokens
             self.last_step_seqs = len(scheduled)
             self.last_step_context_tokens = sum(s.seq.num_computed + s.num_new_tokens for s in scheduled)
@@ -278,7 +309,12 @@ class LLMEngine:
                 def ready(layer: int) -> None:
                     for _, pending in loads:
                         pending.wait_layer(layer)
-            logits = self.runner.run(scheduled, kv_ready=ready)
+            input_ids = None
+            if self._launched is not None:  # every sequence here decodes the token launched for it
+                rows = self._launched.rows
+                self.num_overlapped_steps += 1
+                input_ids = self._launched.sampled.rows([rows[s.seq.seq_id] for s in scheduled])
+            logits = self.runner.run(scheduled, kv_ready=ready, input_ids=input_ids)
         finally:
             rolled_back = self._finish_loads(loads)
         before = [s.seq.num_computed for s in scheduled]
@@ -301,6 +337,9 @@ class LLMEngine:
                     params.append(seq.params)
                     ids.append(seq.seq_id)
             row += 1 + s.num_draft
+        if self.async_scheduling and len(rows) == len(scheduled) == row:  # every sequence samples one token
+            return done + self._launch(scheduled, before, logits, params, ids)
+        assert self._launched is None  # (an overlapped step is one every sequence samples in)
         sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
         for s, r, b in zip(scheduled, first_row, before):
@@ -324,10 +363,7 @@ class LLMEngine:
             for n, tok in enumerate(new, 1):
                 seq.output.append(tok)
                 self.num_generated += 1
-                if len(seq.output) >= seq.params.max_tokens:
-                    reason = "length"
-                elif tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
-                    reason = "stop"
+                reason = self._stop_reason(seq, tok, len(seq.output))
                 if reason:
                     break
             new = new[:n]
@@ -339,14 +375,88 @@ class LLMEngine:
                 seq.first_token_time = now
             self._after_compute(seq, b)
             if reason:
-                self.num_finished += 1
-                if isinstance(self.drafter, NgramDrafter):
-                    self.drafter.remember(seq.tokens)
-                self.scheduler.finish(seq, reason)
-                seq.finish_time = now
-                self.seqs.pop(seq.seq_id, None)
-                self._forget(seq)
+                self._end(seq, reason, now)
             results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1) for j, tok in enumerate(new)]
+        return done + results
+
+    def _stop_reason(self, seq: Sequence, tok: int, num_output: int) -> str | None:
+        """Why ``seq`` ends with ``tok`` as its ``num_output``-th output token, or None."""
+        if num_output >= seq.params.max_tokens:
+            return "length"
+        if tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
+            return "stop"
+        return None
+
+    def _end(self, seq: Sequence, reason: str, now: float) -> None:
+        self.num_finished += 1
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.remember(seq.tokens)
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+        self.seqs.pop(seq.seq_id, None)
+        self._forget(seq)
+
+    # ---- async scheduling: a decode step launched before the last one's tokens are known --------
+
+    def _launch(self, scheduled, before: list[int], logits, params: list[SamplingParams],
+                ids: list[int]) -> list[StepOutput]:
+        """Leaves the tokens of a step where every sequence samples one on the device (each
+        sequence's next token a ``PENDING``), then resolves the step launched before it: the
+        host's work on those tokens runs while the device computes this one. Returns that
+        step's outputs."""
+        sampled = self.sampler.sample_async(logits, params, ids)
+        entries, rows = [], {}
+        for r, (s, b) in enumerate(zip(scheduled, before)):
+            seq = s.seq
+            entries.append((seq, len(seq.output), b, b + s.num_new_tokens))
+            rows[seq.seq_id] = r
+            seq.output.append(PENDING)
+        done = self._resolve() if self._launched is not None else []
+        self._launched = _Launched(sampled, entries, rows)
+        return done
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be scheduled before the launched one's tokens are known:
+        it would be exactly the launched sequences decoding once more. Not when a sequence ends
+        by length at the launched step, or another sequence could be admitted, or a decode
+        could go unscheduled (the token budget) or need a preemption (pages short), or drafts
+        are proposed (they need the tokens)."""
+        launched, sched = self._launched, self.scheduler
+        running = sched.running
+        if self.drafter is not None or not self.async_scheduling or not running \
+                or len(running) > self.cfg.max_num_batched_tokens \
+                or (sched.waiting and len(running) < self.cfg.max_num_seqs):
+            return False
+        need = 0
+        for seq in running:
+            if seq.seq_id not in launched.rows or seq.num_tokens - seq.num_computed != 1 \
+                    or len(seq.output) >= seq.params.max_tokens:
+                return False
+            need += max(0, self.blocks.pages_for(seq.num_tokens) - len(seq.pages))
+        return self.blocks.can_allocate(need)
+
+    def _resolve(self) -> list[StepOutput]:
+        """Waits for the launched step's tokens and does what a step does with its tokens. A
+        sequence that ended (or was aborted) since has its row thrown away; one that ends now
+        loses the ``PENDING`` of the step launched after it."""
+        launched, self._launched = self._launched, None
+        tokens = launched.sampled.tolist()
+        now = time.perf_counter()
+        results = []
+        for (seq, at, before, upto), tok in zip(launched.entries, tokens):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.output[at] = tok
+            self.num_generated += 1
+            reason = self._stop_reason(seq, tok, at + 1)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            # (that step computed positions before..upto-1; a step launched since may have more)
+            self._after_compute(seq, before, upto)
+            if reason:
+                del seq.output[at + 1:]
+                self._end(seq, reason, now)
+            results.append(StepOutput(seq, tok, reason is not None))
         return results
 
     def _trim_pages(self, seq: Sequence) -> None:
@@ -396,20 +506,22 @@ class LLMEngine:
         seq.num_store_tokens = loaded * self.cfg.chunk_tokens
         seq.num_saved_chunks = first + loaded
 
-    def _after_compute(self, seq: Sequence, before: int) -> None:
-        """Registers newly full pages locally and saves newly completed chunks to the store."""
+    def _after_compute(self, seq: Sequence, before: int, upto: int | None = None) -> None:
+        """Registers newly full pages locally and saves newly completed chunks to the store: those
+        of positions ``before`` to ``upto`` (default ``seq.num_computed``)."""
         if seq.status is not SeqStatus.RUNNING:
             return
-        self._register_pages(seq, before // self.cfg.page_size)
+        upto = seq.num_computed if upto is None else upto
+        self._register_pages(seq, before // self.cfg.page_size, upto)
         if self.connector is not None:
-            done = seq.num_computed // self.cfg.chunk_tokens
+            done = upto // self.cfg.chunk_tokens
             if done > seq.num_saved_chunks:
                 self.connector.save(seq.tokens, seq.cache_salt, seq.pages,
                                     seq.num_saved_chunks, done - seq.num_saved_chunks)
                 seq.num_saved_chunks = done
 
-    def _register_pages(self, seq: Sequence, first: int) -> None:
-        full = seq.num_computed // self.cfg.page_size
+    def _register_pages(self, seq: Sequence, first: int, upto: int | None = None) -> None:
+        full = (seq.num_computed if upto is None else upto) // self.cfg.page_size
         if full <= first or not self.cfg.enable_prefix_caching:  # a decode step fills a page in 16
             return
         hashes = self._hashes(seq, full)

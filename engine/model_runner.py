@@ -72,12 +72,15 @@ class ModelRunner:
         mc = self.model_config
         return (mc.num_hidden_layers, 2, mc.num_key_value_heads, self.cfg.chunk_tokens, mc.head_dim)
 
-    def run(self, scheduled: list[ScheduledSeq], kv_ready: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self, scheduled: list[ScheduledSeq], kv_ready: Callable[[int], None] | None = None,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Computes the step's tokens; returns the logits of each sequence's last ``1 + num_draft``
         tokens, in order: ``[B, vocab]`` when nothing is speculative.
 
         ``kv_ready(l)``, when given, is called before layer ``l`` computes (loads landing
-        beside the step); a replayed CUDA graph calls it for every layer first."""
+        beside the step); a replayed CUDA graph calls it for every layer first.
+        ``input_ids``, when given, are a pure decode step's tokens already on the device (the
+        step before sampled them there; the host does not know them yet)."""
         page = self.cfg.page_size
         max_pages = max(len(s.seq.pages) for s in scheduled)
         graphs = self.decode_graphs
@@ -86,8 +89,9 @@ class ModelRunner:
                 if kv_ready is not None:
                     for layer in range(len(self.kv_caches)):
                         kv_ready(layer)
-                return self._run_decode_graph(graphs, scheduled)
+                return self._run_decode_graph(graphs, scheduled, input_ids)
             graphs.fallbacks += 1
+        assert input_ids is None or all(s.num_new_tokens == 1 and not s.num_draft for s in scheduled)
         ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
         tables = np.zeros((len(scheduled), max_pages), dtype=np.int32)
         for b, s in enumerate(scheduled):
@@ -114,20 +118,23 @@ class ModelRunner:
             max_q_len=max(s.num_new_tokens for s in scheduled),
             kv_ready=kv_ready,
         )
-        hidden = self.model(to_device(ids, torch.int64, dev), meta, self.kv_caches)
+        if input_ids is None:
+            input_ids = to_device(ids, torch.int64, dev)
+        hidden = self.model(input_ids, meta, self.kv_caches)
         return self.model.logits(hidden[to_device(rows, torch.int64, dev)])
 
-    def _run_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def _run_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSeq],
+                          input_ids: torch.Tensor | None) -> torch.Tensor:
         page = self.cfg.page_size
         ids, pos, slots, tables = [], [], [], []
         for s in scheduled:
             seq = s.seq
             p = seq.num_computed if s.start is None else s.start
-            ids.append(seq.token_at(p))  # a draft model's pass feeds its last draft, past the real tokens
+            ids.append(0 if input_ids is not None else seq.token_at(p))  # (a draft model's pass: its last draft)
             pos.append(p)
             slots.append(seq.pages[p // page] * page + p % page)
             tables.append(seq.pages)
-        return self.model.logits(graphs.run(ids, pos, slots, tables))
+        return self.model.logits(graphs.run(ids, pos, slots, tables, input_ids))
 
     def gather_chunk_into(self, pages: list[int], out: torch.Tensor, checksum: bool = False):
         """Copies one chunk's pages of every layer into ``out``, a ``chunk_shape`` tensor on the

@@ -1,0 +1,207 @@
+"""Async scheduling: a decode step is launched before the tokens of the one before it are on the
+host (they are fed to it where they were sampled). Whatever the mix of requests, the tokens, the
+order they stream in, the finish reasons, the local prefix cache and the chunks saved to the store
+are those of the engine that waits for every step. On CPU the device is synchronous, so this
+checks the bookkeeping; ``pytest -m gpu`` checks it with captured graphs on CUDA."""
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import PENDING, LLMEngine
+from engine.sampling import SamplingParams
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none")
+
+
+def _engine(async_scheduling: bool, static_buffers: bool = False, **kw) -> LLMEngine:
+    kw.setdefault("model", "random:tiny")
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("num_pages", 200)
+    kw.setdefault("max_num_seqs", 8)
+    eng = LLMEngine(EngineConfig(async_scheduling=async_scheduling, enforce_eager=static_buffers, **kw))
+    if static_buffers:  # the CUDA graphs' host path, run eagerly (CPU has no graphs)
+        eng.runner.decode_graphs = eng.runner.make_decode_graphs(capture=False)
+    return eng
+
+
+def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy, seeded temperature and top-p requests of mixed lengths, some with a stop token."""
+    r = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [r.randrange(3, 500) for _ in range(r.randrange(3, 70))]
+        kind = i % 3
+        params = SamplingParams(max_tokens=r.randrange(1, 40), temperature=(0.0, 0.9, 1.3)[kind],
+                                top_p=(1.0, 1.0, 0.8)[kind], seed=1000 + i,
+                                stop_token_ids=(r.randrange(3, 500),) if i % 4 == 0 else ())
+        reqs.append((prompt, params))
+    return reqs
+
+
+def _serve(eng: LLMEngine, reqs, arrivals: dict[int, int] | None = None):
+    """Runs ``reqs`` to the end, request ``i`` added before step ``arrivals.get(i, 0)``; checks the
+    streamed outputs against each sequence's tokens. Returns (tokens, finish reasons) per request."""
+    arrivals = arrivals or {}
+    seqs: dict[int, object] = {}
+    streamed: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    step = 0
+    while len(seqs) < len(reqs) or eng.has_work():
+        for i, (prompt, params) in enumerate(reqs):
+            if i not in seqs and arrivals.get(i, 0) <= step:
+                seqs[i] = eng.add_request(prompt, params)
+                streamed[seqs[i].seq_id] = []
+        for o in eng.step():
+            assert o.seq.seq_id not in finished, "a token after the sequence's last"
+            streamed[o.seq.seq_id].append(o.token)
+            if o.finished:
+                finished.add(o.seq.seq_id)
+                assert o.seq.is_finished
+        step += 1
+        assert step < 10_000
+    out = []
+    for i in range(len(reqs)):
+        seq = seqs[i]
+        assert seq.is_finished and seq.seq_id in finished
+        assert PENDING not in seq.output
+        assert streamed[seq.seq_id] == seq.output  # every token streamed once, in order
+        out.append((list(seq.output), seq.finish_reason))
+    return out
+
+
+@pytest.mark.parametrize("static_buffers", [False, True], ids=["eager", "static-buffers"])
+def test_async_scheduling_gives_the_tokens_of_waiting_for_every_step(static_buffers):
+    reqs = _requests(14, seed=1)
+    arrivals = {i: (i % 5) * 7 for i in range(len(reqs))}  # requests arrive while others decode
+    want = _serve(_engine(False), reqs, arrivals)
+    eng = _engine(True, static_buffers)
+    got = _serve(eng, reqs, arrivals)
+    assert got == want
+    assert {reason for _, reason in want} == {"length", "stop"}
+    assert eng.num_overlapped_steps > 20  # steady decoding did overlap
+    if static_buffers:
+        assert eng.runner.decode_graphs.steps >= eng.num_overlapped_steps
+
+
+def test_a_request_arriving_during_steady_decoding_is_admitted_at_the_next_step():
+    reqs = [(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p, _ in _requests(4, seed=8)]
+    want = _serve(_engine(False), reqs, {3: 12})
+    eng = _engine(True)
+    seqs = [eng.add_request(p, params) for p, params in reqs[:3]]
+    while eng.num_overlapped_steps < 4:
+        eng.step()
+    late = eng.add_request(*reqs[3])
+    eng.step()
+    assert late.num_computed == len(late.prompt)  # admitted and prefilled by that step
+    while eng.has_work():
+        eng.step()
+    assert [s.output for s in seqs + [late]] == [w[0] for w in want]
+
+
+def test_async_scheduling_under_preemption_and_a_tight_token_budget():
+    """Pages short (preemptions: steps that wait) and a budget below the batch (decodes left out)."""
+    reqs = _requests(10, seed=2)
+    for kw in (dict(num_pages=14), dict(max_num_batched_tokens=5, chunk_size=5)):
+        want = _serve(_engine(False, **kw), reqs)
+        eng = _engine(True, **kw)
+        assert _serve(eng, reqs) == want, kw
+        assert eng.num_overlapped_steps > 0, kw
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages  # every page back
+
+
+def test_an_abort_while_a_step_is_launched_discards_its_row():
+    reqs = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p, _ in _requests(4, seed=3)]
+    want = _serve(_engine(False), reqs)
+    eng = _engine(True)
+    seqs = [eng.add_request(p, params) for p, params in reqs]
+    while eng.num_overlapped_steps < 3:
+        eng.step()
+    victim = seqs[1]
+    assert victim.output[-1] == PENDING  # its token is on its way
+    eng.abort(victim.seq_id)
+    assert victim.finish_reason == "abort" and PENDING not in victim.output
+    assert victim.output == want[1][0][: len(victim.output)]
+    while eng.has_work():
+        assert all(o.seq is not victim for o in eng.step())
+    assert [s.output for s in seqs if s is not victim] == [w[0] for i, w in enumerate(want) if i != 1]
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+
+
+def test_switching_async_scheduling_off_between_steps_resolves_the_launched_step():
+    reqs = [(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p, _ in _requests(3, seed=4)]
+    want = _serve(_engine(False), reqs)
+    eng = _engine(True)
+    seqs = [eng.add_request(p, params) for p, params in reqs]
+    while eng.num_overlapped_steps < 2:
+        eng.step()
+    eng.async_scheduling = False
+    outs = eng.step()  # the launched step's tokens, then this step's
+    assert len(outs) == 2 * len(seqs) and PENDING not in sum((s.output for s in seqs), [])
+    while eng.has_work():
+        eng.step()
+    assert [s.output for s in seqs] == [w[0] for w in want]
+
+
+def test_pages_registered_under_async_scheduling_hold_the_real_tokens():
+    """The local prefix cache hashes a page when its KV is computed; under async scheduling the
+    token after it may still be on the device. A request repeating prompt + output hits every full
+    page and continues as a fresh engine would."""
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(37)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    eng = _engine(True, enable_prefix_caching=True, page_size=16)
+    (first, _), = _serve(eng, [(prompt, params)])
+    assert eng.num_overlapped_steps > 40
+    again = prompt + first[:50]  # 87 tokens: 5 full pages, all computed by decode steps but the first 2
+    seq = eng.add_request(again, SamplingParams(max_tokens=10, ignore_eos=True))
+    while not seq.is_finished:
+        eng.step()
+    assert seq.num_local_tokens == 5 * 16
+    (want, _), = _serve(_engine(False, enable_prefix_caching=True, page_size=16),
+                        [(again, SamplingParams(max_tokens=10, ignore_eos=True))])
+    assert seq.output == want
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    from tests.helpers import store_nodes
+
+    yield from store_nodes(tmp_path, with_disk=False)
+
+
+def test_chunks_saved_under_async_scheduling_load_back_exactly(nodes):
+    """Chunks completed by decode steps are saved when the step is resolved, keyed by the real
+    tokens: another engine loads them and continues with the recomputed tokens."""
+    node = nodes()
+    chunk = 32
+    prompt = [random.Random(6).randrange(3, 500) for _ in range(40)]
+    saver = _engine(True, store=node.address, chunk_tokens=chunk)
+    (out, _), = _serve(saver, [(prompt, SamplingParams(max_tokens=70, ignore_eos=True))])
+    saver.connector.flush()
+    assert saver.num_overlapped_steps > 40
+    assert saver.connector.stats.chunks_saved == (40 + 70 - 1) // chunk  # 3: two of them by decode steps
+    saver.close()
+    again = prompt + out  # 110 tokens: three full chunks in the store
+    loader = _engine(False, store=node.address, chunk_tokens=chunk)
+    (got, _), = _serve(loader, [(again, SamplingParams(max_tokens=8, ignore_eos=True))])
+    assert loader.connector.stats.chunks_loaded == 3
+    loader.close()
+    (want, _), = _serve(_engine(False), [(again, SamplingParams(max_tokens=8, ignore_eos=True))])
+    assert got == want
+
+
+@pytest.mark.gpu
+@cuda
+def test_async_scheduling_with_captured_graphs_gives_the_eager_tokens():
+    reqs = _requests(13, seed=7)
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model="random:tiny", dtype="float32", device="cuda", num_pages=200,
+                                      max_num_seqs=8, **kw))
+
+    want = _serve(engine(enforce_eager=True), reqs)
+    eng = engine(async_scheduling=True)
+    assert eng.runner.decode_graphs is not None and eng.runner.decode_graphs.captured
+    assert _serve(eng, reqs) == want
+    assert eng.num_overlapped_steps > 20
