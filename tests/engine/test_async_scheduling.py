@@ -145,6 +145,16 @@ def test_switching_async_scheduling_off_between_steps_resolves_the_launched_step
     assert [s.output for s in seqs] == [w[0] for w in want]
 
 
+def test_async_scheduling_beside_ngram_speculation_stays_exact():
+    """Drafts need the tokens on the host: every step waits, and steps without drafts (no n-gram
+    found) are still launched first and resolved by the next call."""
+    reqs = [(p * 3, SamplingParams(max_tokens=30, ignore_eos=True)) for p, _ in _requests(5, seed=9)]
+    want = _serve(_engine(False), reqs)
+    eng = _engine(True, speculative="ngram", num_speculative_tokens=3)
+    assert _serve(eng, reqs) == want
+    assert eng.num_spec_steps > 0 and eng.num_overlapped_steps == 0
+
+
 def test_pages_registered_under_async_scheduling_hold_the_real_tokens():
     """The local prefix cache hashes a page when its KV is computed; under async scheduling the
     token after it may still be on the device. A request repeating prompt + output hits every full
