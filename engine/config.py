@@ -188,11 +188,12 @@ class EngineConfig:
     (CUDA only; graphs cover batches up to max_num_seqs, sequences up to the model's
     max_position_embeddings)."""
     async_scheduling: bool = False
-    """Overlap the host's work with the device's: schedule and launch a pure decode step before
-    the tokens of the one running are back on the host (they are fed to it on the device), and
-    report each step's tokens one step late. Steady decoding only: any other step (admission,
-    prefill, preemption, speculation, a sequence at max_tokens) waits for the tokens first. A
-    sequence that stops on a stop token has one extra row computed and thrown away."""
+    """Overlap the host's work with the device's: schedule and launch the next step before the
+    tokens of the one running are back on the host (they are fed to it on the device), and
+    report each step's tokens one step late. Decodes and the admissions beside them only: a
+    step with a running prefill, a preemption, drafts or a sequence at max_tokens waits for the
+    tokens first. A sequence that stops on a stop token has one extra row computed and thrown
+    away."""
     enable_prefix_caching: bool = True
     """Share full pages between sequences with a common prefix (local prefix cache)."""
     store: str | None = None

@@ -140,8 +140,9 @@ class DecodeGraphs:
             positions: its position (also the tokens cached before it: one token per sequence).
             slots: the cache slot its K/V goes to.
             tables: each sequence's pages.
-            input_ids: ``[B]`` on the device: the tokens instead of ``ids`` (sampled there by the
-                step before, not yet known to the host); copied in behind the host mirrors.
+            input_ids: on the device, the tokens of the first ``len(input_ids)`` rows instead of
+                ``ids`` (sampled there by the step before, not yet known to the host); copied in
+                behind the host mirrors.
         """
         batch = len(ids)
         self.steps += 1
@@ -166,7 +167,7 @@ class DecodeGraphs:
         self._dev_i64.copy_(self._host_i64, non_blocking=True)  # contiguous, a few KiB
         self._dev_i32[:bucket].copy_(self._host_i32[:bucket], non_blocking=True)
         if input_ids is not None:
-            self._dev_i64[0, :batch].copy_(input_ids)
+            self._dev_i64[0, : len(input_ids)].copy_(input_ids)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

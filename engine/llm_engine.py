@@ -279,9 +279,10 @@ class LLMEngine:
         self.drafter.draft(fits)
 
     def step(self) -> list[StepOutput]:
-        """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a pure decode
-        step is launched and its tokens returned by the next call, which launches the next step
-        first when nothing it schedules depends on them (``_can_overlap``)."""
+        """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a step in
+        which every sequence samples one token is launched and its tokens returned by the next
+        call, which launches the next step first when nothing it schedules depends on them
+        (``_can_overlap``)."""
         done: list[StepOutput] = []
         if self._launched is not None and not self._can_overlap():
             done = self._resolve()
@@ -310,10 +311,12 @@ class LLMEngine:
                     for _, pending in loads:
                         pending.wait_layer(layer)
             input_ids = None
-            if self._launched is not None:  # every sequence here decodes the token launched for it
+            if self._launched is not None:  # the running sequences decode the tokens launched for them
                 rows = self._launched.rows
+                n = len(self.scheduler.running) - len(out.admitted)  # (scheduled first; admissions after)
+                assert all(s.seq.seq_id in rows for s in scheduled[:n])
                 self.num_overlapped_steps += 1
-                input_ids = self._launched.sampled.rows([rows[s.seq.seq_id] for s in scheduled])
+                input_ids = self._launched.sampled.rows([rows[s.seq.seq_id] for s in scheduled[:n]])
             logits = self.runner.run(scheduled, kv_ready=ready, input_ids=input_ids)
         finally:
             rolled_back = self._finish_loads(loads)
@@ -339,12 +342,13 @@ class LLMEngine:
             row += 1 + s.num_draft
         if self.async_scheduling and len(rows) == len(scheduled) == row:  # every sequence samples one token
             return done + self._launch(scheduled, before, logits, params, ids)
-        assert self._launched is None  # (an overlapped step is one every sequence samples in)
+        if self._launched is not None:  # an admission's chunk left to compute, or a load rolled back
+            done += self._resolve()
         sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
         for s, r, b in zip(scheduled, first_row, before):
             seq = s.seq
-            if r is None:
+            if r is None or seq.status is SeqStatus.FINISHED:  # (ended by the tokens resolved above)
                 continue
             if s.num_draft:
                 new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id)
@@ -417,15 +421,13 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step can be scheduled before the launched one's tokens are known:
-        it would be exactly the launched sequences decoding once more. Not when a sequence ends
-        by length at the launched step, or another sequence could be admitted, or a decode
-        could go unscheduled (the token budget) or need a preemption (pages short), or drafts
-        are proposed (they need the tokens)."""
-        launched, sched = self._launched, self.scheduler
-        running = sched.running
+        the launched sequences decoding once more, then whatever admissions fit (they depend on
+        no unknown token, and take only free pages). Not when a sequence ends by length at the
+        launched step, or a decode could go unscheduled (the token budget) or need a preemption
+        (pages short), or drafts are proposed (they need the tokens)."""
+        launched, running = self._launched, self.scheduler.running
         if self.drafter is not None or not self.async_scheduling or not running \
-                or len(running) > self.cfg.max_num_batched_tokens \
-                or (sched.waiting and len(running) < self.cfg.max_num_seqs):
+                or len(running) > self.cfg.max_num_batched_tokens:
             return False
         need = 0
         for seq in running:

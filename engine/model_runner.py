@@ -79,8 +79,9 @@ class ModelRunner:
 
         ``kv_ready(l)``, when given, is called before layer ``l`` computes (loads landing
         beside the step); a replayed CUDA graph calls it for every layer first.
-        ``input_ids``, when given, are a pure decode step's tokens already on the device (the
-        step before sampled them there; the host does not know them yet)."""
+        ``input_ids``, when given, are the tokens of the first ``len(input_ids)`` sequences, one
+        each (decodes), already on the device: the step before sampled them there and the host
+        does not know them yet."""
         page = self.cfg.page_size
         max_pages = max(len(s.seq.pages) for s in scheduled)
         graphs = self.decode_graphs
@@ -91,7 +92,8 @@ class ModelRunner:
                         kv_ready(layer)
                 return self._run_decode_graph(graphs, scheduled, input_ids)
             graphs.fallbacks += 1
-        assert input_ids is None or all(s.num_new_tokens == 1 and not s.num_draft for s in scheduled)
+        assert input_ids is None or all(s.num_new_tokens == 1 and not s.num_draft
+                                        for s in scheduled[: len(input_ids)])
         ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
         tables = np.zeros((len(scheduled), max_pages), dtype=np.int32)
         for b, s in enumerate(scheduled):
@@ -118,19 +120,21 @@ class ModelRunner:
             max_q_len=max(s.num_new_tokens for s in scheduled),
             kv_ready=kv_ready,
         )
-        if input_ids is None:
-            input_ids = to_device(ids, torch.int64, dev)
-        hidden = self.model(input_ids, meta, self.kv_caches)
+        token_ids = to_device(ids, torch.int64, dev)
+        if input_ids is not None:
+            token_ids[: len(input_ids)] = input_ids
+        hidden = self.model(token_ids, meta, self.kv_caches)
         return self.model.logits(hidden[to_device(rows, torch.int64, dev)])
 
     def _run_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSeq],
                           input_ids: torch.Tensor | None) -> torch.Tensor:
         page = self.cfg.page_size
         ids, pos, slots, tables = [], [], [], []
-        for s in scheduled:
+        on_device = 0 if input_ids is None else len(input_ids)
+        for b, s in enumerate(scheduled):
             seq = s.seq
             p = seq.num_computed if s.start is None else s.start
-            ids.append(0 if input_ids is not None else seq.token_at(p))  # (a draft model's pass: its last draft)
+            ids.append(0 if b < on_device else seq.token_at(p))  # (a draft model's pass: its last draft)
             pos.append(p)
             slots.append(seq.pages[p // page] * page + p % page)
             tables.append(seq.pages)

@@ -94,8 +94,10 @@ def test_a_request_arriving_during_steady_decoding_is_admitted_at_the_next_step(
     while eng.num_overlapped_steps < 4:
         eng.step()
     late = eng.add_request(*reqs[3])
+    k = eng.num_overlapped_steps
     eng.step()
-    assert late.num_computed == len(late.prompt)  # admitted and prefilled by that step
+    assert late.num_computed == len(late.prompt)  # admitted and prefilled by that step,
+    assert eng.num_overlapped_steps == k + 1  # launched beside the decodes before their tokens were known
     while eng.has_work():
         eng.step()
     assert [s.output for s in seqs + [late]] == [w[0] for w in want]
@@ -200,6 +202,50 @@ def test_chunks_saved_under_async_scheduling_load_back_exactly(nodes):
     loader.close()
     (want, _), = _serve(_engine(False), [(again, SamplingParams(max_tokens=8, ignore_eos=True))])
     assert got == want
+
+
+@pytest.mark.parametrize("bad", [None, 1])
+def test_an_admission_with_store_hits_overlaps_the_decodes_and_a_bad_chunk_rolls_back(nodes, bad):
+    """A decode engine's usual step: a request whose prompt is in the store is admitted while
+    others decode. Its chunks land beside that step; a chunk that fails its check where it landed
+    (wsum64, after the step) rolls it back to recompute from there, and the step waits for the
+    launched tokens before finishing; tokens as a store-less engine's."""
+    from kvstore.client import StoreClient
+
+    node = nodes()
+    chunk = 32
+    prompt = [random.Random(10).randrange(3, 500) for _ in range(4 * chunk + 5)]
+    saver = _engine(False, store=node.address, chunk_tokens=chunk, chunk_check="wsum")
+    _serve(saver, [(prompt, SamplingParams(max_tokens=1))])
+    assert saver.connector.flush(timeout_s=120) and saver.connector.stats.chunks_saved == 4
+    keys = saver.connector.keys(prompt, None)
+    saver.close()
+    if bad is not None:
+        with StoreClient(node.address) as c:
+            raw = bytearray(c.get(keys[bad]))
+            raw[-1] ^= 0x40  # one payload bit
+            c.put(keys[bad], raw)
+    decoders = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p, _ in _requests(3, seed=11)]
+    late_params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = _serve(_engine(False), decoders) + _serve(_engine(False), [(prompt, late_params)])
+    eng = _engine(True, store=node.address, chunk_tokens=chunk, chunk_check="wsum")
+    seqs = [eng.add_request(p, params) for p, params in decoders]
+    streamed = []
+    while eng.num_overlapped_steps < 3:
+        streamed += eng.step()
+    late = eng.add_request(prompt, late_params)
+    k = eng.num_overlapped_steps
+    streamed += eng.step()
+    assert eng.num_overlapped_steps == k + 1  # admitted (and its chunks landed) beside the decodes
+    while eng.has_work():
+        streamed += eng.step()
+    assert [(s.output, s.finish_reason) for s in seqs + [late]] == want
+    assert [[o.token for o in streamed if o.seq is s] for s in seqs + [late]] == [w[0] for w in want]  # in order
+    st = eng.connector.stats
+    assert late.num_store_tokens == (4 if bad is None else bad) * chunk
+    assert st.late_failures == (0 if bad is None else 1)
+    assert eng.connector.pool.in_use == 0
+    eng.close()
 
 
 @pytest.mark.gpu
