@@ -71,9 +71,6 @@ class SampledTokens:
         else:
             self._host = tokens
 
-    def __len__(self) -> int:
-        return len(self._host)
-
     def rows(self, rows: list[int]) -> torch.Tensor:
         """Those rows of the tokens, on the device (no host synchronisation)."""
         if rows == list(range(len(rows))):

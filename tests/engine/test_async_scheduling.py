@@ -41,6 +41,16 @@ def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     return reqs
 
 
+def _start(eng: LLMEngine, reqs, overlapped: int):
+    """Adds ``reqs`` and steps until ``overlapped`` steps went first; returns their sequences and
+    the outputs streamed so far."""
+    seqs = [eng.add_request(p, params) for p, params in reqs]
+    streamed = []
+    while eng.num_overlapped_steps < overlapped:
+        streamed += eng.step()
+    return seqs, streamed
+
+
 def _serve(eng: LLMEngine, reqs, arrivals: dict[int, int] | None = None):
     """Runs ``reqs`` to the end, request ``i`` added before step ``arrivals.get(i, 0)``; checks the
     streamed outputs against each sequence's tokens. Returns (tokens, finish reasons) per request."""
@@ -90,9 +100,7 @@ def test_a_request_arriving_during_steady_decoding_is_admitted_at_the_next_step(
     reqs = [(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p, _ in _requests(4, seed=8)]
     want = _serve(_engine(False), reqs, {3: 12})
     eng = _engine(True)
-    seqs = [eng.add_request(p, params) for p, params in reqs[:3]]
-    while eng.num_overlapped_steps < 4:
-        eng.step()
+    seqs, _ = _start(eng, reqs[:3], 4)
     late = eng.add_request(*reqs[3])
     k = eng.num_overlapped_steps
     eng.step()
@@ -118,9 +126,7 @@ def test_an_abort_while_a_step_is_launched_discards_its_row():
     reqs = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p, _ in _requests(4, seed=3)]
     want = _serve(_engine(False), reqs)
     eng = _engine(True)
-    seqs = [eng.add_request(p, params) for p, params in reqs]
-    while eng.num_overlapped_steps < 3:
-        eng.step()
+    seqs, _ = _start(eng, reqs, 3)
     victim = seqs[1]
     assert victim.output[-1] == PENDING  # its token is on its way
     eng.abort(victim.seq_id)
@@ -136,9 +142,7 @@ def test_switching_async_scheduling_off_between_steps_resolves_the_launched_step
     reqs = [(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p, _ in _requests(3, seed=4)]
     want = _serve(_engine(False), reqs)
     eng = _engine(True)
-    seqs = [eng.add_request(p, params) for p, params in reqs]
-    while eng.num_overlapped_steps < 2:
-        eng.step()
+    seqs, _ = _start(eng, reqs, 2)
     eng.async_scheduling = False
     outs = eng.step()  # the launched step's tokens, then this step's
     assert len(outs) == 2 * len(seqs) and PENDING not in sum((s.output for s in seqs), [])
@@ -229,10 +233,7 @@ def test_an_admission_with_store_hits_overlaps_the_decodes_and_a_bad_chunk_rolls
     late_params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = _serve(_engine(False), decoders) + _serve(_engine(False), [(prompt, late_params)])
     eng = _engine(True, store=node.address, chunk_tokens=chunk, chunk_check="wsum")
-    seqs = [eng.add_request(p, params) for p, params in decoders]
-    streamed = []
-    while eng.num_overlapped_steps < 3:
-        streamed += eng.step()
+    seqs, streamed = _start(eng, decoders, 3)
     late = eng.add_request(prompt, late_params)
     k = eng.num_overlapped_steps
     streamed += eng.step()
