@@ -190,10 +190,9 @@ class EngineConfig:
     async_scheduling: bool = False
     """Overlap the host's work with the device's: schedule and launch the next step before the
     tokens of the one running are back on the host (they are fed to it on the device), and
-    report each step's tokens one step late. Decodes and the admissions beside them only: a
-    step with a running prefill, a preemption, drafts or a sequence at max_tokens waits for the
-    tokens first. A sequence that stops on a stop token has one extra row computed and thrown
-    away."""
+    report each step's tokens one step late. Decodes, prompt chunks and admissions alike; a
+    step that could preempt, proposes drafts, or has nothing left to launch waits for the tokens
+    first. A sequence that stops on a stop token has one extra row computed and thrown away."""
     enable_prefix_caching: bool = True
     """Share full pages between sequences with a common prefix (local prefix cache)."""
     store: str | None = None

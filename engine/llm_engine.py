@@ -64,15 +64,16 @@ PENDING = -1
 
 @dataclass
 class _Launched:
-    """A step, each of whose sequences samples one token, launched with its tokens left on the
-    device (``async_scheduling``)."""
+    """A step launched with its sampled tokens left on the device (``async_scheduling``): its
+    decodes and last prompt chunks sample one token each, other prompt chunks none."""
 
     sampled: SampledTokens
-    entries: list[tuple[Sequence, int, int, int]]
-    """Per row: the sequence, where its token goes in ``seq.output`` (a ``PENDING`` now), and
-    the positions the step computed (``seq.num_computed`` before and after it)."""
+    entries: list[tuple[Sequence, int | None, int, int]]
+    """Per sequence of the step: where its token goes in ``seq.output`` (a ``PENDING`` now; None
+    when it samples none), and the positions the step computed (``seq.num_computed`` before and
+    after it). The sampling ones in the order of ``sampled``'s rows."""
     rows: dict[int, int]
-    """seq_id -> its row of ``sampled``."""
+    """seq_id -> its row of ``sampled`` (the sequences that sample)."""
 
 
 class LLMEngine:
@@ -279,19 +280,20 @@ class LLMEngine:
         self.drafter.draft(fits)
 
     def step(self) -> list[StepOutput]:
-        """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a step in
-        which every sequence samples one token is launched and its tokens returned by the next
-        call, which launches the next step first when nothing it schedules depends on them
-        (``_can_overlap``)."""
+        """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a step without
+        drafts is launched and its tokens returned by the next call, which launches the next step
+        first when nothing it schedules depends on them (``_overlap_skip``)."""
         done: list[StepOutput] = []
-        if self._launched is not None and not self._can_overlap():
+        skip = self._overlap_skip() if self._launched is not None else ()
+        if skip is None:
             done = self._resolve()
+            skip = ()
         if self.drafter is not None:
             self._draft()
         if self.cfg.enable_prefix_caching:
-            out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size))
+            out = self.scheduler.schedule(lambda s: self._hashes(s, s.num_tokens // self.cfg.page_size), skip)
         else:
-            out = self.scheduler.schedule(lambda s: [])
+            out = self.scheduler.schedule(lambda s: [], skip)
         scheduled = out.scheduled
         loads = []  # (seq, its load): the step computes while their KV lands, layer by layer
         try:
@@ -301,7 +303,7 @@ class LLMEngine:
                         scheduled = self._begin_load(seq, scheduled, loads)
             if not scheduled:
                 self.last_step_prefill_tokens = None
-                return done
+                return done + (self._resolve() if self._launched is not None else [])
             self.last_step_prefill_tokens = out.num_prefill_tokens
             self.last_step_seqs = len(scheduled)
             self.last_step_context_tokens = sum(s.seq.num_computed + s.num_new_tokens for s in scheduled)
@@ -311,11 +313,14 @@ class LLMEngine:
                     for _, pending in loads:
                         pending.wait_layer(layer)
             input_ids = None
-            if self._launched is not None:  # the running sequences decode the tokens launched for them
-                rows = self._launched.rows
-                n = len(self.scheduler.running) - len(out.admitted)  # (scheduled first; admissions after)
+            if self._launched is not None:  # its sequences decode the tokens launched for them
                 self.num_overlapped_steps += 1
-                input_ids = self._launched.sampled.rows([rows[s.seq.seq_id] for s in scheduled[:n]])
+                rows = self._launched.rows
+                first = [s for s in scheduled if s.seq.seq_id in rows]
+                if first:  # (first in the step: the runner takes them as its first input ids)
+                    if len(first) < len(scheduled):
+                        scheduled = first + [s for s in scheduled if s.seq.seq_id not in rows]
+                    input_ids = self._launched.sampled.rows([rows[s.seq.seq_id] for s in first])
             logits = self.runner.run(scheduled, kv_ready=ready, input_ids=input_ids)
         finally:
             rolled_back = self._finish_loads(loads)
@@ -339,9 +344,9 @@ class LLMEngine:
                     params.append(seq.params)
                     ids.append(seq.seq_id)
             row += 1 + s.num_draft
-        if self.async_scheduling and len(rows) == len(scheduled) == row:  # every sequence samples one token
-            return done + self._launch(scheduled, before, logits, params, ids)
-        if self._launched is not None:  # an admission's chunk left to compute, or a load rolled back
+        if self.async_scheduling and rows and row == len(scheduled) and not rolled_back:  # no drafts
+            return done + self._launch(scheduled, before, logits, rows, params, ids)
+        if self._launched is not None:  # drafts verified, or a load rolled back
             done += self._resolve()
         sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
         now = time.perf_counter()
@@ -399,42 +404,56 @@ class LLMEngine:
         self.seqs.pop(seq.seq_id, None)
         self._forget(seq)
 
-    # ---- async scheduling: a decode step launched before the last one's tokens are known --------
+    # ---- async scheduling: a step launched before the last one's tokens are known --------------
 
-    def _launch(self, scheduled, before: list[int], logits, params: list[SamplingParams],
+    def _launch(self, scheduled, before: list[int], logits, rows: list[int], params: list[SamplingParams],
                 ids: list[int]) -> list[StepOutput]:
-        """Leaves the tokens of a step where every sequence samples one on the device (each
-        sequence's next token a ``PENDING``), then resolves the step launched before it: the
-        host's work on those tokens runs while the device computes this one. Returns that
-        step's outputs."""
-        sampled = self.sampler.sample_async(logits, params, ids)
-        entries, rows = [], {}
-        for r, (s, b) in enumerate(zip(scheduled, before)):
+        """Leaves the tokens of a step without drafts on the device (each sampling sequence's
+        next token a ``PENDING``), then resolves the step launched before it: the host's work on
+        those tokens runs while the device computes this one. The step's prompt chunks that
+        sample nothing are saved and registered when it is resolved too. Returns the outputs of
+        the step resolved."""
+        sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else logits[rows], params, ids)
+        entries, where = [], {}
+        samples = iter(rows)
+        nxt = next(samples)
+        for b, (s, bef) in enumerate(zip(scheduled, before)):
             seq = s.seq
-            entries.append((seq, len(seq.output), b, b + s.num_new_tokens))
-            rows[seq.seq_id] = r
-            seq.output.append(PENDING)
+            if b == nxt:  # (row b is sequence b's: no drafts)
+                where[seq.seq_id] = len(where)
+                entries.append((seq, len(seq.output), bef, bef + s.num_new_tokens))
+                seq.output.append(PENDING)
+                nxt = next(samples, None)
+            else:
+                entries.append((seq, None, bef, bef + s.num_new_tokens))
         done = self._resolve() if self._launched is not None else []
-        self._launched = _Launched(sampled, entries, rows)
+        self._launched = _Launched(sampled, entries, where)
         return done
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step can be scheduled before the launched one's tokens are known:
-        the launched sequences decoding once more, then whatever admissions fit (they depend on
-        no unknown token, and take only free pages). Not when a sequence ends by length at the
-        launched step, or a decode could go unscheduled (the token budget) or need a preemption
-        (pages short), or drafts are proposed (they need the tokens)."""
+    def _overlap_skip(self) -> set[int] | None:
+        """Whether the next step can be scheduled before the launched one's tokens are known, and
+        if so the ids of the launched sequences it leaves out: those whose launched token is their
+        last by length (``max_tokens``). The others decode once more (their input the launched
+        tokens, on the device), running prompts go on with their next chunk and admissions follow:
+        none of that depends on an unknown token. None (wait for the tokens) when drafts are
+        proposed (they need the tokens), when pages could run short (a preemption recomputes a
+        sequence from its tokens), or when every running sequence ends and none waits."""
         launched, running = self._launched, self.scheduler.running
-        if self.drafter is not None or not self.async_scheduling or not running \
-                or len(running) > self.cfg.max_num_batched_tokens:
-            return False
-        need = 0
+        if self.drafter is not None or not self.async_scheduling or not running:
+            return None
+        skip, need = set(), 0
         for seq in running:
-            if seq.seq_id not in launched.rows or seq.num_tokens - seq.num_computed != 1 \
-                    or len(seq.output) >= seq.params.max_tokens:
-                return False
-            need += max(0, self.blocks.pages_for(seq.num_tokens) - len(seq.pages))
-        return self.blocks.can_allocate(need)
+            if seq.seq_id in launched.rows:  # next input: the launched token (a PENDING now)
+                if len(seq.output) >= seq.params.max_tokens:
+                    skip.add(seq.seq_id)
+                    continue
+                upto = seq.num_tokens
+            else:  # a prompt's next chunk (at most), or a decode whose token is on the host
+                upto = seq.num_computed + min(seq.num_tokens - seq.num_computed, self.cfg.chunk_size)
+            need += max(0, self.blocks.pages_for(upto) - len(seq.pages))
+        if (len(skip) == len(running) and not self.scheduler.waiting) or not self.blocks.can_allocate(need):
+            return None
+        return skip
 
     def _resolve(self) -> list[StepOutput]:
         """Waits for the launched step's tokens and does what a step does with its tokens. A
@@ -444,7 +463,12 @@ class LLMEngine:
         tokens = launched.sampled.tolist()
         now = time.perf_counter()
         results = []
-        for (seq, at, before, upto), tok in zip(launched.entries, tokens):
+        row = 0
+        for seq, at, before, upto in launched.entries:
+            if at is None:  # a prompt chunk that samples nothing
+                self._after_compute(seq, before, upto)
+                continue
+            tok, row = tokens[row], row + 1
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.output[at] = tok

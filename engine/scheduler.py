@@ -13,6 +13,7 @@ front of the queue to be recomputed (its output so far is kept).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -108,18 +109,20 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def schedule(self, local_hashes) -> SchedulerOutput:
+    def schedule(self, local_hashes, skip: Collection[int] = ()) -> SchedulerOutput:
         """Plans one step.
 
         Args:
             local_hashes: ``seq -> list[bytes]``, hashes of the sequence's full
                 prompt pages, for the local prefix cache.
+            skip: ids of running sequences not to schedule this step (under async
+                scheduling: those that end by length at the step still in flight).
         """
         out = SchedulerOutput()
         budget = self.budget
         # 1. decodes, each with its speculative tokens (``seq.draft``) as far as the budget goes
         for seq in list(self.running):
-            if seq.num_tokens - seq.num_computed != 1 or budget == 0:
+            if seq.num_tokens - seq.num_computed != 1 or budget == 0 or seq.seq_id in skip:
                 continue
             del seq.draft[budget - 1:]
             if not self._pages_or_preempt(seq, seq.num_tokens + len(seq.draft), out):
@@ -129,7 +132,7 @@ class Scheduler:
         # 2. prefill chunks of running sequences
         for seq in list(self.running):
             remaining = seq.num_tokens - seq.num_computed
-            if remaining <= 1 or budget == 0 or seq.status is not SeqStatus.RUNNING \
+            if remaining <= 1 or budget == 0 or seq.status is not SeqStatus.RUNNING or seq.seq_id in skip \
                     or any(s.seq is seq for s in out.scheduled):
                 continue
             n = min(remaining, self.chunk_size, budget)

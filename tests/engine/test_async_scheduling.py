@@ -46,9 +46,21 @@ def _start(eng: LLMEngine, reqs, overlapped: int):
     the outputs streamed so far."""
     seqs = [eng.add_request(p, params) for p, params in reqs]
     streamed = []
-    while eng.num_overlapped_steps < overlapped:
+    for _ in range(10_000):
+        if eng.num_overlapped_steps >= overlapped:
+            break
         streamed += eng.step()
     return seqs, streamed
+
+
+def _drain(eng: LLMEngine) -> list:
+    """Steps until the engine has no work (a bounded number of steps: a stuck engine fails)."""
+    outs = []
+    for _ in range(10_000):
+        if not eng.has_work():
+            return outs
+        outs += eng.step()
+    raise AssertionError("the engine still has work after 10,000 steps")
 
 
 def _serve(eng: LLMEngine, reqs, arrivals: dict[int, int] | None = None):
@@ -82,18 +94,19 @@ def _serve(eng: LLMEngine, reqs, arrivals: dict[int, int] | None = None):
     return out
 
 
-@pytest.mark.parametrize("static_buffers", [False, True], ids=["eager", "static-buffers"])
-def test_async_scheduling_gives_the_tokens_of_waiting_for_every_step(static_buffers):
+@pytest.mark.parametrize("static_buffers,chunk_size", [(False, 512), (True, 512), (False, 16), (True, 16)],
+                         ids=["eager", "static-buffers", "eager-chunked-prefill", "static-buffers-chunked-prefill"])
+def test_async_scheduling_gives_the_tokens_of_waiting_for_every_step(static_buffers, chunk_size):
     reqs = _requests(14, seed=1)
     arrivals = {i: (i % 5) * 7 for i in range(len(reqs))}  # requests arrive while others decode
-    want = _serve(_engine(False), reqs, arrivals)
-    eng = _engine(True, static_buffers)
+    want = _serve(_engine(False, chunk_size=chunk_size), reqs, arrivals)
+    eng = _engine(True, static_buffers, chunk_size=chunk_size)
     got = _serve(eng, reqs, arrivals)
     assert got == want
     assert {reason for _, reason in want} == {"length", "stop"}
     assert eng.num_overlapped_steps > 20  # steady decoding did overlap
     if static_buffers:
-        assert eng.runner.decode_graphs.steps >= eng.num_overlapped_steps
+        assert eng.runner.decode_graphs.steps > 20  # (overlapped decode steps take their inputs there)
 
 
 def test_a_request_arriving_during_steady_decoding_is_admitted_at_the_next_step():
@@ -106,15 +119,117 @@ def test_a_request_arriving_during_steady_decoding_is_admitted_at_the_next_step(
     eng.step()
     assert late.num_computed == len(late.prompt)  # admitted and prefilled by that step,
     assert eng.num_overlapped_steps == k + 1  # launched beside the decodes before their tokens were known
-    while eng.has_work():
-        eng.step()
+    _drain(eng)
     assert [s.output for s in seqs + [late]] == [w[0] for w in want]
+
+
+def test_a_long_prompt_is_prefilled_chunk_by_chunk_beside_the_decodes(nodes):
+    """Chunked prefill: each step of a long prompt admitted while others decode is launched before
+    the decodes' tokens are known. Its chunks that sample nothing are registered in the local
+    prefix cache and saved to the store when their step is resolved; tokens as the waiting engine's."""
+    node = nodes()
+    kw = dict(chunk_size=16, max_num_batched_tokens=32, enable_prefix_caching=True, page_size=16, chunk_tokens=32)
+    decoders = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p, _ in _requests(3, seed=12)]
+    prompt = [random.Random(13).randrange(3, 500) for _ in range(100)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = _serve(_engine(False, **kw), decoders + [(prompt, params)], {3: 6})
+    eng = _engine(True, store=node.address, **kw)
+    seqs, _ = _start(eng, decoders, 3)
+    late = eng.add_request(prompt, params)
+    for i in range(7):  # 100 tokens, 16 a step (the budget leaves 29 beside 3 decodes)
+        k = eng.num_overlapped_steps
+        eng.step()
+        assert eng.num_overlapped_steps == k + 1, i
+        assert late.num_computed == min(100, 16 * (i + 1))
+    assert late.output == [PENDING]  # its first token still on the device
+    _drain(eng)
+    assert [(s.output, s.finish_reason) for s in seqs + [late]] == want
+    assert eng.connector.flush(timeout_s=120)
+    # the prompt's 3 full chunks (and more of the decoders') went to the store, keyed by the real tokens
+    assert eng.connector.lookup(prompt, None) == 3
+    again = eng.add_request(prompt[:99] + [7], SamplingParams(max_tokens=1))
+    _drain(eng)
+    assert again.num_local_tokens == 6 * 16  # the 6 full pages of the prompt, registered locally
+    eng.close()
+
+
+def test_a_prompt_whose_last_token_is_computed_alone_comes_after_the_launched_decodes():
+    """A 33-token prompt in chunks of 16 is left with one token to compute: the scheduler takes it
+    among the decodes (one token each), ahead of a launched one; its token is on the host, theirs
+    on the device."""
+    reqs = [([11] * 33, SamplingParams(max_tokens=6, ignore_eos=True)),
+            ([12] * 5, SamplingParams(max_tokens=6, ignore_eos=True))]
+    want = _serve(_engine(False, chunk_size=16), reqs)
+    eng = _engine(True, chunk_size=16)
+    assert _serve(eng, reqs) == want
+    assert eng.num_overlapped_steps >= 4
+
+
+def test_a_step_whose_prompt_chunk_lacks_a_page_waits_for_the_launched_tokens():
+    """A running prompt's next chunk needs a page and none is free: the scheduler will preempt the
+    newest sequence, here one whose token is still on the device (it would be recomputed from its
+    tokens). So that step waits for the launched tokens first; tokens as the waiting engine's."""
+    reqs = [([21] * 40, SamplingParams(max_tokens=2, ignore_eos=True)),  # 16 + 16 + 8 tokens
+            ([22] * 20, SamplingParams(max_tokens=5, ignore_eos=True))]  # 16 + 4: samples at step 2
+    kw = dict(num_pages=4, chunk_size=16, max_num_batched_tokens=32)
+    want = _serve(_engine(False, **kw), reqs)
+    eng = _engine(True, **kw)
+    long, short = [eng.add_request(p, params) for p, params in reqs]
+    eng.step()
+    eng.step()
+    assert short.output == [PENDING] and eng.blocks.num_free == 0
+    eng.step()  # the long prompt's third chunk takes the short one's pages
+    assert eng.num_overlapped_steps == 0 and short.num_preemptions == 1 and PENDING not in short.output
+    _drain(eng)
+    assert [(s.output, s.finish_reason) for s in (long, short)] == want
+
+
+def test_a_sequence_ending_by_length_is_left_out_instead_of_making_the_step_wait():
+    """Which launched token is a sequence's last by length is known before its value: the next
+    step leaves that sequence out and still goes first. Only the last step, with nothing left to
+    launch, waits."""
+    reqs = [(p, SamplingParams(max_tokens=m, ignore_eos=True))
+            for (p, _), m in zip(_requests(4, seed=14), (9, 13, 17, 21))]
+    want = _serve(_engine(False), reqs)
+    eng = _engine(True)
+    seqs = [eng.add_request(p, params) for p, params in reqs]
+    waited = 0
+    for _ in range(100):
+        if not eng.has_work():
+            break
+        launched, k = eng._launched is not None, eng.num_overlapped_steps
+        eng.step()
+        waited += launched and eng.num_overlapped_steps == k
+    assert waited == 1
+    assert eng.num_overlapped_steps == 21 - 1
+    assert [(s.output, s.finish_reason) for s in seqs] == want
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+
+
+def test_a_request_arriving_as_every_running_sequence_ends_is_launched_first():
+    reqs = [(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p, _ in _requests(3, seed=15)]
+    want = _serve(_engine(False), reqs, {2: 5})
+    eng = _engine(True)
+    seqs = [eng.add_request(p, params) for p, params in reqs[:2]]
+    for _ in range(100):
+        if all(len(s.output) == 5 for s in seqs):
+            break
+        eng.step()
+    assert all(s.output[-1] == PENDING for s in seqs)  # both end at the launched step
+    late = eng.add_request(*reqs[2])
+    k = eng.num_overlapped_steps
+    eng.step()
+    assert eng.num_overlapped_steps == k + 1 and late.output == [PENDING]
+    assert all(s.is_finished for s in seqs)
+    _drain(eng)
+    assert [(s.output, s.finish_reason) for s in seqs + [late]] == want
 
 
 def test_async_scheduling_under_preemption_and_a_tight_token_budget():
     """Pages short (preemptions: steps that wait) and a budget below the batch (decodes left out)."""
     reqs = _requests(10, seed=2)
-    for kw in (dict(num_pages=14), dict(max_num_batched_tokens=5, chunk_size=5)):
+    for kw in (dict(num_pages=14), dict(max_num_batched_tokens=5, chunk_size=5),
+               dict(num_pages=14, max_num_batched_tokens=24, chunk_size=8)):  # (prompt chunks need pages too)
         want = _serve(_engine(False, **kw), reqs)
         eng = _engine(True, **kw)
         assert _serve(eng, reqs) == want, kw
@@ -132,8 +247,7 @@ def test_an_abort_while_a_step_is_launched_discards_its_row():
     eng.abort(victim.seq_id)
     assert victim.finish_reason == "abort" and PENDING not in victim.output
     assert victim.output == want[1][0][: len(victim.output)]
-    while eng.has_work():
-        assert all(o.seq is not victim for o in eng.step())
+    assert all(o.seq is not victim for o in _drain(eng))
     assert [s.output for s in seqs if s is not victim] == [w[0] for i, w in enumerate(want) if i != 1]
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
 
@@ -146,8 +260,7 @@ def test_switching_async_scheduling_off_between_steps_resolves_the_launched_step
     eng.async_scheduling = False
     outs = eng.step()  # the launched step's tokens, then this step's
     assert len(outs) == 2 * len(seqs) and PENDING not in sum((s.output for s in seqs), [])
-    while eng.has_work():
-        eng.step()
+    _drain(eng)
     assert [s.output for s in seqs] == [w[0] for w in want]
 
 
@@ -172,9 +285,8 @@ def test_pages_registered_under_async_scheduling_hold_the_real_tokens():
     assert eng.num_overlapped_steps > 40
     again = prompt + first[:50]  # 87 tokens: 5 full pages, all computed by decode steps but the first 2
     seq = eng.add_request(again, SamplingParams(max_tokens=10, ignore_eos=True))
-    while not seq.is_finished:
-        eng.step()
-    assert seq.num_local_tokens == 5 * 16
+    _drain(eng)
+    assert seq.is_finished and seq.num_local_tokens == 5 * 16
     (want, _), = _serve(_engine(False, enable_prefix_caching=True, page_size=16),
                         [(again, SamplingParams(max_tokens=10, ignore_eos=True))])
     assert seq.output == want
@@ -238,8 +350,7 @@ def test_an_admission_with_store_hits_overlaps_the_decodes_and_a_bad_chunk_rolls
     k = eng.num_overlapped_steps
     streamed += eng.step()
     assert eng.num_overlapped_steps == k + 1  # admitted (and its chunks landed) beside the decodes
-    while eng.has_work():
-        streamed += eng.step()
+    streamed += _drain(eng)
     assert [(s.output, s.finish_reason) for s in seqs + [late]] == want
     assert [[o.token for o in streamed if o.seq is s] for s in seqs + [late]] == [w[0] for w in want]  # in order
     st = eng.connector.stats
@@ -262,3 +373,4 @@ def test_async_scheduling_with_captured_graphs_gives_the_eager_tokens():
     assert eng.runner.decode_graphs is not None and eng.runner.decode_graphs.captured
     assert _serve(eng, reqs) == want
     assert eng.num_overlapped_steps > 20
+
