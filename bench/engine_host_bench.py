@@ -45,10 +45,9 @@ H200_TBS = 4.8
 FLOOR_MODEL, FLOOR_LAYERS = "llama3-8b", 8
 
 
-def floor_ms(batch: int, ctx: int, tbs: float = H200_TBS) -> float:
-    """HBM floor of one decode step of ``random:llama3-8b`` cut to 8 layers in bf16: every weight
-    read once (the embedding only for the batch's rows: left out) plus the batch's KV, at ``tbs``.
-    The same count as bench/kernels_bench.py's ``_step_bytes``, from the config alone."""
+def _floor_model() -> tuple[int, int, int, int]:
+    """``random:llama3-8b`` cut to 8 layers: (weights a step reads, in elements: the embedding
+    only for the batch's rows, left out; layers; q width; bf16 KV bytes per token)."""
     from engine.config import preset_config
 
     mc = preset_config(FLOOR_MODEL, {"num_hidden_layers": FLOOR_LAYERS})
@@ -56,8 +55,15 @@ def floor_ms(batch: int, ctx: int, tbs: float = H200_TBS) -> float:
     q, kv = mc.num_attention_heads * hd, mc.num_key_value_heads * hd
     layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
     weights = mc.num_hidden_layers * layer + h + mc.vocab_size * h  # + final norm, LM head
-    kv_bytes = batch * ctx * mc.num_hidden_layers * 2 * kv * 2
-    return (weights * 2 + kv_bytes) / (tbs * 1e12) * 1e3
+    return weights, mc.num_hidden_layers, q, mc.num_hidden_layers * 2 * kv * 2
+
+
+def floor_ms(batch: int, ctx: int, tbs: float = H200_TBS) -> float:
+    """HBM floor of one decode step of ``random:llama3-8b`` cut to 8 layers in bf16: every weight
+    read once plus the batch's KV, at ``tbs``. The same count as bench/kernels_bench.py's
+    ``_step_bytes``, from the config alone."""
+    weights, _, _, kv_token = _floor_model()
+    return (weights * 2 + batch * ctx * kv_token) / (tbs * 1e12) * 1e3
 
 
 def cpu_name() -> str:
@@ -131,15 +137,179 @@ def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_schedu
             "prefill_s": prefill_s, **us}
 
 
+def _h200_step_ms(prefill_tokens: int, seqs: int, context_tokens: int) -> float:
+    """A step's time on an H200 as the replay's clock counts it: the larger of its bytes (weights
+    + the KV it reads, at HBM speed) and its FLOPs (weights x tokens, plus the prompt tokens'
+    attention over the step's mean context per sequence, at 60% of dense bf16 peak).
+    ``random:llama3-8b`` cut to 8 layers; a model of the clock, not a measurement."""
+    weights, layers, q, kv_token = _floor_model()
+    read = 2 * weights + context_tokens * kv_token
+    tokens = prefill_tokens + max(0, seqs - (1 if prefill_tokens else 0))
+    flops = 2 * weights * tokens + 4 * layers * q * prefill_tokens * context_tokens / max(1, seqs)
+    return max(read / (H200_TBS * 1e12), flops / (0.6 * 989e12)) * 1e3
+
+
+def replay(num_requests: int, async_scheduling: bool, progress: bool = True) -> dict:
+    """The first ``num_requests`` of the Mooncake synthetic trace (shared prefixes from its
+    512-token block hashes, its input and output lengths, its arrival times) through the engine's
+    serving configuration (chunked prefill of 512, 2,048 tokens a step, 64 sequences, the local
+    prefix cache), the forward replaced as in ``measure``, arrivals on the H200 clock of
+    ``_h200_step_ms``.
+
+    Counts the steps after which the host waited for that step's own tokens before launching the
+    next one: on a GPU the device idles through that wait and the host work after it (every
+    sampling step when waiting for every step). Under async scheduling the host waits for a
+    step's tokens only once the next step is launched, except where that step must wait
+    (``LLMEngine._overlap_skip``). A step that samples nothing (prompt chunks only) never waits."""
+    import json
+
+    import numpy as np
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SampledTokens, SamplingParams
+
+    trace = Path(__file__).resolve().parents[1] / "tests" / "data" / "synthetic_trace.jsonl"
+    rows = [json.loads(line) for _, line in zip(range(num_requests), open(trace))]
+    blocks: dict[int, list[int]] = {}
+
+    def prompt(r: dict) -> list[int]:
+        toks = []
+        for h in r["hash_ids"]:
+            if h not in blocks:
+                blocks[h] = np.random.default_rng(h).integers(3, 250, 512).tolist()
+            toks += blocks[h]
+        return toks[: r["input_length"]]
+
+    cfg = EngineConfig(model="random:tiny", hf_overrides={"max_position_embeddings": 131072}, dtype="float32",
+                       device="cpu", max_num_seqs=64, chunk_size=512, max_num_batched_tokens=2048,
+                       num_pages=60_000, enable_prefix_caching=True, async_scheduling=async_scheduling)
+    eng = LLMEngine(cfg)
+    runner = eng.runner
+    runner.decode_graphs = runner.make_decode_graphs(capture=False)
+    static = torch.zeros(max(cfg.max_num_seqs, cfg.max_num_batched_tokens), runner.model_config.hidden_size)
+    runner.model.forward = lambda ids, meta, kv_caches: static[: ids.shape[0]]
+    # which step's tokens each wait is for: the latest launched (in series) or an earlier one
+    runs = [0]
+    run, sample_async, tolist = runner.run, eng.sampler.sample_async, SampledTokens.tolist
+    in_series: set[int] = set()  # runs whose tokens the host waited for before launching another
+
+    def counted_run(*a, **k):
+        runs[0] += 1
+        return run(*a, **k)
+
+    def tagged_sample_async(*a, **k):
+        out = sample_async(*a, **k)
+        out.launch = runs[0]
+        return out
+
+    def waited_tolist(self):
+        if getattr(self, "launch", None) == runs[0]:
+            in_series.add(runs[0])
+        return tolist(self)
+
+    runner.run, eng.sampler.sample_async = counted_run, tagged_sample_async
+    SampledTokens.tolist = waited_tolist
+    clock_ms, i, host = 0.0, 0, 0.0
+    counts = {"steps": 0, "in_series": 0, "chunk_steps": 0, "chunk_in_series": 0}
+    timeline = []  # (clock s, running, prompt tokens, the host waited for this step's tokens in series)
+    try:
+        while i < len(rows) or eng.has_work():
+            while i < len(rows) and rows[i]["timestamp"] <= clock_ms:
+                eng.add_request(prompt(rows[i]), SamplingParams(max_tokens=rows[i]["output_length"], ignore_eos=True))
+                i += 1
+            if not eng.has_work():
+                clock_ms = rows[i]["timestamp"]
+                continue
+            before = runs[0]
+            t0 = time.perf_counter()
+            eng.step()
+            host += time.perf_counter() - t0
+            if runs[0] == before:
+                continue  # (nothing scheduled: a launched step resolved)
+            chunk = bool(eng.last_step_prefill_tokens)
+            counts["steps"] += 1
+            counts["chunk_steps"] += chunk
+            clock_ms += _h200_step_ms(eng.last_step_prefill_tokens, eng.last_step_seqs, eng.last_step_context_tokens)
+            timeline.append([clock_ms / 1e3, len(eng.scheduler.running), eng.last_step_prefill_tokens, chunk])
+            assert len(timeline) == runs[0]  # (one forward pass a step: no drafts here)
+            if progress and counts["steps"] % 5000 == 0:
+                print(f"  replay {'async' if async_scheduling else 'sync '}: step {counts['steps']}, "
+                      f"{i}/{len(rows)} requests arrived, modeled clock {clock_ms / 1e3:.1f} s", flush=True)
+    finally:
+        SampledTokens.tolist = tolist
+    for r, x in enumerate(timeline, 1):
+        x.append(r in in_series)
+    counts["in_series"] = len(in_series)
+    counts["chunk_in_series"] = sum(x[4] and x[3] for x in timeline)
+    return {**counts, "requests": len(rows), "host_ms_per_step": host / counts["steps"] * 1e3,
+            "modeled_s": clock_ms / 1e3, "timeline": timeline}
+
+
+def main_replay(args) -> None:
+    results = []
+    for async_ in (False, True):
+        print(f"replaying {args.replay} requests of the Mooncake trace, "
+              f"{'async scheduling' if async_ else 'waiting for every step'}", flush=True)
+        results.append(replay(args.replay, async_scheduling=async_))
+    sync, asy = results
+    assert (sync["steps"], sync["chunk_steps"]) == (asy["steps"], asy["chunk_steps"]), "the two modes ran other steps"
+    rows = [[name, r["requests"], r["steps"], f"{r['modeled_s']:.1f}",
+             f"{r['in_series']} ({r['in_series'] / r['steps']:.1%})", r["chunk_steps"],
+             f"{r['chunk_in_series']} ({r['chunk_in_series'] / max(1, r['chunk_steps']):.1%})",
+             f"{r['host_ms_per_step']:.2f}"]
+            for name, r in (("wait for every step", sync), ("async scheduling", asy))]
+    md = table(["scheduling", "requests", "steps", "modeled H200 s", "steps waited for before the next launch",
+                "steps with a prompt chunk", "of them waited for", "host ms/step (CPU)"], rows)
+    print(md)
+    body = (f"The first {asy['requests']} requests of the Mooncake synthetic trace (`tests/data/synthetic_trace.jsonl`: "
+            f"shared prefixes from its block hashes, its lengths and arrival times) through the engine: chunked "
+            f"prefill of 512, 2,048 tokens a step, 64 sequences, the local prefix cache; the forward replaced by a "
+            f"replay's static output as above; arrivals on a modeled H200 clock (`random:{FLOOR_MODEL}` cut to "
+            f"{FLOOR_LAYERS} layers: a step's bytes at {H200_TBS} TB/s or its FLOPs at 60% of bf16 peak, the larger). "
+            f"Counted: the steps whose tokens the host waited for before launching the next step (on a GPU the "
+            f"device idles through that wait and the host's work after it), both ways in the same run. "
+            f"Command: `.venv/bin/python bench/engine_host_bench.py --replay {args.replay} --write-docs`.\n\n{md}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    t = [x[0] for x in asy["timeline"]]
+    ax.plot(t, [x[1] for x in asy["timeline"]], lw=1, color="tab:blue", label="running sequences")
+    top = max(x[1] for x in asy["timeline"])
+    strips = (-0.12 * top, -0.24 * top)
+    for y, (name, r, color) in zip(strips, (("waiting for every step", sync, "tab:gray"),
+                                            ("async scheduling", asy, "tab:red"))):
+        waited = [x[0] for x in r["timeline"] if x[4]]
+        ax.plot(waited, [y] * len(waited), "|", color=color, ms=9,
+                label=f"{name}: steps waited for before the next launch ({len(waited) / r['steps']:.1%})")
+    ticks = [t for t in ax.get_yticks() if 0 <= t <= top]
+    ax.set_yticks(ticks + list(strips), [f"{t:g}" for t in ticks] + ["waits (sync)", "waits (async)"])
+    ax.set_ylim(1.4 * strips[1], 1.35 * top)
+    ax.set_ylabel("running sequences")
+    ax.set_xlabel("modeled H200 time (s)")
+    ax.set_title(f"Mooncake trace, {asy['requests']} requests through the engine: where the host waits in series")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    publish(fig, "engine_replay", body, args.write_docs)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default 200)")
     p.add_argument("--reps", type=int, default=5, help="runs per configuration; medians reported (default 5)")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="instead: replay the Mooncake trace's first N requests with async scheduling and count "
+                        "the steps launched first")
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section and the PNG")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.reps < 1:
-        p.error("--steps and --reps must be >= 1")
+    if args.steps < 1 or args.reps < 1 or args.replay < 0:
+        p.error("--steps and --reps must be >= 1, --replay >= 0")
     torch.set_num_threads(1)  # the host path is one thread; keep BLAS threads off the other core
+    if args.replay:
+        return main_replay(args)
     results = []
     total = len(MODES) * len(CONFIGS) * args.reps
     n = 0

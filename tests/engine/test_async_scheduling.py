@@ -374,3 +374,15 @@ def test_async_scheduling_with_captured_graphs_gives_the_eager_tokens():
     assert _serve(eng, reqs) == want
     assert eng.num_overlapped_steps > 20
 
+
+def test_in_a_replayed_trace_no_step_with_a_prompt_chunk_waits():
+    """bench/engine_host_bench.py --replay, on the Mooncake trace's first 12 requests (long prompts
+    prefilled in 512-token chunks beside the decodes): the same steps both ways; waiting for every
+    step, the host waits after most of them; with async scheduling after almost none, and never
+    after one carrying a prompt chunk."""
+    from bench.engine_host_bench import replay
+
+    sync, asy = replay(12, async_scheduling=False, progress=False), replay(12, async_scheduling=True, progress=False)
+    assert sync["steps"] == asy["steps"] and asy["chunk_steps"] > 100
+    assert sync["in_series"] > sync["steps"] / 2 and sync["chunk_in_series"] > 0
+    assert asy["chunk_in_series"] == 0 and asy["in_series"] < asy["steps"] / 50
