@@ -52,7 +52,7 @@ timeout $(lim 110) python3 bench/prefix_reuse_bench.py "${LLAMA8[@]}" --reps 2 -
   --json "$FIG/prefix_reuse_gpu.json" 2>&1 | grep -v Warning
 
 step "kernels (decode / prefill attention, page copies, fp8) against their PyTorch twins, quick grid; engine ITL vs HBM floor"
-timeout $(lim 100) python3 bench/kernels_bench.py --quick --out "$FIG" 2>&1 | grep -v Warning | tail -50
+timeout $(lim 100) python3 bench/kernels_bench.py --quick --out "$FIG" 2>&1 | grep -v Warning | tail -70
 
 step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, compiled kernels on sm_90)"
 # NOTE: TRITON_INTERPRET=0: tests/kernels/conftest.py defaults it to 1 (CPU runs) for the whole session.

@@ -359,7 +359,10 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
                         peak_tbs: float) -> list[EngineRow]:
     """Inter-token latency of pure decode steps of the engine at ``ctx`` tokens of context,
     with decode steps replayed from CUDA graphs and launched eagerly, each waited for and with
-    async scheduling, beside the HBM floor."""
+    async scheduling, beside the HBM floor. Then the same decodes with a prompt prefilled beside
+    them in chunks (512 tokens on CUDA), one chunk every step, as in a served mix (``+chunk``):
+    there the step runs eagerly, and async scheduling launches it before the last one's tokens
+    are on the host too."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
@@ -367,10 +370,13 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
     rows = []
     modes = ["graphs", "eager"] if device.type == "cuda" else ["eager"]
     max_batch = max(batches)
+    chunk = 512 if device.type == "cuda" else 16
+    prompt_len = min(ctx, 4096)  # (the +chunk rows' prompt: ctx/chunk steps each)
     for mode in modes:
         cfg = EngineConfig(model=model, hf_overrides=overrides, device=device.type, enforce_eager=mode == "eager",
-                           max_num_seqs=max_batch, chunk_size=8192, max_num_batched_tokens=max(8192, ctx),
-                           num_pages=max_batch * (-(-(ctx + 2 * steps + 8) // 16)) + 8, enable_prefix_caching=False)
+                           max_num_seqs=max_batch + 2, chunk_size=chunk, max_num_batched_tokens=max(8192, ctx),
+                           num_pages=(max_batch * (-(-(ctx + 4 * steps + 8) // 16)) + 2 * (-(-(prompt_len + 16) // 16))
+                                      + 8), enable_prefix_caching=False)
         t = time.perf_counter()
         eng = LLMEngine(cfg)
         if mode == "graphs" and eng.runner.decode_graphs is None:
@@ -379,7 +385,7 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
         gen = torch.Generator().manual_seed(0)
         for batch in batches:
             seqs = [eng.add_request(torch.randint(3, 250, (ctx,), generator=gen).tolist(),
-                                    SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for _ in range(batch)]
+                                    SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True)) for _ in range(batch)]
             while any(s.num_computed < s.num_tokens - 1 or not s.output for s in seqs):  # prefill, first token
                 eng.step()
             # each step waited for, then async scheduling (the next step launched before the host
@@ -399,6 +405,32 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
                 rows.append(EngineRow(name, batch, ctx, itl, floor, steps))
                 print(f"engine decode {name:12s} B={batch:<3d} ctx={ctx}  ITL {itl:8.3f} ms  HBM floor {floor:8.4f} ms"
                       f"  {itl / floor:5.2f}x floor", flush=True)
+            # the same decodes with a prompt prefilled beside them, a chunk every step (a new prompt
+            # admitted when the last one is done), each step waited for, then async scheduling
+            prompt = torch.randint(3, 250, (prompt_len,), generator=gen).tolist()
+            for name, async_ in ((mode + " +chunk", False), (mode + " +chunk+async", True)):
+                eng.async_scheduling = async_
+                filling = None
+
+                def step():
+                    nonlocal filling
+                    if filling is None or filling.num_computed >= prompt_len:
+                        filling = eng.add_request(prompt, SamplingParams(max_tokens=1))
+                    eng.step()
+
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                c0, t = seqs[0].num_computed, time.perf_counter()
+                for _ in range(steps):
+                    step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                itl = (time.perf_counter() - t) / steps * 1e3
+                floor = _step_bytes(eng, batch, (c0 + seqs[0].num_computed) // 2) / (peak_tbs * 1e12) * 1e3
+                rows.append(EngineRow(name, batch, ctx, itl, floor, steps))
+                print(f"engine decode {name:12s} B={batch:<3d} ctx={ctx}  ITL {itl:8.3f} ms  beside a {chunk}-token "
+                      f"prompt chunk a step", flush=True)
             eng.async_scheduling = False
             while any(not s.is_finished for s in seqs):
                 eng.step()
@@ -416,6 +448,9 @@ def engine_markdown(rows: list[EngineRow], model: str, overrides: dict, peak_tbs
         "",
         f"Inter-token latency (wall time of a step, sampling included) against the HBM floor: the bytes a "
         f"step must read (weights + the batch's KV) at {peak_tbs} TB/s.",
+        "",
+        "`+chunk`: the same decodes with a prompt prefilled beside them, one chunk a step (its FLOPs are "
+        "not in the floor: compare those rows with each other).",
         "",
         "| steps | batch | context | ITL ms | HBM floor ms | ITL / floor |",
         "|---|---|---|---|---|---|",
@@ -652,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
             got = f"{hit[0].itl_ms / hit[0].floor_ms:.2f}x" if hit else "-"
             verdict = "not measured" if not hit else ("met" if hit[0].itl_ms <= want * hit[0].floor_ms else "MISSED")
             targets.append(f"engine decode ({mode}) B={batch}: ITL {got} the HBM floor, target <= {want}x: {verdict}")
+    for batch in ENGINE_TARGETS:  # what async scheduling buys in a step that carries a prompt chunk
+        pair = [next((r for r in engine_rows if r.batch == batch and r.mode == m), None)
+                for m in (first + " +chunk", first + " +chunk+async")]
+        if all(pair):
+            targets.append(f"engine decode beside a prompt chunk ({first}) B={batch}: ITL {pair[0].itl_ms:.3f} ms "
+                           f"waiting for every step, {pair[1].itl_ms:.3f} ms async ({pair[1].itl_ms / pair[0].itl_ms:.2f}x)")
     for t in targets:
         print("target:", t)
     args.out.mkdir(parents=True, exist_ok=True)
