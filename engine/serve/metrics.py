@@ -63,6 +63,11 @@ class EngineMetrics:
         r = GaugeMetricFamily("crescent_engine_kv_usage_ratio", "KV pages in use / all KV pages", labels=["role"])
         r.add_metric([self.role], used / total if total else 0.0)
         yield r
+        if eng.async_scheduling:
+            o = CounterMetricFamily("crescent_engine_overlapped_steps", "Steps launched before the tokens of the "
+                                    "step before them were on the host (async scheduling)", labels=["role"])
+            o.add_metric([self.role], eng.num_overlapped_steps)
+            yield o
         if eng.drafter is not None:
             s = CounterMetricFamily("crescent_engine_spec_tokens", "Speculative tokens verified (drafted) and of "
                                     "those accepted", labels=["role", "kind"])

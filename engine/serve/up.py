@@ -55,6 +55,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of an engine step (default: chunk size + 64, so that one prefill chunk "
                         "plus the running decodes fit and a step never holds more prefill than one chunk)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool per engine (default: 512MiB)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="engines launch each step before the last one's tokens reach the host (docs/engine.md)")
     p.add_argument("--mode", choices=["disagg", "mono"], default="disagg",
                    help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
                         "no prefill engine (default: disagg)")
@@ -377,6 +379,8 @@ def run_up(ns: argparse.Namespace) -> int:
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
                   "--kv-cache-memory", ns.kv_cache_memory,
                   "--max-num-batched-tokens", str(ns.max_num_batched_tokens or ns.chunk_size + 64)] + join
+        if ns.async_scheduling:
+            common.append("--async-scheduling")
         engines = []  # (name, role, host)
         if ns.mode == "mono":
             engines = [(numbered("decode", i), "both", i) for i in range(ns.nodes)]

@@ -402,3 +402,33 @@ def test_up_with_auth_needs_tokens_on_every_grpc_server_and_still_serves(tmp_pat
         finally:
             assert c.stop() == 0, c.output()
 
+
+
+def test_up_with_async_scheduling_streams_the_storeless_tokens(tmp_path, storeless):
+    """`crescent up --async-scheduling`: concurrent streamed requests sharing a prefix (the decode
+    engine loads it from the store) give the storeless engine's tokens, and the decode engine's
+    steps went first (its `crescent_engine_overlapped_steps_total`)."""
+    import re
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    cl = Cluster(str(tmp_path), "--async-scheduling")
+    try:
+        c = client(cl)
+        prefix = _ids(50, 150)
+        prompts = [prefix + _ids(51 + i, 10 + 7 * i) for i in range(4)]
+        ref = storeless.generate(prompts, max_tokens=16, ignore_eos=True)
+
+        def stream(prompt):
+            chunks = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(stream, prompts))
+        assert got == [storeless.tokenizer.decode(r.token_ids) for r in ref]
+        text = urllib.request.urlopen(cl.state["metrics"]["decode"], timeout=60).read().decode()
+        overlapped = re.search(r'crescent_engine_overlapped_steps_total\{role="decode"\} (\S+)', text)
+        assert overlapped and float(overlapped.group(1)) > 0
+    finally:
+        assert cl.stop() == 0, cl.output()
