@@ -167,7 +167,7 @@ class PendingLoad:
                     good = lease.start
         checks = [(i, sums[j], hdr.payload_hash) for j, (i, hdr, *_) in enumerate(self.held)
                   if hdr.check == CHECK_WSUM and sums is not None] + self.device_checks + stream_checks
-        bad = _first_mismatch(checks)
+        bad = _first_mismatch(checks, conn.runner.transfer_stream)
         if bad is not None and bad < good:  # its KV (and what followed) is recomputed over
             st.verify_failures += 1
             conn._error(f"chunk {self.first + bad} failed verification", "payload checksum mismatch where it landed")
@@ -801,13 +801,16 @@ class StoreConnector:
         self.client.close()
 
 
-def _first_mismatch(checks: list[tuple[int, torch.Tensor, int]]) -> int | None:
-    """The first chunk whose wsum64 where it landed differs from its header's (one
-    synchronisation for the whole load), or None."""
+def _first_mismatch(checks: list[tuple[int, torch.Tensor, int]], stream=None) -> int | None:
+    """The first chunk whose wsum64 where it landed differs from its header's, or None.
+
+    The sums are read on ``stream``, the transfer stream that landed and summed them (CUDA):
+    the host waits for the landing there, not for the step computing beside it on the compute
+    stream (under async scheduling the next step is launched after this). One read for the
+    whole load."""
     if not checks:
         return None
-    got = torch.stack([d for _, d, _ in checks])
-    want = torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for _, _, h in checks], dtype=torch.int64,
-                        device=got.device)
-    bad = (got != want).nonzero()
-    return checks[int(bad[0])][0] if bad.numel() else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        got = torch.stack([d for _, d, _ in checks]).cpu().tolist()
+    bad = [i for (i, _, h), g in zip(checks, got) if g != (h - (1 << 64) if h >= 1 << 63 else h)]
+    return min(bad, default=None)

@@ -278,3 +278,66 @@ def test_chunks_in_slots_that_are_not_one_run_land_from_a_fragmented_arena(tmp_p
             eng.close()
     finally:
         next(gen, None)
+
+
+def test_a_load_is_checked_on_the_transfer_stream_without_waiting_for_the_step():
+    """The wsum64 sums of a load are read on the transfer stream that summed them: the host waits
+    for the landing, not for the step computing on the compute stream beside it."""
+    from engine.kv_connector import _first_mismatch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        sums = [torch.tensor(v, dtype=torch.int64, device="cuda") for v in (5, -7, 9)]
+    side.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy compute stream
+    checks = [(0, sums[0], 5), (1, sums[1], (1 << 64) - 7), (2, sums[2], 10)]
+    assert _first_mismatch(checks, side) == 2
+    assert not torch.cuda.current_stream().query()  # returned while the step was still computing
+    assert _first_mismatch(checks[:2], side) is None
+
+
+def test_an_overlapped_step_admitting_a_store_hit_returns_while_it_computes(node):
+    """Async scheduling: a step that admits a request whose prompt is in the store (its chunks
+    landing beside the decodes) is launched, its load checked and the last step's tokens
+    handled while the device still computes it. The step's forward is made long (a sleep queued
+    after it on the compute stream); step() returns before it ends. Tokens as recomputed."""
+    from engine.sampling import SamplingParams
+
+    prompt = _prompt(4 * CHUNK + 5, seed=3)
+    want = _recomputed(prompt)
+    saver = _engine(node.address)
+    try:
+        _run(saver, prompt)
+        assert saver.connector.flush(timeout_s=120) and saver.connector.stats.chunks_saved == 4
+    finally:
+        saver.close()
+    eng = _engine(node.address, async_scheduling=True)
+    try:
+        decoders = [eng.add_request(_prompt(40, seed=10 + i), SamplingParams(max_tokens=30, ignore_eos=True))
+                    for i in range(3)]
+        for _ in range(100):
+            if eng.num_overlapped_steps >= 2:
+                break
+            eng.step()
+        run = eng.runner.run
+
+        def long_run(*a, **k):
+            out = run(*a, **k)
+            torch.cuda._sleep(2_000_000_000)  # ~1 s more of the step on the compute stream
+            return out
+
+        eng.runner.run = long_run
+        late = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        k = eng.num_overlapped_steps
+        eng.step()
+        assert eng.num_overlapped_steps == k + 1 and late.num_store_tokens == 4 * CHUNK
+        assert not torch.cuda.current_stream().query()  # returned while the step was still computing
+        eng.runner.run = run
+        for _ in range(1000):
+            if not eng.has_work():
+                break
+            eng.step()
+        assert list(late.output) == want and all(s.is_finished for s in decoders)
+        assert eng.connector.stats.late_failures == 0
+    finally:
+        eng.close()
