@@ -225,6 +225,46 @@ def test_a_request_arriving_as_every_running_sequence_ends_is_launched_first():
     assert [(s.output, s.finish_reason) for s in seqs + [late]] == want
 
 
+def _random_case(seed: int):
+    """A random engine configuration (chunk size, token budget, sequences, pages, prefix cache) and
+    requests (shared prefixes, lengths, greedy/temperature/top-p, stop tokens, arrival steps)."""
+    r = random.Random(seed)
+    chunk = r.choice([4, 8, 16, 512])
+    kw = dict(chunk_size=chunk, max_num_batched_tokens=max(chunk, r.choice([chunk, 2 * chunk, 3 * chunk + 5, 64])),
+              max_num_seqs=r.choice([2, 3, 8]), num_pages=r.choice([12, 20, 200]),
+              enable_prefix_caching=r.random() < 0.5)
+    shared = [r.randrange(3, 500) for _ in range(40)]
+    reqs, arrivals = [], {}
+    for i in range(r.randrange(3, 10)):
+        prompt = (shared[: r.randrange(0, 40)] + [r.randrange(3, 500) for _ in range(r.randrange(1, 90))])[:100]
+        kind = r.randrange(3)
+        reqs.append((prompt, SamplingParams(max_tokens=r.randrange(1, 30), temperature=(0.0, 0.8, 1.2)[kind],
+                                            top_p=(1.0, 1.0, 0.7)[kind], seed=seed * 100 + i,
+                                            stop_token_ids=(r.randrange(3, 500),) if r.random() < 0.3 else ())))
+        arrivals[i] = r.choice([0, 0, r.randrange(0, 40)])
+    return kw, reqs, arrivals
+
+
+def test_random_workloads_give_the_tokens_of_waiting_for_every_step():
+    """24 random configurations and workloads, each served both ways: the same tokens, streaming
+    order and finish reasons, every page back. Across them: preemptions, prompts in several
+    chunks, and steps launched first."""
+    preempted = chunked = overlapped = 0
+    for seed in range(24):
+        kw, reqs, arrivals = _random_case(seed)
+        want = _serve(_engine(False, **kw), reqs, arrivals)
+        eng = _engine(True, **kw)
+        seqs = []
+        add = eng.add_request
+        eng.add_request = lambda *a, **k: seqs.append(add(*a, **k)) or seqs[-1]
+        assert _serve(eng, reqs, arrivals) == want, (seed, kw)
+        assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages, (seed, kw)
+        preempted += sum(s.num_preemptions for s in seqs)
+        chunked += any(len(p) > kw["chunk_size"] for p, _ in reqs)
+        overlapped += eng.num_overlapped_steps
+    assert preempted > 0 and chunked > 10 and overlapped > 500, (preempted, chunked, overlapped)
+
+
 def test_async_scheduling_under_preemption_and_a_tight_token_budget():
     """Pages short (preemptions: steps that wait) and a budget below the batch (decodes left out)."""
     reqs = _requests(10, seed=2)
