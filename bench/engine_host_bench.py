@@ -77,6 +77,17 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _host_only(eng):
+    """``eng`` on the CUDA graphs' static buffers (run eagerly) with a model that computes
+    nothing: a replay hands the host the graph's static output tensor (and the prefill's KV is
+    never read here). So every step's time is the engine's host work."""
+    runner = eng.runner
+    graphs = runner.decode_graphs = runner.make_decode_graphs(capture=False)
+    static = torch.zeros(max(graphs.max_batch, eng.cfg.max_num_batched_tokens), runner.model_config.hidden_size)
+    runner.model.forward = lambda ids, meta, kv_caches: static[: ids.shape[0]]
+    return eng
+
+
 def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_scheduling: bool = False) -> dict:
     """Host microseconds per pure decode step of ``batch`` sequences at ``ctx`` tokens."""
     from engine.config import EngineConfig
@@ -88,13 +99,8 @@ def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_schedu
                        max_num_seqs=batch, chunk_size=8192, max_num_batched_tokens=max(8192, ctx),
                        num_pages=batch * (-(-(ctx + max_tokens + 16) // 16)) + 8,
                        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
-    eng = LLMEngine(cfg)
-    runner = eng.runner
-    graphs = runner.decode_graphs = runner.make_decode_graphs(capture=False)
-    # The model computes nothing: a replay hands the host the graph's static output tensor (and
-    # the prefill's KV is never read here). So every step's time is the engine's host work.
-    static = torch.zeros(max(graphs.max_batch, cfg.max_num_batched_tokens), runner.model_config.hidden_size)
-    runner.model.forward = lambda ids, meta, kv_caches: static[: ids.shape[0]]
+    eng = _host_only(LLMEngine(cfg))
+    runner, graphs = eng.runner, eng.runner.decode_graphs
     gen = torch.Generator().manual_seed(batch * 7919 + ctx)
     seqs = [eng.add_request(torch.randint(3, 250, (ctx,), generator=gen).tolist(),
                             SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
@@ -184,11 +190,8 @@ def replay(num_requests: int, async_scheduling: bool, progress: bool = True) -> 
     cfg = EngineConfig(model="random:tiny", hf_overrides={"max_position_embeddings": 131072}, dtype="float32",
                        device="cpu", max_num_seqs=64, chunk_size=512, max_num_batched_tokens=2048,
                        num_pages=60_000, enable_prefix_caching=True, async_scheduling=async_scheduling)
-    eng = LLMEngine(cfg)
+    eng = _host_only(LLMEngine(cfg))
     runner = eng.runner
-    runner.decode_graphs = runner.make_decode_graphs(capture=False)
-    static = torch.zeros(max(cfg.max_num_seqs, cfg.max_num_batched_tokens), runner.model_config.hidden_size)
-    runner.model.forward = lambda ids, meta, kv_caches: static[: ids.shape[0]]
     # which step's tokens each wait is for: the latest launched (in series) or an earlier one
     runs = [0]
     run, sample_async, tolist = runner.run, eng.sampler.sample_async, SampledTokens.tolist
@@ -211,7 +214,7 @@ def replay(num_requests: int, async_scheduling: bool, progress: bool = True) -> 
     runner.run, eng.sampler.sample_async = counted_run, tagged_sample_async
     SampledTokens.tolist = waited_tolist
     clock_ms, i, host = 0.0, 0, 0.0
-    counts = {"steps": 0, "in_series": 0, "chunk_steps": 0, "chunk_in_series": 0}
+    counts = {"steps": 0, "chunk_steps": 0}
     timeline = []  # (clock s, running, prompt tokens, the host waited for this step's tokens in series)
     try:
         while i < len(rows) or eng.has_work():
@@ -301,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default 200)")
     p.add_argument("--reps", type=int, default=5, help="runs per configuration; medians reported (default 5)")
     p.add_argument("--replay", type=int, default=0, metavar="N",
-                   help="instead: replay the Mooncake trace's first N requests with async scheduling and count "
-                        "the steps launched first")
+                   help="instead: replay the Mooncake trace's first N requests, waiting for every step and with "
+                        "async scheduling, and count the steps the host waits for before launching the next")
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section and the PNG")
     args = p.parse_args(argv)
     if args.steps < 1 or args.reps < 1 or args.replay < 0:

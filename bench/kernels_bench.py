@@ -388,28 +388,34 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
                                     SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True)) for _ in range(batch)]
             while any(s.num_computed < s.num_tokens - 1 or not s.output for s in seqs):  # prefill, first token
                 eng.step()
-            # each step waited for, then async scheduling (the next step launched before the host
-            # handles this one's tokens), on the same sequences
-            for name, async_ in ((mode, False), (mode + "+async", True)):
+            def timed(name: str, async_: bool, step) -> float:
+                """ITL of ``steps`` calls of ``step`` after an untimed one (the first replay of this
+                bucket; the first launch); appends its row, returns the HBM floor."""
                 eng.async_scheduling = async_
-                eng.step()  # one decode step untimed (first replay of this bucket; the first launch)
+                step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 c0, t = seqs[0].num_computed, time.perf_counter()
                 for _ in range(steps):
-                    eng.step()
+                    step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # (async: the last step launched has not been waited for)
                 itl = (time.perf_counter() - t) / steps * 1e3
                 floor = _step_bytes(eng, batch, (c0 + seqs[0].num_computed) // 2) / (peak_tbs * 1e12) * 1e3
                 rows.append(EngineRow(name, batch, ctx, itl, floor, steps))
+                return floor
+
+            # each step waited for, then async scheduling (the next step launched before the host
+            # handles this one's tokens), on the same sequences
+            for name, async_ in ((mode, False), (mode + "+async", True)):
+                floor = timed(name, async_, eng.step)
+                itl = rows[-1].itl_ms
                 print(f"engine decode {name:12s} B={batch:<3d} ctx={ctx}  ITL {itl:8.3f} ms  HBM floor {floor:8.4f} ms"
                       f"  {itl / floor:5.2f}x floor", flush=True)
             # the same decodes with a prompt prefilled beside them, a chunk every step (a new prompt
             # admitted when the last one is done), each step waited for, then async scheduling
             prompt = torch.randint(3, 250, (prompt_len,), generator=gen).tolist()
             for name, async_ in ((mode + " +chunk", False), (mode + " +chunk+async", True)):
-                eng.async_scheduling = async_
                 filling = None
 
                 def step():
@@ -418,19 +424,9 @@ def bench_engine_decode(device, model: str, overrides: dict, batches: list[int],
                         filling = eng.add_request(prompt, SamplingParams(max_tokens=1))
                     eng.step()
 
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                c0, t = seqs[0].num_computed, time.perf_counter()
-                for _ in range(steps):
-                    step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                itl = (time.perf_counter() - t) / steps * 1e3
-                floor = _step_bytes(eng, batch, (c0 + seqs[0].num_computed) // 2) / (peak_tbs * 1e12) * 1e3
-                rows.append(EngineRow(name, batch, ctx, itl, floor, steps))
-                print(f"engine decode {name:12s} B={batch:<3d} ctx={ctx}  ITL {itl:8.3f} ms  beside a {chunk}-token "
-                      f"prompt chunk a step", flush=True)
+                timed(name, async_, step)
+                print(f"engine decode {name:12s} B={batch:<3d} ctx={ctx}  ITL {rows[-1].itl_ms:8.3f} ms  beside a "
+                      f"{chunk}-token prompt chunk a step", flush=True)
             eng.async_scheduling = False
             while any(not s.is_finished for s in seqs):
                 eng.step()

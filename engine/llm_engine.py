@@ -414,18 +414,14 @@ class LLMEngine:
         sample nothing are saved and registered when it is resolved too. Returns the outputs of
         the step resolved."""
         sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else logits[rows], params, ids)
-        entries, where = [], {}
-        samples = iter(rows)
-        nxt = next(samples)
+        entries, where, sampling = [], {}, set(rows)  # (row b is sequence b's: no drafts)
         for b, (s, bef) in enumerate(zip(scheduled, before)):
             seq = s.seq
-            if b == nxt:  # (row b is sequence b's: no drafts)
-                where[seq.seq_id] = len(where)
-                entries.append((seq, len(seq.output), bef, bef + s.num_new_tokens))
+            at = None
+            if b in sampling:
+                where[seq.seq_id], at = len(where), len(seq.output)
                 seq.output.append(PENDING)
-                nxt = next(samples, None)
-            else:
-                entries.append((seq, None, bef, bef + s.num_new_tokens))
+            entries.append((seq, at, bef, bef + s.num_new_tokens))
         done = self._resolve() if self._launched is not None else []
         self._launched = _Launched(sampled, entries, where)
         return done
