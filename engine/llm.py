@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -21,6 +21,8 @@ class RequestOutput:
     """Prompt tokens shared from this engine's own pages (local prefix cache)."""
     ttft_s: float
     finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+    """With ``logprobs``: one per generated token (``TokenLogprobs``)."""
 
 
 class LLM:
@@ -46,8 +48,11 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 ignore_eos: bool = False, tenant_salt: str | None = None) -> list[RequestOutput]:
+                 ignore_eos: bool = False, tenant_salt: str | None = None,
+                 logprobs: int | None = None) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); one output per prompt, in order.
+        With ``logprobs`` (0-20) each generated token comes with its log-probability and those of the
+        ``logprobs`` most likely tokens at its position (``RequestOutput.logprobs``).
 
         Saves of newly computed chunks are flushed before returning, so another
         engine can reuse them at once.
@@ -58,7 +63,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
             raise ValueError("prompts must be a string, a list of token ids, or a list of those")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, logprobs=logprobs)
         salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
@@ -78,7 +83,8 @@ class LLM:
         return [RequestOutput(prompt_token_ids=s.prompt, token_ids=list(s.output),
                               text=self.tokenizer.decode(s.output), num_cached_tokens=s.num_store_tokens,
                               num_local_cached_tokens=s.num_local_tokens, ttft_s=s.ttft_s or 0.0,
-                              finish_reason=s.finish_reason or "") for s in seqs]
+                              finish_reason=s.finish_reason or "",
+                              logprobs=list(s.logprobs) if logprobs is not None else None) for s in seqs]
 
     def close(self) -> None:
         self.engine.close()

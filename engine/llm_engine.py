@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_connector import StoreConnector
 from engine.model_runner import ModelRunner, load_model_config
-from engine.sampling import SampledTokens, Sampler, SamplingParams
+from engine.sampling import SampledTokens, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.spec_decode import NgramDrafter
@@ -56,6 +56,8 @@ class StepOutput:
     seq: Sequence
     token: int
     finished: bool
+    logprobs: TokenLogprobs | None = None
+    """With ``seq.params.logprobs``: the token's log-probability and its position's top tokens'."""
 
 
 PENDING = -1
@@ -348,7 +350,10 @@ class LLMEngine:
             return done + self._launch(scheduled, before, logits, rows, params, ids)
         if self._launched is not None:  # drafts verified, or a load rolled back
             done += self._resolve()
-        sampled = dict(zip(rows, self.sampler.sample(logits[rows], params, ids))) if rows else {}
+        sampled = {}  # row: (token, its TokenLogprobs or None)
+        if rows:
+            st = self.sampler.sample_async(logits[rows], params, ids)
+            sampled = dict(zip(rows, zip(st.tolist(), st.logprobs())))
         now = time.perf_counter()
         for s, r, b in zip(scheduled, first_row, before):
             seq = s.seq
@@ -362,14 +367,18 @@ class LLMEngine:
                 seq.num_draft_tokens += s.num_draft
                 seq.num_accepted_tokens += len(new) - 1
                 seq.draft = []
+                lps = token_logprobs(logits[r:r + len(new)], new, seq.params.logprobs) \
+                    if seq.params.logprobs is not None else [None] * len(new)
             elif r in sampled:
-                new = [sampled[r]]
+                new, lps = [sampled[r][0]], [sampled[r][1]]
             else:
                 self._after_compute(seq, b)
                 continue
             reason = None
-            for n, tok in enumerate(new, 1):
+            for n, (tok, lp) in enumerate(zip(new, lps), 1):
                 seq.output.append(tok)
+                if lp is not None:
+                    seq.logprobs.append(lp)
                 self.num_generated += 1
                 reason = self._stop_reason(seq, tok, len(seq.output))
                 if reason:
@@ -384,7 +393,8 @@ class LLMEngine:
             self._after_compute(seq, b)
             if reason:
                 self._end(seq, reason, now)
-            results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1) for j, tok in enumerate(new)]
+            results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1, lp)
+                        for j, (tok, lp) in enumerate(zip(new, lps))]
         return done + results
 
     def _stop_reason(self, seq: Sequence, tok: int, num_output: int) -> str | None:
@@ -457,6 +467,7 @@ class LLMEngine:
         loses the ``PENDING`` of the step launched after it."""
         launched, self._launched = self._launched, None
         tokens = launched.sampled.tolist()
+        logprobs = launched.sampled.logprobs()
         now = time.perf_counter()
         results = []
         row = 0
@@ -464,10 +475,12 @@ class LLMEngine:
             if at is None:  # a prompt chunk that samples nothing
                 self._after_compute(seq, before, upto)
                 continue
-            tok, row = tokens[row], row + 1
+            tok, lp, row = tokens[row], logprobs[row], row + 1
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.output[at] = tok
+            if lp is not None:
+                seq.logprobs.append(lp)
             self.num_generated += 1
             reason = self._stop_reason(seq, tok, at + 1)
             if seq.first_token_time is None:
@@ -477,7 +490,7 @@ class LLMEngine:
             if reason:
                 del seq.output[at + 1:]
                 self._end(seq, reason, now)
-            results.append(StepOutput(seq, tok, reason is not None))
+            results.append(StepOutput(seq, tok, reason is not None, lp))
         return results
 
     def _trim_pages(self, seq: Sequence) -> None:

@@ -1,9 +1,10 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed."""
+"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed, log-probabilities."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +14,21 @@ from kernels.host import to_device
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's convention): dividing logits by less overflows."""
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask log-probabilities for (vLLM's default ``max_logprobs``)."""
+
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities below this (``-inf`` included) are reported as this: JSON has no infinity."""
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability and the ``k`` most likely tokens at its position, most
+    likely first, as ``(token id, log-probability)``. Of the model's own distribution: the log-softmax
+    of the logits, before temperature and top-p (what vLLM reports by default)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -30,6 +46,9 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     speculative: bool = True
     """Let an engine with speculative decoding (``--speculative``) draft for this request."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and those of the ``logprobs`` most likely
+    tokens at its position (0: the generated token's only; None: nothing), ``TokenLogprobs``."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -46,6 +65,8 @@ class SamplingParams:
                 or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 def _is_int(v) -> bool:
@@ -57,15 +78,18 @@ def _is_real(v) -> bool:
 
 
 class SampledTokens:
-    """Tokens sampled on the device, on their way to the host (page-locked, asynchronous on CUDA)."""
+    """Tokens sampled on the device, on their way to the host (page-locked, asynchronous on CUDA),
+    with the log-probabilities of the rows that asked for them."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(self, tokens: torch.Tensor, logprobs: _RowLogprobs | None = None) -> None:
         self.device_tokens = tokens
         """``[n]`` int64 where they were sampled (the next step's input ids, without a round trip)."""
+        self._logprobs = logprobs
         self._event = None
         if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = _to_host(tokens)
+            if logprobs is not None:
+                logprobs.to_host()
             self._event = torch.cuda.Event()
             self._event.record()
         else:
@@ -83,6 +107,53 @@ class SampledTokens:
             self._event.synchronize()
         return self._host.tolist()
 
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """One per row: its token's ``TokenLogprobs``, or None where the request asked for none.
+        Call after ``tolist`` (which waits for the device)."""
+        n = len(self._host)
+        return self._logprobs.tolist(n) if self._logprobs is not None else [None] * n
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Starts ``t``'s copy into page-locked host memory (complete once the stream gets there)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class _RowLogprobs:
+    """The log-probabilities of some rows of a step's logits: the chosen token's and the top ``k``'s,
+    computed on the logits' device."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]) -> None:
+        self.rows, self.ks = rows, ks
+        idx = to_device(rows, torch.int64, logits.device)
+        lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+        self.chosen = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)
+        k = min(max(ks), lp.shape[-1])
+        self.top_lp, self.top_ids = lp.topk(k, dim=-1) if k else (None, None)
+
+    def to_host(self) -> None:
+        self.chosen = _to_host(self.chosen)
+        if self.top_lp is not None:
+            self.top_lp, self.top_ids = _to_host(self.top_lp), _to_host(self.top_ids)
+
+    def tolist(self, n: int) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * n
+        chosen = self.chosen.clamp_min(LOGPROB_FLOOR).tolist()
+        top_lp = self.top_lp.clamp_min(LOGPROB_FLOOR).tolist() if self.top_lp is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        for i, (r, k) in enumerate(zip(self.rows, self.ks)):
+            out[r] = TokenLogprobs(chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])) if k else [])
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``tokens[i]`` under row ``i`` of ``logits`` (a verification's rows;
+    waits for the device)."""
+    return _RowLogprobs(logits, torch.tensor(tokens, device=logits.device), list(range(len(tokens))),
+                        [k] * len(tokens)).tolist(len(tokens))
+
 
 class Sampler:
     """Picks one token per row of logits; keeps one generator per seeded request."""
@@ -94,7 +165,7 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
-        """Samples one token per row.
+        """Samples one token per row (``sample_async(...).tolist()``).
 
         Args:
             logits: ``[n, vocab]`` float32.
@@ -109,7 +180,8 @@ class Sampler:
 
         A sampled row draws by the exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` from
         the request's generator, picks token ``i`` with probability ``probs[i]`` exactly, with
-        no host synchronisation (``torch.multinomial`` waits for the device).
+        no host synchronisation (``torch.multinomial`` waits for the device). Rows whose request
+        asks for ``logprobs`` get them computed beside (``SampledTokens.logprobs``).
         """
         out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
@@ -118,7 +190,9 @@ class Sampler:
             probs = target_probs(logits[i], p.temperature, p.top_p)
             q = torch.empty_like(probs).exponential_(generator=self.generator(sid, p, logits.device))
             out[i] = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax()
-        return SampledTokens(out)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lps = _RowLogprobs(logits, out, want, [params[i].logprobs for i in want]) if want else None
+        return SampledTokens(out, lps)
 
     def generator(self, seq_id: int, p: SamplingParams, device: torch.device) -> torch.Generator:
         """The request's generator, made (seeded) on first use."""

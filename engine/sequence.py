@@ -39,9 +39,9 @@ class Sequence:
     num_saved_chunks: int = 0
     """Leading chunks known to be in the store (loaded or saved)."""
     cache_salt: str | None = None
+    """Tenant salt of this request's chunk keys (None: shared across tenants)."""
     replicate: bool = False
     """Keep the chunks loaded from other store nodes on this engine's own node too."""
-    """Tenant salt of this request's chunk keys (None: shared across tenants)."""
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -54,6 +54,9 @@ class Sequence:
     num_draft_tokens: int = 0
     """Speculative tokens verified for this request, and of those accepted."""
     num_accepted_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    """With ``params.logprobs``: a ``TokenLogprobs`` for each output token this engine sampled, in
+    order (an output prefix handed over by a prefill engine has none)."""
 
     @property
     def tokens(self) -> list[int]:

@@ -3,32 +3,9 @@
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model import AttnMetadata
-from engine.model_runner import ModelRunner, load_model_config
+from tests.engine.reference import all_logits as _all_logits
 
 transformers = pytest.importorskip("transformers")
-
-
-def _all_logits(folder: str, ids: list[int], chunk: int | None = None, hf_overrides=None) -> torch.Tensor:
-    cfg = EngineConfig(model=folder, dtype="float32", device="cpu", num_pages=64, hf_overrides=hf_overrides)
-    runner = ModelRunner(cfg, load_model_config(folder, hf_overrides))
-    n = len(ids)
-    pages = list(range(-(-n // cfg.page_size)))
-    table = torch.tensor([pages], dtype=torch.int32)
-    out = []
-    step = chunk or n
-    for start in range(0, n, step):
-        end = min(n, start + step)
-        meta = AttnMetadata(
-            positions=torch.arange(start, end),
-            slot_mapping=torch.tensor([pages[p // 16] * 16 + p % 16 for p in range(start, end)]),
-            block_tables=table, cu_q_lens=torch.tensor([0, end - start], dtype=torch.int32),
-            context_lens=torch.tensor([start], dtype=torch.int32), is_decode=end - start == 1,
-            max_q_len=end - start)
-        hidden = runner.model(torch.tensor(ids[start:end]), meta, runner.kv_caches)
-        out.append(runner.model.logits(hidden))
-    return torch.cat(out)
 
 
 def _save(model_cls, cfg_cls, tmp_path, **kw):

@@ -1,0 +1,146 @@
+"""Log-probabilities (``SamplingParams.logprobs``): each generated token's, and the top ``k`` of
+its position, are the log-softmax of the logits a plain forward of the whole sequence gives there
+(``tests/engine/reference.py``, itself checked against transformers by ``test_hf_parity``), whatever
+path computed them: chunked prefill, decode, async scheduling, graphs' static buffers, speculative
+verification, or KV loaded from the store."""
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from tests.engine.reference import all_logits
+
+MODEL = "random:tiny"
+
+
+def _engine(**kw) -> LLMEngine:
+    kw.setdefault("num_pages", 200)
+    kw.setdefault("max_num_seqs", 8)
+    static = kw.pop("static_buffers", False)
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", enforce_eager=static, **kw))
+    if static:  # the CUDA graphs' host path, run eagerly (CPU has no graphs)
+        eng.runner.decode_graphs = eng.runner.make_decode_graphs(capture=False)
+    return eng
+
+
+def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and sampled requests, some asking for no logprobs, some for 0 or several alternatives."""
+    r = random.Random(seed)
+    reqs = []
+    for i in range(8):
+        prompt = [r.randrange(3, 500) for _ in range(r.randrange(3, 60))]
+        reqs.append((prompt, SamplingParams(max_tokens=r.randrange(1, 14), temperature=(0.0, 0.9)[i % 2],
+                                            top_p=(1.0, 0.8)[i % 3 == 2], seed=i, ignore_eos=True,
+                                            logprobs=(None, 0, 3, MAX_LOGPROBS)[i % 4])))
+    return reqs
+
+
+def _run(eng: LLMEngine, reqs) -> list[tuple[list[int], list[TokenLogprobs]]]:
+    """Serves ``reqs``; checks that each streamed output carries its token's logprobs (or none)."""
+    seqs = [eng.add_request(p, params) for p, params in reqs]
+    streamed = {s.seq_id: [] for s in seqs}
+    for _ in range(10_000):
+        if not eng.has_work():
+            break
+        for o in eng.step():
+            assert (o.logprobs is None) == (o.seq.params.logprobs is None)
+            streamed[o.seq.seq_id].append(o.logprobs)
+    assert all(s.is_finished for s in seqs)
+    for s in seqs:
+        if s.params.logprobs is not None:
+            assert streamed[s.seq_id] == s.logprobs and len(s.logprobs) == len(s.output)
+        else:
+            assert s.logprobs == []
+    return [(list(s.output), list(s.logprobs)) for s in seqs]
+
+
+def _check_against_reference(model: str, prompt: list[int], output: list[int], lps: list[TokenLogprobs],
+                             k: int, atol: float = 1e-4) -> None:
+    ref = torch.log_softmax(all_logits(model, prompt + output)[len(prompt) - 1:-1], dim=-1)
+    assert len(lps) == len(output)
+    for i, (tok, lp) in enumerate(zip(output, lps)):
+        assert lp.logprob == pytest.approx(ref[i, tok].item(), abs=atol), f"token {i}"
+        assert len(lp.top) == k
+        want_v, want_i = ref[i].topk(k)
+        assert [t for t, _ in lp.top] == want_i.tolist(), f"token {i}: top ids"
+        assert [v for _, v in lp.top] == pytest.approx(want_v.tolist(), abs=atol)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+
+
+def test_logprobs_of_every_path_are_those_of_a_plain_forward():
+    reqs = _requests(seed=1)
+    base = _run(_engine(), reqs)
+    for (prompt, params), (out, lps) in zip(reqs, base):
+        if params.logprobs is not None:
+            _check_against_reference(MODEL, prompt, out, lps, params.logprobs)
+    # a greedy request's token is its position's most likely: the first of its top list
+    for (_, params), (out, lps) in zip(reqs, base):
+        if params.temperature == 0 and params.logprobs:
+            assert [lp.top[0][0] for lp in lps] == out and all(lp.logprob == lp.top[0][1] for lp in lps)
+    for kw in ({"chunk_size": 16, "max_num_batched_tokens": 40}, {"async_scheduling": True},
+               {"async_scheduling": True, "static_buffers": True}, {"async_scheduling": True, "chunk_size": 16}):
+        got = _run(_engine(**kw), reqs)
+        for (want_out, want_lps), (out, lps) in zip(base, got):
+            assert out == want_out, kw
+            for a, b in zip(lps, want_lps):
+                assert [t for t, _ in a.top] == [t for t, _ in b.top], kw
+                assert [a.logprob, *(v for _, v in a.top)] == pytest.approx([b.logprob, *(v for _, v in b.top)],
+                                                                           abs=1e-5), kw
+
+
+def test_a_speculative_verification_reports_the_logprobs_of_each_token_it_emits():
+    """A verification step emits several tokens from one forward: each gets the logprobs of its own row."""
+    reqs = [(p * 3, SamplingParams(max_tokens=24, ignore_eos=True, temperature=t, seed=7, logprobs=4))
+            for (p, _), t in zip(_requests(seed=2)[:4], (0.0, 0.0, 0.8, 0.8))]
+    eng = _engine(speculative="ngram", num_speculative_tokens=3)
+    got = _run(eng, reqs)
+    assert eng.num_accepted_tokens > 0  # several tokens a step
+    for (prompt, params), (out, lps) in zip(reqs, got):
+        _check_against_reference(MODEL, prompt, out, lps, params.logprobs)
+    assert [o for o, _ in got[:2]] == [o for o, _ in _run(_engine(), reqs[:2])]  # greedy: the plain tokens
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    from tests.helpers import store_nodes
+
+    yield from store_nodes(tmp_path, with_disk=False)
+
+
+def test_kv_loaded_from_the_store_gives_the_logprobs_of_recompute(nodes):
+    node = nodes()
+    prompt = [random.Random(3).randrange(3, 500) for _ in range(100)]
+    params = SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True)
+    with LLM(MODEL, store=node.address, chunk_tokens=32, dtype="float32") as saver:
+        saver.generate(prompt, max_tokens=1)
+    with LLM(MODEL, store=node.address, chunk_tokens=32, dtype="float32") as loader:
+        got, = loader.generate(prompt, max_tokens=params.max_tokens, logprobs=5, ignore_eos=True)
+    assert got.num_cached_tokens == 96
+    _check_against_reference(MODEL, prompt, got.token_ids, got.logprobs, 5)
+
+
+def test_logprobs_zero_reports_the_tokens_own_and_none_is_nothing():
+    with LLM(MODEL, dtype="float32") as llm:
+        zero, = llm.generate([5, 6, 7], max_tokens=3, logprobs=0)
+        none, = llm.generate([5, 6, 7], max_tokens=3)
+    assert len(zero.logprobs) == 3 and all(lp.top == [] and lp.logprob <= 0 for lp in zero.logprobs)
+    assert none.logprobs is None and none.token_ids == zero.token_ids
+
+
+def test_an_impossible_token_reports_the_floor_not_minus_infinity():
+    from engine.sampling import token_logprobs
+
+    logits = torch.tensor([[0.0, -float("inf"), 1.0]])
+    lp, = token_logprobs(logits, [1], 3)
+    assert lp.logprob == LOGPROB_FLOOR and lp.top[-1] == (1, LOGPROB_FLOOR)
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 1.5, True, "3"])
+def test_bad_logprobs_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=bad)
