@@ -39,6 +39,10 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
+    def token_bytes(self, i: int) -> bytes:
+        """Token ``i``'s own bytes (a byte of a multi-byte character alone, unlike ``decode``)."""
+        return bytes([i]) if 0 <= i < 256 else self.decode([i]).encode()
+
 
 class HFTokenizer:
     """A ``tokenizer.json`` (and ``tokenizer_config.json`` for BOS/EOS and the chat template)."""
@@ -68,6 +72,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, i: int) -> bytes:
+        """Token ``i``'s text as UTF-8 (a byte-level piece of a character shows as U+FFFD)."""
+        return self.decode([i]).encode()
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         # NOTE: Jinja chat templates need transformers; a plain role-tagged prompt

@@ -11,7 +11,7 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
 from kvstore import auth, tls
@@ -31,7 +31,13 @@ def sampling_from_pb(s: pb.SamplingOptions, max_tokens: int | None = None) -> Sa
                           temperature=s.temperature, top_p=s.top_p or 1.0,
                           seed=s.seed if s.HasField("seed") else None,
                           stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          speculative=not s.no_speculation)
+                          speculative=not s.no_speculation,
+                          logprobs=s.logprobs if s.HasField("logprobs") else None)
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top])
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -92,7 +98,8 @@ class EngineService(pb_grpc.EngineServicer):
             finished, reason = True, "stop"
         else:
             finished, reason = False, ""
-        return pb.PrefillResponse(first_token=first, chunk_keys=keys,
+        lps = logprobs_to_pb(h.logprobs[0]) if h.logprobs else None
+        return pb.PrefillResponse(first_token=first, chunk_keys=keys, first_logprobs=lps,
                                   num_cached_tokens=seq.num_store_tokens + seq.num_local_tokens,
                                   num_saved_chunks=seq.num_saved_chunks, prefill_s=elapsed,
                                   finished=finished, finish_reason=reason)
@@ -127,7 +134,7 @@ class EngineService(pb_grpc.EngineServicer):
                 skip = self.engine.local_prefix_chunks(prompt, salt)
                 prefetched = conn.fetch_as_they_arrive(expected[skip:], self.fetch_timeout_s)
         h = self._submit(context, prompt, params, salt, prefix, prefetched, prefetch_skip=skip)
-        pending = []
+        pending, sent = [], 0  # sent: tokens streamed (h.logprobs has one per token, with logprobs)
         while True:
             kind, val = h.events.get()
             if kind in ("error", "failed"):
@@ -138,11 +145,14 @@ class EngineService(pb_grpc.EngineServicer):
                 pending.append(val)
                 if h.events.empty():
                     yield pb.GenerateResponse(token_ids=pending, num_cached_tokens=cached,
-                                              num_prompt_tokens=len(prompt))
+                                              num_prompt_tokens=len(prompt),
+                                              logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]))
+                    sent += len(pending)
                     pending = []
             else:
                 yield pb.GenerateResponse(token_ids=pending, finished=True, finish_reason=val or "",
-                                          num_cached_tokens=cached, num_prompt_tokens=len(prompt))
+                                          num_cached_tokens=cached, num_prompt_tokens=len(prompt),
+                                          logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]))
                 return
 
     def Health(self, request, context):

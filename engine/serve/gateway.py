@@ -24,8 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_response, new_id, parse_request,
-                                          stream_chunk, usage)
+from engine.sampling import TokenLogprobs
+from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_response, logprobs_body, new_id,
+                                          parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
@@ -189,10 +190,13 @@ class Gateway:
             return self.tokenizer.encode(req.prompt, add_bos=True)
         return list(req.prompt)
 
-    def generate(self, prompt: list[int], req: ParsedRequest) -> Iterator[tuple[list[int], str | None, int]]:
-        """Yields ``(new token ids, finish reason or None, cached prompt tokens)``."""
+    def generate(self, prompt: list[int], req: ParsedRequest) \
+            -> Iterator[tuple[list[int], str | None, int, list[TokenLogprobs]]]:
+        """Yields ``(new token ids, finish reason or None, cached prompt tokens, their logprobs)``
+        (the last empty unless ``req.logprobs``)."""
         sampling = pb.SamplingOptions(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                      seed=req.seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative)
+                                      seed=req.seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
+                                      logprobs=req.logprobs)
         route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         first, keys, cached = None, [], 0
         if route.prefill is not None:
@@ -208,7 +212,8 @@ class Gateway:
                 self.m_fallbacks.inc()
             else:
                 first, keys, cached = r.first_token, list(r.chunk_keys), r.num_cached_tokens
-                yield [first], (r.finish_reason if r.finished else None), cached
+                yield [first], (r.finish_reason if r.finished else None), cached, \
+                    _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else [])
                 if r.finished:
                     return
         call = self.engines[route.decode].Generate(
@@ -217,13 +222,17 @@ class Gateway:
         try:
             for msg in call:
                 yield list(msg.token_ids), (msg.finish_reason if msg.finished else None), \
-                    cached if first is not None else msg.num_cached_tokens
+                    cached if first is not None else msg.num_cached_tokens, _logprobs(msg.logprobs)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details()) from None
             raise
         finally:
             call.cancel()  # the client went away mid-stream: the decode engine frees the pages
+
+
+def _logprobs(msgs) -> list[TokenLogprobs]:
+    return [TokenLogprobs(m.logprob, list(zip(m.top_token_ids, m.top_logprobs))) for m in msgs]
 
 
 class _Detok:
@@ -423,7 +432,9 @@ def make_handler(gw: Gateway):
         def _run(self, req, prompt):
             t0 = time.perf_counter()
             last = None
-            for ids, reason, cached in gw.generate(prompt, req):
+            for ids, reason, cached, lps in gw.generate(prompt, req):
+                if req.logprobs is not None and len(lps) != len(ids):  # (an engine that dropped them)
+                    raise RuntimeError(f"the engine sent {len(lps)} logprobs for {len(ids)} tokens")
                 now = time.perf_counter()
                 if ids:
                     if last is None:
@@ -431,13 +442,14 @@ def make_handler(gw: Gateway):
                     else:
                         gw.m_itl.observe((now - last) / len(ids))
                     last = now
-                yield ids, reason, cached
+                yield ids, reason, cached, lps
 
         def _complete(self, req, prompt):
             detok = _Detok(gw.tokenizer, req.stop)
-            reason, cached, n = "length", 0, 0
-            for ids, r, cached in self._run(req, prompt):
+            reason, cached, n, lps = "length", 0, 0, []
+            for ids, r, cached, got in self._run(req, prompt):
                 n += len(ids)
+                lps += got
                 detok.push(ids)
                 if detok.stopped:
                     reason = "stop"
@@ -450,8 +462,10 @@ def make_handler(gw: Gateway):
             gw.m_tokens.labels("prompt").inc(len(prompt))
             gw.m_tokens.labels("cached").inc(cached)
             gw.m_tokens.labels("completion").inc(n)
+            # (logprobs of every token generated, the one completing a stop string included, as vLLM)
             self._json(200, full_response(req, new_id(req.chat), gw.model_name, text, reason,
-                                          usage(len(prompt), n, cached)))
+                                          usage(len(prompt), n, cached),
+                                          logprobs_body(req, detok.ids, lps, gw.tokenizer)))
 
         def _send_chunk(self, payload: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -469,18 +483,25 @@ def make_handler(gw: Gateway):
             self._headers_sent = True
             detok = _Detok(gw.tokenizer, req.stop)
             n, cached, first = 0, 0, True
+            held, offset = ([], []), 0  # tokens (and logprobs) not yet in a chunk; their text offset
 
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             try:
-                for ids, reason, cached in _chain(first_item, gen):
+                for ids, reason, cached, lps in _chain(first_item, gen):
                     n += len(ids)
+                    held[0].extend(ids)
+                    held[1].extend(lps)
                     text = detok.push(ids, final=reason is not None)
                     if detok.stopped:
                         reason = "stop"
                     if text or reason or first:
-                        emit(stream_chunk(req, rid, gw.model_name, text, reason, first=first))
+                        body = logprobs_body(req, held[0], held[1], gw.tokenizer, offset)
+                        if body is not None and not req.chat:
+                            offset = body["text_offset"][-1] + len(body["tokens"][-1]) if held[0] else offset
+                        held = ([], [])
+                        emit(stream_chunk(req, rid, gw.model_name, text, reason, first=first, logprobs=body))
                         first = False
                     if reason:
                         break

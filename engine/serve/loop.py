@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class Handle:
     """A submitted request: read ``events`` for ``("token", id)``, ``("done", reason)``, ``("error", msg)``
-    (the request itself was refused) or ``("failed", msg)`` (a step failed under it: not its fault)."""
+    (the request itself was refused) or ``("failed", msg)`` (a step failed under it: not its fault).
+    With ``params.logprobs``, ``logprobs`` holds one ``TokenLogprobs`` per token, appended before
+    its event."""
 
     events: queue.Queue = field(default_factory=queue.Queue)
+    logprobs: list = field(default_factory=list)
     seq: Sequence | None = None
     aborted: bool = False
 
@@ -123,6 +126,8 @@ class EngineLoop:
                     continue
                 if self._on_token:
                     self._on_token(o.seq, now)
+                if o.logprobs is not None:
+                    h.logprobs.append(o.logprobs)
                 h.events.put(("token", o.token))
                 if o.finished:
                     del self._handles[o.seq.seq_id]

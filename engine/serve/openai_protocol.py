@@ -6,6 +6,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from engine.sampling import MAX_LOGPROBS, TokenLogprobs
+
 
 class BadRequest(Exception):
     """An invalid request: answered 400 with an OpenAI-style error body."""
@@ -34,8 +36,19 @@ class ParsedRequest:
     cache_salt: str | None
     speculative: bool
     user: str | None
+    logprobs: int | None = None
+    """Log-probabilities asked for: the number of alternatives per token (None: none)."""
 
 
+# Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
+# each with the values that mean "off": anything else is refused by name, never silently ignored.
+UNSUPPORTED = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_k": (-1, 0),
+    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (0,),
+    "tools": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (),
+}
 UINT32_MAX = (1 << 32) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -92,6 +105,17 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
     n = _num(body, "n", 1, 1, 1, integer=True)
     del n
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) is not None and not any(body[name] == v and type(body[name]) is type(v) for v in off):
+            raise BadRequest(f"'{name}' is not supported by this server (leave it out"
+                             f"{' or ' + repr(off[0]) if off else ''})", name)
+    if chat:  # a flag, and how many alternatives
+        logprobs = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True) \
+            if _flag(body, "logprobs", False) else None
+        if logprobs is None and body.get("top_logprobs") is not None:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -112,7 +136,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
         stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=_flag(body, "speculative", True),
-        user=body.get("user") if isinstance(body.get("user"), str) else None)
+        user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs)
 
 
 def new_id(chat: bool) -> str:
@@ -125,28 +149,60 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def full_response(req: ParsedRequest, rid: str, model: str, text: str, reason: str, use: dict) -> dict:
+def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs], tokenizer,
+                  offset: int = 0) -> dict | None:
+    """A choice's ``logprobs`` for ``tokens`` (None unless asked for). Tokens are shown as their
+    text (``tokenizer.decode([id])``), as vLLM does. Completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (the top ``logprobs`` and the chosen token, by text) and ``text_offset`` from
+    ``offset``; chat: ``content``, a list of ``{token, logprob, bytes, top_logprobs}``, ``bytes`` the
+    token's own (``tokenizer.token_bytes``: a byte of a multi-byte character alone)."""
+    if req.logprobs is None:
+        return None
+    text = {}
+
+    def t(i: int) -> str:
+        if i not in text:
+            text[i] = tokenizer.decode([i])
+        return text[i]
+
+    if req.chat:
+        def entry(i: int, lp: float) -> dict:
+            return {"token": t(i), "logprob": lp, "bytes": list(tokenizer.token_bytes(i))}
+
+        return {"content": [{**entry(i, lp.logprob), "top_logprobs": [entry(j, v) for j, v in lp.top]}
+                            for i, lp in zip(tokens, lps)]}
+    offsets = []
+    for i in tokens:
+        offsets.append(offset)
+        offset += len(t(i))
+    return {"tokens": [t(i) for i in tokens], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{**{t(j): v for j, v in lp.top}, t(i): lp.logprob} for i, lp in zip(tokens, lps)],
+            "text_offset": offsets}
+
+
+def full_response(req: ParsedRequest, rid: str, model: str, text: str, reason: str, use: dict,
+                  logprobs: dict | None = None) -> dict:
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": use}
 
 
 def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,
-                 first: bool = False, use: dict | None = None) -> dict:
+                 first: bool = False, use: dict | None = None, logprobs: dict | None = None) -> dict:
     if use is not None:
         return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                 "created": int(time.time()), "model": model, "choices": [], "usage": use}
     if req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}

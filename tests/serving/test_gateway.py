@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
+from engine.sampling import MAX_LOGPROBS
 from engine.serve.engine_server import EngineNode
 from engine.serve.gateway import MAX_BODY, Gateway, GatewayServer
 from kvstore.conductor.config import ConductorConfig
@@ -152,6 +153,122 @@ def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     assert (text, reason) == ("\u0540<|454|>", "length")
     assert not any("\ufffd" in p for p in pieces), pieces
     assert "\u0540" in [p[:1] for p in pieces if p]
+
+
+# ---- log-probabilities ----------------------------------------------------------------------
+
+
+def _engine_reference(prompt: list[int], max_tokens: int, k: int):
+    from engine.llm import LLM
+
+    with LLM(MODEL, dtype="float32") as llm:
+        out, = llm.generate(prompt, max_tokens=max_tokens, logprobs=k, ignore_eos=True)
+    return out
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-engine-first", "decode-engine-alone"])
+def test_completion_logprobs_are_the_engines_streamed_and_not(disagg, prefill):
+    """The first token's come from the prefill engine, the rest from the decode engine (or all from
+    a decode engine prefilling alone); streamed or not, one entry per completion token."""
+    setup = disagg if prefill else Setup(with_store=False, prefill=False)
+    try:
+        c = setup.client()
+        ref = _engine_reference(STOP_PROMPT, 6, 3)
+        kw = {"model": MODEL, "prompt": STOP_PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3,
+              "extra_body": {"ignore_eos": True}}
+        r = c.completions.create(**kw)
+        lp = r.choices[0].logprobs
+        tok = [disagg.gw.tokenizer.decode([t]) for t in ref.token_ids]
+        assert lp.tokens == tok and "".join(tok) == r.choices[0].text
+        assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+        for top, x, t in zip(lp.top_logprobs, ref.logprobs, tok):
+            want = {disagg.gw.tokenizer.decode([i]): v for i, v in x.top}
+            assert top == pytest.approx({**want, t: x.logprob}, abs=1e-5)
+        assert lp.text_offset == [sum(map(len, tok[:i])) for i in range(len(tok))]
+        chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+        streamed = [ch.logprobs for ch in chunks if ch.logprobs is not None]
+        assert sum((x.tokens for x in streamed), []) == lp.tokens
+        assert sum((x.token_logprobs for x in streamed), []) == lp.token_logprobs
+        assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+        # cut by a stop string: the tokens generated up to it, the one completing it included
+        for stream in (False, True):
+            kw_stop = {**kw, "max_tokens": 12, "stop": ["??<"]}
+            if stream:
+                got = [ch for ch in c.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kw_stop)]
+                n = got[-1].usage.completion_tokens
+                entries = sum((ch.choices[0].logprobs.tokens for ch in got if ch.choices), [])
+                text = "".join(ch.choices[0].text for ch in got if ch.choices)
+            else:
+                got = c.completions.create(**kw_stop)
+                n, entries, text = got.usage.completion_tokens, got.choices[0].logprobs.tokens, got.choices[0].text
+            assert text == "g^" and len(entries) == n and "".join(entries).startswith("g^??"), stream
+    finally:
+        if not prefill:
+            setup.close()
+
+
+def test_chat_logprobs_list_each_token_with_its_bytes_and_top_alternatives(disagg):
+    c = disagg.client()
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+          "logprobs": True, "top_logprobs": 2, "extra_body": {"ignore_eos": True}}
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert bytes(e.bytes) == e.token.encode() and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6  # greedy: the token is the most likely
+        assert e.token == e.top_logprobs[0].token
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    streamed = sum((ch.logprobs.content for ch in chunks if ch.logprobs is not None), [])
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # logprobs off: null, as before
+    r = c.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert r.choices[0].logprobs is None
+
+
+def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
+    from engine.sampling import TokenLogprobs
+    from engine.serve.openai_protocol import logprobs_body, parse_request
+    from engine.tokenizer import ByteTokenizer
+
+    req = parse_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                         "top_logprobs": 1}, True, MODEL)
+    body = logprobs_body(req, [0xD5, 0x80], [TokenLogprobs(-1.0, [(0xD5, -1.0)]), TokenLogprobs(-0.5, [(0x80, -0.5)])],
+                         ByteTokenizer())
+    assert [e["bytes"] for e in body["content"]] == [[0xD5], [0x80]]
+    assert bytes(sum((e["bytes"] for e in body["content"]), [])).decode() == "\u0540"
+    assert body["content"][0]["top_logprobs"] == [{"token": "\ufffd", "logprob": -1.0, "bytes": [0xD5]}]
+
+
+@pytest.mark.parametrize("chat,field,value", [
+    (False, "logprobs", MAX_LOGPROBS + 1), (False, "logprobs", True), (True, "top_logprobs", 3),
+    (True, "logprobs", 2), (False, "presence_penalty", 0.5), (False, "frequency_penalty", -1),
+    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (False, "echo", True), (False, "top_k", 5),
+    (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}])])
+def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
+    body = {"model": MODEL, "max_tokens": 2, field: value,
+            **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+    status, data = request(disagg.url, "POST", "/v1/chat/completions" if chat else "/v1/completions",
+                           json.dumps(body).encode(), {"Content-Type": "application/json"})
+    assert status == 400, data
+    err = json.loads(data)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field
+
+
+def test_the_off_values_of_unimplemented_options_are_served():
+    """Clients that send every option with its default (``presence_penalty: 0``, ``logit_bias: {}``)
+    are served as if they had left them out."""
+    from engine.serve.openai_protocol import parse_request
+
+    body = {"model": MODEL, "prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "best_of": 1, "echo": False, "top_k": -1, "logprobs": None, "suffix": None}
+    assert parse_request(body, False, MODEL).logprobs is None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"},
+            "tools": [], "logprobs": False}
+    assert parse_request(chat, True, MODEL).logprobs is None
 
 
 # ---- errors: 404, body limit ------------------------------------------------------------
