@@ -23,6 +23,8 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
     """With ``logprobs``: one per generated token (``TokenLogprobs``)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``prompt_logprobs``: one per prompt token, None for the first."""
 
 
 class LLM:
@@ -49,10 +51,11 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  ignore_eos: bool = False, tenant_salt: str | None = None,
-                 logprobs: int | None = None) -> list[RequestOutput]:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); one output per prompt, in order.
         With ``logprobs`` (0-20) each generated token comes with its log-probability and those of the
-        ``logprobs`` most likely tokens at its position (``RequestOutput.logprobs``).
+        ``logprobs`` most likely tokens at its position (``RequestOutput.logprobs``); with
+        ``prompt_logprobs`` each prompt token after the first (the prompt is then computed whole).
 
         Saves of newly computed chunks are flushed before returning, so another
         engine can reuse them at once.
@@ -63,7 +66,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
             raise ValueError("prompts must be a string, a list of token ids, or a list of those")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                ignore_eos=ignore_eos, logprobs=logprobs)
+                                ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
@@ -84,7 +87,9 @@ class LLM:
                               text=self.tokenizer.decode(s.output), num_cached_tokens=s.num_store_tokens,
                               num_local_cached_tokens=s.num_local_tokens, ttft_s=s.ttft_s or 0.0,
                               finish_reason=s.finish_reason or "",
-                              logprobs=list(s.logprobs) if logprobs is not None else None) for s in seqs]
+                              logprobs=list(s.logprobs) if logprobs is not None else None,
+                              prompt_logprobs=list(s.prompt_logprobs) if prompt_logprobs is not None else None)
+                for s in seqs]
 
     def close(self) -> None:
         self.engine.close()

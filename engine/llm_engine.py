@@ -334,7 +334,7 @@ class LLMEngine:
             seq = s.seq
             if id(seq) in rolled_back:  # computed over KV that failed its check: nothing of it counts
                 first_row.append(None)
-                row += 1 + s.num_draft
+                row += s.num_rows
                 continue
             first_row.append(row)
             if s.num_draft:  # verified below; its drafts' KV counts once accepted
@@ -342,11 +342,12 @@ class LLMEngine:
             else:
                 seq.num_computed += s.num_new_tokens
                 if seq.num_computed == seq.num_tokens:
-                    rows.append(row)
+                    rows.append(row + s.num_rows - 1)
                     params.append(seq.params)
                     ids.append(seq.seq_id)
-            row += 1 + s.num_draft
-        if self.async_scheduling and rows and row == len(scheduled) and not rolled_back:  # no drafts
+            row += s.num_rows
+        if self.async_scheduling and rows and row == len(scheduled) and not rolled_back \
+                and not any(s.all_rows for s in scheduled):  # a row a sequence (no drafts)
             return done + self._launch(scheduled, before, logits, rows, params, ids)
         if self._launched is not None:  # drafts verified, or a load rolled back
             done += self._resolve()
@@ -359,6 +360,9 @@ class LLMEngine:
             seq = s.seq
             if r is None or seq.status is SeqStatus.FINISHED:  # (ended by the tokens resolved above)
                 continue
+            if s.all_rows:
+                self._prompt_logprobs(seq, logits[r:r + s.num_rows], b)
+                r += s.num_rows - 1  # (the last row samples)
             if s.num_draft:
                 new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id)
                 self.num_spec_steps += 1
@@ -396,6 +400,16 @@ class LLMEngine:
             results += [StepOutput(seq, tok, reason is not None and j == len(new) - 1, lp)
                         for j, (tok, lp) in enumerate(zip(new, lps))]
         return done + results
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, logits, start: int) -> None:
+        """Adds the log-probabilities of the prompt tokens that ``logits`` (one row per position
+        from ``start``) predict: the row of position ``p`` predicts token ``p + 1``."""
+        first = len(seq.prompt_logprobs)  # the next prompt token without them (a recompute repeats some)
+        end = min(len(seq.prompt), start + len(logits) + 1)
+        if first < end:
+            seq.prompt_logprobs += token_logprobs(logits[first - 1 - start:end - 1 - start], seq.prompt[first:end],
+                                                 seq.params.prompt_logprobs)
 
     def _stop_reason(self, seq: Sequence, tok: int, num_output: int) -> str | None:
         """Why ``seq`` ends with ``tok`` as its ``num_output``-th output token, or None."""

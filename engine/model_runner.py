@@ -75,7 +75,8 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], kv_ready: Callable[[int], None] | None = None,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Computes the step's tokens; returns the logits of each sequence's last ``1 + num_draft``
-        tokens, in order: ``[B, vocab]`` when nothing is speculative.
+        tokens (of all its tokens with ``all_rows``), in order: ``[B, vocab]`` when nothing is
+        speculative and no prompt log-probabilities are asked for.
 
         ``kv_ready(l)``, when given, is called before layer ``l`` computes (loads landing
         beside the step); a replayed CUDA graph calls it for every layer first.
@@ -104,7 +105,7 @@ class ModelRunner:
             pages = seq.pages
             slots += [pages[p // page] * page + p % page for p in range(start, start + n)]
             cu.append(cu[-1] + n)
-            rows += range(cu[-1] - 1 - s.num_draft, cu[-1])
+            rows += range(cu[-1] - s.num_rows, cu[-1])
             ctx.append(start)
             tables[b, : len(pages)] = pages
         dev = self.device

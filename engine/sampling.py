@@ -49,6 +49,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Report each generated token's log-probability and those of the ``logprobs`` most likely
     tokens at its position (0: the generated token's only; None: nothing), ``TokenLogprobs``."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt token after the first (what the model predicted there). The whole
+    prompt is then computed: its KV is neither loaded from the store nor shared from local pages."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -65,8 +68,10 @@ class SamplingParams:
                 or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
 
 def _is_int(v) -> bool:

@@ -30,6 +30,13 @@ class ScheduledSeq:
     start: int | None = None
     """First position computed (None: ``seq.num_computed``); a draft model's pass starts where its own
     KV of the sequence ends."""
+    all_rows: bool = False
+    """The logits of every token computed, not only the last (prompt log-probabilities)."""
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the step returns for this sequence."""
+        return self.num_new_tokens if self.all_rows else 1 + self.num_draft
 
 
 @dataclass
@@ -138,7 +145,7 @@ class Scheduler:
             n = min(remaining, self.chunk_size, budget)
             if not self._pages_or_preempt(seq, seq.num_computed + n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, all_rows=seq.needs_prompt_logprobs))
             out.num_prefill_tokens += n
             budget -= n
         # 3. admissions
@@ -153,7 +160,7 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed
             n = min(remaining, self.chunk_size, budget)
             if self._ensure_pages(seq, seq.num_computed + n):
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, all_rows=seq.needs_prompt_logprobs))
                 out.num_prefill_tokens += n
                 budget -= n
         return out
@@ -161,9 +168,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, hashes: list[bytes]) -> bool:
         """Takes shared prefix pages and pages for the store hit; False if pages are short."""
         page = self.blocks.page_size
-        # NOTE: at least the last token is computed, to produce the first output's logits.
-        max_shared = (seq.num_tokens - 1) // page
-        store_tokens = min(seq.store_hit_chunks * self.chunk_tokens, seq.num_tokens - 1)
+        # NOTE: at least the last token is computed, to produce the first output's logits; all of
+        # the prompt when its log-probabilities are asked for (they need every position's logits).
+        max_shared = (seq.num_tokens - 1) // page if not seq.needs_prompt_logprobs else 0
+        store_tokens = min(seq.store_hit_chunks * self.chunk_tokens, seq.num_tokens - 1) \
+            if not seq.needs_prompt_logprobs else 0
         store_tokens -= store_tokens % self.chunk_tokens
         shared = self.blocks.match_prefix(hashes[:max_shared])
         local_tokens = len(shared) * page

@@ -57,6 +57,19 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     """With ``params.logprobs``: a ``TokenLogprobs`` for each output token this engine sampled, in
     order (an output prefix handed over by a prefill engine has none)."""
+    prompt_logprobs: list = field(default_factory=list)
+    """With ``params.prompt_logprobs``: None for the first prompt token, then a ``TokenLogprobs`` for
+    each prompt token, filled as the prompt's chunks are computed."""
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt log-probabilities are asked for and not all computed: every prompt position's
+        logits are needed (no KV reuse for its prompt)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def tokens(self) -> list[int]:

@@ -36,12 +36,14 @@ def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
         prompt = [r.randrange(3, 500) for _ in range(r.randrange(3, 60))]
         reqs.append((prompt, SamplingParams(max_tokens=r.randrange(1, 14), temperature=(0.0, 0.9)[i % 2],
                                             top_p=(1.0, 0.8)[i % 3 == 2], seed=i, ignore_eos=True,
-                                            logprobs=(None, 0, 3, MAX_LOGPROBS)[i % 4])))
+                                            logprobs=(None, 0, 3, MAX_LOGPROBS)[i % 4],
+                                            prompt_logprobs=(None, 2, None, 0, 5)[i % 5])))
     return reqs
 
 
-def _run(eng: LLMEngine, reqs) -> list[tuple[list[int], list[TokenLogprobs]]]:
-    """Serves ``reqs``; checks that each streamed output carries its token's logprobs (or none)."""
+def _run(eng: LLMEngine, reqs, stats: dict | None = None) -> list[tuple[list[int], list[TokenLogprobs], list]]:
+    """Serves ``reqs``; checks that each streamed output carries its token's logprobs (or none).
+    Returns (output, its logprobs, prompt logprobs) per request; ``stats["preemptions"]``: how many."""
     seqs = [eng.add_request(p, params) for p, params in reqs]
     streamed = {s.seq_id: [] for s in seqs}
     for _ in range(10_000):
@@ -51,19 +53,35 @@ def _run(eng: LLMEngine, reqs) -> list[tuple[list[int], list[TokenLogprobs]]]:
             assert (o.logprobs is None) == (o.seq.params.logprobs is None)
             streamed[o.seq.seq_id].append(o.logprobs)
     assert all(s.is_finished for s in seqs)
+    if stats is not None:
+        stats["preemptions"] = sum(s.num_preemptions for s in seqs)
     for s in seqs:
         if s.params.logprobs is not None:
             assert streamed[s.seq_id] == s.logprobs and len(s.logprobs) == len(s.output)
         else:
             assert s.logprobs == []
-    return [(list(s.output), list(s.logprobs)) for s in seqs]
+        if s.params.prompt_logprobs is not None:
+            assert len(s.prompt_logprobs) == len(s.prompt) and s.prompt_logprobs[0] is None
+            if not s.num_preemptions:  # (recomputed after a preemption, with them all: reuse allowed)
+                assert s.num_store_tokens == s.num_local_tokens == 0  # computed whole
+        else:
+            assert s.prompt_logprobs == []
+    return [(list(s.output), list(s.logprobs), list(s.prompt_logprobs)) for s in seqs]
 
 
 def _check_against_reference(model: str, prompt: list[int], output: list[int], lps: list[TokenLogprobs],
-                             k: int, atol: float = 1e-4) -> None:
-    ref = torch.log_softmax(all_logits(model, prompt + output)[len(prompt) - 1:-1], dim=-1)
-    assert len(lps) == len(output)
-    for i, (tok, lp) in enumerate(zip(output, lps)):
+                             k: int, atol: float = 1e-4, prompt_lps: list | None = None, pk: int = 0) -> None:
+    """``lps`` (and ``prompt_lps``, top ``pk``) against the log-softmax of a plain forward."""
+    every = torch.log_softmax(all_logits(model, prompt + output), dim=-1)
+    if prompt_lps is not None:
+        assert len(prompt_lps) == len(prompt) and prompt_lps[0] is None
+        _check_rows(every[:len(prompt) - 1], prompt[1:], prompt_lps[1:], pk, atol)
+    _check_rows(every[len(prompt) - 1:-1], output, lps, k, atol)
+
+
+def _check_rows(ref: torch.Tensor, tokens: list[int], lps: list[TokenLogprobs], k: int, atol: float) -> None:
+    assert len(lps) == len(tokens)
+    for i, (tok, lp) in enumerate(zip(tokens, lps)):
         assert lp.logprob == pytest.approx(ref[i, tok].item(), abs=atol), f"token {i}"
         assert len(lp.top) == k
         want_v, want_i = ref[i].topk(k)
@@ -75,19 +93,28 @@ def _check_against_reference(model: str, prompt: list[int], output: list[int], l
 def test_logprobs_of_every_path_are_those_of_a_plain_forward():
     reqs = _requests(seed=1)
     base = _run(_engine(), reqs)
-    for (prompt, params), (out, lps) in zip(reqs, base):
+    for (prompt, params), (out, lps, plps) in zip(reqs, base):
         if params.logprobs is not None:
-            _check_against_reference(MODEL, prompt, out, lps, params.logprobs)
+            _check_against_reference(MODEL, prompt, out, lps, params.logprobs,
+                                     prompt_lps=plps if params.prompt_logprobs is not None else None,
+                                     pk=params.prompt_logprobs)
     # a greedy request's token is its position's most likely: the first of its top list
-    for (_, params), (out, lps) in zip(reqs, base):
+    for (_, params), (out, lps, _) in zip(reqs, base):
         if params.temperature == 0 and params.logprobs:
             assert [lp.top[0][0] for lp in lps] == out and all(lp.logprob == lp.top[0][1] for lp in lps)
     for kw in ({"chunk_size": 16, "max_num_batched_tokens": 40}, {"async_scheduling": True},
-               {"async_scheduling": True, "static_buffers": True}, {"async_scheduling": True, "chunk_size": 16}):
-        got = _run(_engine(**kw), reqs)
-        for (want_out, want_lps), (out, lps) in zip(base, got):
+               {"async_scheduling": True, "static_buffers": True}, {"async_scheduling": True, "chunk_size": 16},
+               {"enable_prefix_caching": True, "chunk_size": 16}, {"num_pages": 12, "chunk_size": 16}):
+        eng = _engine(**kw)
+        if kw.get("enable_prefix_caching"):  # every prompt's pages already in the local cache
+            _run(eng, [(p, SamplingParams(max_tokens=1)) for p, _ in reqs])
+        stats = {}
+        got = _run(eng, reqs, stats)
+        if "num_pages" in kw:  # pages for a few sequences at a time: some are preempted and recomputed
+            assert stats["preemptions"] > 0, kw
+        for (want_out, want_lps, want_plps), (out, lps, plps) in zip(base, got):
             assert out == want_out, kw
-            for a, b in zip(lps, want_lps):
+            for a, b in zip(lps + plps[1:], want_lps + want_plps[1:]):
                 assert [t for t, _ in a.top] == [t for t, _ in b.top], kw
                 assert [a.logprob, *(v for _, v in a.top)] == pytest.approx([b.logprob, *(v for _, v in b.top)],
                                                                            abs=1e-5), kw
@@ -100,9 +127,9 @@ def test_a_speculative_verification_reports_the_logprobs_of_each_token_it_emits(
     eng = _engine(speculative="ngram", num_speculative_tokens=3)
     got = _run(eng, reqs)
     assert eng.num_accepted_tokens > 0  # several tokens a step
-    for (prompt, params), (out, lps) in zip(reqs, got):
+    for (prompt, params), (out, lps, _) in zip(reqs, got):
         _check_against_reference(MODEL, prompt, out, lps, params.logprobs)
-    assert [o for o, _ in got[:2]] == [o for o, _ in _run(_engine(), reqs[:2])]  # greedy: the plain tokens
+    assert [g[0] for g in got[:2]] == [g[0] for g in _run(_engine(), reqs[:2])]  # greedy: the plain tokens
 
 
 @pytest.fixture
@@ -112,7 +139,7 @@ def nodes(tmp_path):
     yield from store_nodes(tmp_path, with_disk=False)
 
 
-def test_kv_loaded_from_the_store_gives_the_logprobs_of_recompute(nodes):
+def test_kv_loaded_from_the_store_gives_the_logprobs_of_recompute_and_prompt_logprobs_recompute(nodes):
     node = nodes()
     prompt = [random.Random(3).randrange(3, 500) for _ in range(100)]
     params = SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True)
@@ -122,6 +149,13 @@ def test_kv_loaded_from_the_store_gives_the_logprobs_of_recompute(nodes):
         got, = loader.generate(prompt, max_tokens=params.max_tokens, logprobs=5, ignore_eos=True)
     assert got.num_cached_tokens == 96
     _check_against_reference(MODEL, prompt, got.token_ids, got.logprobs, 5)
+    # prompt logprobs need every prompt position's logits: the prompt is computed, not loaded
+    with LLM(MODEL, store=node.address, chunk_tokens=32, dtype="float32") as engine:
+        whole, = engine.generate(prompt, max_tokens=2, logprobs=1, prompt_logprobs=3, ignore_eos=True)
+        again, = engine.generate(prompt, max_tokens=2, ignore_eos=True)
+    assert whole.num_cached_tokens == whole.num_local_cached_tokens == 0
+    assert again.num_cached_tokens + again.num_local_cached_tokens == 96  # the others still reuse it
+    _check_against_reference(MODEL, prompt, whole.token_ids, whole.logprobs, 1, prompt_lps=whole.prompt_logprobs, pk=3)
 
 
 def test_logprobs_zero_reports_the_tokens_own_and_none_is_nothing():
