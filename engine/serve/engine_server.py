@@ -32,12 +32,18 @@ def sampling_from_pb(s: pb.SamplingOptions, max_tokens: int | None = None) -> Sa
                           seed=s.seed if s.HasField("seed") else None,
                           stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           speculative=not s.no_speculation,
-                          logprobs=s.logprobs if s.HasField("logprobs") else None)
+                          logprobs=s.logprobs if s.HasField("logprobs") else None,
+                          prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
                             top_logprobs=[v for _, v in lp.top])
+
+
+def _prompt_logprobs(seq, sent: int) -> list[pb.TokenLogprobs]:
+    """A stream's prompt logprobs: in its first message (none asked for: none)."""
+    return [logprobs_to_pb(lp) for lp in seq.prompt_logprobs[1:]] if seq is not None and not sent else []
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -100,6 +106,7 @@ class EngineService(pb_grpc.EngineServicer):
             finished, reason = False, ""
         lps = logprobs_to_pb(h.logprobs[0]) if h.logprobs else None
         return pb.PrefillResponse(first_token=first, chunk_keys=keys, first_logprobs=lps,
+                                  prompt_logprobs=map(logprobs_to_pb, seq.prompt_logprobs[1:]),
                                   num_cached_tokens=seq.num_store_tokens + seq.num_local_tokens,
                                   num_saved_chunks=seq.num_saved_chunks, prefill_s=elapsed,
                                   finished=finished, finish_reason=reason)
@@ -144,15 +151,18 @@ class EngineService(pb_grpc.EngineServicer):
             if kind == "token":
                 pending.append(val)
                 if h.events.empty():
+                    # (the prompt's logprobs are all computed before its first token is sampled)
                     yield pb.GenerateResponse(token_ids=pending, num_cached_tokens=cached,
                                               num_prompt_tokens=len(prompt),
-                                              logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]))
+                                              logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]),
+                                              prompt_logprobs=_prompt_logprobs(seq, sent))
                     sent += len(pending)
                     pending = []
             else:
                 yield pb.GenerateResponse(token_ids=pending, finished=True, finish_reason=val or "",
                                           num_cached_tokens=cached, num_prompt_tokens=len(prompt),
-                                          logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]))
+                                          logprobs=map(logprobs_to_pb, h.logprobs[sent:sent + len(pending)]),
+                                          prompt_logprobs=_prompt_logprobs(seq, sent))
                 return
 
     def Health(self, request, context):

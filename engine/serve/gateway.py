@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -190,13 +191,12 @@ class Gateway:
             return self.tokenizer.encode(req.prompt, add_bos=True)
         return list(req.prompt)
 
-    def generate(self, prompt: list[int], req: ParsedRequest) \
-            -> Iterator[tuple[list[int], str | None, int, list[TokenLogprobs]]]:
-        """Yields ``(new token ids, finish reason or None, cached prompt tokens, their logprobs)``
-        (the last empty unless ``req.logprobs``)."""
-        sampling = pb.SamplingOptions(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+    def generate(self, prompt: list[int], req: ParsedRequest) -> Iterator[Piece]:
+        """Yields what the engines sent, as ``Piece``s."""
+        # (max_tokens 0, with echo: the prompt is computed for its logprobs and the token is dropped)
+        sampling = pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
                                       seed=req.seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
-                                      logprobs=req.logprobs)
+                                      logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         first, keys, cached = None, [], 0
         if route.prefill is not None:
@@ -212,23 +212,38 @@ class Gateway:
                 self.m_fallbacks.inc()
             else:
                 first, keys, cached = r.first_token, list(r.chunk_keys), r.num_cached_tokens
-                yield [first], (r.finish_reason if r.finished else None), cached, \
-                    _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else [])
+                yield Piece([first], r.finish_reason if r.finished else None, cached,
+                            _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else []),
+                            _logprobs(r.prompt_logprobs))
                 if r.finished:
                     return
+                sampling.ClearField("prompt_logprobs")  # computed: the decode engine reuses the prompt's KV
         call = self.engines[route.decode].Generate(
             pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
                                first_token=first, chunk_keys=keys), timeout=self.timeout_s)
         try:
             for msg in call:
-                yield list(msg.token_ids), (msg.finish_reason if msg.finished else None), \
-                    cached if first is not None else msg.num_cached_tokens, _logprobs(msg.logprobs)
+                yield Piece(list(msg.token_ids), msg.finish_reason if msg.finished else None,
+                            cached if first is not None else msg.num_cached_tokens, _logprobs(msg.logprobs),
+                            _logprobs(msg.prompt_logprobs))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details()) from None
             raise
         finally:
             call.cancel()  # the client went away mid-stream: the decode engine frees the pages
+
+
+class Piece(NamedTuple):
+    """What one engine message brings: new token ids, the finish reason (None: more to come), the
+    prompt tokens the engine did not recompute, the new tokens' logprobs (with ``req.logprobs``)
+    and, in the first message with ``req.prompt_logprobs``, those of prompt tokens 1..n-1."""
+
+    ids: list[int]
+    reason: str | None
+    cached: int
+    logprobs: list[TokenLogprobs]
+    prompt_logprobs: list[TokenLogprobs]
 
 
 def _logprobs(msgs) -> list[TokenLogprobs]:
@@ -432,9 +447,16 @@ def make_handler(gw: Gateway):
         def _run(self, req, prompt):
             t0 = time.perf_counter()
             last = None
-            for ids, reason, cached, lps in gw.generate(prompt, req):
-                if req.logprobs is not None and len(lps) != len(ids):  # (an engine that dropped them)
-                    raise RuntimeError(f"the engine sent {len(lps)} logprobs for {len(ids)} tokens")
+            for piece in gw.generate(prompt, req):
+                ids = piece.ids
+                if req.logprobs is not None and len(piece.logprobs) != len(ids):  # (an engine that dropped them)
+                    raise RuntimeError(f"the engine sent {len(piece.logprobs)} logprobs for {len(ids)} tokens")
+                if req.prompt_logprobs is not None and last is None and len(piece.prompt_logprobs) != len(prompt) - 1:
+                    raise RuntimeError(f"the engine sent {len(piece.prompt_logprobs)} prompt logprobs for "
+                                       f"{len(prompt)} prompt tokens")
+                if req.max_tokens == 0:  # echo alone: the prompt's logprobs, no completion
+                    yield piece._replace(ids=[], reason="length", logprobs=[])
+                    return
                 now = time.perf_counter()
                 if ids:
                     if last is None:
@@ -442,12 +464,22 @@ def make_handler(gw: Gateway):
                     else:
                         gw.m_itl.observe((now - last) / len(ids))
                     last = now
-                yield ids, reason, cached, lps
+                yield piece
+
+        def _echo(self, req, prompt: list[int], prompt_logprobs: list) -> tuple[str, list[int], list]:
+            """What an echoed prompt adds before the completion: its text, its tokens and their
+            logprobs (None for the first); nothing without ``echo``."""
+            if not req.echo:
+                return "", [], []
+            text = req.prompt if isinstance(req.prompt, str) else gw.tokenizer.decode(prompt)
+            return text, list(prompt), [None, *prompt_logprobs]
 
         def _complete(self, req, prompt):
             detok = _Detok(gw.tokenizer, req.stop)
-            reason, cached, n, lps = "length", 0, 0, []
-            for ids, r, cached, got in self._run(req, prompt):
+            reason, cached, n, lps, echo = "length", 0, 0, [], None
+            for ids, r, cached, got, plps in self._run(req, prompt):
+                if echo is None:
+                    echo = self._echo(req, prompt, plps)
                 n += len(ids)
                 lps += got
                 detok.push(ids)
@@ -463,9 +495,10 @@ def make_handler(gw: Gateway):
             gw.m_tokens.labels("cached").inc(cached)
             gw.m_tokens.labels("completion").inc(n)
             # (logprobs of every token generated, the one completing a stop string included, as vLLM)
-            self._json(200, full_response(req, new_id(req.chat), gw.model_name, text, reason,
+            echo = echo or ("", [], [])
+            self._json(200, full_response(req, new_id(req.chat), gw.model_name, echo[0] + text, reason,
                                           usage(len(prompt), n, cached),
-                                          logprobs_body(req, detok.ids, lps, gw.tokenizer)))
+                                          logprobs_body(req, echo[1] + detok.ids, echo[2] + lps, gw.tokenizer)))
 
         def _send_chunk(self, payload: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -483,24 +516,28 @@ def make_handler(gw: Gateway):
             self._headers_sent = True
             detok = _Detok(gw.tokenizer, req.stop)
             n, cached, first = 0, 0, True
-            held, offset = ([], []), 0  # tokens (and logprobs) not yet in a chunk; their text offset
+            # tokens (and logprobs) not yet in a chunk, the echoed prompt's first; their text offset
+            echo_text, *held = self._echo(req, prompt, first_item.prompt_logprobs)
+            offset = 0
 
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             try:
-                for ids, reason, cached, lps in _chain(first_item, gen):
+                for ids, reason, cached, lps, _ in _chain(first_item, gen):
                     n += len(ids)
                     held[0].extend(ids)
                     held[1].extend(lps)
                     text = detok.push(ids, final=reason is not None)
                     if detok.stopped:
                         reason = "stop"
+                    if first:
+                        text = echo_text + text
                     if text or reason or first:
                         body = logprobs_body(req, held[0], held[1], gw.tokenizer, offset)
                         if body is not None and not req.chat:
                             offset = body["text_offset"][-1] + len(body["tokens"][-1]) if held[0] else offset
-                        held = ([], [])
+                        held = [[], []]
                         emit(stream_chunk(req, rid, gw.model_name, text, reason, first=first, logprobs=body))
                         first = False
                     if reason:

@@ -38,13 +38,17 @@ class ParsedRequest:
     user: str | None
     logprobs: int | None = None
     """Log-probabilities asked for: the number of alternatives per token (None: none)."""
+    echo: bool = False
+    """Completions: the prompt comes back before the completion (with its logprobs, if asked for)."""
+    prompt_logprobs: int | None = None
+    """The prompt tokens' log-probabilities are needed (``echo`` with ``logprobs``)."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_k": (-1, 0),
+    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "top_k": (-1, 0),
     "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (0,),
     "tools": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (),
@@ -105,7 +109,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
     n = _num(body, "n", 1, 1, 1, integer=True)
     del n
-    for name, off in UNSUPPORTED.items():
+    for name, off in ({**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED).items():
         if body.get(name) is not None and not any(body[name] == v and type(body[name]) is type(v) for v in off):
             raise BadRequest(f"'{name}' is not supported by this server (leave it out"
                              f"{' or ' + repr(off[0]) if off else ''})", name)
@@ -116,6 +120,8 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    echo = not chat and _flag(body, "echo", False)
+    # (with echo, max_tokens 0 scores the prompt alone: its logprobs, no completion)
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -128,7 +134,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
     return ParsedRequest(
         chat=chat, prompt=prompt,
-        max_tokens=_num(body, limit_name, 16, 1, UINT32_MAX, integer=True),
+        max_tokens=_num(body, limit_name, 16, 0 if echo else 1, UINT32_MAX, integer=True),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
@@ -136,7 +142,8 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
         stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=_flag(body, "speculative", True),
-        user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs)
+        user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
+        prompt_logprobs=logprobs if echo else None)
 
 
 def new_id(chat: bool) -> str:
@@ -149,13 +156,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs], tokenizer,
+def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs | None], tokenizer,
                   offset: int = 0) -> dict | None:
     """A choice's ``logprobs`` for ``tokens`` (None unless asked for). Tokens are shown as their
     text (``tokenizer.decode([id])``), as vLLM does. Completions: ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (the top ``logprobs`` and the chosen token, by text) and ``text_offset`` from
-    ``offset``; chat: ``content``, a list of ``{token, logprob, bytes, top_logprobs}``, ``bytes`` the
-    token's own (``tokenizer.token_bytes``: a byte of a multi-byte character alone)."""
+    ``offset`` (an echoed prompt's first token, predicted by nothing, has ``null`` logprobs); chat:
+    ``content``, a list of ``{token, logprob, bytes, top_logprobs}``, ``bytes`` the token's own
+    (``tokenizer.token_bytes``: a byte of a multi-byte character alone)."""
     if req.logprobs is None:
         return None
     text = {}
@@ -175,8 +183,8 @@ def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs
     for i in tokens:
         offsets.append(offset)
         offset += len(t(i))
-    return {"tokens": [t(i) for i in tokens], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{**{t(j): v for j, v in lp.top}, t(i): lp.logprob} for i, lp in zip(tokens, lps)],
+    return {"tokens": [t(i) for i in tokens], "token_logprobs": [lp and lp.logprob for lp in lps],
+            "top_logprobs": [lp and {**{t(j): v for j, v in lp.top}, t(i): lp.logprob} for i, lp in zip(tokens, lps)],
             "text_offset": offsets}
 
 

@@ -229,6 +229,67 @@ def test_chat_logprobs_list_each_token_with_its_bytes_and_top_alternatives(disag
     assert r.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-engine", "decode-engine-alone"])
+def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(disagg, prefill):
+    """lm-evaluation-harness scores a continuation this way (``echo``, ``logprobs``, ``max_tokens=1``).
+    The prefill engine computes the whole prompt for it; the decode engine, asked for no prompt
+    logprobs, still loads the prompt's KV from the store."""
+    setup = disagg if prefill else Setup(with_store=False, prefill=False)
+    try:
+        c = setup.client()
+        prompt = [(7 * i) % 250 + 3 for i in range(150)]  # two full 64-token chunks
+        ref = _engine_reference_prompt(prompt, 3)
+        loaded = setup.decode.engine.connector.stats.chunks_loaded if prefill else 0
+        kw = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 3, "echo": True,
+              "extra_body": {"ignore_eos": True}}
+        r = c.completions.create(**kw)
+        lp, tok = r.choices[0].logprobs, setup.gw.tokenizer
+        assert r.choices[0].text == tok.decode(prompt + ref.token_ids)
+        assert lp.tokens == [tok.decode([t]) for t in prompt + ref.token_ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(prompt)] == pytest.approx([x.logprob for x in ref.prompt_logprobs[1:]], abs=1e-5)
+        for top, x, t in zip(lp.top_logprobs[1:], ref.prompt_logprobs[1:], prompt[1:]):
+            assert top == pytest.approx({**{tok.decode([i]): v for i, v in x.top}, tok.decode([t]): x.logprob},
+                                        abs=1e-5)
+        assert lp.token_logprobs[len(prompt):] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 2
+        if prefill:  # the prompt's logprobs came from the prefill engine; the decode engine loaded its chunks
+            assert setup.decode.engine.connector.stats.chunks_loaded == loaded + 2
+        streamed = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+        assert "".join(ch.text for ch in streamed) == r.choices[0].text
+        assert sum((ch.logprobs.token_logprobs for ch in streamed if ch.logprobs), []) == lp.token_logprobs
+        assert sum((ch.logprobs.text_offset for ch in streamed if ch.logprobs), []) == lp.text_offset
+        # max_tokens 0: the prompt scored alone, nothing generated (streamed and not)
+        for stream in (False, True):
+            zero = {**kw, "max_tokens": 0}
+            if stream:
+                got = [ch for ch in c.completions.create(stream=True, stream_options={"include_usage": True}, **zero)]
+                choices = [ch.choices[0] for ch in got if ch.choices]
+                text, n = "".join(ch.text for ch in choices), got[-1].usage.completion_tokens
+                entries = sum((ch.logprobs.token_logprobs for ch in choices if ch.logprobs), [])
+                reason = choices[-1].finish_reason
+            else:
+                got = c.completions.create(**zero)
+                text, n, reason = got.choices[0].text, got.usage.completion_tokens, got.choices[0].finish_reason
+                entries = got.choices[0].logprobs.token_logprobs
+            assert (text, n, reason) == (tok.decode(prompt), 0, "length"), stream
+            assert entries == lp.token_logprobs[:len(prompt)], stream
+        # echo alone: the prompt's text, no logprobs; a string prompt comes back as it was sent
+        r = c.completions.create(**{**kw, "logprobs": None, "prompt": "Hello", "max_tokens": 2})
+        assert r.choices[0].text.startswith("Hello") and r.choices[0].logprobs is None
+    finally:
+        if not prefill:
+            setup.close()
+
+
+def _engine_reference_prompt(prompt: list[int], k: int):
+    from engine.llm import LLM
+
+    with LLM(MODEL, dtype="float32") as llm:
+        out, = llm.generate(prompt, max_tokens=2, logprobs=k, prompt_logprobs=k, ignore_eos=True)
+    return out
+
+
 def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     from engine.sampling import TokenLogprobs
     from engine.serve.openai_protocol import logprobs_body, parse_request
@@ -246,8 +307,9 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
 @pytest.mark.parametrize("chat,field,value", [
     (False, "logprobs", MAX_LOGPROBS + 1), (False, "logprobs", True), (True, "top_logprobs", 3),
     (True, "logprobs", 2), (False, "presence_penalty", 0.5), (False, "frequency_penalty", -1),
-    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (False, "echo", True), (False, "top_k", 5),
-    (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}])])
+    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", 5),
+    (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
+    (False, "max_tokens", 0)])  # (0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
             **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
