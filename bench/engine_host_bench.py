@@ -88,8 +88,10 @@ def _host_only(eng):
     return eng
 
 
-def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_scheduling: bool = False) -> dict:
-    """Host microseconds per pure decode step of ``batch`` sequences at ``ctx`` tokens."""
+def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_scheduling: bool = False,
+            logprobs: int | None = None) -> dict:
+    """Host microseconds per pure decode step of ``batch`` sequences at ``ctx`` tokens (each asking
+    for ``logprobs``)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
@@ -103,7 +105,8 @@ def measure(batch: int, ctx: int, steps: int, prefix_caching: bool, async_schedu
     runner, graphs = eng.runner, eng.runner.decode_graphs
     gen = torch.Generator().manual_seed(batch * 7919 + ctx)
     seqs = [eng.add_request(torch.randint(3, 250, (ctx,), generator=gen).tolist(),
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
+            for _ in range(batch)]
     t = time.perf_counter()
     while any(s.num_computed < s.num_tokens - 1 or not s.output for s in seqs):  # prefill
         eng.step()
@@ -299,6 +302,47 @@ def main_replay(args) -> None:
     publish(fig, "engine_replay", body, args.write_docs)
 
 
+def main_logprobs(args) -> None:
+    """Host time per decode step with every sequence asking for ``--logprobs`` K against none, in the
+    same run (serving default: prefix caching and async scheduling on). On a GPU the log-softmax and
+    top-k are device work beside the sampling; the host's share is turning the K alternatives of
+    every sequence into Python values (``outputs``)."""
+    from bench.common import write_docs_section
+
+    rows, n = [], 0
+    total = 2 * len(CONFIGS) * args.reps
+    for batch, ctx in CONFIGS:
+        med = {}
+        for k in (None, args.logprobs):
+            runs = []
+            for _ in range(args.reps):
+                n += 1
+                runs.append(measure(batch, ctx, args.steps, True, True, logprobs=k))
+                print(f"[{n}/{total}] B={batch:<3d} ctx={ctx:<5d} logprobs {k} host {runs[-1]['host_us']:7.1f} "
+                      f"us/step", flush=True)
+            med[k] = {key: median([r[key] for r in runs]) for key in ("host_us", "sample", "outputs")}
+        off, on = med[None], med[args.logprobs]
+        rows.append([batch, ctx, f"{off['host_us']:.0f}", f"{on['host_us']:.0f}", f"{on['host_us'] / off['host_us']:.2f}",
+                     f"{off['sample']:.0f} → {on['sample']:.0f}", f"{off['outputs']:.0f} → {on['outputs']:.0f}",
+                     f"{(on['outputs'] - off['outputs']) / 1e3 / floor_ms(batch, ctx):.1%}"])
+    md = table(["batch", "context", "host µs/step, no logprobs", f"with {args.logprobs}", "ratio",
+                "sample µs", "outputs µs", "outputs' extra / H200 floor"], rows)
+    print(md)
+    body = (f"Every sequence asking for `logprobs={args.logprobs}` against none, in the same run: host time "
+            f"per pure decode step as in `engine_host` above (prefix caching and async scheduling on, "
+            f"`random:tiny`, {args.steps} steps, median of {args.reps}; CPU: {cpu_name()}, one thread). "
+            f"`sample` includes the log-softmax and top-k (device work on a GPU, here on the CPU over "
+            f"`random:tiny`'s vocabulary); `outputs` includes turning each sequence's logprobs into Python "
+            f"values, the host's own share, set against the step's H200 floor. At batch 256 most of that "
+            f"share is Python's garbage collector: the requests keep their tokens' logprobs, so the heap "
+            f"grows and full collections come more often and cost more (in a run with the collector off, "
+            f"run's `outputs` went from 721 to 1,152 µs). Command: "
+            f"`.venv/bin/python bench/engine_host_bench.py --logprobs {args.logprobs} --reps {args.reps} --write-docs`.\n\n{md}\n")
+    if args.write_docs:
+        write_docs_section("engine_host_logprobs", body)
+        print("docs/benchmarks.md updated")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default 200)")
@@ -306,13 +350,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay", type=int, default=0, metavar="N",
                    help="instead: replay the Mooncake trace's first N requests, waiting for every step and with "
                         "async scheduling, and count the steps the host waits for before launching the next")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="instead: every sequence asking for K logprobs against none, async scheduling on")
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section and the PNG")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.reps < 1 or args.replay < 0:
-        p.error("--steps and --reps must be >= 1, --replay >= 0")
+    if args.steps < 1 or args.reps < 1 or args.replay < 0 or not 0 <= (args.logprobs or 0) <= 20:
+        p.error("--steps and --reps must be >= 1, --replay >= 0, --logprobs in [0, 20]")
     torch.set_num_threads(1)  # the host path is one thread; keep BLAS threads off the other core
     if args.replay:
         return main_replay(args)
+    if args.logprobs is not None:
+        return main_logprobs(args)
     results = []
     total = len(MODES) * len(CONFIGS) * args.reps
     n = 0

@@ -28,7 +28,7 @@ class TokenLogprobs(NamedTuple):
     of the logits, before temperature and top-p (what vLLM reports by default)."""
 
     logprob: float
-    top: list[tuple[int, float]]
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class _RowLogprobs:
         top_lp = self.top_lp.clamp_min(LOGPROB_FLOOR).tolist() if self.top_lp is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         for i, (r, k) in enumerate(zip(self.rows, self.ks)):
-            out[r] = TokenLogprobs(chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])) if k else [])
+            out[r] = TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k else ())
         return out
 
 

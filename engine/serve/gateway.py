@@ -247,7 +247,7 @@ class Piece(NamedTuple):
 
 
 def _logprobs(msgs) -> list[TokenLogprobs]:
-    return [TokenLogprobs(m.logprob, list(zip(m.top_token_ids, m.top_logprobs))) for m in msgs]
+    return [TokenLogprobs(m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs))) for m in msgs]
 
 
 class _Detok:

@@ -162,7 +162,7 @@ def test_logprobs_zero_reports_the_tokens_own_and_none_is_nothing():
     with LLM(MODEL, dtype="float32") as llm:
         zero, = llm.generate([5, 6, 7], max_tokens=3, logprobs=0)
         none, = llm.generate([5, 6, 7], max_tokens=3)
-    assert len(zero.logprobs) == 3 and all(lp.top == [] and lp.logprob <= 0 for lp in zero.logprobs)
+    assert len(zero.logprobs) == 3 and all(lp.top == () and lp.logprob <= 0 for lp in zero.logprobs)
     assert none.logprobs is None and none.token_ids == zero.token_ids
 
 
@@ -178,3 +178,13 @@ def test_an_impossible_token_reports_the_floor_not_minus_infinity():
 def test_bad_logprobs_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def test_the_host_bench_runs_with_logprobs(capsys):
+    """bench/engine_host_bench.py --logprobs: its table, each configuration run both ways."""
+    from bench.engine_host_bench import CONFIGS, main
+
+    main(["--logprobs", "2", "--steps", "3", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert out.count("logprobs None host") == out.count("logprobs 2 host") == len(CONFIGS)
+    assert "| batch | context | host µs/step, no logprobs | with 2 |" in out
