@@ -188,3 +188,25 @@ def test_the_host_bench_runs_with_logprobs(capsys):
     out = capsys.readouterr().out
     assert out.count("logprobs None host") == out.count("logprobs 2 host") == len(CONFIGS)
     assert "| batch | context | host µs/step, no logprobs | with 2 |" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none")
+def test_logprobs_on_the_gpu_with_captured_graphs_and_async_scheduling():
+    """On CUDA the logprobs are computed on the device and reach the host with the tokens (pinned,
+    after the step's event): through replayed decode graphs, async scheduling and a prompt's chunks
+    they are the log-softmax of a plain forward on the same device."""
+    reqs = _requests(seed=4)
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", device="cuda", num_pages=200, max_num_seqs=8,
+                                 chunk_size=16, async_scheduling=True))
+    assert eng.runner.decode_graphs is not None and eng.runner.decode_graphs.captured
+    got = _run(eng, reqs)
+    assert eng.num_overlapped_steps > 0
+    for (prompt, params), (out, lps, plps) in zip(reqs, got):
+        if params.logprobs is not None:
+            every = torch.log_softmax(all_logits(MODEL, prompt + out, device="cuda"), dim=-1)
+            for i, (tok, lp) in enumerate(zip(out, lps)):
+                assert lp.logprob == pytest.approx(every[len(prompt) - 1 + i, tok].item(), abs=1e-3)
+            if params.prompt_logprobs is not None:
+                assert [lp.logprob for lp in plps[1:]] == pytest.approx(
+                    every[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist(), abs=1e-3)
