@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -191,40 +192,35 @@ class Gateway:
             return self.tokenizer.encode(req.prompt, add_bos=True)
         return list(req.prompt)
 
-    def generate(self, prompt: list[int], req: ParsedRequest) -> Iterator[Piece]:
-        """Yields what the engines sent, as ``Piece``s."""
+    def _sampling(self, req: ParsedRequest, choice: int = 0, prompt_logprobs: bool = True) -> pb.SamplingOptions:
+        """Choice ``i`` of a seeded request draws from ``seed + i`` (in 64 bits); ``prompt_logprobs``:
+        ask for the prompt's (``req.prompt_logprobs``) too."""
+        seed = req.seed if req.seed is None or not choice else (req.seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
         # (max_tokens 0, with echo: the prompt is computed for its logprobs and the token is dropped)
-        sampling = pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
-                                      seed=req.seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
-                                      logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
-        route = self.router.route(prompt, req.cache_salt, req.max_tokens)
-        first, keys, cached = None, [], 0
-        if route.prefill is not None:
-            try:
-                r = self.engines[route.prefill].Prefill(
-                    pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
-                                      replicate=route.replicate), timeout=self.timeout_s)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise BadRequest(exc.details()) from None
-                log.warning("prefill on %s failed (%s): the decode engine prefills locally", route.prefill,
-                            exc.code().name)
-                self.m_fallbacks.inc()
-            else:
-                first, keys, cached = r.first_token, list(r.chunk_keys), r.num_cached_tokens
-                yield Piece([first], r.finish_reason if r.finished else None, cached,
-                            _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else []),
-                            _logprobs(r.prompt_logprobs))
-                if r.finished:
-                    return
-                sampling.ClearField("prompt_logprobs")  # computed: the decode engine reuses the prompt's KV
-        call = self.engines[route.decode].Generate(
-            pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
-                               first_token=first, chunk_keys=keys), timeout=self.timeout_s)
+        return pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
+                                  seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
+                                  logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
+
+    def _prefill(self, prefill: str, prompt: list[int], req: ParsedRequest, sampling, replicate: bool):
+        """The prefill engine's response, or None when it failed (the decode engine prefills)."""
+        try:
+            return self.engines[prefill].Prefill(
+                pb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
+                                  replicate=replicate), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details()) from None
+            log.warning("prefill on %s failed (%s): the decode engine prefills locally", prefill, exc.code().name)
+            self.m_fallbacks.inc()
+            return None
+
+    @staticmethod
+    def _pieces(call, cached: int | None) -> Iterator[Piece]:
+        """A decode engine's stream as ``Piece``s (``cached``: the prefill engine's count, if any)."""
         try:
             for msg in call:
                 yield Piece(list(msg.token_ids), msg.finish_reason if msg.finished else None,
-                            cached if first is not None else msg.num_cached_tokens, _logprobs(msg.logprobs),
+                            cached if cached is not None else msg.num_cached_tokens, _logprobs(msg.logprobs),
                             _logprobs(msg.prompt_logprobs))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -232,6 +228,76 @@ class Gateway:
             raise
         finally:
             call.cancel()  # the client went away mid-stream: the decode engine frees the pages
+
+    def generate(self, prompt: list[int], req: ParsedRequest, calls: dict | None = None) \
+            -> Iterator[tuple[int, Piece]]:
+        """Yields ``(choice, Piece)`` as the engines send them, for ``req.n`` choices. The prefill
+        engine computes the prompt once (and choice 0's first token); every other choice is a decode
+        stream of its own that loads the prompt's KV the prefill engine saved and samples its own
+        first token. ``calls`` gets each choice's decode call, for the caller to cancel one that is
+        done (a stop string); closing the generator cancels them all."""
+        route = self.router.route(prompt, req.cache_salt, req.max_tokens)
+        sampling = self._sampling(req)
+        first, keys, cached, shared_plps = None, [], None, None
+        r = self._prefill(route.prefill, prompt, req, sampling, route.replicate) if route.prefill is not None else None
+        if r is not None:
+            first, keys, cached = r.first_token, list(r.chunk_keys), r.num_cached_tokens
+            shared_plps = _logprobs(r.prompt_logprobs)
+            yield 0, Piece([first], r.finish_reason if r.finished else None, cached,
+                           _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else []), shared_plps)
+            sampling.ClearField("prompt_logprobs")  # computed: the decode engine reuses the prompt's KV
+        calls = {} if calls is None else calls
+        try:
+            if r is None or not r.finished:
+                calls[0] = self._decode(route.decode, prompt, req, sampling, first, keys)
+            for i in range(1, req.n):  # (the prompt's logprobs from the prefill engine if it ran, else their own)
+                calls[i] = self._decode(route.decode, prompt, req, self._sampling(req, i, r is None), None, keys)
+            if req.n == 1:
+                if 0 in calls:
+                    yield from ((0, p) for p in self._pieces(calls[0], cached))
+                return
+            yield from self._merged(calls, {0: cached}, shared_plps)
+        finally:
+            for call in calls.values():
+                call.cancel()
+
+    def _decode(self, decode: str, prompt: list[int], req: ParsedRequest, sampling, first, keys):
+        return self.engines[decode].Generate(
+            pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
+                               first_token=first, chunk_keys=keys), timeout=self.timeout_s)
+
+    def _merged(self, calls: dict, cached: dict, shared_plps) -> Iterator[tuple[int, Piece]]:
+        """Several choices' streams, each read by a thread of its own, as their pieces arrive. Choices
+        after the first get the prompt's logprobs the prefill engine computed (if any) in their first
+        piece; an error in any stream ends them all."""
+        q: queue.Queue = queue.Queue()
+
+        def pump(i: int, call) -> None:
+            try:
+                for p in self._pieces(call, cached.get(i)):
+                    q.put((i, p))
+            except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
+                q.put((i, exc))
+                return
+            q.put((i, None))
+
+        for i, call in calls.items():
+            threading.Thread(target=pump, args=(i, call), name=f"gateway-choice-{i}", daemon=True).start()
+        live, started = len(calls), set()
+        while live:
+            i, item = q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                if isinstance(item, grpc.RpcError) and item.code() == grpc.StatusCode.CANCELLED:
+                    live -= 1  # (a choice the caller cancelled)
+                    continue
+                raise item
+            else:
+                if i not in started and i and shared_plps is not None:
+                    item = item._replace(prompt_logprobs=shared_plps)
+                started.add(i)
+                yield i, item
 
 
 class Piece(NamedTuple):
@@ -444,27 +510,31 @@ def make_handler(gw: Gateway):
                 if not self._headers_sent:
                     self._error(500, "internal error (logged by the gateway)", "server_error")
 
-        def _run(self, req, prompt):
+        def _run(self, req, prompt, calls: dict):
+            """``gw.generate``'s ``(choice, Piece)``s, checked, with the TTFT and ITL metrics."""
             t0 = time.perf_counter()
-            last = None
-            for piece in gw.generate(prompt, req):
+            last: dict[int, float] = {}  # when each choice's last tokens came
+            seen: set[int] = set()
+            for i, piece in gw.generate(prompt, req, calls):
                 ids = piece.ids
                 if req.logprobs is not None and len(piece.logprobs) != len(ids):  # (an engine that dropped them)
                     raise RuntimeError(f"the engine sent {len(piece.logprobs)} logprobs for {len(ids)} tokens")
-                if req.prompt_logprobs is not None and last is None and len(piece.prompt_logprobs) != len(prompt) - 1:
+                if req.prompt_logprobs is not None and i not in seen and len(piece.prompt_logprobs) != len(prompt) - 1:
                     raise RuntimeError(f"the engine sent {len(piece.prompt_logprobs)} prompt logprobs for "
                                        f"{len(prompt)} prompt tokens")
+                seen.add(i)
                 if req.max_tokens == 0:  # echo alone: the prompt's logprobs, no completion
-                    yield piece._replace(ids=[], reason="length", logprobs=[])
-                    return
+                    yield i, piece._replace(ids=[], reason="length", logprobs=[])
+                    continue
                 now = time.perf_counter()
                 if ids:
-                    if last is None:
-                        gw.m_ttft.observe(now - t0)
+                    if i not in last:
+                        if not last:
+                            gw.m_ttft.observe(now - t0)
                     else:
-                        gw.m_itl.observe((now - last) / len(ids))
-                    last = now
-                yield piece
+                        gw.m_itl.observe((now - last[i]) / len(ids))
+                    last[i] = now
+                yield i, piece
 
         def _echo(self, req, prompt: list[int], prompt_logprobs: list) -> tuple[str, list[int], list]:
             """What an echoed prompt adds before the completion: its text, its tokens and their
@@ -474,31 +544,52 @@ def make_handler(gw: Gateway):
             text = req.prompt if isinstance(req.prompt, str) else gw.tokenizer.decode(prompt)
             return text, list(prompt), [None, *prompt_logprobs]
 
-        def _complete(self, req, prompt):
-            detok = _Detok(gw.tokenizer, req.stop)
-            reason, cached, n, lps, echo = "length", 0, 0, [], None
-            for ids, r, cached, got, plps in self._run(req, prompt):
-                if echo is None:
-                    echo = self._echo(req, prompt, plps)
-                n += len(ids)
-                lps += got
-                detok.push(ids)
-                if detok.stopped:
-                    reason = "stop"
-                    break
-                reason = r or reason
-            text = detok.text()
-            for s in req.stop:
-                if s in text:
-                    text = text[: text.find(s)]
+        def _choices(self, req, prompt, choices: list[_Choice]):
+            """Yields ``(choice, its _Choice, the piece's ids, finish reason)`` until every choice has
+            ended (its stream done, or a stop string found: then its decode call is cancelled). The
+            caller pushes the ids and sets the choice's ``reason``."""
+            calls: dict = {}
+            gen = self._run(req, prompt, calls)
+            try:
+                for i, (ids, reason, cached, lps, plps) in gen:
+                    c = choices[i]
+                    if c.reason:  # (a choice ended by a stop string: what its stream still had)
+                        continue
+                    if c.echo is None:
+                        c.echo = self._echo(req, prompt, plps)
+                    c.cached = cached
+                    c.n += len(ids)
+                    c.lps += lps
+                    yield i, c, ids, reason
+                    if c.detok.stopped and i in calls:
+                        calls[i].cancel()
+                    if all(c.reason for c in choices):
+                        break
+            finally:
+                gen.close()
+            for c in choices:
+                c.reason = c.reason or "length"
             gw.m_tokens.labels("prompt").inc(len(prompt))
-            gw.m_tokens.labels("cached").inc(cached)
-            gw.m_tokens.labels("completion").inc(n)
-            # (logprobs of every token generated, the one completing a stop string included, as vLLM)
-            echo = echo or ("", [], [])
-            self._json(200, full_response(req, new_id(req.chat), gw.model_name, echo[0] + text, reason,
-                                          usage(len(prompt), n, cached),
-                                          logprobs_body(req, echo[1] + detok.ids, echo[2] + lps, gw.tokenizer)))
+            gw.m_tokens.labels("cached").inc(choices[0].cached)
+            gw.m_tokens.labels("completion").inc(sum(c.n for c in choices))
+
+        def _complete(self, req, prompt):
+            choices = [_Choice(gw.tokenizer, req.stop) for _ in range(req.n)]
+            for _, c, ids, reason in self._choices(req, prompt, choices):
+                c.detok.push(ids)
+                c.reason = "stop" if c.detok.stopped else reason
+            body = []
+            for c in choices:
+                text = c.detok.text()
+                for s in req.stop:
+                    if s in text:
+                        text = text[: text.find(s)]
+                echo = c.echo or ("", [], [])
+                # (logprobs of every token generated, the one completing a stop string included, as vLLM)
+                body.append((echo[0] + text, c.reason,
+                             logprobs_body(req, echo[1] + c.detok.ids, echo[2] + c.lps, gw.tokenizer)))
+            self._json(200, full_response(req, new_id(req.chat), gw.model_name, body,
+                                          usage(len(prompt), sum(c.n for c in choices), choices[0].cached)))
 
         def _send_chunk(self, payload: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -506,7 +597,8 @@ def make_handler(gw: Gateway):
 
         def _stream(self, req, prompt):
             rid = new_id(req.chat)
-            gen = self._run(req, prompt)
+            choices = [_Choice(gw.tokenizer, req.stop) for _ in range(req.n)]
+            gen = self._choices(req, prompt, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -514,36 +606,31 @@ def make_handler(gw: Gateway):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             self._headers_sent = True
-            detok = _Detok(gw.tokenizer, req.stop)
-            n, cached, first = 0, 0, True
-            # tokens (and logprobs) not yet in a chunk, the echoed prompt's first; their text offset
-            echo_text, *held = self._echo(req, prompt, first_item.prompt_logprobs)
-            offset = 0
 
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             try:
-                for ids, reason, cached, lps, _ in _chain(first_item, gen):
-                    n += len(ids)
-                    held[0].extend(ids)
-                    held[1].extend(lps)
-                    text = detok.push(ids, final=reason is not None)
-                    if detok.stopped:
-                        reason = "stop"
-                    if first:
-                        text = echo_text + text
-                    if text or reason or first:
-                        body = logprobs_body(req, held[0], held[1], gw.tokenizer, offset)
-                        if body is not None and not req.chat:
-                            offset = body["text_offset"][-1] + len(body["tokens"][-1]) if held[0] else offset
-                        held = [[], []]
-                        emit(stream_chunk(req, rid, gw.model_name, text, reason, first=first, logprobs=body))
-                        first = False
-                    if reason:
-                        break
+                for i, c, ids, reason in _chain(first_item, gen):
+                    if c.first:  # the echoed prompt goes first, in the choice's first chunk
+                        c.held = [list(c.echo[1]), list(c.echo[2])]
+                    c.held[0].extend(ids)
+                    c.held[1].extend(c.lps[len(c.lps) - len(ids):] if req.logprobs is not None else [])
+                    text = c.detok.push(ids, final=reason is not None)
+                    c.reason = "stop" if c.detok.stopped else reason
+                    if c.first:
+                        text = c.echo[0] + text
+                    if text or c.reason or c.first:
+                        body = logprobs_body(req, c.held[0], c.held[1], gw.tokenizer, c.offset)
+                        if body is not None and not req.chat and c.held[0]:
+                            c.offset = body["text_offset"][-1] + len(body["tokens"][-1])
+                        c.held = [[], []]
+                        emit(stream_chunk(req, rid, gw.model_name, text, c.reason, first=c.first, logprobs=body,
+                                          index=i))
+                        c.first = False
                 if req.include_usage:
-                    emit(stream_chunk(req, rid, gw.model_name, None, None, use=usage(len(prompt), n, cached)))
+                    emit(stream_chunk(req, rid, gw.model_name, None, None,
+                                      use=usage(len(prompt), sum(c.n for c in choices), choices[0].cached)))
             except grpc.RpcError as exc:  # the engine went away mid-stream: say so in the stream, end it
                 emit({"error": {"message": f"engine unavailable mid-stream: {exc.code().name}; retry the request",
                                 "type": "server_error", "param": None, "code": "engine_unavailable"}})
@@ -556,11 +643,22 @@ def make_handler(gw: Gateway):
                 self.wfile.flush()
             finally:
                 gen.close()
-            gw.m_tokens.labels("prompt").inc(len(prompt))
-            gw.m_tokens.labels("cached").inc(cached)
-            gw.m_tokens.labels("completion").inc(n)
-
     return Handler
+
+
+class _Choice:
+    """One choice of a request as the gateway assembles it."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.detok = _Detok(tokenizer, stop)
+        self.reason: str | None = None  # set once it has ended
+        self.n = 0  # tokens generated
+        self.cached = 0
+        self.lps: list = []  # the tokens' logprobs
+        self.echo: tuple | None = None  # (text, tokens, logprobs) of the echoed prompt
+        self.first = True  # no chunk sent yet (streaming)
+        self.held: list[list] = [[], []]  # tokens and logprobs not in a chunk yet
+        self.offset = 0  # text offset of the next chunk's first token
 
 
 def _chain(first, rest):

@@ -38,6 +38,8 @@ class ParsedRequest:
     user: str | None
     logprobs: int | None = None
     """Log-probabilities asked for: the number of alternatives per token (None: none)."""
+    n: int = 1
+    """Completions (choices) for the prompt, each sampled on its own."""
     echo: bool = False
     """Completions: the prompt comes back before the completion (with its logprobs, if asked for)."""
     prompt_logprobs: int | None = None
@@ -53,6 +55,8 @@ UNSUPPORTED = {
     "tools": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (),
 }
+MAX_N = 16
+"""Most choices (``n``) one request may ask for."""
 UINT32_MAX = (1 << 32) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -107,8 +111,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
                                  "prompt")
         elif not isinstance(prompt, str) or not prompt:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    n = _num(body, "n", 1, 1, 1, integer=True)
-    del n
+    n = _num(body, "n", 1, 1, MAX_N, integer=True)
     for name, off in ({**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED).items():
         if body.get(name) is not None and not any(body[name] == v and type(body[name]) is type(v) for v in off):
             raise BadRequest(f"'{name}' is not supported by this server (leave it out"
@@ -143,7 +146,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=_flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
-        prompt_logprobs=logprobs if echo else None)
+        prompt_logprobs=logprobs if echo else None, n=n)
 
 
 def new_id(chat: bool) -> str:
@@ -188,29 +191,30 @@ def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs
             "text_offset": offsets}
 
 
-def full_response(req: ParsedRequest, rid: str, model: str, text: str, reason: str, use: dict,
-                  logprobs: dict | None = None) -> dict:
+def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple[str, str, dict | None]],
+                  use: dict) -> dict:
+    """The whole answer; ``choices``: (text, finish reason, logprobs) of each, in index order."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": logprobs}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                "logprobs": logprobs} for i, (text, reason, logprobs) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+        out = [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
+               for i, (text, reason, logprobs) in enumerate(choices)]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": use}
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out, "usage": use}
 
 
 def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,
-                 first: bool = False, use: dict | None = None, logprobs: dict | None = None) -> dict:
+                 first: bool = False, use: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     if use is not None:
         return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                 "created": int(time.time()), "model": model, "choices": [], "usage": use}
     if req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}

@@ -282,6 +282,59 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(disagg, 
             setup.close()
 
 
+# ---- n choices ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-engine", "decode-engine-alone"])
+def test_n_choices_are_each_sampled_on_their_own_from_one_prefill(disagg, prefill):
+    setup = disagg if prefill else Setup(with_store=False, prefill=False)
+    try:
+        c = setup.client()
+        prompt = [(11 * i) % 250 + 3 for i in range(150)]  # two full 64-token chunks
+        kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+        one = c.completions.create(temperature=0, **kw).choices[0].text
+        before = (setup.prefill.loop.num_requests if prefill else 0, setup.decode.loop.num_requests)
+        r = c.completions.create(temperature=0, n=3, **kw)
+        assert [ch.index for ch in r.choices] == [0, 1, 2]
+        assert [ch.text for ch in r.choices] == [one] * 3  # greedy: every choice the same
+        assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(prompt)
+        if prefill:  # the prompt prefilled once; each choice a decode stream (the others from its saved KV)
+            assert setup.prefill.loop.num_requests == before[0] + 1
+        assert setup.decode.loop.num_requests == before[1] + 3
+        # sampled: each choice its own draw (seed + i), the same again with the same seed
+        r1 = c.completions.create(temperature=1.0, seed=5, n=3, **kw)
+        r2 = c.completions.create(temperature=1.0, seed=5, n=3, **kw)
+        texts = [ch.text for ch in r1.choices]
+        assert texts == [ch.text for ch in r2.choices] and len(set(texts)) == 3
+        chunks = [ch.choices[0] for ch in c.completions.create(temperature=1.0, seed=5, n=3, stream=True, **kw)
+                  if ch.choices]
+        streamed = ["".join(ch.text for ch in chunks if ch.index == i) for i in range(3)]
+        assert streamed == texts
+        assert sorted(ch.index for ch in chunks if ch.finish_reason) == [0, 1, 2]
+        # a stop string ends each choice where its own text has it; echo and logprobs per choice
+        r = c.completions.create(temperature=0, n=2, stop=[one[2:4]], **kw)
+        assert [(ch.text, ch.finish_reason) for ch in r.choices] == [(one[:2], "stop")] * 2
+        r = c.completions.create(temperature=0, n=2, echo=True, logprobs=1, **{**kw, "max_tokens": 2})
+        a, b = (ch.logprobs for ch in r.choices)
+        assert a.token_logprobs[0] is None and len(a.tokens) == len(prompt) + 2
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5) and a.tokens == b.tokens
+    finally:
+        if not prefill:
+            setup.close()
+
+
+def test_chat_n_choices_streamed_and_not(disagg):
+    c = disagg.client()
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9,
+          "seed": 3, "n": 2, "extra_body": {"ignore_eos": True}}
+    r = c.chat.completions.create(**kw)
+    texts = [ch.message.content for ch in r.choices]
+    assert [ch.index for ch in r.choices] == [0, 1] and texts[0] != texts[1]
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    assert ["".join(ch.delta.content or "" for ch in chunks if ch.index == i) for i in range(2)] == texts
+    assert [ch.delta.role for ch in chunks if ch.delta.role] == ["assistant"] * 2  # each choice's first chunk
+
+
 def _engine_reference_prompt(prompt: list[int], k: int):
     from engine.llm import LLM
 
@@ -309,7 +362,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (True, "logprobs", 2), (False, "presence_penalty", 0.5), (False, "frequency_penalty", -1),
     (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", 5),
     (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
-    (False, "max_tokens", 0)])  # (0 only with echo)
+    (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
             **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
