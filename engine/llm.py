@@ -49,7 +49,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], max_tokens: int = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, top_k: int = 0,
+                 min_p: float = 0.0,
                  ignore_eos: bool = False, tenant_salt: str | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); one output per prompt, in order.
@@ -65,8 +66,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
             raise ValueError("prompts must be a string, a list of token ids, or a list of those")
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                seed=seed, ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")

@@ -25,7 +25,7 @@ LOGPROB_FLOOR = -9999.0
 class TokenLogprobs(NamedTuple):
     """A generated token's log-probability and the ``k`` most likely tokens at its position, most
     likely first, as ``(token id, log-probability)``. Of the model's own distribution: the log-softmax
-    of the logits, before temperature and top-p (what vLLM reports by default)."""
+    of the logits, before temperature, min-p, top-k and top-p (what vLLM reports by default)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
@@ -39,6 +39,10 @@ class SamplingParams:
     """0 is greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the ``top_k`` likeliest tokens (0 or -1: all)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the likeliest (0: none)."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens."""
     stop_token_ids: tuple[int, ...] = ()
@@ -62,6 +66,11 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0: all tokens), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", max(0, self.top_k))
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__") \
@@ -192,7 +201,7 @@ class Sampler:
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
                 continue
-            probs = target_probs(logits[i], p.temperature, p.top_p)
+            probs = target_probs(logits[i], p.temperature, p.top_p, p.top_k, p.min_p)
             q = torch.empty_like(probs).exponential_(generator=self.generator(sid, p, logits.device))
             out[i] = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -211,4 +220,4 @@ class Sampler:
     def verify(self, logits: torch.Tensor, draft: list[int], p: SamplingParams, seq_id: int) -> list[int]:
         """The tokens a verification step emits (engine/spec_decode.py ``verify``)."""
         gen = self.generator(seq_id, p, logits.device) if p.temperature > 0 else None
-        return verify(logits, draft, p.temperature, p.top_p, gen)
+        return verify(logits, draft, p.temperature, p.top_p, gen, p.top_k, p.min_p)

@@ -109,10 +109,19 @@ class DraftModelDrafter:
                 seq.draft.append(tok)
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution sampling draws from for one row of logits: softmax at ``temperature``, then the
-    nucleus of ``top_p`` (the smallest set of tokens whose probability reaches it; the top one always)."""
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
+                 min_p: float = 0.0) -> torch.Tensor:
+    """The distribution sampling draws from for one row of logits: softmax at ``temperature``; then,
+    in vLLM's order, tokens below ``min_p`` times the likeliest's probability dropped, the ``top_k``
+    likeliest kept (0: all; tokens tied with the k-th too), and the nucleus of ``top_p`` (the smallest
+    set of tokens whose probability reaches it; the top one always), renormalised at each step."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if min_p > 0.0:
+        probs = probs * (probs >= min_p * probs.max())
+        probs = probs / probs.sum()
+    if 0 < top_k < probs.shape[-1]:
+        probs = probs * (probs >= probs.topk(top_k).values[-1])
+        probs = probs / probs.sum()
     if top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < top_p
@@ -123,7 +132,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
 
 
 def verify(logits: torch.Tensor, draft: list[int], temperature: float, top_p: float,
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None, top_k: int = 0, min_p: float = 0.0) -> list[int]:
     """The tokens to emit after a verification forward: the accepted prefix of ``draft``, then one
     token of the target's (a correction, or the bonus after a fully accepted draft).
 
@@ -144,7 +153,7 @@ def verify(logits: torch.Tensor, draft: list[int], temperature: float, top_p: fl
         return out
     out = []
     for i, d in enumerate(draft):
-        probs = target_probs(logits[i], temperature, top_p)
+        probs = target_probs(logits[i], temperature, top_p, top_k, min_p)
         if torch.rand((), generator=generator, device=probs.device) < probs[d]:
             out.append(d)
             continue
@@ -152,5 +161,6 @@ def verify(logits: torch.Tensor, draft: list[int], temperature: float, top_p: fl
         residual[d] = 0.0
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out
-    out.append(int(torch.multinomial(target_probs(logits[k], temperature, top_p), 1, generator=generator)))
+    out.append(int(torch.multinomial(target_probs(logits[k], temperature, top_p, top_k, min_p), 1,
+                                     generator=generator)))
     return out

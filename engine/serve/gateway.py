@@ -198,6 +198,7 @@ class Gateway:
         seed = req.seed if req.seed is None or not choice else (req.seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
         # (max_tokens 0, with echo: the prompt is computed for its logprobs and the token is dropped)
         return pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, min_p=req.min_p, stop_token_ids=req.stop_token_ids,
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
 
@@ -317,23 +318,28 @@ def _logprobs(msgs) -> list[TokenLogprobs]:
 
 
 class _Detok:
-    """Incremental detokenization that never emits half a character, with stop strings."""
+    """Incremental detokenization that never emits half a character, with stop strings: the text
+    ends where the first of them begins (``include_stop``: where it ends)."""
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tok, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False) -> None:
+        self.tok, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
 
+    def cut(self, text: str) -> str:
+        """``text`` up to its first stop string (sets ``stopped`` when there is one)."""
+        found = [(i, -len(s)) for s in self.stop if (i := text.find(s)) >= 0]
+        if not found:
+            return text
+        self.stopped = True
+        i, neg_len = min(found)  # the earliest; of those starting there, the longest
+        return text[:i - neg_len if self.include_stop else i]
+
     def push(self, ids: list[int], final: bool = False) -> str:
         """New text since the last push; holds back a trailing partial character unless ``final``."""
         self.ids += ids
-        text = self.tok.decode(self.ids)
-        for s in self.stop:
-            i = text.find(s)
-            if i >= 0:
-                self.stopped = True
-                text = text[:i]
+        text = self.cut(self.tok.decode(self.ids))
         end = len(text)
         if not self.stopped and not final:
             if text.endswith("\ufffd"):
@@ -346,7 +352,8 @@ class _Detok:
         return out
 
     def text(self) -> str:
-        return self.tok.decode(self.ids)
+        """All the text, cut at the first stop string."""
+        return self.cut(self.tok.decode(self.ids))
 
 
 def make_handler(gw: Gateway):
@@ -574,16 +581,13 @@ def make_handler(gw: Gateway):
             gw.m_tokens.labels("completion").inc(sum(c.n for c in choices))
 
         def _complete(self, req, prompt):
-            choices = [_Choice(gw.tokenizer, req.stop) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output) for _ in range(req.n)]
             for _, c, ids, reason in self._choices(req, prompt, choices):
                 c.detok.push(ids)
                 c.reason = "stop" if c.detok.stopped else reason
             body = []
             for c in choices:
                 text = c.detok.text()
-                for s in req.stop:
-                    if s in text:
-                        text = text[: text.find(s)]
                 echo = c.echo or ("", [], [])
                 # (logprobs of every token generated, the one completing a stop string included, as vLLM)
                 body.append((echo[0] + text, c.reason,
@@ -597,7 +601,7 @@ def make_handler(gw: Gateway):
 
         def _stream(self, req, prompt):
             rid = new_id(req.chat)
-            choices = [_Choice(gw.tokenizer, req.stop) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output) for _ in range(req.n)]
             gen = self._choices(req, prompt, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
@@ -649,8 +653,8 @@ def make_handler(gw: Gateway):
 class _Choice:
     """One choice of a request as the gateway assembles it."""
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.detok = _Detok(tokenizer, stop)
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False) -> None:
+        self.detok = _Detok(tokenizer, stop, include_stop)
         self.reason: str | None = None  # set once it has ended
         self.n = 0  # tokens generated
         self.cached = 0

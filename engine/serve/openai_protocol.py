@@ -40,6 +40,10 @@ class ParsedRequest:
     """Log-probabilities asked for: the number of alternatives per token (None: none)."""
     n: int = 1
     """Completions (choices) for the prompt, each sampled on its own."""
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     echo: bool = False
     """Completions: the prompt comes back before the completion (with its logprobs, if asked for)."""
     prompt_logprobs: int | None = None
@@ -50,11 +54,12 @@ class ParsedRequest:
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "top_k": (-1, 0),
-    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (0,),
+    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (0,),
     "tools": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (),
 }
+MAX_STOP_TOKEN_IDS = 64
+INT32_MAX = (1 << 31) - 1
 MAX_N = 16
 """Most choices (``n``) one request may ask for."""
 UINT32_MAX = (1 << 32) - 1
@@ -124,6 +129,10 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     echo = not chat and _flag(body, "echo", False)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in stop_ids):
+        raise BadRequest(f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
     # (with echo, max_tokens 0 scores the prompt alone: its logprobs, no completion)
     stop = body.get("stop") or []
     if isinstance(stop, str):
@@ -146,7 +155,10 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=_flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
-        prompt_logprobs=logprobs if echo else None, n=n)
+        prompt_logprobs=logprobs if echo else None, n=n,
+        top_k=_num(body, "top_k", 0, -1, INT32_MAX, integer=True), min_p=float(_num(body, "min_p", 0.0, 0.0, 1.0)),
+        stop_token_ids=tuple(stop_ids),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
 
 
 def new_id(chat: bool) -> str:

@@ -19,16 +19,30 @@ def test_greedy_is_argmax_and_seeded_sampling_repeats():
 
 
 def test_the_exponential_race_samples_the_nucleus_distribution():
-    """The sampler draws token i with probability probs[i] (after temperature and top-p)."""
+    """The sampler draws token i with probability probs[i] (after temperature, min-p, top-k and top-p)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
-    for top_p, temperature in ((1.0, 1.0), (0.7, 0.8)):
-        probs = target_probs(logits[0], temperature, top_p)
+    for top_p, temperature, top_k, min_p in ((1.0, 1.0, 0, 0.0), (0.7, 0.8, 0, 0.0), (1.0, 1.0, 3, 0.0),
+                                             (1.0, 1.0, 0, 0.2), (0.95, 1.3, 4, 0.05)):
+        probs = target_probs(logits[0], temperature, top_p, top_k, min_p)
         s, n = Sampler(), 20_000
-        p = SamplingParams(temperature=temperature, top_p=top_p, seed=11)
+        p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=11)
         counts = torch.bincount(torch.tensor([s.sample(logits, [p], [0])[0] for _ in range(n)]), minlength=6)
         freq = counts / n
         assert torch.allclose(freq, probs, atol=0.015), (freq, probs)  # ~4 sigma at n = 20k
         assert not counts[probs == 0].any()
+
+
+def test_top_k_and_min_p_keep_the_likeliest_tokens_renormalised():
+    logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 0.0])
+    full = torch.softmax(logits, -1)
+    k2 = target_probs(logits, 1.0, 1.0, top_k=2)
+    assert (k2 > 0).tolist() == [True, True, True, False, False]  # the tie at the 2nd place is kept
+    assert torch.allclose(k2[:3], full[:3] / full[:3].sum())
+    assert torch.equal(target_probs(logits, 1.0, 1.0, top_k=0), target_probs(logits, 1.0, 1.0, top_k=99))
+    m = target_probs(logits, 1.0, 1.0, min_p=0.3)  # e^-1 = 0.37 of the top: tokens 1, 2 stay; e^-2 does not
+    assert (m > 0).tolist() == [True, True, True, False, False] and m.sum().item() == pytest.approx(1.0)
+    assert (target_probs(logits, 1.0, 1.0, min_p=1.0) > 0).tolist() == [True, False, False, False, False]
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "all"
 
 
 def test_top_p_keeps_only_the_nucleus():
@@ -44,7 +58,9 @@ def test_top_p_keeps_only_the_nucleus():
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
                                  dict(max_tokens=None), dict(max_tokens="3"), dict(temperature="0.5"),
                                  dict(seed=1.5), dict(seed=1 << 64), dict(stop_token_ids=5),
-                                 dict(stop_token_ids="ab"), dict(stop_token_ids=None)])
+                                 dict(stop_token_ids="ab"), dict(stop_token_ids=None), dict(top_k=-2),
+                                 dict(top_k=1.5), dict(top_k=True), dict(min_p=-0.1), dict(min_p=1.5),
+                                 dict(min_p="0.1")])
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -93,21 +93,21 @@ def test_greedy_verification_accepts_the_matching_prefix_then_the_targets_token(
     assert verify(logits[:1], [], 0.0, 1.0, None) == [4]
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.7])
-def test_rejection_sampling_keeps_the_target_distribution(top_p):
+@pytest.mark.parametrize("top_p,top_k,min_p", [(1.0, 0, 0.0), (0.7, 0, 0.0), (1.0, 3, 0.1)])
+def test_rejection_sampling_keeps_the_target_distribution(top_p, top_k, min_p):
     """Whatever the draft, the first emitted token is distributed as the target's p; after an accepted
     draft the second is distributed as the next row's p. 40,000 draws at a fixed seed; every
     probability within 0.015 (about 5 standard errors)."""
     torch.manual_seed(0)
     logits = torch.randn(3, 6) * 1.5
-    p0, p1 = (target_probs(logits[i], 0.8, top_p) for i in range(2))
+    p0, p1 = (target_probs(logits[i], 0.8, top_p, top_k, min_p) for i in range(2))
     gen = torch.Generator().manual_seed(1234)
     n = 40_000
     for draft in ([int(p0.argmax())], [int(p0.argmin())], [int(p0.argmax()), 3]):
         first = torch.zeros(6)
         second, num_second = torch.zeros(6), 0
         for _ in range(n):
-            out = verify(logits, draft, 0.8, top_p, gen)
+            out = verify(logits, draft, 0.8, top_p, gen, top_k, min_p)
             first[out[0]] += 1
             if out[0] == draft[0] and len(draft) > 1:
                 second[out[1]] += 1

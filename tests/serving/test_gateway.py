@@ -143,6 +143,28 @@ def test_chat_stop_string_streamed_and_not(disagg):
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_top_k_min_p_stop_token_ids_and_the_stop_string_kept(disagg):
+    """vLLM's sampling extensions: top_k 1 and min_p 1 leave only the likeliest token (greedy at any
+    temperature); a stop token id ends the choice with it; include_stop_str_in_output keeps the stop
+    string, streamed and not."""
+    c = disagg.client()
+    greedy, _, _ = completion(c, STOP_PROMPT, False, max_tokens=8)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        text, reason, _ = completion(c, STOP_PROMPT, False, max_tokens=8, temperature=1.5, seed=1, extra_body={
+            "ignore_eos": True, **extra})
+        assert (text, reason) == (greedy, "length"), extra
+    ids = _engine_reference(STOP_PROMPT, 8, 0).token_ids
+    stop_id = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    n = ids.index(stop_id) + 1
+    for stream in (False, True):
+        text, reason, _ = completion(c, STOP_PROMPT, stream, max_tokens=8,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+        assert (text, reason) == (disagg.gw.tokenizer.decode(ids[:n]), "stop"), stream
+        text, reason, _ = completion(c, STOP_PROMPT, stream, max_tokens=12, stop=["zzzz", "??<"],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        assert (text, reason) == ("g^??<", "stop"), stream
+
+
 def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     c = disagg.client()
     # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
@@ -360,7 +382,8 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
 @pytest.mark.parametrize("chat,field,value", [
     (False, "logprobs", MAX_LOGPROBS + 1), (False, "logprobs", True), (True, "top_logprobs", 3),
     (True, "logprobs", 2), (False, "presence_penalty", 0.5), (False, "frequency_penalty", -1),
-    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", 5),
+    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
+    (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
