@@ -54,9 +54,10 @@ class ParsedRequest:
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_tokens": (0,), "use_beam_search": (False,), "prompt_logprobs": (0,),
-    "tools": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (),
+    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_tokens": (0,), "use_beam_search": (False,),
+    "prompt_logprobs": (0,), "tools": ([],), "response_format": ({"type": "text"},), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "allowed_token_ids": (), "truncate_prompt_tokens": (), "logits_processors": (),
 }
 MAX_STOP_TOKEN_IDS = 64
 INT32_MAX = (1 << 31) - 1

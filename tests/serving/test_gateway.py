@@ -385,6 +385,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
+    (False, "allowed_token_ids", [5]), (True, "bad_words", ["x"]),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
