@@ -52,11 +52,13 @@ class LLM:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, top_k: int = 0,
                  min_p: float = 0.0,
                  ignore_eos: bool = False, tenant_salt: str | None = None,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); one output per prompt, in order.
         With ``logprobs`` (0-20) each generated token comes with its log-probability and those of the
         ``logprobs`` most likely tokens at its position (``RequestOutput.logprobs``); with
         ``prompt_logprobs`` each prompt token after the first (the prompt is then computed whole).
+        ``params``: a whole ``SamplingParams`` (penalties included) instead of the keyword arguments.
 
         Saves of newly computed chunks are flushed before returning, so another
         engine can reuse them at once.
@@ -66,8 +68,10 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
             raise ValueError("prompts must be a string, a list of token ids, or a list of those")
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                seed=seed, ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if params is None:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs)
         salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
@@ -88,8 +92,8 @@ class LLM:
                               text=self.tokenizer.decode(s.output), num_cached_tokens=s.num_store_tokens,
                               num_local_cached_tokens=s.num_local_tokens, ttft_s=s.ttft_s or 0.0,
                               finish_reason=s.finish_reason or "",
-                              logprobs=list(s.logprobs) if logprobs is not None else None,
-                              prompt_logprobs=list(s.prompt_logprobs) if prompt_logprobs is not None else None)
+                              logprobs=list(s.logprobs) if params.logprobs is not None else None,
+                              prompt_logprobs=list(s.prompt_logprobs) if params.prompt_logprobs is not None else None)
                 for s in seqs]
 
     def close(self) -> None:

@@ -263,7 +263,8 @@ class LLMEngine:
         wanted = []
         for seq in self.scheduler.running:
             seq.draft = []  # (one the budget left unscheduled last step is stale)
-            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative:
+            # (a penalised request's logits depend on every token before: drafts would change them)
+            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative or seq.params.has_penalties:
                 continue
             # drafts past max_tokens or the context would be thrown away: the bonus token needs none
             k = min(k_max, seq.params.max_tokens - len(seq.output) - 1, limit - seq.num_tokens - 1)
@@ -328,7 +329,7 @@ class LLMEngine:
             rolled_back = self._finish_loads(loads)
         before = [s.seq.num_computed for s in scheduled]
         results: list[StepOutput] = []
-        rows, params, ids, first_row = [], [], [], []
+        rows, params, ids, first_row, history = [], [], [], [], []
         row = 0
         for s in scheduled:
             seq = s.seq
@@ -345,15 +346,16 @@ class LLMEngine:
                     rows.append(row + s.num_rows - 1)
                     params.append(seq.params)
                     ids.append(seq.seq_id)
+                    history.append((seq.prompt, seq.output) if seq.params.has_penalties else None)
             row += s.num_rows
         if self.async_scheduling and rows and row == len(scheduled) and not rolled_back \
                 and not any(s.all_rows for s in scheduled):  # a row a sequence (no drafts)
-            return done + self._launch(scheduled, before, logits, rows, params, ids)
+            return done + self._launch(scheduled, before, logits, rows, params, ids, history)
         if self._launched is not None:  # drafts verified, or a load rolled back
             done += self._resolve()
         sampled = {}  # row: (token, its TokenLogprobs or None)
         if rows:
-            st = self.sampler.sample_async(logits[rows], params, ids)
+            st = self.sampler.sample_async(logits[rows], params, ids, history)
             sampled = dict(zip(rows, zip(st.tolist(), st.logprobs())))
         now = time.perf_counter()
         for s, r, b in zip(scheduled, first_row, before):
@@ -431,13 +433,14 @@ class LLMEngine:
     # ---- async scheduling: a step launched before the last one's tokens are known --------------
 
     def _launch(self, scheduled, before: list[int], logits, rows: list[int], params: list[SamplingParams],
-                ids: list[int]) -> list[StepOutput]:
+                ids: list[int], history: list) -> list[StepOutput]:
         """Leaves the tokens of a step without drafts on the device (each sampling sequence's
         next token a ``PENDING``), then resolves the step launched before it: the host's work on
         those tokens runs while the device computes this one. The step's prompt chunks that
         sample nothing are saved and registered when it is resolved too. Returns the outputs of
         the step resolved."""
-        sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else logits[rows], params, ids)
+        sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else logits[rows], params, ids,
+                                            history)
         entries, where, sampling = [], {}, set(rows)  # (row b is sequence b's: no drafts)
         for b, (s, bef) in enumerate(zip(scheduled, before)):
             seq = s.seq
@@ -456,11 +459,14 @@ class LLMEngine:
         last by length (``max_tokens``). The others decode once more (their input the launched
         tokens, on the device), running prompts go on with their next chunk and admissions follow:
         none of that depends on an unknown token. None (wait for the tokens) when drafts are
-        proposed (they need the tokens), when pages could run short (a preemption recomputes a
-        sequence from its tokens), or when every running sequence ends and none waits."""
+        proposed (they need the tokens), when a launched sequence has penalties (its next logits
+        count the launched token), when pages could run short (a preemption recomputes a sequence
+        from its tokens), or when every running sequence ends and none waits."""
         launched, running = self._launched, self.scheduler.running
         if self.drafter is not None or not self.async_scheduling or not running:
             return None
+        if any(s.params.has_penalties for s, at, _, _ in launched.entries if at is not None):
+            return None  # (its next logits' penalties count the launched token)
         skip, need = set(), 0
         for seq in running:
             if seq.seq_id in launched.rows:  # next input: the launched token (a PENDING now)

@@ -43,6 +43,13 @@ class SamplingParams:
     """Keep the ``top_k`` likeliest tokens (0 or -1: all)."""
     min_p: float = 0.0
     """Drop tokens less likely than ``min_p`` times the likeliest (0: none)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already has (OpenAI's, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output has it (OpenAI's, in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """A token in the prompt or the output has its logit divided by this when positive, multiplied
+    when negative (1: none; > 1 discourages repeats)."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens."""
     stop_token_ids: tuple[int, ...] = ()
@@ -56,6 +63,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for each prompt token after the first (what the model predicted there). The whole
     prompt is then computed: its KV is neither loaded from the store nor shared from local pages."""
+
+    @property
+    def has_penalties(self) -> bool:
+        """Its logits depend on the tokens so far (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -71,6 +83,11 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(0, self.top_k))
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be a number in (0, 10], got {self.repetition_penalty!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__") \
@@ -162,6 +179,22 @@ class _RowLogprobs:
         return out
 
 
+def apply_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """One row of logits with ``p``'s penalties, as vLLM applies them: the repetition penalty over
+    the tokens of prompt and output, then the frequency penalty times each token's count in the
+    output and the presence penalty for each token the output has."""
+    logits = logits.float()
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[to_device(sorted(set(prompt) | set(output)), torch.int64, logits.device)] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                               logits * p.repetition_penalty), logits)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(to_device(output, torch.int64, logits.device), minlength=logits.shape[-1])
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    return logits
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
     """``TokenLogprobs`` of ``tokens[i]`` under row ``i`` of ``logits`` (a verification's rows;
     waits for the device)."""
@@ -188,15 +221,24 @@ class Sampler:
         """
         return self.sample_async(logits, params, seq_ids).tolist()
 
-    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> SampledTokens:
+    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int],
+                     history: list | None = None) -> SampledTokens:
         """``sample`` without waiting: the tokens are drawn on the logits' device and start their
         copy to the host (the next step can be launched before they arrive).
 
         A sampled row draws by the exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` from
         the request's generator, picks token ``i`` with probability ``probs[i]`` exactly, with
         no host synchronisation (``torch.multinomial`` waits for the device). Rows whose request
-        asks for ``logprobs`` get them computed beside (``SampledTokens.logprobs``).
+        asks for ``logprobs`` get them computed beside (``SampledTokens.logprobs``), from the logits
+        as the model gave them. ``history``: for each row whose request has penalties, its
+        ``(prompt, output)`` tokens (``apply_penalties``), applied before greedy and sampled picks.
         """
+        raw = logits
+        if history is not None and any(h is not None for h in history):
+            logits = logits.to(torch.float32, copy=True)
+            for i, (p, h) in enumerate(zip(params, history)):
+                if h is not None:
+                    logits[i] = apply_penalties(logits[i], h[0], h[1], p)
         out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
@@ -205,7 +247,7 @@ class Sampler:
             q = torch.empty_like(probs).exponential_(generator=self.generator(sid, p, logits.device))
             out[i] = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lps = _RowLogprobs(logits, out, want, [params[i].logprobs for i in want]) if want else None
+        lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
 
     def generator(self, seq_id: int, p: SamplingParams, device: torch.device) -> torch.Generator:

@@ -29,6 +29,8 @@ ROLES = ("prefill", "decode", "both")
 def sampling_from_pb(s: pb.SamplingOptions, max_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
                           temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty or 1.0,
                           seed=s.seed if s.HasField("seed") else None,
                           stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           speculative=not s.no_speculation,

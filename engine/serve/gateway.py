@@ -199,6 +199,8 @@ class Gateway:
         # (max_tokens 0, with echo: the prompt is computed for its logprobs and the token is dropped)
         return pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, min_p=req.min_p, stop_token_ids=req.stop_token_ids,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty,
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
 

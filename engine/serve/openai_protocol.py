@@ -42,6 +42,9 @@ class ParsedRequest:
     """Completions (choices) for the prompt, each sampled on its own."""
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     echo: bool = False
@@ -53,7 +56,6 @@ class ParsedRequest:
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_tokens": (0,), "use_beam_search": (False,),
     "prompt_logprobs": (0,), "tools": ([],), "response_format": ({"type": "text"},), "bad_words": ([],),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -159,6 +161,9 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         prompt_logprobs=logprobs if echo else None, n=n,
         top_k=_num(body, "top_k", 0, -1, INT32_MAX, integer=True), min_p=float(_num(body, "min_p", 0.0, 0.0, 1.0)),
         stop_token_ids=tuple(stop_ids),
+        presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
 
 

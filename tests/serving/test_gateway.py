@@ -165,6 +165,23 @@ def test_top_k_min_p_stop_token_ids_and_the_stop_string_kept(disagg):
         assert (text, reason) == ("g^??<", "stop"), stream
 
 
+def test_penalties_reach_both_engines_and_give_the_engines_tokens(disagg):
+    """The prefill engine samples the first token with the penalties over the prompt, the decode
+    engine the rest over prompt and output: the tokens of one engine doing both."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    prompt = [40 + i % 7 for i in range(30)]
+    pen = {"repetition_penalty": 1.6, "frequency_penalty": 0.7, "presence_penalty": 0.2}
+    with LLM(MODEL, dtype="float32") as llm:
+        want, = llm.generate(prompt, params=SamplingParams(max_tokens=10, ignore_eos=True, **pen))
+        plain, = llm.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert want.token_ids != plain.token_ids  # (the penalties act on this prompt)
+    for stream in (False, True):
+        text, _, _ = completion(disagg.client(), prompt, stream, max_tokens=10, extra_body={"ignore_eos": True, **pen})
+        assert text == disagg.gw.tokenizer.decode(want.token_ids), stream
+
+
 def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     c = disagg.client()
     # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
@@ -381,7 +398,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
 
 @pytest.mark.parametrize("chat,field,value", [
     (False, "logprobs", MAX_LOGPROBS + 1), (False, "logprobs", True), (True, "top_logprobs", 3),
-    (True, "logprobs", 2), (False, "presence_penalty", 0.5), (False, "frequency_penalty", -1),
+    (True, "logprobs", 2), (False, "presence_penalty", 2.5), (False, "frequency_penalty", "1"), (False, "repetition_penalty", 0),
     (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
