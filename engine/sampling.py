@@ -179,22 +179,6 @@ class _RowLogprobs:
         return out
 
 
-def apply_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
-    """One row of logits with ``p``'s penalties, as vLLM applies them: the repetition penalty over
-    the tokens of prompt and output, then the frequency penalty times each token's count in the
-    output and the presence penalty for each token the output has."""
-    logits = logits.float()
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[to_device(sorted(set(prompt) | set(output)), torch.int64, logits.device)] = True
-        logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
-                                               logits * p.repetition_penalty), logits)
-    if output and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(to_device(output, torch.int64, logits.device), minlength=logits.shape[-1])
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-    return logits
-
-
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
     """``TokenLogprobs`` of ``tokens[i]`` under row ``i`` of ``logits`` (a verification's rows;
     waits for the device)."""
@@ -207,9 +191,11 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self._penalty_state: dict[int, list] = {}  # seq_id: [seen in prompt or output, output counts, outputs counted]
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self._penalty_state.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """Samples one token per row (``sample_async(...).tolist()``).
@@ -231,14 +217,14 @@ class Sampler:
         no host synchronisation (``torch.multinomial`` waits for the device). Rows whose request
         asks for ``logprobs`` get them computed beside (``SampledTokens.logprobs``), from the logits
         as the model gave them. ``history``: for each row whose request has penalties, its
-        ``(prompt, output)`` tokens (``apply_penalties``), applied before greedy and sampled picks.
+        ``(prompt, output)`` tokens (``_penalised``), applied before greedy and sampled picks.
         """
         raw = logits
         if history is not None and any(h is not None for h in history):
             logits = logits.to(torch.float32, copy=True)
-            for i, (p, h) in enumerate(zip(params, history)):
+            for i, (p, sid, h) in enumerate(zip(params, seq_ids, history)):
                 if h is not None:
-                    logits[i] = apply_penalties(logits[i], h[0], h[1], p)
+                    logits[i] = self._penalised(logits[i], sid, h[0], h[1], p)
         out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
@@ -249,6 +235,30 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
+
+    def _penalised(self, logits: torch.Tensor, seq_id: int, prompt: list[int], output: list[int],
+                   p: SamplingParams) -> torch.Tensor:
+        """One row of logits with ``p``'s penalties, as vLLM applies them: the repetition penalty
+        over the tokens of prompt and output (a positive logit divided, a negative one multiplied),
+        then the frequency penalty times each token's count in the output and the presence penalty
+        for each token the output has. From per-request device state updated with the tokens output
+        since the last step (a step costs its new tokens, not the whole prompt and output again)."""
+        st = self._penalty_state.get(seq_id)
+        if st is None or st[2] > len(output):
+            seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen[to_device(sorted(set(prompt)), torch.int64, logits.device)] = True
+            st = [seen, torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device), 0]
+            self._penalty_state[seq_id] = st
+        seen, counts, n = st
+        if n < len(output):
+            new = to_device(output[n:], torch.int64, logits.device)
+            seen[new] = True
+            counts.index_add_(0, new, torch.ones(len(output) - n, device=logits.device))
+            st[2] = len(output)
+        if p.repetition_penalty != 1.0:
+            logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                                   logits * p.repetition_penalty), logits)
+        return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
 
     def generator(self, seq_id: int, p: SamplingParams, device: torch.device) -> torch.Generator:
         """The request's generator, made (seeded) on first use."""

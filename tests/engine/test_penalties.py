@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import Sampler, SamplingParams, apply_penalties
+from engine.sampling import Sampler, SamplingParams
 from tests.engine.reference import all_logits
 
 MODEL = "random:tiny"
@@ -39,10 +39,13 @@ def test_the_penalties_are_their_twins():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(300, generator=g) * 3
     prompt, output = [1, 5, 5, 9], [5, 7, 7, 7, 250]
-    for p in (SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.6),
-              SamplingParams(presence_penalty=-1.1), SamplingParams(repetition_penalty=0.8, frequency_penalty=1.5,
-                                                                    presence_penalty=0.4)):
-        assert torch.allclose(apply_penalties(logits, prompt, output, p), _twin(logits, prompt, output, p))
+    s = Sampler()
+    for sid, p in enumerate((SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.6),
+                             SamplingParams(presence_penalty=-1.1),
+                             SamplingParams(repetition_penalty=0.8, frequency_penalty=1.5, presence_penalty=0.4))):
+        for n in (0, 2, len(output)):  # the state built from a prefix, then brought up to date
+            got = s._penalised(logits, sid, prompt, output[:n], p)
+            assert torch.allclose(got, _twin(logits, prompt, output[:n], p)), (p, n)
     assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
 
 
