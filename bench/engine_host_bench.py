@@ -336,7 +336,7 @@ def main_logprobs(args) -> None:
             f"values, the host's own share, set against the step's H200 floor. At batch 256 most of that "
             f"share is Python's garbage collector: the requests keep their tokens' logprobs, so the heap "
             f"grows and full collections come more often and cost more (in a run with the collector off, "
-            f"run's `outputs` went from 721 to 1,152 µs). Command: "
+            f"`outputs` went from 721 to 1,152 µs). Command: "
             f"`.venv/bin/python bench/engine_host_bench.py --logprobs {args.logprobs} --reps {args.reps} --write-docs`.\n\n{md}\n")
     if args.write_docs:
         write_docs_section("engine_host_logprobs", body)

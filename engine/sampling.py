@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed, log-probabilities."""
+"""Sampling parameters and the sampler: greedy, temperature, min-p, top-k, top-p, penalties, per-request
+seed, log-probabilities."""
 
 from __future__ import annotations
 

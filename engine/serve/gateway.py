@@ -554,22 +554,23 @@ def make_handler(gw: Gateway):
             return text, list(prompt), [None, *prompt_logprobs]
 
         def _choices(self, req, prompt, choices: list[_Choice]):
-            """Yields ``(choice, its _Choice, the piece's ids, finish reason)`` until every choice has
-            ended (its stream done, or a stop string found: then its decode call is cancelled). The
-            caller pushes the ids and sets the choice's ``reason``."""
+            """Yields ``(choice, its _Choice, the Piece, the new text)`` until every choice has ended
+            (its stream done, or a stop string found: then its decode call is cancelled)."""
             calls: dict = {}
             gen = self._run(req, prompt, calls)
             try:
-                for i, (ids, reason, cached, lps, plps) in gen:
+                for i, piece in gen:
                     c = choices[i]
                     if c.reason:  # (a choice ended by a stop string: what its stream still had)
                         continue
                     if c.echo is None:
-                        c.echo = self._echo(req, prompt, plps)
-                    c.cached = cached
-                    c.n += len(ids)
-                    c.lps += lps
-                    yield i, c, ids, reason
+                        c.echo = self._echo(req, prompt, piece.prompt_logprobs)
+                    c.cached = piece.cached
+                    c.n += len(piece.ids)
+                    c.lps += piece.logprobs
+                    text = c.detok.push(piece.ids, final=piece.reason is not None)
+                    c.reason = "stop" if c.detok.stopped else piece.reason
+                    yield i, c, piece, text
                     if c.detok.stopped and i in calls:
                         calls[i].cancel()
                     if all(c.reason for c in choices):
@@ -584,9 +585,8 @@ def make_handler(gw: Gateway):
 
         def _complete(self, req, prompt):
             choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output) for _ in range(req.n)]
-            for _, c, ids, reason in self._choices(req, prompt, choices):
-                c.detok.push(ids)
-                c.reason = "stop" if c.detok.stopped else reason
+            for _ in self._choices(req, prompt, choices):
+                pass
             body = []
             for c in choices:
                 text = c.detok.text()
@@ -617,13 +617,11 @@ def make_handler(gw: Gateway):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             try:
-                for i, c, ids, reason in _chain(first_item, gen):
+                for i, c, piece, text in _chain(first_item, gen):
                     if c.first:  # the echoed prompt goes first, in the choice's first chunk
                         c.held = [list(c.echo[1]), list(c.echo[2])]
-                    c.held[0].extend(ids)
-                    c.held[1].extend(c.lps[len(c.lps) - len(ids):] if req.logprobs is not None else [])
-                    text = c.detok.push(ids, final=reason is not None)
-                    c.reason = "stop" if c.detok.stopped else reason
+                    c.held[0].extend(piece.ids)
+                    c.held[1].extend(piece.logprobs)
                     if c.first:
                         text = c.echo[0] + text
                     if text or c.reason or c.first:
