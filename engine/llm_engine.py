@@ -87,7 +87,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, chunk_size=cfg.chunk_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs, chunk_tokens=cfg.chunk_tokens)
-        self.sampler = Sampler()
         self.tokenizer = load_tokenizer(cfg.model)
         mc = self.model_config
         self.fingerprint = ModelFingerprint(
@@ -117,6 +116,7 @@ class LLMEngine:
         self.eos = set(mc.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos)
         self.seqs: dict[int, Sequence] = {}
         self.last_step_prefill_tokens: int | None = None
         """Prompt tokens the last step computed; None when it ran nothing (for the serving loop's metrics)."""
@@ -210,6 +210,12 @@ class LLMEngine:
                              f"context of {self.model_config.max_position_embeddings}")
         if self.blocks.pages_for(len(prompt) + params.max_tokens) > self.blocks.num_pages:
             raise ValueError("the request does not fit the KV cache even alone (raise num_pages)")
+        if any(t >= vocab for t in params.token_ids()):
+            raise ValueError(f"token ids in the sampling parameters (stop_token_ids, logit_bias, "
+                             f"allowed_token_ids, bad words) must be in [0, {vocab})")
+        if params.min_tokens and params.allowed_token_ids is not None and all(
+                params.is_stop(t, params.min_tokens + 1, self.eos) for t in params.allowed_token_ids):
+            raise ValueError("every token of allowed_token_ids is a stop token, which min_tokens masks")
 
     def abort(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -264,7 +270,7 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.draft = []  # (one the budget left unscheduled last step is stale)
             # (a penalised request's logits depend on every token before: drafts would change them)
-            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative or seq.params.has_penalties:
+            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative or seq.params.needs_history:
                 continue
             # drafts past max_tokens or the context would be thrown away: the bonus token needs none
             k = min(k_max, seq.params.max_tokens - len(seq.output) - 1, limit - seq.num_tokens - 1)
@@ -346,7 +352,7 @@ class LLMEngine:
                     rows.append(row + s.num_rows - 1)
                     params.append(seq.params)
                     ids.append(seq.seq_id)
-                    history.append((seq.prompt, seq.output) if seq.params.has_penalties else None)
+                    history.append((seq.prompt, seq.output) if seq.params.has_processors else None)
             row += s.num_rows
         if self.async_scheduling and rows and row == len(scheduled) and not rolled_back \
                 and not any(s.all_rows for s in scheduled):  # a row a sequence (no drafts)
@@ -366,7 +372,8 @@ class LLMEngine:
                 self._prompt_logprobs(seq, logits[r:r + s.num_rows], b)
                 r += s.num_rows - 1  # (the last row samples)
             if s.num_draft:
-                new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id)
+                new = self.sampler.verify(logits[r:r + 1 + s.num_draft], seq.draft, seq.params, seq.seq_id,
+                                          (seq.prompt, seq.output))
                 self.num_spec_steps += 1
                 self.num_draft_tokens += s.num_draft
                 self.num_accepted_tokens += len(new) - 1
@@ -417,7 +424,7 @@ class LLMEngine:
         """Why ``seq`` ends with ``tok`` as its ``num_output``-th output token, or None."""
         if num_output >= seq.params.max_tokens:
             return "length"
-        if tok in seq.params.stop_token_ids or (tok in self.eos and not seq.params.ignore_eos):
+        if seq.params.is_stop(tok, num_output, self.eos):
             return "stop"
         return None
 
@@ -459,14 +466,14 @@ class LLMEngine:
         last by length (``max_tokens``). The others decode once more (their input the launched
         tokens, on the device), running prompts go on with their next chunk and admissions follow:
         none of that depends on an unknown token. None (wait for the tokens) when drafts are
-        proposed (they need the tokens), when a launched sequence has penalties (its next logits
-        count the launched token), when pages could run short (a preemption recomputes a sequence
+        proposed (they need the tokens), when a launched sequence has penalties or bad words of
+        several tokens (its next logits depend on the launched token), when pages could run short (a preemption recomputes a sequence
         from its tokens), or when every running sequence ends and none waits."""
         launched, running = self._launched, self.scheduler.running
         if self.drafter is not None or not self.async_scheduling or not running:
             return None
-        if any(s.params.has_penalties for s, at, _, _ in launched.entries if at is not None):
-            return None  # (its next logits' penalties count the launched token)
+        if any(s.params.needs_history for s, at, _, _ in launched.entries if at is not None):
+            return None  # (its next logits' penalties or bans depend on the launched token)
         skip, need = set(), 0
         for seq in running:
             if seq.seq_id in launched.rows:  # next input: the launched token (a PENDING now)

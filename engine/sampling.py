@@ -1,5 +1,5 @@
-"""Sampling parameters and the sampler: greedy, temperature, min-p, top-k, top-p, penalties, per-request
-seed, log-probabilities."""
+"""Sampling parameters and the sampler: greedy, temperature, min-p, top-k, top-p, penalties, logit bias,
+allowed and banned tokens, a minimum length, per-request seed, log-probabilities."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ SAMPLING_EPS = 1e-5
 
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities for (vLLM's default ``max_logprobs``)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""Largest bias, either sign, a request may add to a token's logit (OpenAI's range)."""
 
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities below this (``-inf`` included) are reported as this: JSON has no infinity."""
@@ -64,11 +67,40 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for each prompt token after the first (what the model predicted there). The whole
     prompt is then computed: its KV is neither loaded from the store nor shared from local pages."""
+    min_tokens: int = 0
+    """Tokens generated before a stop token (EOS unless ``ignore_eos``, ``stop_token_ids``) may be:
+    they are masked until then."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs (a dict is taken too): the bias, in [-100, 100], is added to the
+    token's logit."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be generated (None: all)."""
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never generated: a sequence's last token is masked wherever the output ends
+    with the ones before it (a one-token sequence: always)."""
 
     @property
     def has_penalties(self) -> bool:
-        """Its logits depend on the tokens so far (presence, frequency or repetition penalty)."""
+        """Presence, frequency or repetition penalty."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_processors(self) -> bool:
+        """Its logits are changed before sampling: penalties, a bias, allowed or banned tokens or a
+        minimum length."""
+        return bool(self.has_penalties or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words_ids)
+
+    @property
+    def needs_history(self) -> bool:
+        """Its logits depend on which tokens came before (penalties, banned sequences of several
+        tokens), not only on how many: no drafts, and async steps wait for its tokens."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_ids)
+
+    def is_stop(self, tok: int, num_output: int, eos) -> bool:
+        """Whether ``tok``, the ``num_output``-th token of the output, stops it (``eos``: the model's
+        EOS ids)."""
+        return num_output > self.min_tokens and (tok in self.stop_token_ids or (not self.ignore_eos and tok in eos))
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -99,6 +131,37 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple((t, float(b)) for t, b in bias if _is_int(t) and t >= 0 and _is_real(b)
+                         and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
+        except (TypeError, ValueError):
+            bias = None
+        if bias is None or len(bias) != len(self.logit_bias):
+            raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            if not _token_ids(self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be None or a non-empty sequence of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words_ids, (str, bytes)) or not hasattr(self.bad_words_ids, "__iter__") \
+                or not all(_token_ids(w) for w in self.bad_words_ids):
+            raise ValueError(f"bad_words_ids must be a sequence of non-empty token id sequences, "
+                             f"got {self.bad_words_ids!r}")
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
+
+    def token_ids(self):
+        """Every token id the request names (to check against a vocabulary)."""
+        yield from self.stop_token_ids
+        yield from (t for t, _ in self.logit_bias)
+        yield from self.allowed_token_ids or ()
+        for w in self.bad_words_ids:
+            yield from w
 
 
 def _is_int(v) -> bool:
@@ -107,6 +170,11 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _token_ids(v) -> bool:
+    """``v`` is a non-empty sequence (list or tuple) of token ids."""
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(t) and t >= 0 for t in v)
 
 
 class SampledTokens:
@@ -187,16 +255,33 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
                         [k] * len(tokens)).tolist(len(tokens))
 
 
-class Sampler:
-    """Picks one token per row of logits; keeps one generator per seeded request."""
+class _Masks(NamedTuple):
+    """A request's token lists on the device, made once (``Sampler._masks_of``)."""
 
-    def __init__(self) -> None:
+    allowed: torch.Tensor | None
+    banned: torch.Tensor | None  # one-token bad words
+    stops: torch.Tensor | None  # masked while the output is shorter than min_tokens
+    bias_ids: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+class Sampler:
+    """Picks one token per row of logits; keeps one generator per seeded request.
+
+    Args:
+        eos: the model's EOS token ids (masked, with ``stop_token_ids``, before ``min_tokens``).
+    """
+
+    def __init__(self, eos=()) -> None:
+        self.eos = frozenset(eos)
         self._generators: dict[int, torch.Generator] = {}
         self._penalty_state: dict[int, list] = {}  # seq_id: [seen in prompt or output, output counts, outputs counted]
+        self._masks: dict[int, _Masks] = {}
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         self._penalty_state.pop(seq_id, None)
+        self._masks.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """Samples one token per row (``sample_async(...).tolist()``).
@@ -217,15 +302,16 @@ class Sampler:
         the request's generator, picks token ``i`` with probability ``probs[i]`` exactly, with
         no host synchronisation (``torch.multinomial`` waits for the device). Rows whose request
         asks for ``logprobs`` get them computed beside (``SampledTokens.logprobs``), from the logits
-        as the model gave them. ``history``: for each row whose request has penalties, its
-        ``(prompt, output)`` tokens (``_penalised``), applied before greedy and sampled picks.
+        as the model gave them. ``history``: for each row whose request changes its logits
+        (``SamplingParams.has_processors``), its ``(prompt, output)`` tokens (``processed``), applied
+        before greedy and sampled picks.
         """
         raw = logits
         if history is not None and any(h is not None for h in history):
             logits = logits.to(torch.float32, copy=True)
             for i, (p, sid, h) in enumerate(zip(params, seq_ids, history)):
                 if h is not None:
-                    logits[i] = self._penalised(logits[i], sid, h[0], h[1], p)
+                    logits[i] = self.processed(logits[i], sid, p, h[0], h[1])
         out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
@@ -236,6 +322,41 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
+
+    def processed(self, logits: torch.Tensor, seq_id: int, p: SamplingParams, prompt: list[int],
+                  output: list[int]) -> torch.Tensor:
+        """One row of logits (float32, changed in place) as request ``p`` samples from them after
+        ``output``, in vLLM's order: tokens outside ``allowed_token_ids`` and banned ones masked,
+        stop tokens masked before ``min_tokens``, the logit bias added, then the penalties. Only the
+        penalties and banned sequences of several tokens look at which tokens ``output`` has (under
+        async scheduling its last ones may still be ``PENDING``, which counts their number only)."""
+        m = self._masks.get(seq_id)
+        if m is None:
+            m = self._masks[seq_id] = self._masks_of(p, logits.device)
+        if m.allowed is not None:
+            keep = logits.index_select(0, m.allowed)
+            logits.fill_(-math.inf).index_copy_(0, m.allowed, keep)
+        if m.banned is not None:
+            logits.index_fill_(0, m.banned, -math.inf)
+        ends = [w[-1] for w in p.bad_words_ids if 1 < len(w) <= len(output) + 1
+                and tuple(output[len(output) - len(w) + 1:]) == w[:-1]]
+        if ends:
+            logits.index_fill_(0, to_device(ends, torch.int64, logits.device), -math.inf)
+        if m.stops is not None and len(output) < p.min_tokens:
+            logits.index_fill_(0, m.stops, -math.inf)
+        if m.bias is not None:
+            logits.index_add_(0, m.bias_ids, m.bias)
+        return self._penalised(logits, seq_id, prompt, output, p) if p.has_penalties else logits
+
+    def _masks_of(self, p: SamplingParams, device: torch.device) -> _Masks:
+        def ids(xs):
+            return to_device(sorted(set(xs)), torch.int64, device) if xs else None
+
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos) if p.min_tokens else ()
+        return _Masks(ids(p.allowed_token_ids), ids([w[0] for w in p.bad_words_ids if len(w) == 1]), ids(stops),
+                      to_device([t for t, _ in p.logit_bias], torch.int64, device) if p.logit_bias else None,
+                      torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32).to(device)
+                      if p.logit_bias else None)
 
     def _penalised(self, logits: torch.Tensor, seq_id: int, prompt: list[int], output: list[int],
                    p: SamplingParams) -> torch.Tensor:
@@ -270,7 +391,15 @@ class Sampler:
             self._generators[seq_id] = gen
         return gen
 
-    def verify(self, logits: torch.Tensor, draft: list[int], p: SamplingParams, seq_id: int) -> list[int]:
-        """The tokens a verification step emits (engine/spec_decode.py ``verify``)."""
+    def verify(self, logits: torch.Tensor, draft: list[int], p: SamplingParams, seq_id: int,
+               history: tuple[list[int], list[int]] | None = None) -> list[int]:
+        """The tokens a verification step emits (engine/spec_decode.py ``verify``). ``history``: the
+        request's ``(prompt, output)`` when it changes its logits (``processed``: row ``j`` follows
+        the output and the first ``j`` drafts)."""
+        if history is not None and p.has_processors:
+            logits = logits.to(torch.float32, copy=True)
+            prompt, output = history
+            for j in range(len(logits)):
+                logits[j] = self.processed(logits[j], seq_id, p, prompt, output + draft[:j])
         gen = self.generator(seq_id, p, logits.device) if p.temperature > 0 else None
         return verify(logits, draft, p.temperature, p.top_p, gen, p.top_k, p.min_p)

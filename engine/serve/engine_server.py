@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,8 +27,10 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
 
 
-def sampling_from_pb(s: pb.SamplingOptions, max_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+def sampling_from_pb(s: pb.SamplingOptions) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
+                          allowed_token_ids=tuple(s.allowed_token_ids) or None,
+                          bad_words_ids=tuple(tuple(w.ids) for w in s.bad_words),
                           temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,
@@ -57,9 +60,9 @@ class EngineService(pb_grpc.EngineServicer):
         self.num_local_prefills = 0
         self.agent = None  # a MemberAgent when a conductor is configured
 
-    def _params(self, s: pb.SamplingOptions, context, max_tokens: int | None = None) -> SamplingParams:
+    def _params(self, s: pb.SamplingOptions, context) -> SamplingParams:
         try:
-            return sampling_from_pb(s, max_tokens)
+            return sampling_from_pb(s)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -74,11 +77,13 @@ class EngineService(pb_grpc.EngineServicer):
     def Prefill(self, request, context):
         if self.role == "decode":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode engine")
-        params = self._params(request.sampling, context, max_tokens=1)
+        params = self._params(request.sampling, context)
+        # (the request's first token only: its minimum length still masks a stop token there)
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         prompt = list(request.prompt_token_ids)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         t0 = time.perf_counter()
-        h = self._submit(context, prompt, params, salt, replicate=request.replicate)
+        h = self._submit(context, prompt, first_params, salt, replicate=request.replicate)
         first = None
         while True:
             kind, val = h.events.get()
@@ -99,10 +104,9 @@ class EngineService(pb_grpc.EngineServicer):
         # NOTE: while saves fail (the store is unreachable) no keys: the decode engine prefills at once
         # instead of waiting its fetch timeout for chunks that will not arrive
         keys = conn.keys(prompt, salt) if conn is not None and conn.saves_reach_store else []
-        s = request.sampling
-        if s.max_tokens <= 1:
+        if params.max_tokens <= 1:
             finished, reason = True, "length"
-        elif first in s.stop_token_ids or (first in self.engine.eos and not s.ignore_eos):
+        elif params.is_stop(first, 1, self.engine.eos):
             finished, reason = True, "stop"
         else:
             finished, reason = False, ""
@@ -128,9 +132,7 @@ class EngineService(pb_grpc.EngineServicer):
             if first >= vocab:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_token must be in [0, {vocab})")
             # NOTE: the prefill engine's token may end the request already (as its response says)
-            s = request.sampling
-            done = "length" if params.max_tokens <= 1 else \
-                "stop" if first in s.stop_token_ids or (first in self.engine.eos and not s.ignore_eos) else None
+            done = "length" if params.max_tokens <= 1 else "stop" if params.is_stop(first, 1, self.engine.eos) else None
             if done:
                 yield pb.GenerateResponse(finished=True, finish_reason=done, num_prompt_tokens=len(prompt))
                 return

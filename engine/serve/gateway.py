@@ -27,8 +27,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from engine.sampling import TokenLogprobs
-from engine.serve.openai_protocol import (BadRequest, ParsedRequest, full_response, logprobs_body, new_id,
-                                          parse_request, stream_chunk, usage)
+from engine.serve.openai_protocol import (BadRequest, ParsedRequest, bad_words_ids, full_response, logprobs_body,
+                                          new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
@@ -200,7 +200,9 @@ class Gateway:
         return pb.SamplingOptions(max_tokens=max(1, req.max_tokens), temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, min_p=req.min_p, stop_token_ids=req.stop_token_ids,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty,
+                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                                  logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+                                  bad_words=[pb.TokenIds(ids=w) for w in bad_words_ids(req.bad_words, self.tokenizer)],
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
 
@@ -321,17 +323,24 @@ def _logprobs(msgs) -> list[TokenLogprobs]:
 
 class _Detok:
     """Incremental detokenization that never emits half a character, with stop strings: the text
-    ends where the first of them begins (``include_stop``: where it ends)."""
+    ends where the first of them begins (``include_stop``: where it ends). With ``min_tokens``, as
+    in vLLM, a stop string counts only once more tokens are out and only where it ends in their text."""
 
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False) -> None:
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tok, self.stop, self.include_stop = tokenizer, stop, include_stop
+        self.min_tokens = min_tokens
+        self.floor: int | None = None if min_tokens else 0  # a stop string must end past this in the text
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
 
     def cut(self, text: str) -> str:
         """``text`` up to its first stop string (sets ``stopped`` when there is one)."""
-        found = [(i, -len(s)) for s in self.stop if (i := text.find(s)) >= 0]
+        if self.floor is None:
+            if len(self.ids) <= self.min_tokens:
+                return text
+            self.floor = len(self.tok.decode(self.ids[:self.min_tokens]).rstrip("\ufffd"))
+        found = [(i, -len(s)) for s in self.stop if (i := text.find(s, max(0, self.floor - len(s) + 1))) >= 0]
         if not found:
             return text
         self.stopped = True
@@ -584,7 +593,7 @@ def make_handler(gw: Gateway):
             gw.m_tokens.labels("completion").inc(sum(c.n for c in choices))
 
         def _complete(self, req, prompt):
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens) for _ in range(req.n)]
             for _ in self._choices(req, prompt, choices):
                 pass
             body = []
@@ -603,7 +612,7 @@ def make_handler(gw: Gateway):
 
         def _stream(self, req, prompt):
             rid = new_id(req.chat)
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens) for _ in range(req.n)]
             gen = self._choices(req, prompt, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
@@ -653,8 +662,8 @@ def make_handler(gw: Gateway):
 class _Choice:
     """One choice of a request as the gateway assembles it."""
 
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False) -> None:
-        self.detok = _Detok(tokenizer, stop, include_stop)
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0) -> None:
+        self.detok = _Detok(tokenizer, stop, include_stop, min_tokens)
         self.reason: str | None = None  # set once it has ended
         self.n = 0  # tokens generated
         self.cached = 0

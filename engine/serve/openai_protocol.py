@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling import MAX_LOGPROBS, TokenLogprobs
+from engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprobs
 
 
 class BadRequest(Exception):
@@ -51,17 +51,25 @@ class ParsedRequest:
     """Completions: the prompt comes back before the completion (with its logprobs, if asked for)."""
     prompt_logprobs: int | None = None
     """The prompt tokens' log-probabilities are needed (``echo`` with ``logprobs``)."""
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    """Words never generated (tokenized by the gateway, alone and after a space)."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_tokens": (0,), "use_beam_search": (False,),
-    "prompt_logprobs": (0,), "tools": ([],), "response_format": ({"type": "text"},), "bad_words": ([],),
+    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
+    "prompt_logprobs": (0,), "tools": ([],), "response_format": ({"type": "text"},),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "allowed_token_ids": (), "truncate_prompt_tokens": (), "logits_processors": (),
+    "truncate_prompt_tokens": (), "logits_processors": (),
 }
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 64
 INT32_MAX = (1 << 31) - 1
 MAX_N = 16
 """Most choices (``n``) one request may ask for."""
@@ -143,13 +151,18 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     limit_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _num(body, limit_name, 16, 0 if echo else 1, UINT32_MAX, integer=True)
+    min_tokens = _num(body, "min_tokens", 0, 0, UINT32_MAX, integer=True)
+    if min_tokens > max_tokens:
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed '{limit_name}' ({max_tokens})", "min_tokens")
     opts = body.get("stream_options") or {}
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
     return ParsedRequest(
         chat=chat, prompt=prompt,
-        max_tokens=_num(body, limit_name, 16, 0 if echo else 1, UINT32_MAX, integer=True),
+        max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
+        allowed_token_ids=_allowed(body), bad_words=_bad_words(body),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
@@ -165,6 +178,55 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to biases in [-100, 100]."""
+    v = body.get("logit_bias")
+    if not v:
+        return None
+    bad = BadRequest(f"'logit_bias' must be an object of up to {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings) "
+                     f"to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias")
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad
+    out = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit()) or int(k) > UINT32_MAX or isinstance(b, bool) \
+                or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise bad
+        out[int(k)] = float(b)
+    return out
+
+
+def _allowed(body: dict) -> tuple[int, ...] | None:
+    v = body.get("allowed_token_ids")
+    if v is None:
+        return None
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_ALLOWED_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in v):
+        raise BadRequest(f"'allowed_token_ids' must be a non-empty list of up to {MAX_ALLOWED_TOKEN_IDS} token ids",
+                         "allowed_token_ids")
+    return tuple(v)
+
+
+def _bad_words(body: dict) -> tuple[str, ...]:
+    v = body.get("bad_words") or []
+    if not isinstance(v, list) or len(v) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in v):
+        raise BadRequest(f"'bad_words' must be a list of up to {MAX_BAD_WORDS} non-blank strings", "bad_words")
+    return tuple(v)
+
+
+def bad_words_ids(words: tuple[str, ...], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that spell each word, as vLLM bans them: the word alone, and after a
+    space where that is another token of its own (BPE vocabularies: " word" is not "word")."""
+    out: list[tuple[int, ...]] = []
+    for w in words:
+        alone = tuple(tokenizer.encode(w.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + w.lstrip()))
+        out.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
 
 
 def new_id(chat: bool) -> str:

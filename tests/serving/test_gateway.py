@@ -182,6 +182,56 @@ def test_penalties_reach_both_engines_and_give_the_engines_tokens(disagg):
         assert text == disagg.gw.tokenizer.decode(want.token_ids), stream
 
 
+def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_give_the_engines_tokens(disagg):
+    """Each option reaches both engines (the prefill engine's first token obeys it too) and the
+    answer is one engine's doing it all: OpenAI's logit_bias (string token ids), vLLM's
+    allowed_token_ids, bad_words (a string: the gateway bans the tokens spelling it) and min_tokens
+    (EOS pushed to the top by a bias is held back until then; the first token included)."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from engine.serve.openai_protocol import bad_words_ids
+
+    tok = disagg.gw.tokenizer
+    eos = tok.eos_token_id
+    with LLM(MODEL, dtype="float32") as llm:
+        def ref(**kw):
+            out, = llm.generate(STOP_PROMPT, params=SamplingParams(max_tokens=8, **kw))
+            return tok.decode(out.token_ids), out.finish_reason
+
+        plain = llm.generate(STOP_PROMPT, max_tokens=8, ignore_eos=True)[0].token_ids
+        assert tok.decode(plain[:4]) == "g^??"  # (the bytes a bad word spells below)
+        assert bad_words_ids(("^?",), tok) == ((ord("^"), ord("?")),)  # (bytes: no second spelling)
+        cases = [({"logit_bias": {"77": 6, str(plain[0]): -100}, "ignore_eos": True},
+                  dict(logit_bias={77: 6.0, plain[0]: -100.0}, ignore_eos=True)),
+                 ({"allowed_token_ids": list(range(100, 140)), "ignore_eos": True},
+                  dict(allowed_token_ids=tuple(range(100, 140)), ignore_eos=True)),
+                 ({"bad_words": ["^?"], "ignore_eos": True}, dict(bad_words_ids=[[ord("^"), ord("?")]], ignore_eos=True)),
+                 ({"min_tokens": 3, "logit_bias": {str(eos): 100}}, dict(min_tokens=3, logit_bias={eos: 100.0}))]
+        wants = [ref(**kw) for _, kw in cases]
+    assert all(w[0] != tok.decode(plain) for w in wants)  # (each option changes the answer)
+    assert wants[3] == (tok.decode(plain[:3]), "stop")  # three tokens, then EOS
+    for (body, _), want in zip(cases, wants):
+        for stream in (False, True):
+            got = completion(disagg.client(), STOP_PROMPT, stream, max_tokens=8, extra_body=body)[:2]
+            assert got == want, (body, stream)
+    for field, value in (("logit_bias", {"512": 1}), ("allowed_token_ids", [3, 512]), ("stop_token_ids", [512])):
+        status, data = request(disagg.url, "POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}).encode(), {"Content-Type": "application/json"})
+        assert status == 400 and "in [0, 512)" in json.loads(data)["error"]["message"], (field, data)
+
+
+def test_min_tokens_holds_back_stop_strings_ending_in_the_first_tokens(disagg):
+    """As vLLM: before min_tokens tokens are out no stop string is looked for, and after only one
+    that ends past their text counts ("g^?" has a "^"; the next one ends the text)."""
+    c = disagg.client()
+    for stream in (False, True):
+        assert completion(c, STOP_PROMPT, stream, max_tokens=12, stop="^")[:2] == ("g", "stop")
+        assert completion(c, STOP_PROMPT, stream, max_tokens=12, stop="^",
+                          extra_body={"ignore_eos": True, "min_tokens": 3})[:2] == ("g^??<|274|>)", "stop")
+        assert completion(c, STOP_PROMPT, stream, max_tokens=12, stop="^?",
+                          extra_body={"ignore_eos": True, "min_tokens": 2})[:2] == ("g", "stop")
+
+
 def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     c = disagg.client()
     # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
@@ -399,10 +449,11 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
 @pytest.mark.parametrize("chat,field,value", [
     (False, "logprobs", MAX_LOGPROBS + 1), (False, "logprobs", True), (True, "top_logprobs", 3),
     (True, "logprobs", 2), (False, "presence_penalty", 2.5), (False, "frequency_penalty", "1"), (False, "repetition_penalty", 0),
-    (False, "logit_bias", {"5": 10}), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
+    (False, "logit_bias", {"5": 101}), (False, "logit_bias", {"x": 1}), (True, "logit_bias", [5]),
+    (False, "min_tokens", 3), (True, "min_tokens", -1), (False, "allowed_token_ids", []),
+    (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
-    (False, "allowed_token_ids", [5]), (True, "bad_words", ["x"]),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
