@@ -21,6 +21,7 @@ from engine.sampling import SampledTokens, Sampler, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.spec_decode import NgramDrafter
+from engine.structured import Grammars
 from engine.tokenizer import load_tokenizer
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, make_namespace
 
@@ -116,7 +117,8 @@ class LLMEngine:
         self.eos = set(mc.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.eos)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos)
+        self.sampler = Sampler(self.eos, self.grammars)
         self.seqs: dict[int, Sequence] = {}
         self.last_step_prefill_tokens: int | None = None
         """Prompt tokens the last step computed; None when it ran nothing (for the serving loop's metrics)."""
@@ -216,6 +218,8 @@ class LLMEngine:
         if params.min_tokens and params.allowed_token_ids is not None and all(
                 params.is_stop(t, params.min_tokens + 1, self.eos) for t in params.allowed_token_ids):
             raise ValueError("every token of allowed_token_ids is a stop token, which min_tokens masks")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # (cached: the engine's thread finds it compiled)
 
     def abort(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)

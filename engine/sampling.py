@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from engine.spec_decode import target_probs, verify
+from engine.structured import check_spec
 from kernels.host import to_device
 
 
@@ -78,6 +79,10 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     """Token sequences never generated: a sequence's last token is masked wherever the output ends
     with the ones before it (a one-token sequence: always)."""
+    structured: tuple[str, str] | None = None
+    """``(kind, spec)``: the output follows a grammar (engine/structured.py: ``"json"`` and a JSON
+    schema, ``"json_object"``, ``"regex"``, ``"choice"`` and a JSON list of strings, ``"grammar"``
+    and EBNF) and ends, with EOS, where the grammar does."""
 
     @property
     def has_penalties(self) -> bool:
@@ -89,18 +94,19 @@ class SamplingParams:
         """Its logits are changed before sampling: penalties, a bias, allowed or banned tokens or a
         minimum length."""
         return bool(self.has_penalties or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
-                    or self.bad_words_ids)
+                    or self.bad_words_ids or self.structured)
 
     @property
     def needs_history(self) -> bool:
         """Its logits depend on which tokens came before (penalties, banned sequences of several
-        tokens), not only on how many: no drafts, and async steps wait for its tokens."""
-        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_ids)
+        tokens, a grammar), not only on how many: no drafts, and async steps wait for its tokens."""
+        return self.has_penalties or self.structured is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
     def is_stop(self, tok: int, num_output: int, eos) -> bool:
         """Whether ``tok``, the ``num_output``-th token of the output, stops it (``eos``: the model's
-        EOS ids)."""
-        return num_output > self.min_tokens and (tok in self.stop_token_ids or (not self.ignore_eos and tok in eos))
+        EOS ids). A structured output ends at EOS even with ``ignore_eos``: it is where its grammar ends."""
+        return num_output > self.min_tokens and (tok in self.stop_token_ids or (
+            (not self.ignore_eos or self.structured is not None) and tok in eos))
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -154,6 +160,10 @@ class SamplingParams:
             raise ValueError(f"bad_words_ids must be a sequence of non-empty token id sequences, "
                              f"got {self.bad_words_ids!r}")
         object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
+        if self.structured is not None:
+            object.__setattr__(self, "structured", check_spec(self.structured))
+            if self.min_tokens:  # (a complete grammar allows only EOS, which min_tokens masks)
+                raise ValueError("min_tokens cannot be combined with structured outputs")
 
     def token_ids(self):
         """Every token id the request names (to check against a vocabulary)."""
@@ -270,10 +280,13 @@ class Sampler:
 
     Args:
         eos: the model's EOS token ids (masked, with ``stop_token_ids``, before ``min_tokens``).
+        grammars: compiles structured outputs' grammars (``engine.structured.Grammars``).
     """
 
-    def __init__(self, eos=()) -> None:
+    def __init__(self, eos=(), grammars=None) -> None:
         self.eos = frozenset(eos)
+        self.grammars = grammars
+        self._matchers: dict = {}  # seq_id: its structured output's Matcher
         self._generators: dict[int, torch.Generator] = {}
         self._penalty_state: dict[int, list] = {}  # seq_id: [seen in prompt or output, output counts, outputs counted]
         self._masks: dict[int, _Masks] = {}
@@ -282,6 +295,7 @@ class Sampler:
         self._generators.pop(seq_id, None)
         self._penalty_state.pop(seq_id, None)
         self._masks.pop(seq_id, None)
+        self._matchers.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """Samples one token per row (``sample_async(...).tolist()``).
@@ -326,10 +340,19 @@ class Sampler:
     def processed(self, logits: torch.Tensor, seq_id: int, p: SamplingParams, prompt: list[int],
                   output: list[int]) -> torch.Tensor:
         """One row of logits (float32, changed in place) as request ``p`` samples from them after
-        ``output``, in vLLM's order: tokens outside ``allowed_token_ids`` and banned ones masked,
+        ``output``, in vLLM's order: the tokens its grammar does not allow next (a structured
+        output), tokens outside ``allowed_token_ids`` and banned ones masked,
         stop tokens masked before ``min_tokens``, the logit bias added, then the penalties. Only the
         penalties and banned sequences of several tokens look at which tokens ``output`` has (under
         async scheduling its last ones may still be ``PENDING``, which counts their number only)."""
+        if p.structured is not None:
+            g = self._matchers.get(seq_id)
+            if g is None:
+                if self.grammars is None:
+                    raise ValueError("this sampler has no grammars for structured outputs")
+                g = self._matchers[seq_id] = self.grammars.matcher(p.structured)
+            g.follow(output)
+            logits.masked_fill_(~g.allowed(self.eos, logits.device), -math.inf)
         m = self._masks.get(seq_id)
         if m is None:
             m = self._masks[seq_id] = self._masks_of(p, logits.device)

@@ -66,6 +66,11 @@ class HFTokenizer:
         self.eos_token_id = tok_id("eos_token")
         self.chat_template = cfg.get("chat_template")
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer``."""
+        return self._tok
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids

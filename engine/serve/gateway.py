@@ -203,6 +203,8 @@ class Gateway:
                                   repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                                   logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
                                   bad_words=[pb.TokenIds(ids=w) for w in bad_words_ids(req.bad_words, self.tokenizer)],
+                                  structured=pb.StructuredOutput(kind=req.structured[0], spec=req.structured[1])
+                                  if req.structured else None,
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -56,15 +57,16 @@ class ParsedRequest:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     """Words never generated (tokenized by the gateway, alone and after a space)."""
+    structured: tuple[str, str] | None = None
+    """The grammar the output follows (``SamplingParams.structured``)."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
-    "prompt_logprobs": (0,), "tools": ([],), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "truncate_prompt_tokens": (), "logits_processors": (),
+    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,), "tools": ([],),
+    "tool_choice": ("none",), "truncate_prompt_tokens": (), "logits_processors": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
 }
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -162,7 +164,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     return ParsedRequest(
         chat=chat, prompt=prompt,
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
-        allowed_token_ids=_allowed(body), bad_words=_bad_words(body),
+        allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=_structured(body),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
@@ -207,6 +209,65 @@ def _allowed(body: dict) -> tuple[int, ...] | None:
         raise BadRequest(f"'allowed_token_ids' must be a non-empty list of up to {MAX_ALLOWED_TOKEN_IDS} token ids",
                          "allowed_token_ids")
     return tuple(v)
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+def _structured(body: dict) -> tuple[str, str] | None:
+    """The grammar a request asks its output to follow, from OpenAI's ``response_format``
+    (``json_object``; ``json_schema`` with its ``schema``), vLLM's ``structured_outputs`` (one of
+    ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) or vLLM's older ``guided_json``,
+    ``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one of them."""
+    given = [f for f in STRUCTURED_FIELDS if body.get(f) is not None
+             and not (f == "response_format" and isinstance(body[f], dict) and body[f].get("type") == "text")]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise BadRequest(f"give one way of structuring the output, not {' and '.join(map(repr, given))}", given[1])
+    field, v = given[0], body[given[0]]
+    if field == "response_format":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "json_object":
+            return "json_object", ""
+        schema = v.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                             field)
+        return "json", json.dumps(schema["schema"])
+    if field == "structured_outputs":
+        if not isinstance(v, dict):
+            raise BadRequest("'structured_outputs' must be an object", field)
+        set_ = {k: x for k, x in v.items() if x is not None and x is not False}
+        unknown = set(set_) - {"json", "json_object", "regex", "choice", "grammar"}
+        if unknown or len(set_) != 1:
+            raise BadRequest("'structured_outputs' takes exactly one of json, json_object, regex, choice, grammar"
+                             + (f" (not {', '.join(sorted(unknown))})" if unknown else ""), field)
+        (kind, v), = set_.items()
+        if kind == "json_object":
+            if v is not True:
+                raise BadRequest("'structured_outputs.json_object' must be true", field)
+            return "json_object", ""
+    else:
+        kind = field.removeprefix("guided_")
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                v = None
+        if not isinstance(v, dict):
+            raise BadRequest(f"'{field}' needs a JSON schema (an object, or its JSON text)", field)
+        return "json", json.dumps(v)
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise BadRequest(f"'{field}' needs a non-empty list of non-empty strings", field)
+        return "choice", json.dumps(v)
+    if not isinstance(v, str) or not v:
+        raise BadRequest(f"'{field}' needs a non-empty string ({kind})", field)
+    return kind, v
 
 
 def _bad_words(body: dict) -> tuple[str, ...]:

@@ -232,6 +232,49 @@ def test_min_tokens_holds_back_stop_strings_ending_in_the_first_tokens(disagg):
                           extra_body={"ignore_eos": True, "min_tokens": 2})[:2] == ("g", "stop")
 
 
+def test_structured_outputs_through_both_engines_are_the_engines_and_meet_their_grammar(disagg):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and
+    guided_* reach the prefill engine (its first token is the grammar's) and the decode engine
+    (its matcher follows that token): greedy answers are one engine's doing it all, streamed and not;
+    chat answers meet the schema."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from tests.engine.test_structured import GRAMMAR, SCHEMA, _meets
+
+    pytest.importorskip("xgrammar")
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+              ("json", json.dumps(SCHEMA))),
+             ({"structured_outputs": {"regex": "[a-z]{2,4}-[0-9]{2}"}}, ("regex", "[a-z]{2,4}-[0-9]{2}")),
+             ({"guided_choice": ["yes", "no", "maybe so"]}, ("choice", json.dumps(["yes", "no", "maybe so"]))),
+             ({"guided_grammar": GRAMMAR}, ("grammar", GRAMMAR)),
+             ({"response_format": {"type": "json_object"}, "logit_bias": {str(ord("}")): 8}}, ("json_object", ""))]
+    with LLM(MODEL, dtype="float32") as llm:
+        wants = []
+        for body, spec in cases:
+            bias = {int(k): float(v) for k, v in body.get("logit_bias", {}).items()}
+            out, = llm.generate(STOP_PROMPT, params=SamplingParams(max_tokens=300, structured=spec, logit_bias=bias))
+            assert out.finish_reason == "stop" and _meets(spec, out.text), (spec, out.text)
+            wants.append(out.text)
+    for (body, spec), want in zip(cases, wants):
+        for stream in (False, True):
+            got = completion(disagg.client(), STOP_PROMPT, stream, max_tokens=300, extra_body=body)[:2]
+            assert got == (want, "stop"), (body, stream)
+    c = disagg.client()
+    for stream in (False, True):
+        kw = {"model": MODEL, "messages": [{"role": "user", "content": "a record, please"}], "max_tokens": 300,
+              "temperature": 1.0, "seed": 3, "response_format": cases[0][0]["response_format"]}
+        if stream:
+            chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+            text, reason = "".join(ch.delta.content or "" for ch in chunks), chunks[-1].finish_reason
+        else:
+            r = c.chat.completions.create(**kw)
+            text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert reason == "stop" and _meets(cases[0][1], text), text
+    status, data = request(disagg.url, "POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "hi", "guided_regex": "[a-"}).encode(), {"Content-Type": "application/json"})
+    assert status == 400 and "does not compile: Regex parsing error" in json.loads(data)["error"]["message"], data
+
+
 def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     c = disagg.client()
     # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
@@ -453,7 +496,11 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (False, "min_tokens", 3), (True, "min_tokens", -1), (False, "allowed_token_ids", []),
     (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
-    (True, "response_format", {"type": "json_object"}), (True, "tools", [{"type": "function"}]),
+    (True, "response_format", {"type": "json_schema"}), (False, "response_format", {"type": "xml"}),
+    (True, "response_format", "json"), (False, "structured_outputs", {"regex": "a", "choice": ["a"]}),
+    (False, "structured_outputs", {"structural_tag": "x"}), (False, "structured_outputs", {"json_object": 1}),
+    (True, "guided_choice", []), (False, "guided_json", "not json"), (False, "guided_regex", 5),
+    (True, "tool_choice", "auto"), (True, "tools", [{"type": "function"}]),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
@@ -463,6 +510,13 @@ def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(dis
     assert status == 400, data
     err = json.loads(data)["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == field
+
+
+def test_one_way_of_structuring_the_output_at_a_time(disagg):
+    body = {"model": MODEL, "prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    status, data = request(disagg.url, "POST", "/v1/completions", json.dumps(body).encode(),
+                           {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(data)["error"]["param"] == "guided_regex", data
 
 
 def test_the_off_values_of_unimplemented_options_are_served():
