@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from engine.spec_decode import target_probs, verify
-from engine.structured import check_spec
+from engine.structured import bitmask_words, check_spec, unpack
 from kernels.host import to_device
 
 
@@ -91,10 +91,15 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        """Its logits are changed before sampling: penalties, a bias, allowed or banned tokens or a
-        minimum length."""
+        """Its logits are changed before sampling: a grammar, penalties, a bias, allowed or banned
+        tokens or a minimum length."""
+        return self.structured is not None or self._has_row_processors
+
+    @property
+    def _has_row_processors(self) -> bool:
+        """Processing besides a grammar (``Sampler.processed``)."""
         return bool(self.has_penalties or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
-                    or self.bad_words_ids or self.structured)
+                    or self.bad_words_ids)
 
     @property
     def needs_history(self) -> bool:
@@ -323,9 +328,13 @@ class Sampler:
         raw = logits
         if history is not None and any(h is not None for h in history):
             logits = logits.to(torch.float32, copy=True)
+            grammar = [i for i, (p, h) in enumerate(zip(params, history)) if h is not None and p.structured is not None]
+            if grammar:
+                self._mask_grammars(logits, grammar, [seq_ids[i] for i in grammar], [params[i] for i in grammar],
+                                    [history[i][1] for i in grammar])
             for i, (p, sid, h) in enumerate(zip(params, seq_ids, history)):
-                if h is not None:
-                    logits[i] = self.processed(logits[i], sid, p, h[0], h[1])
+                if h is not None and p._has_row_processors:
+                    logits[i] = self.processed(logits[i], sid, p, h[0], h[1], grammar=False)
         out = logits.argmax(dim=-1)
         for i, (p, sid) in enumerate(zip(params, seq_ids)):
             if p.temperature == 0:
@@ -337,20 +346,42 @@ class Sampler:
         lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
 
+    def _matcher(self, seq_id: int, p: SamplingParams):
+        g = self._matchers.get(seq_id)
+        if g is None:
+            if self.grammars is None:
+                raise ValueError("this sampler has no grammars for structured outputs")
+            g = self._matchers[seq_id] = self.grammars.matcher(p.structured)
+        return g
+
+    def _mask_grammars(self, logits: torch.Tensor, rows: list[int], seq_ids: list[int], params: list[SamplingParams],
+                       outputs: list[list[int]]) -> None:
+        """Masks what each row's grammar does not allow next, for all of them at once: their
+        bitmasks (a bit a token) filled on the host, copied to the device packed (page-locked,
+        asynchronously on CUDA), unpacked and applied there."""
+        vocab = logits.shape[-1]
+        bitmask = torch.empty((len(rows), bitmask_words(vocab)), dtype=torch.int32, pin_memory=logits.is_cuda)
+        for j, (sid, p, out) in enumerate(zip(seq_ids, params, outputs)):
+            g = self._matcher(sid, p)
+            g.follow(out)
+            g.fill(bitmask, j, self.eos)
+        allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)
+        if len(rows) == len(logits):
+            logits.masked_fill_(~allowed, -math.inf)
+        else:
+            idx = to_device(rows, torch.int64, logits.device)
+            logits[idx] = logits.index_select(0, idx).masked_fill_(~allowed, -math.inf)
+
     def processed(self, logits: torch.Tensor, seq_id: int, p: SamplingParams, prompt: list[int],
-                  output: list[int]) -> torch.Tensor:
+                  output: list[int], grammar: bool = True) -> torch.Tensor:
         """One row of logits (float32, changed in place) as request ``p`` samples from them after
         ``output``, in vLLM's order: the tokens its grammar does not allow next (a structured
         output), tokens outside ``allowed_token_ids`` and banned ones masked,
         stop tokens masked before ``min_tokens``, the logit bias added, then the penalties. Only the
         penalties and banned sequences of several tokens look at which tokens ``output`` has (under
         async scheduling its last ones may still be ``PENDING``, which counts their number only)."""
-        if p.structured is not None:
-            g = self._matchers.get(seq_id)
-            if g is None:
-                if self.grammars is None:
-                    raise ValueError("this sampler has no grammars for structured outputs")
-                g = self._matchers[seq_id] = self.grammars.matcher(p.structured)
+        if grammar and p.structured is not None:  # (``sample_async`` masks all its rows' grammars at once)
+            g = self._matcher(seq_id, p)
             g.follow(output)
             logits.masked_fill_(~g.allowed(self.eos, logits.device), -math.inf)
         m = self._masks.get(seq_id)

@@ -121,16 +121,25 @@ class Grammars:
                 raise ValueError(f"structured {kind!r} does not compile: {_reason(exc)}") from None
 
     def matcher(self, spec: tuple[str, str]) -> Matcher:
-        xgr = self._xgr()
-        return Matcher(xgr, xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return Matcher(self._xgr().GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[k, vocab]`` bool from a ``[k, words]`` int32 bitmask (bit ``t % 32`` of word ``t // 32``
+    is token ``t``), on the bitmask's device."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
 
 
 class Matcher:
     """One request's place in its grammar, following its output."""
 
-    def __init__(self, xgr, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int) -> None:
         self._m = matcher
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         self.num_accepted = 0
         self.failed = False
@@ -150,14 +159,19 @@ class Matcher:
                 break
             self.num_accepted += 1
 
-    def allowed(self, eos, device: torch.device) -> torch.Tensor:
-        """``[vocab]`` bool on ``device``: the tokens the grammar allows next (only EOS once it has
-        failed). The bitmask (a bit a token) crosses to the device packed."""
-        if self.failed:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[sorted(eos)] = True
-            return mask.to(device)
-        self._m.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask[0].to(device)
-        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
-        return bits.flatten()[:self.vocab_size].bool()
+    def fill(self, bitmask: torch.Tensor, row: int, eos) -> None:
+        """Writes the tokens the grammar allows next into row ``row`` of ``bitmask`` (``[k, words]``
+        int32 on the host; only EOS once the grammar has failed)."""
+        if not self.failed:
+            self._m.fill_next_token_bitmask(bitmask, row)
+            return
+        bitmask[row].zero_()
+        for e in eos:
+            bit = 1 << (e % 32)
+            bitmask[row, e // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # (int32: bit 31 is the sign)
+
+    def allowed(self, eos, device) -> torch.Tensor:
+        """``[vocab]`` bool on ``device``: the tokens the grammar allows next."""
+        buf = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+        self.fill(buf, 0, eos)
+        return unpack(buf.to(device), self.vocab_size)[0]

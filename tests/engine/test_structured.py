@@ -246,3 +246,13 @@ def test_structured_outputs_on_the_gpu_with_captured_graphs_and_async_scheduling
     seqs = _run(eng, reqs)
     for seq, (prompt, p) in zip(seqs, reqs):
         assert (seq.output, seq.finish_reason) == _reference(prompt, p, eng.eos, "cuda"), p.structured
+
+
+def test_the_structured_bench_prints_its_tables(capsys):
+    """bench/structured_bench.py end to end at a toy size (its figures are in docs/benchmarks.md)."""
+    from bench.structured_bench import SPECS, main
+
+    main(["--vocab", "600", "--batch", "1,2", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in SPECS)
+    assert out.count("json schema") >= 3 and "| 2 |" in out and "structured.png" in out
