@@ -6,7 +6,13 @@ import json
 import logging
 import os
 
+from engine.chat_template import ChatTemplate, load_chat_template
 from engine.config import BYTE_BOS, BYTE_EOS
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    """``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: for models without a template."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
 class ByteTokenizer:
@@ -36,8 +42,11 @@ class ByteTokenizer:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        return plain_chat_prompt(messages)
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self.encode(plain_chat_prompt(messages), add_bos=True)
 
     def token_bytes(self, i: int) -> bytes:
         """Token ``i``'s own bytes (a byte of a multi-byte character alone, unlike ``decode``)."""
@@ -57,14 +66,21 @@ class HFTokenizer:
             with open(cfg_path) as f:
                 cfg = json.load(f)
 
-        def tok_id(name):
+        def tok_str(name):
             v = cfg.get(name)
             v = v.get("content") if isinstance(v, dict) else v
-            return self._tok.token_to_id(v) if isinstance(v, str) else None
+            return v if isinstance(v, str) else None
+
+        def tok_id(name):
+            v = tok_str(name)
+            return self._tok.token_to_id(v) if v is not None else None
 
         self.bos_token_id = tok_id("bos_token")
         self.eos_token_id = tok_id("eos_token")
-        self.chat_template = cfg.get("chat_template")
+        source = load_chat_template(path, cfg)
+        specials = {n: v for n in ("bos_token", "eos_token", "unk_token", "pad_token") if (v := tok_str(n)) is not None}
+        self.chat_template = ChatTemplate(source, specials) if source else None
+        """The checkpoint's own (engine/chat_template.py); None: the plain role-tagged one."""
 
     @property
     def backend(self):
@@ -82,10 +98,19 @@ class HFTokenizer:
         """Token ``i``'s text as UTF-8 (a byte-level piece of a character shows as U+FFFD)."""
         return self.decode([i]).encode()
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        # NOTE: Jinja chat templates need transformers; a plain role-tagged prompt
-        # is used instead (documented in docs/engine.md).
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        """The prompt text of a conversation: the checkpoint's template (``kwargs`` reach it:
+        ``tools``, ``enable_thinking``, …), or without one the plain role-tagged prompt."""
+        if self.chat_template is None:
+            return plain_chat_prompt(messages)
+        return self.chat_template.render(messages, **kwargs)
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        """A conversation's prompt ids. A checkpoint's template writes its own BOS (or none, as
+        ChatML's): its text is encoded as is, the special tokens in it as themselves."""
+        if self.chat_template is None:
+            return self.encode(plain_chat_prompt(messages), add_bos=True)
+        return self.encode(self.apply_chat_template(messages, **kwargs))
 
 
 def load_tokenizer(model: str, require: bool = False):

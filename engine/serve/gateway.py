@@ -187,7 +187,10 @@ class Gateway:
 
     def encode(self, req: ParsedRequest) -> list[int]:
         if req.chat:
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(req.prompt), add_bos=True)
+            try:
+                return self.tokenizer.encode_chat(req.prompt, **req.template_kwargs)
+            except ValueError as exc:  # the template refused the conversation
+                raise BadRequest(str(exc), "messages") from None
         if isinstance(req.prompt, str):
             return self.tokenizer.encode(req.prompt, add_bos=True)
         return list(req.prompt)

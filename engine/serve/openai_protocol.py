@@ -59,6 +59,8 @@ class ParsedRequest:
     """Words never generated (tokenized by the gateway, alone and after a space)."""
     structured: tuple[str, str] | None = None
     """The grammar the output follows (``SamplingParams.structured``)."""
+    template_kwargs: dict | None = None
+    """Chat: what the chat template is rendered with besides the messages."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
@@ -66,7 +68,7 @@ class ParsedRequest:
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,), "tools": ([],),
     "tool_choice": ("none",), "truncate_prompt_tokens": (), "logits_processors": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (),
+    "guided_whitespace_pattern": (), "continue_final_message": (False,), "chat_template": (),
 }
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -112,10 +114,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("'messages' must be a non-empty list", "messages")
-        for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest("each message needs a string 'role' and a string 'content'", "messages")
-        prompt: str | list[int] = msgs  # rendered by the gateway's tokenizer
+        prompt: str | list[int] = [_message(m) for m in msgs]  # rendered by the gateway's tokenizer
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -165,6 +164,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         chat=chat, prompt=prompt,
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
         allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=_structured(body),
+        template_kwargs=_template_kwargs(body) if chat else None,
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
@@ -180,6 +180,39 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+
+
+def _message(m) -> dict:
+    """A chat message as the template sees it: ``role``, ``content`` (text; a list of text parts
+    joined by newlines, as vLLM does) and ``name`` when given."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+        raise BadRequest("each message needs a string 'role'", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise BadRequest("message content parts must be {\"type\": \"text\", \"text\": ...} (this server "
+                             "takes text only)", "messages")
+        content = "\n".join(p["text"] for p in content)
+    elif content is None and m["role"] == "assistant":
+        content = ""
+    elif not isinstance(content, str):
+        raise BadRequest("each message needs a string 'content' (or a list of text parts)", "messages")
+    out = {"role": m["role"], "content": content}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _template_kwargs(body: dict) -> dict:
+    """vLLM's ``chat_template_kwargs`` (``enable_thinking``, …) and ``add_generation_prompt``."""
+    kw = body.get("chat_template_kwargs") or {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise BadRequest("'chat_template_kwargs' must be an object of names to values", "chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+    if reserved & set(kw):
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved & set(kw)))}",
+                         "chat_template_kwargs")
+    return {**kw, "add_generation_prompt": _flag(body, "add_generation_prompt", True)}
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:

@@ -1,0 +1,74 @@
+"""Chat templates: a checkpoint's own Jinja template renders the messages, as the model was
+trained to see them (Llama 3's headers, ChatML's ``<|im_start|>``, …).
+
+The template comes from ``chat_template.jinja`` in the checkpoint folder or from
+``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the one named
+``default``). It runs in Jinja's immutable sandbox with what Hugging Face templates expect:
+``messages``, ``add_generation_prompt``, ``tools``, the special tokens' strings (``bos_token``,
+``eos_token``, …), ``raise_exception`` and ``strftime_now``, and a ``tojson`` filter that keeps
+non-ASCII text as is. A template's own ``raise_exception`` (roles that do not alternate, a system
+message where none is allowed) is a ValueError with its message: a bad request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation, or failed to render it."""
+
+
+def load_chat_template(folder: str, config: dict) -> str | None:
+    """The checkpoint's chat template, or None."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
+    t = config.get("chat_template")
+    if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default")
+    return t if isinstance(t, str) and t else None
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _raise(message):
+    raise ChatTemplateError(str(message))
+
+
+class ChatTemplate:
+    """A compiled template and the special tokens' strings it is rendered with."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
+        self.special_tokens = dict(special_tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+               **kwargs) -> str:
+        """The prompt text. ``kwargs`` reach the template too (``enable_thinking``, …)."""
+        import jinja2
+
+        try:
+            return self._template.render(**{**kwargs, **self.special_tokens}, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
