@@ -51,6 +51,9 @@ def register(sub) -> None:
     g.add_argument("--https-cert", default=None, metavar="PEM",
                    help="serve HTTPS with this certificate chain (with --https-key); default: plain HTTP")
     g.add_argument("--https-key", default=None, metavar="PEM", help="the private key of --https-cert")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: <tool_call> JSON, "
+                        "as Qwen 2.5/3 and Hermes models write them); without it \"auto\" is refused")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -96,7 +99,7 @@ def _run_gateway(ns: argparse.Namespace) -> int:
         ctx = https_context(ns.https_cert, ns.https_key) if ns.https_cert else None
         keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
-                     etcd=ns.etcd, api_keys=keys)
+                     etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser)
         serve(gw, ns.listen, ctx)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

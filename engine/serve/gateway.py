@@ -30,6 +30,7 @@ from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (BadRequest, ParsedRequest, bad_words_ids, full_response, logprobs_body,
                                           new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
+from engine.serve.tools import PARSERS, extract
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -121,8 +122,13 @@ def load_api_keys(path: str) -> dict[bytes, ApiTenant]:
 class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
-                 etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None) -> None:
+                 etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None,
+                 tool_parser: str | None = None) -> None:
         self.model_name = served_model_name or model
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {', '.join(PARSERS)})")
+        self.tool_parser = tool_parser
+        """Reads tool calls out of a model's text for ``tool_choice: auto`` (engine/serve/tools.py)."""
         self.api_keys = api_keys
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self._inflight: dict[str, int] = {}
@@ -186,6 +192,10 @@ class Gateway:
         return bool(engines) and all(engines.values()), {"engines": engines}
 
     def encode(self, req: ParsedRequest) -> list[int]:
+        if req.tools is not None and req.tools.choice == "auto" and self.tool_parser is None:
+            raise BadRequest("tool_choice \"auto\" (the default with tools) needs a gateway started with "
+                             "--tool-call-parser; \"required\", a named function and \"none\" work without",
+                             "tool_choice")
         if req.chat:
             try:
                 return self.tokenizer.encode_chat(req.prompt, **req.template_kwargs)
@@ -606,10 +616,23 @@ def make_handler(gw: Gateway):
                 text = c.detok.text()
                 echo = c.echo or ("", [], [])
                 # (logprobs of every token generated, the one completing a stop string included, as vLLM)
-                body.append((echo[0] + text, c.reason,
-                             logprobs_body(req, echo[1] + c.detok.ids, echo[2] + c.lps, gw.tokenizer)))
+                lps = logprobs_body(req, echo[1] + c.detok.ids, echo[2] + c.lps, gw.tokenizer)
+                if req.tools is not None:
+                    content, calls = self._tool_calls(req, c, text)
+                    body.append((content, c.reason, lps, calls))
+                else:
+                    body.append((echo[0] + text, c.reason, lps))
             self._json(200, full_response(req, new_id(req.chat), gw.model_name, body,
                                           usage(len(prompt), sum(c.n for c in choices), choices[0].cached)))
+
+        @staticmethod
+        def _tool_calls(req, c: _Choice, text: str) -> tuple[str | None, list[dict]]:
+            """A chat choice's content and tool calls; a choice that called tools (not a named
+            function, which was asked for) ends with ``tool_calls``."""
+            content, calls = extract(req.tools, text, gw.tool_parser)
+            if calls and req.tools.choice != "named" and c.reason == "stop":
+                c.reason = "tool_calls"
+            return content, calls
 
         def _send_chunk(self, payload: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -630,8 +653,19 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
+            # with tools that may be called, a choice's text is read for calls once it is whole: it is sent
+            # then, its content and its calls in one chunk
+            whole = req.tools is not None and req.tools.choice != "none"
             try:
                 for i, c, piece, text in _chain(first_item, gen):
+                    if whole:
+                        c.held[1].extend(piece.logprobs)
+                        if c.reason:
+                            content, calls = self._tool_calls(req, c, c.detok.text())
+                            emit(stream_chunk(req, rid, gw.model_name, content, c.reason, first=True, index=i,
+                                              tool_calls=calls, logprobs=logprobs_body(req, c.detok.ids, c.held[1],
+                                                                                       gw.tokenizer)))
+                        continue
                     if c.first:  # the echoed prompt goes first, in the choice's first chunk
                         c.held = [list(c.echo[1]), list(c.echo[2])]
                     c.held[0].extend(piece.ids)

@@ -61,13 +61,15 @@ class ParsedRequest:
     """The grammar the output follows (``SamplingParams.structured``)."""
     template_kwargs: dict | None = None
     """Chat: what the chat template is rendered with besides the messages."""
+    tools: object = None
+    """Chat: the ``ToolRequest`` (engine/serve/tools.py), or None."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,), "tools": ([],),
-    "tool_choice": ("none",), "truncate_prompt_tokens": (), "logits_processors": (), "guided_decoding_backend": (),
+    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,),
+    "parallel_tool_calls": (True,), "truncate_prompt_tokens": (), "logits_processors": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "continue_final_message": (False,), "chat_template": (),
 }
 MAX_STOP_TOKEN_IDS = 64
@@ -141,6 +143,13 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     echo = not chat and _flag(body, "echo", False)
+    tools = _tools(body, chat)
+    structured = _structured(body)
+    if tools is not None and tools.structured() is not None:
+        if structured is not None:
+            raise BadRequest(f"tool_choice {tools.choice!r} structures the output already: leave out the other "
+                             "ways of structuring it", "tool_choice")
+        structured = tools.structured()
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in stop_ids):
@@ -163,8 +172,8 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     return ParsedRequest(
         chat=chat, prompt=prompt,
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
-        allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=_structured(body),
-        template_kwargs=_template_kwargs(body) if chat else None,
+        allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=structured,
+        template_kwargs=_template_kwargs(body, tools) if chat else None, tools=tools,
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
@@ -198,13 +207,43 @@ def _message(m) -> dict:
     elif not isinstance(content, str):
         raise BadRequest("each message needs a string 'content' (or a list of text parts)", "messages")
     out = {"role": m["role"], "content": content}
-    if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls is not None and m["role"] == "assistant":
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+            raise BadRequest("an assistant message's 'tool_calls' must be a list of {\"id\", \"type\": \"function\", "
+                             "\"function\": {\"name\", \"arguments\": <JSON text>}}", "messages")
+        # (templates take the arguments as an object, as vLLM gives them)
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get(
+            "arguments", "{}"))}} for c in calls]
     return out
 
 
-def _template_kwargs(body: dict) -> dict:
-    """vLLM's ``chat_template_kwargs`` (``enable_thinking``, …) and ``add_generation_prompt``."""
+def _json_or_text(s: str):
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+def _tools(body: dict, chat: bool):
+    from engine.serve.tools import parse_tools
+
+    if not chat:
+        for name, off in (("tools", []), ("tool_choice", "none")):
+            if body.get(name) is not None and body[name] != off:
+                raise BadRequest(f"'{name}' is for /v1/chat/completions", name)
+        return None
+    return parse_tools(body)
+
+
+def _template_kwargs(body: dict, tools) -> dict:
+    """vLLM's ``chat_template_kwargs`` (``enable_thinking``, …), ``add_generation_prompt`` and the
+    request's tools."""
     kw = body.get("chat_template_kwargs") or {}
     if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
         raise BadRequest("'chat_template_kwargs' must be an object of names to values", "chat_template_kwargs")
@@ -212,7 +251,8 @@ def _template_kwargs(body: dict) -> dict:
     if reserved & set(kw):
         raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved & set(kw)))}",
                          "chat_template_kwargs")
-    return {**kw, "add_generation_prompt": _flag(body, "add_generation_prompt", True)}
+    return {**kw, "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+            "tools": list(tools.tools) if tools is not None else None}
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
@@ -365,12 +405,16 @@ def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs
             "text_offset": offsets}
 
 
-def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple[str, str, dict | None]],
-                  use: dict) -> dict:
-    """The whole answer; ``choices``: (text, finish reason, logprobs) of each, in index order."""
+def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple], use: dict) -> dict:
+    """The whole answer; ``choices``: (text, finish reason, logprobs[, tool calls]) of each, in
+    index order (chat with tools: the text is the content, None when there is none)."""
     if req.chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": logprobs} for i, (text, reason, logprobs) in enumerate(choices)]
+        out = []
+        for i, (text, reason, logprobs, *calls) in enumerate(choices):
+            msg = {"role": "assistant", "content": text}
+            if req.tools is not None:
+                msg["tool_calls"] = calls[0] if calls else []
+            out.append({"index": i, "message": msg, "finish_reason": reason, "logprobs": logprobs})
         obj = "chat.completion"
     else:
         out = [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
@@ -380,12 +424,15 @@ def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple[
 
 
 def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,
-                 first: bool = False, use: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+                 first: bool = False, use: dict | None = None, logprobs: dict | None = None, index: int = 0,
+                 tool_calls: list[dict] | None = None) -> dict:
     if use is not None:
         return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                 "created": int(time.time()), "model": model, "choices": [], "usage": use}
     if req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:

@@ -151,3 +151,40 @@ def test_the_gateway_renders_with_the_checkpoints_template_and_refuses_what_it_r
     with pytest.raises(BadRequest, match="roles must alternate") as e:
         strict.encode(req)
     assert e.value.param == "messages"
+
+
+TOOLS_TEMPLATE = """{% if tools %}<|im_start|>system
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% endif %}
+{% for message in messages %}<|im_start|>{{ message.role }}
+{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tools_and_tool_calls_reach_the_template_as_transformers_gives_them(tmp_path):
+    """The request's tools, an assistant's calls (their JSON-text arguments as an object, as vLLM
+    gives them to templates) and the tool's answer, through the gateway's parsing."""
+    from engine.serve.gateway import Gateway
+    from engine.serve.openai_protocol import parse_request
+
+    folder = _folder(tmp_path, TOOLS_TEMPLATE)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Météo d'une ville",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    gw = Gateway(folder, [], ["127.0.0.1:1"], tool_parser="hermes")
+    got = gw.encode(parse_request({"model": folder, "messages": msgs, "tools": [tool]}, True, folder))
+    theirs = _transformers(folder)
+    want_msgs = [msgs[0], {**msgs[1], "content": "", "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": {"city": "Paris"}}}]}, msgs[2]]
+    want = theirs.apply_chat_template(want_msgs, tools=[tool], tokenize=True, add_generation_prompt=True,
+                                      return_dict=False)
+    assert got == list(want)
+    assert "Météo" in theirs.decode(got) and '"arguments": {"city": "Paris"}' in theirs.decode(got)

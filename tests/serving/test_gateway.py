@@ -500,7 +500,8 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (True, "response_format", "json"), (False, "structured_outputs", {"regex": "a", "choice": ["a"]}),
     (False, "structured_outputs", {"structural_tag": "x"}), (False, "structured_outputs", {"json_object": 1}),
     (True, "guided_choice", []), (False, "guided_json", "not json"), (False, "guided_regex", 5),
-    (True, "tool_choice", "auto"), (True, "tools", [{"type": "function"}]),
+    (True, "tool_choice", "required"), (True, "tools", [{"type": "function"}]),
+    (False, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,

@@ -1,0 +1,168 @@
+"""Tool calling through the gateway, over real engines on loopback, driven by the official client:
+a named function's arguments follow its schema (the tokens one engine doing it all gives), a
+required call is one or more of the tools, auto reads calls out of the text with the configured
+parser (and is refused without one), and the hermes parser on texts of every shape."""
+
+import json
+import re
+
+import pytest
+
+from engine.serve.engine_server import EngineNode
+from engine.serve.gateway import Gateway, GatewayServer
+from engine.serve.openai_protocol import BadRequest, parse_request
+from engine.serve.tools import ToolRequest, extract
+from tests.serving.test_gateway import MODEL, engine_cfg, request
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _meets(name: str, args: dict) -> bool:
+    if name == "get_weather":
+        return set(args) == {"city", "days"} and re.fullmatch("[a-z]{1,8}", args["city"]) is not None \
+            and isinstance(args["days"], int) and 1 <= args["days"] <= 7
+    return args == {"zone": "utc"} or args == {"zone": "cet"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    parts = []
+    prefill = EngineNode("prefill", engine_cfg()).start()
+    parts.append(prefill.stop)
+    decode = EngineNode("decode", engine_cfg()).start()
+    parts.append(decode.stop)
+    servers = {}
+    for parser in (None, "hermes"):
+        gw = Gateway(MODEL, [prefill.address], [decode.address], timeout_s=300, tool_parser=parser)
+        servers[parser] = GatewayServer(gw, "127.0.0.1:0").start()
+        parts.append(servers[parser].stop)
+    yield servers
+    for stop in reversed(parts):
+        stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _chat(server, stream: bool, **kw):
+    """(content, tool calls as (name, arguments), finish reason) of one chat completion."""
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "temperature": 0, **kw}
+    c = _client(server)
+    if not stream:
+        r = c.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in r.message.tool_calls or []]
+        assert all(t.id.startswith("call_") and t.type == "function" for t in r.message.tool_calls or [])
+        return r.message.content, calls, r.finish_reason
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    content = "".join(ch.delta.content or "" for ch in chunks) or None
+    calls = [(t.function.name, t.function.arguments) for ch in chunks for t in ch.delta.tool_calls or []]
+    return content, calls, chunks[-1].finish_reason
+
+
+def test_a_named_function_gets_arguments_that_follow_its_schema(cluster):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    server = cluster[None]
+    tok = Gateway(MODEL, [], ["127.0.0.1:1"]).tokenizer  # (renders the prompt as the gateway does)
+    with LLM(MODEL, dtype="float32") as llm:
+        want, = llm.generate(tok.encode_chat(MESSAGES, tools=[WEATHER]), params=SamplingParams(
+            max_tokens=300, structured=("json", json.dumps(WEATHER["function"]["parameters"]))))
+    assert want.finish_reason == "stop"
+    for stream in (False, True):
+        content, calls, reason = _chat(server, stream, tools=[WEATHER, TIME],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert (content, reason) == (None, "stop") and [n for n, _ in calls] == ["get_weather"], stream
+        assert calls[0][1] == want.text and _meets("get_weather", json.loads(calls[0][1]))
+
+
+def test_required_calls_are_tools_each_with_arguments_that_follow_its_schema(cluster):
+    for seed in range(3):
+        for stream in (False, True):
+            content, calls, reason = _chat(cluster[None], stream, tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=600)
+            assert content is None and reason == "tool_calls" and calls, (seed, stream)
+            assert all(_meets(n, json.loads(a)) for n, a in calls), calls
+
+
+def test_auto_needs_a_parser_and_with_one_plain_text_stays_content(cluster):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(cluster[None], False, tools=[WEATHER])
+    assert "--tool-call-parser" in str(e.value) and e.value.body["param"] == "tool_choice"
+    for stream in (False, True):
+        content, calls, reason = _chat(cluster["hermes"], stream, tools=[WEATHER], max_tokens=8)
+        assert content and calls == [] and reason == "length", stream
+    plain = _chat(cluster[None], False, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert plain[0] == content and plain[1:] == ([], "length")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function"}]), ("tools", [{"type": "function", "function": {"name": "a b"}}]),
+    ("tools", [WEATHER, WEATHER]), ("tools", "x"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": []}}]),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}), ("tool_choice", "sometimes"),
+    ("parallel_tool_calls", False)])
+def test_bad_tools_are_400_naming_the_field(cluster, field, value):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required", field: value}
+    status, data = request(cluster[None].url, "POST", "/v1/chat/completions", json.dumps(body).encode(),
+                           {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(data)["error"]["param"] == field, data
+
+
+def test_tools_are_for_chat_and_do_not_mix_with_another_structure():
+    with pytest.raises(BadRequest, match="for /v1/chat/completions"):
+        parse_request({"model": "m", "prompt": "x", "tools": [WEATHER]}, False, "m")
+    with pytest.raises(BadRequest, match="needs 'tools'"):
+        parse_request({"model": "m", "messages": MESSAGES, "tool_choice": "required"}, True, "m")
+    with pytest.raises(BadRequest, match="structures the output already"):
+        parse_request({"model": "m", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required",
+                       "response_format": {"type": "json_object"}}, True, "m")
+    # auto leaves the output free: a response format may come with it
+    req = parse_request({"model": "m", "messages": MESSAGES, "tools": [WEATHER],
+                         "response_format": {"type": "json_object"}}, True, "m")
+    assert req.structured == ("json_object", "") and req.tools.choice == "auto"
+    req = parse_request({"model": "m", "messages": MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": '{"city": "paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": [WEATHER]}, True, "m")
+    assert req.prompt[1]["tool_calls"][0]["function"]["arguments"] == {"city": "paris", "days": 2}
+    assert req.prompt[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert req.template_kwargs["tools"] == [WEATHER]
+
+
+def test_the_hermes_parser_reads_calls_and_leaves_the_rest_as_text():
+    auto = ToolRequest((WEATHER, TIME), "auto")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>')
+    content, calls = extract(auto, text, "hermes")
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "paris", "days": 2}), ("get_time", {"zone": "utc"})]
+    assert len({c["id"] for c in calls}) == 2
+    unclosed = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}'  # (EOS before the closing tag)
+    assert extract(auto, unclosed, "hermes")[0] is None and len(extract(auto, unclosed, "hermes")[1]) == 1
+    for bad in ('<tool_call>{"name": "get_time", "arguments": {</tool_call>',
+                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "no calls at all"):
+        assert extract(auto, bad, "hermes") == (bad, [])
+    assert extract(auto, text, None) == (text, [])
+    required = ToolRequest((WEATHER, TIME), "required")
+    assert extract(required, '[{"name": "get_time", "parameters": {"zone": "cet"}}', None) == (
+        '[{"name": "get_time", "parameters": {"zone": "cet"}}', [])  # (cut by max_tokens: text)
+
+
+def test_the_gateway_refuses_an_unknown_parser():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'json'"):
+        Gateway(MODEL, [], ["127.0.0.1:1"], tool_parser="json")
