@@ -88,6 +88,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="JSON",
                    help="the gateway takes only requests with one of this file's API keys (tenants, cache salts, "
                         "concurrency quotas: docs/serving.md)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="the gateway reads tool calls out of the model's text for tool_choice \"auto\" (docs/serving.md)")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
                         "is not restarted, and a part exiting 10 times within a minute stops the cluster")
@@ -407,6 +409,8 @@ def run_up(ns: argparse.Namespace) -> int:
         gw_cmd += join
         if ns.api_keys:
             gw_cmd += ["--api-keys", os.path.abspath(ns.api_keys)]
+        if ns.tool_call_parser:
+            gw_cmd += ["--tool-call-parser", ns.tool_call_parser]
         if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
             gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
                        "--https-key", os.path.join(tls_dir, "node-key.pem")]
