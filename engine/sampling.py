@@ -145,13 +145,13 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
-            bias = tuple((t, float(b)) for t, b in bias if _is_int(t) and t >= 0 and _is_real(b)
+            given = list(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+            bias = tuple((t, float(b)) for t, b in given if _is_int(t) and t >= 0 and _is_real(b)
                          and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
         except (TypeError, ValueError):
-            bias = None
-        if bias is None or len(bias) != len(self.logit_bias):
+            given, bias = (), None
+        if bias is None or len(bias) != len(given):
             raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, "
                              f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
         object.__setattr__(self, "logit_bias", bias)
@@ -378,8 +378,9 @@ class Sampler:
         ``output``, in vLLM's order: the tokens its grammar does not allow next (a structured
         output), tokens outside ``allowed_token_ids`` and banned ones masked,
         stop tokens masked before ``min_tokens``, the logit bias added, then the penalties. Only the
-        penalties and banned sequences of several tokens look at which tokens ``output`` has (under
-        async scheduling its last ones may still be ``PENDING``, which counts their number only)."""
+        grammar, the penalties and banned sequences of several tokens look at which tokens ``output``
+        has (under async scheduling its last ones may still be ``PENDING``, which counts their number
+        only: those requests' steps wait for their tokens)."""
         if grammar and p.structured is not None:  # (``sample_async`` masks all its rows' grammars at once)
             g = self._matcher(seq_id, p)
             g.follow(output)
