@@ -61,14 +61,30 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-               **kwargs) -> str:
-        """The prompt text. ``kwargs`` reach the template too (``enable_thinking``, …)."""
+               continue_final_message: bool = False, **kwargs) -> str:
+        """The prompt text. ``kwargs`` reach the template too (``enable_thinking``, …).
+        ``continue_final_message``: the text stops where the final message's content does (what the
+        template writes after it cut off), so that the model goes on with that message. Its end is
+        found by a marker rendered after the content; a template that trims the content (the
+        marker ends in a space) has the content's trailing spaces trimmed too."""
         import jinja2
 
+        if continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _MARK}]
         try:
-            return self._template.render(**{**kwargs, **self.special_tokens}, messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt)
+            text = self._template.render(**{**kwargs, **self.special_tokens}, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt and not continue_final_message)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        if continue_final_message:
+            at = text.rfind(_MARK.strip())
+            if at < 0:
+                raise ChatTemplateError("continue_final_message: the chat template does not show the final "
+                                        "message's content")
+            text = text[:at] if text.startswith(_MARK, at) else text[:at].rstrip()
+        return text
+
+
+_MARK = "<|crescent:end-of-final-message|> "

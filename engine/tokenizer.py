@@ -10,9 +10,15 @@ from engine.chat_template import ChatTemplate, load_chat_template
 from engine.config import BYTE_BOS, BYTE_EOS
 
 
-def plain_chat_prompt(messages: list[dict]) -> str:
-    """``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: for models without a template."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+def plain_chat_prompt(messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      **_) -> str:
+    """``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: for models without a template.
+    ``continue_final_message``: the last message left open (its text goes on)."""
+    if continue_final_message:
+        *head, last = messages
+        return plain_chat_prompt(head, False) + f"<|{last['role']}|>\n{last['content']}"
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + (
+        "<|assistant|>\n" if add_generation_prompt else "")
 
 
 class ByteTokenizer:
@@ -43,10 +49,10 @@ class ByteTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
-        return plain_chat_prompt(messages)
+        return plain_chat_prompt(messages, **kwargs)
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        return self.encode(plain_chat_prompt(messages), add_bos=True)
+        return self.encode(plain_chat_prompt(messages, **kwargs), add_bos=True)
 
     def token_bytes(self, i: int) -> bytes:
         """Token ``i``'s own bytes (a byte of a multi-byte character alone, unlike ``decode``)."""
@@ -102,14 +108,14 @@ class HFTokenizer:
         """The prompt text of a conversation: the checkpoint's template (``kwargs`` reach it:
         ``tools``, ``enable_thinking``, …), or without one the plain role-tagged prompt."""
         if self.chat_template is None:
-            return plain_chat_prompt(messages)
+            return plain_chat_prompt(messages, **kwargs)
         return self.chat_template.render(messages, **kwargs)
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         """A conversation's prompt ids. A checkpoint's template writes its own BOS (or none, as
         ChatML's): its text is encoded as is, the special tokens in it as themselves."""
         if self.chat_template is None:
-            return self.encode(plain_chat_prompt(messages), add_bos=True)
+            return self.encode(plain_chat_prompt(messages, **kwargs), add_bos=True)
         return self.encode(self.apply_chat_template(messages, **kwargs))
 
 

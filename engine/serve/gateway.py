@@ -1,7 +1,7 @@
 """`crescent gateway`: an OpenAI-compatible HTTP front door over prefill and decode engines.
 
 POST /v1/completions, POST /v1/chat/completions (``stream: true`` as SSE),
-GET /v1/models, /health, /metrics. Each request: tokenize, route (round-robin,
+POST /tokenize, /detokenize, GET /v1/models, /health, /metrics. Each request: tokenize, route (round-robin,
 or the conductor), Prefill on the prefill engine (first token; the prompt's
 chunks go to the store), then Generate on the decode engine (loads the chunks,
 streams the rest). If the prefill engine fails, the decode engine prefills
@@ -27,8 +27,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from engine.sampling import TokenLogprobs
-from engine.serve.openai_protocol import (BadRequest, ParsedRequest, bad_words_ids, full_response, logprobs_body,
-                                          new_id, parse_request, stream_chunk, usage)
+from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
+                                          full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve.tools import PARSERS, extract
 from engine.tokenizer import load_tokenizer
@@ -39,6 +39,8 @@ from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+POST_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/tokenize": "tokenize",
+               "/detokenize": "detokenize"}
 MAX_BODY = 8 << 20
 MAX_DISCARD = 64 << 20
 """An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
@@ -198,12 +200,43 @@ class Gateway:
                              "tool_choice")
         if req.chat:
             try:
-                return self.tokenizer.encode_chat(req.prompt, **req.template_kwargs)
+                ids = self.tokenizer.encode_chat(req.prompt, **req.template_kwargs)
             except ValueError as exc:  # the template refused the conversation
                 raise BadRequest(str(exc), "messages") from None
-        if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt, add_bos=True)
-        return list(req.prompt)
+        elif isinstance(req.prompt, str):
+            ids = self.tokenizer.encode(req.prompt, add_bos=True)
+        else:
+            ids = list(req.prompt)
+        return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
+
+    def tokenize(self, body) -> dict:
+        """vLLM's ``/tokenize``: a ``prompt`` (``add_special_tokens``, default true: with BOS) or
+        chat ``messages`` (rendered as a chat request's) to ``{"count", "tokens"}``, and
+        ``token_strs`` with ``return_token_strs``."""
+        check_model(body, self.model_name)
+        if "messages" in body:
+            ids = self.encode(parse_request(body, True, self.model_name))
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise BadRequest("'prompt' must be a string (or give chat 'messages')", "prompt")
+            ids = self.tokenizer.encode(text, add_bos=flag(body, "add_special_tokens", True))
+        out = {"count": len(ids), "tokens": ids}
+        if flag(body, "return_token_strs", False):
+            out["token_strs"] = [self.tokenizer.decode([i]) for i in ids]
+        return out
+
+    def detokenize(self, body) -> dict:
+        """vLLM's ``/detokenize``: ``tokens`` to ``{"prompt": text}``."""
+        check_model(body, self.model_name)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX
+                                                for t in ids):
+            raise BadRequest("'tokens' must be a list of token ids", "tokens")
+        try:
+            return {"prompt": self.tokenizer.decode(ids)}
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's own refusal (an id beyond its vocabulary)
+            raise BadRequest(f"cannot decode these tokens: {exc}", "tokens") from None
 
     def _sampling(self, req: ParsedRequest, choice: int = 0, prompt_logprobs: bool = True) -> pb.SamplingOptions:
         """Choice ``i`` of a seeded request draws from ``seed + i`` (in 64 bits); ``prompt_logprobs``:
@@ -425,7 +458,8 @@ def make_handler(gw: Gateway):
 
         def _not_allowed(self):
             self._error(405, f"{self.command} is not supported here (GET /v1/models, /health, /metrics; "
-                             "POST /v1/completions, /v1/chat/completions)", code="method_not_allowed")
+                             "POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize)",
+                        code="method_not_allowed")
 
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
@@ -479,10 +513,10 @@ def make_handler(gw: Gateway):
         def do_POST(self):
             self._headers_sent = False
             chat = self.path == "/v1/chat/completions"
-            endpoint = "chat" if chat else "completions"
+            endpoint = POST_ROUTES.get(self.path, "completions")
             try:
                 length = self._body_length()
-                if length > MAX_BODY or self.path not in ("/v1/completions", "/v1/chat/completions"):
+                if length > MAX_BODY or self.path not in POST_ROUTES:
                     # NOTE: read first: a client still sending its body would not see an early answer,
                     # and a body left unread would be parsed as the connection's next request
                     self._discard(length)
@@ -499,6 +533,10 @@ def make_handler(gw: Gateway):
                     raise BadRequest(f"the body is not valid JSON: {exc}") from None
                 except RecursionError:
                     raise BadRequest("the body's JSON is nested too deeply") from None
+                if endpoint in ("tokenize", "detokenize"):
+                    self._json(200, gw.tokenize(body) if endpoint == "tokenize" else gw.detokenize(body))
+                    gw.m_requests.labels(endpoint, "200").inc()
+                    return
                 req = parse_request(body, chat, gw.model_name)
                 if tenant is not None:
                     # the tenant's cache salt comes from its key, never from the request
@@ -574,7 +612,8 @@ def make_handler(gw: Gateway):
             logprobs (None for the first); nothing without ``echo``."""
             if not req.echo:
                 return "", [], []
-            text = req.prompt if isinstance(req.prompt, str) else gw.tokenizer.decode(prompt)
+            text = req.prompt if isinstance(req.prompt, str) and not req.truncate_prompt_tokens \
+                else gw.tokenizer.decode(prompt)
             return text, list(prompt), [None, *prompt_logprobs]
 
         def _choices(self, req, prompt, choices: list[_Choice]):

@@ -63,14 +63,16 @@ class ParsedRequest:
     """Chat: what the chat template is rendered with besides the messages."""
     tools: object = None
     """Chat: the ``ToolRequest`` (engine/serve/tools.py), or None."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this many tokens (vLLM's)."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,),
-    "parallel_tool_calls": (True,), "truncate_prompt_tokens": (), "logits_processors": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "continue_final_message": (False,), "chat_template": (),
+    "parallel_tool_calls": (True,), "logits_processors": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "chat_template": (),
 }
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -83,7 +85,8 @@ UINT32_MAX = (1 << 32) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def flag(body: dict, name: str, default: bool) -> bool:
+    """A JSON boolean option (absent or null: ``default``); BadRequest for anything else."""
     v = body.get(name, default)
     if v is None:
         return default
@@ -103,7 +106,8 @@ def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
     return v
 
 
-def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
+def check_model(body, model_name: str) -> None:
+    """BadRequest unless ``body`` is a JSON object naming the served model."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -112,6 +116,10 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     if model != model_name:
         raise BadRequest(f"The model '{model}' does not exist; this gateway serves '{model_name}'", "model",
                          "model_not_found")
+
+
+def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
+    check_model(body, model_name)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -137,12 +145,12 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
                              f"{' or ' + repr(off[0]) if off else ''})", name)
     if chat:  # a flag, and how many alternatives
         logprobs = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True) \
-            if _flag(body, "logprobs", False) else None
+            if flag(body, "logprobs", False) else None
         if logprobs is None and body.get("top_logprobs") is not None:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
-    echo = not chat and _flag(body, "echo", False)
+    echo = not chat and flag(body, "echo", False)
     tools = _tools(body, chat)
     structured = _structured(body)
     if tools is not None and tools.structured() is not None:
@@ -174,13 +182,14 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
         allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=structured,
         template_kwargs=_template_kwargs(body, tools) if chat else None, tools=tools,
+        truncate_prompt_tokens=_num(body, "truncate_prompt_tokens", None, 1, UINT32_MAX, integer=True),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
-        stream=_flag(body, "stream", False),
+        stream=flag(body, "stream", False),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-        stop=stop, ignore_eos=_flag(body, "ignore_eos", False), cache_salt=salt,
-        speculative=_flag(body, "speculative", True),
+        stop=stop, ignore_eos=flag(body, "ignore_eos", False), cache_salt=salt,
+        speculative=flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
         prompt_logprobs=logprobs if echo else None, n=n,
         top_k=_num(body, "top_k", 0, -1, INT32_MAX, integer=True), min_p=float(_num(body, "min_p", 0.0, 0.0, 1.0)),
@@ -188,7 +197,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False))
 
 
 def _message(m) -> dict:
@@ -247,12 +256,20 @@ def _template_kwargs(body: dict, tools) -> dict:
     kw = body.get("chat_template_kwargs") or {}
     if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
         raise BadRequest("'chat_template_kwargs' must be an object of names to values", "chat_template_kwargs")
-    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+                "unk_token", "pad_token"}
     if reserved & set(kw):
         raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved & set(kw)))}",
                          "chat_template_kwargs")
-    return {**kw, "add_generation_prompt": _flag(body, "add_generation_prompt", True),
-            "tools": list(tools.tools) if tools is not None else None}
+    cont = flag(body, "continue_final_message", False)
+    if cont and body.get("add_generation_prompt") is True:
+        raise BadRequest("'continue_final_message' goes on with the last message: it takes no "
+                         "'add_generation_prompt'", "continue_final_message")
+    msgs = body.get("messages") or [{}]
+    if cont and msgs[-1].get("role") != "assistant":
+        raise BadRequest("'continue_final_message' needs an assistant message last", "continue_final_message")
+    return {**kw, "add_generation_prompt": flag(body, "add_generation_prompt", not cont),
+            "continue_final_message": cont, "tools": list(tools.tools) if tools is not None else None}
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:

@@ -188,3 +188,26 @@ def test_tools_and_tool_calls_reach_the_template_as_transformers_gives_them(tmp_
                                       return_dict=False)
     assert got == list(want)
     assert "Météo" in theirs.decode(got) and '"arguments": {"city": "Paris"}' in theirs.decode(got)
+
+
+@pytest.mark.parametrize("template", [LLAMA3, CHATML], ids=["llama3", "chatml"])
+def test_continue_final_message_is_transformers(tmp_path, template):
+    """The prompt ends inside the final (assistant) message, as transformers' continue_final_message."""
+    folder = _folder(tmp_path, template)
+    ours, theirs = HFTokenizer(folder), _transformers(folder)
+    msgs = CONVERSATIONS[0] + [{"role": "assistant", "content": "Fine, and the weather is "}]
+    want = theirs.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    assert ours.apply_chat_template(msgs, continue_final_message=True) == want
+    assert want.rstrip().endswith("Fine, and the weather is")  # (chatml keeps the trailing space, llama3 trims)
+    with pytest.raises(ChatTemplateError, match="does not show the final message"):
+        HFTokenizer(_folder(tmp_path, "{{ messages[0]['content'] }}")).apply_chat_template(
+            msgs, continue_final_message=True)
+
+
+def test_the_plain_prompt_honours_the_generation_prompt_and_continuation():
+    from engine.tokenizer import plain_chat_prompt
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well"}]
+    assert plain_chat_prompt(msgs) == "<|user|>\nhi\n<|assistant|>\nwell\n<|assistant|>\n"
+    assert plain_chat_prompt(msgs, add_generation_prompt=False) == "<|user|>\nhi\n<|assistant|>\nwell\n"
+    assert plain_chat_prompt(msgs, continue_final_message=True) == "<|user|>\nhi\n<|assistant|>\nwell"

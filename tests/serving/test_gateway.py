@@ -275,6 +275,50 @@ def test_structured_outputs_through_both_engines_are_the_engines_and_meet_their_
     assert status == 400 and "does not compile: Regex parsing error" in json.loads(data)["error"]["message"], data
 
 
+def test_tokenize_and_detokenize_are_the_gateways_own_encoding(disagg):
+    """vLLM's /tokenize (a prompt, with or without BOS, or chat messages rendered as a chat
+    request's) and /detokenize."""
+    tok = disagg.gw.tokenizer
+
+    def post(path, body):
+        status, data = request(disagg.url, "POST", path, json.dumps({"model": MODEL, **body}).encode(),
+                               {"Content-Type": "application/json"})
+        return status, json.loads(data)
+
+    assert post("/tokenize", {"prompt": "héllo"}) == (200, {"count": 7, "tokens": tok.encode("héllo", add_bos=True)})
+    status, out = post("/tokenize", {"prompt": "hi", "add_special_tokens": False, "return_token_strs": True})
+    assert (status, out) == (200, {"count": 2, "tokens": [104, 105], "token_strs": ["h", "i"]})
+    msgs = [{"role": "user", "content": "hi"}]
+    assert post("/tokenize", {"messages": msgs})[1]["tokens"] == tok.encode_chat(msgs)
+    assert post("/detokenize", {"tokens": tok.encode("héllo")}) == (200, {"prompt": "héllo"})
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens"), ("/tokenize", {"model": "x"}, "model")):
+        status, out = post(path, body)
+        assert status == 400 and out["error"]["param"] == param, (path, body)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(disagg):
+    c = disagg.client()
+    text = "abc " * 10 + "the end"
+    for prompt, last in (([7] * 30 + STOP_PROMPT, STOP_PROMPT), (text, disagg.gw.tokenizer.encode(text)[-9:])):
+        want, _, _ = completion(c, last, False, max_tokens=6)
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True, "truncate_prompt_tokens": len(last)})
+        assert r.choices[0].text == want and r.usage.prompt_tokens == len(last)
+
+
+def test_continue_final_message_goes_on_with_the_assistants_text(disagg):
+    """The chat prompt ends inside the assistant's message: the answer is what a completion of
+    that prompt gives."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "g^"}]
+    ids = disagg.gw.tokenizer.encode_chat(msgs, continue_final_message=True)
+    assert disagg.gw.tokenizer.decode(ids).endswith("<|assistant|>\ng^")
+    want, _, _ = completion(disagg.client(), ids, False, max_tokens=5)
+    r = disagg.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                                extra_body={"ignore_eos": True, "continue_final_message": True})
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+
+
 def test_a_character_split_across_tokens_is_never_sent_half(disagg):
     c = disagg.client()
     # the prefill engine's first token is the lead byte d5 and the decode engine's first is 80:
@@ -501,7 +545,8 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (False, "structured_outputs", {"structural_tag": "x"}), (False, "structured_outputs", {"json_object": 1}),
     (True, "guided_choice", []), (False, "guided_json", "not json"), (False, "guided_regex", 5),
     (True, "tool_choice", "required"), (True, "tools", [{"type": "function"}]),
-    (False, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "truncate_prompt_tokens", 0),
+    (True, "continue_final_message", True), (True, "continue_final_message", "yes"),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
