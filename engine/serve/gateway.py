@@ -30,7 +30,7 @@ from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
                                           full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
-from engine.serve.tools import PARSERS, extract
+from engine.serve.tools import PARSERS, TOOL_CALL_TAG, extract
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -692,12 +692,25 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-            # with tools that may be called, a choice's text is read for calls once it is whole: it is sent
-            # then, its content and its calls in one chunk
-            whole = req.tools is not None and req.tools.choice != "none"
+            # tool calls: a named function's or "required" calls are the whole text, sent in one chunk at the
+            # end; with "auto" the text streams up to where a call may begin (the parser's tag), the calls
+            # follow at the end (the logprobs, all, with them)
+            tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
                 for i, c, piece, text in _chain(first_item, gen):
-                    if whole:
+                    if tools == "auto":
+                        c.held[1].extend(piece.logprobs)
+                        out = c.release(text, TOOL_CALL_TAG)
+                        if out or (c.first and not c.reason):
+                            emit(stream_chunk(req, rid, gw.model_name, out, None, first=c.first, index=i))
+                            c.first = False
+                        if c.reason:
+                            content, calls = self._tool_calls(req, c, c.detok.text())
+                            emit(stream_chunk(req, rid, gw.model_name, None if calls else c.pending, c.reason,
+                                              first=c.first, index=i, tool_calls=calls,
+                                              logprobs=logprobs_body(req, c.detok.ids, c.held[1], gw.tokenizer)))
+                        continue
+                    if tools:
                         c.held[1].extend(piece.logprobs)
                         if c.reason:
                             content, calls = self._tool_calls(req, c, c.detok.text())
@@ -750,6 +763,23 @@ class _Choice:
         self.first = True  # no chunk sent yet (streaming)
         self.held: list[list] = [[], []]  # tokens and logprobs not in a chunk yet
         self.offset = 0  # text offset of the next chunk's first token
+        self.pending = ""  # text not streamed yet: where a tool call may begin, trailing spaces
+        self.calling = False  # the tool-call tag came: the rest is held for the parser
+
+    def release(self, text: str, tag: str) -> str:
+        """Of the text so far, what may stream as content now: not from ``tag`` on (a tool call),
+        nor a tail that may begin it, nor trailing whitespace (the content before a call has none)."""
+        self.pending += text
+        if self.calling:
+            return ""
+        at = self.pending.find(tag)
+        if at >= 0:
+            self.calling = True
+        else:  # the longest tail of pending that begins the tag
+            at = len(self.pending) - max((n for n in range(1, len(tag)) if self.pending.endswith(tag[:n])), default=0)
+        out = self.pending[:at].rstrip()
+        self.pending = self.pending[len(out):]
+        return out
 
 
 def _chain(first, rest):

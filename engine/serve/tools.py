@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from engine.serve.openai_protocol import BadRequest
 
 PARSERS = ("hermes",)
+TOOL_CALL_TAG = "<tool_call>"
+"""Where the hermes format's calls begin (streaming holds the text back from there)."""
 MAX_TOOLS = 128
 
 
@@ -113,5 +115,5 @@ def extract(req: ToolRequest, text: str, parser: str | None) -> tuple[str | None
         if not isinstance(obj, dict) or obj.get("name") not in known:
             return text, []
         calls.append(_call(obj["name"], obj.get("arguments", {})))
-    content = text[:text.index("<tool_call>")].strip()
+    content = text[:text.index("<tool_call>")].rstrip()
     return content or None, calls

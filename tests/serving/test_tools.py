@@ -166,3 +166,35 @@ def test_the_hermes_parser_reads_calls_and_leaves_the_rest_as_text():
 def test_the_gateway_refuses_an_unknown_parser():
     with pytest.raises(ValueError, match="unknown tool-call parser 'json'"):
         Gateway(MODEL, [], ["127.0.0.1:1"], tool_parser="json")
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly ``text``."""
+    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
+     "Let me check.", [("get_time", {"zone": "utc"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "days": 3}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>',
+     None, [("get_weather", {"city": "rome", "days": 3}), ("get_time", {"zone": "cet"})]),
+    ("a <tool is not a <tool_cal", "a <tool is not a <tool_cal", []),
+    ('so <tool_call>{"name": "nope"}</tool_call>', 'so <tool_call>{"name": "nope"}</tool_call>', []),
+], ids=["content-then-call", "two-calls", "tag-prefixes", "unknown-tool"])
+def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, text, content, calls):
+    """The model's text is forced (a regex: auto leaves room for a response format) to a given
+    hermes output: the content streams up to the tag, never a piece of the tag, and the calls come
+    parsed at the end; streamed and not alike."""
+    want = (content, [(n, a) for n, a in calls], "tool_calls" if calls else "stop")
+    for stream in (False, True):
+        got_content, got_calls, reason = _chat(cluster["hermes"], stream, tools=[WEATHER, TIME],
+                                               extra_body={"structured_outputs": {"regex": _literal(text)}})
+        assert (got_content, [(n, json.loads(a)) for n, a in got_calls], reason) == want, stream
+    c = _client(cluster["hermes"])
+    pieces = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, tools=[WEATHER, TIME], stream=True,
+        extra_body={"structured_outputs": {"regex": _literal(text)}}) if ch.choices and ch.choices[0].delta.content]
+    if calls:
+        assert not any("<" in p for p in pieces), pieces
+    assert len(pieces) > 1 if content else pieces == []  # (the content streams in pieces, as it comes)
