@@ -64,6 +64,7 @@ def main() -> int:
               f"{sum(len(p) for _, p, _ in work)} prompt tokens\n", flush=True)
         results, wall = run_workload(state["openai_base_url"], args.model, work, args.concurrency)
         report(results, state, wall, data)
+        showcase(state["openai_base_url"], args.model)
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=120)
@@ -116,6 +117,38 @@ def report(results, state, wall, data) -> None:
                   f"{t['hits']} hits, {t['evictions']} evictions")
         print(f"  demotions {st['demotions']}, promotions {st['promotions']}, misses {st['misses']}")
     plot(results, os.path.join(data, "demo.png"))
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,10}$"},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def showcase(base_url: str, model: str) -> None:
+    """The OpenAI API beyond plain text, on the same cluster: a JSON schema held by the grammar
+    (a random model's output, valid all the same) and a tool call."""
+    import openai
+
+    c = openai.OpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0)
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    try:
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=400, temperature=0.7, seed=1,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "person", "schema": SCHEMA}})
+        text = r.choices[0].message.content
+        print(f"\nstructured output (response_format: json_schema): {json.dumps(json.loads(text, strict=False))}")
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                      max_tokens=200, temperature=0.7, seed=2, tools=[WEATHER],
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = r.choices[0].message.tool_calls[0].function
+        print(f"tool call (tool_choice: get_weather): {call.name}({json.dumps(json.loads(call.arguments))})")
+    except openai.APIError as exc:  # (structured outputs need xgrammar: pip install 'crescent[structured]')
+        print(f"\nstructured outputs and tool calls: not available here ({exc})")
 
 
 def plot(results, path) -> None:
