@@ -274,7 +274,7 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.draft = []  # (one the budget left unscheduled last step is stale)
             # (a penalised request's logits depend on every token before: drafts would change them)
-            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculative or seq.params.needs_history:
+            if seq.num_tokens - seq.num_computed != 1 or not seq.params.speculable:
                 continue
             # drafts past max_tokens or the context would be thrown away: the bonus token needs none
             k = min(k_max, seq.params.max_tokens - len(seq.output) - 1, limit - seq.num_tokens - 1)
@@ -283,14 +283,17 @@ class LLMEngine:
         if isinstance(self.drafter, NgramDrafter):
             for seq, k in wanted:
                 seq.draft = self.drafter.propose(seq.tokens, k)
-            return
-        fits = []  # a draft model writes its KV for the drafts into the sequence's pages: take them now
-        for seq, k in wanted:
-            need = self.blocks.pages_for(seq.num_tokens + k) - len(seq.pages)
-            if need <= 0 or self.blocks.can_allocate(need):
-                seq.pages += self.blocks.allocate(need) if need > 0 else []
-                fits.append((seq, k))
-        self.drafter.draft(fits)
+        else:
+            fits = []  # a draft model writes its KV for the drafts into the sequence's pages: take them now
+            for seq, k in wanted:
+                need = self.blocks.pages_for(seq.num_tokens + k) - len(seq.pages)
+                if need <= 0 or self.blocks.can_allocate(need):
+                    seq.pages += self.blocks.allocate(need) if need > 0 else []
+                    fits.append((seq, k))
+            self.drafter.draft(fits)
+        for seq, _ in wanted:  # a structured output's drafts, cut where its grammar stops allowing them
+            if seq.params.structured is not None and seq.draft:
+                seq.draft = self.sampler.valid_draft(seq.seq_id, seq.params, seq.output, seq.draft)
 
     def step(self) -> list[StepOutput]:
         """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a step without

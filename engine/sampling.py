@@ -107,6 +107,13 @@ class SamplingParams:
         tokens, a grammar), not only on how many: no drafts, and async steps wait for its tokens."""
         return self.has_penalties or self.structured is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
+    @property
+    def speculable(self) -> bool:
+        """Drafts may be proposed for it: its processing is applied row by row in a verification
+        (a grammar's matcher follows each row's drafts and rolls back the rejected ones), which
+        the penalties' running counts and banned sequences of several tokens are not."""
+        return self.speculative and not self.has_penalties and not any(len(w) > 1 for w in self.bad_words_ids)
+
     def is_stop(self, tok: int, num_output: int, eos) -> bool:
         """Whether ``tok``, the ``num_output``-th token of the output, stops it (``eos``: the model's
         EOS ids). A structured output ends at EOS even with ``ignore_eos``: it is where its grammar ends."""
@@ -345,6 +352,10 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
+
+    def valid_draft(self, seq_id: int, p: SamplingParams, output: list[int], draft: list[int]) -> list[int]:
+        """``draft`` cut where the request's grammar stops allowing it (all of it without one)."""
+        return self._matcher(seq_id, p).valid_draft(output, draft) if p.structured is not None and draft else draft
 
     def _matcher(self, seq_id: int, p: SamplingParams):
         g = self._matchers.get(seq_id)

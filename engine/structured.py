@@ -121,7 +121,7 @@ class Grammars:
                 raise ValueError(f"structured {kind!r} does not compile: {_reason(exc)}") from None
 
     def matcher(self, spec: tuple[str, str]) -> Matcher:
-        return Matcher(self._xgr().GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return Matcher(self._xgr().GrammarMatcher(self.compile(spec)), self.vocab_size, self.eos)
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -138,26 +138,52 @@ def bitmask_words(vocab_size: int) -> int:
 class Matcher:
     """One request's place in its grammar, following its output."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, eos=()) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
-        self.num_accepted = 0
+        self.eos = frozenset(eos)
+        self.tokens: list[int] = []
+        """The tokens the matcher has accepted: the output, and during a verification the drafts
+        of the row at hand."""
         self.failed = False
         """A token the grammar does not allow was output (it cannot be sampled; a token given
         from outside, such as another engine's first token, can): only EOS is allowed from then."""
 
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens)
+
     def follow(self, output: list[int]) -> None:
-        """Advances (or rolls back) to the end of ``output``."""
-        if len(output) < self.num_accepted:
-            self._m.rollback(self.num_accepted - len(output))
-            self.num_accepted = len(output)
-        for t in output[self.num_accepted:]:
+        """Moves to the end of ``output``: rolls back what it accepted past their common prefix (the
+        drafts a verification rejected), then accepts the rest."""
+        common = min(len(self.tokens), len(output))
+        while common and self.tokens[common - 1] != output[common - 1]:  # (they differ in the last few only)
+            common -= 1
+        if common < len(self.tokens):
+            self._m.rollback(len(self.tokens) - common)
+            del self.tokens[common:]
+        for t in output[common:]:
             if self.failed or not self._m.accept_token(t):
                 if not self.failed:
                     log.warning("structured output: token %d is not allowed by the request's grammar", t)
                 self.failed = True
                 break
-            self.num_accepted += 1
+            self.tokens.append(t)
+
+    def valid_draft(self, output: list[int], draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` the grammar allows after ``output``, up to (not
+        including) an EOS; the matcher is left at the end of ``output``."""
+        self.follow(output)
+        if self.failed:
+            return []
+        n = 0
+        for t in draft:
+            if t in self.eos or not self._m.accept_token(t):
+                break
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return draft[:n]
 
     def fill(self, bitmask: torch.Tensor, row: int, eos) -> None:
         """Writes the tokens the grammar allows next into row ``row`` of ``bitmask`` (``[k, words]``

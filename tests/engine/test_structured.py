@@ -96,8 +96,9 @@ def _run(eng: LLMEngine, reqs) -> list:
 
 @pytest.mark.parametrize("kw", [{}, {"chunk_size": 8, "max_num_batched_tokens": 24}, {"async_scheduling": True},
                                 {"async_scheduling": True, "static_buffers": True},
-                                {"speculative": "ngram", "num_speculative_tokens": 3}],
-                         ids=["plain", "chunked-prefill", "async", "async-static-buffers", "ngram"])
+                                {"speculative": "ngram", "num_speculative_tokens": 3},
+                                {"speculative": "draft", "draft_model": MODEL, "num_speculative_tokens": 3}],
+                         ids=["plain", "chunked-prefill", "async", "async-static-buffers", "ngram", "draft-model"])
 def test_greedy_structured_outputs_are_the_grammars_and_those_of_a_plain_loop(wants, kw):
     eos, want = wants
     reqs = _requests()
@@ -116,14 +117,18 @@ def test_greedy_structured_outputs_are_the_grammars_and_those_of_a_plain_loop(wa
             assert _meets(p.structured, tok.decode(seq.output)), (p.structured, tok.decode(seq.output))
     if kw.get("async_scheduling"):  # once the structured requests are done, the other's steps overlap
         assert eng.num_overlapped_steps > 0
-    if kw.get("speculative"):
-        assert all(s.num_draft_tokens == 0 for s, (_, p) in zip(seqs, reqs) if p.structured)
+    if kw.get("speculative"):  # drafts cut to what the grammar allows, verified row by row against it
+        drafted = [s for s, (_, p) in zip(seqs, reqs) if p.structured and s.num_draft_tokens]
+        assert len(drafted) >= 2 and sum(s.num_accepted_tokens for s in drafted) > 0
         assert seqs[-1].num_draft_tokens > 0
 
 
-def test_sampled_structured_outputs_meet_their_grammar():
-    """Sampling at temperature 1 from a random model: whatever it draws, the output is the grammar's."""
-    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", num_pages=600, max_num_seqs=32, async_scheduling=True))
+@pytest.mark.parametrize("kw", [{"async_scheduling": True}, {"speculative": "ngram", "num_speculative_tokens": 4}],
+                         ids=["async", "ngram"])
+def test_sampled_structured_outputs_meet_their_grammar(kw):
+    """Sampling at temperature 1 from a random model: whatever it draws, the output is the grammar's
+    (with speculation, drafts accepted by the rejection rule over the grammar's rows)."""
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", num_pages=600, max_num_seqs=32, **kw))
     reqs = [([3 + i, 40, 41], SamplingParams(max_tokens=500, temperature=1.0, seed=i, structured=spec))
             for i, spec in enumerate(SPECS * 4)]
     seqs = _run(eng, reqs)
