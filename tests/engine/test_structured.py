@@ -257,7 +257,8 @@ def test_the_structured_bench_prints_its_tables(capsys):
     """bench/structured_bench.py end to end at a toy size (its figures are in docs/benchmarks.md)."""
     from bench.structured_bench import SPECS, main
 
-    main(["--vocab", "600", "--batch", "1,2", "--steps", "3"])
+    main(["--vocab", "600", "--batch", "1,2", "--steps", "3", "--spec-model", "random:tiny", "--spec-requests", "2"])
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in SPECS)
     assert out.count("json schema") >= 3 and "| 2 |" in out and "structured.png" in out
+    assert "| no drafts |" in out and "| n-gram, k=4 |" in out
