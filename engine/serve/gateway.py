@@ -647,7 +647,8 @@ def make_handler(gw: Gateway):
             gw.m_tokens.labels("completion").inc(sum(c.n for c in choices))
 
         def _complete(self, req, prompt):
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
+                       for _ in range(req.n)]
             for _ in self._choices(req, prompt, choices):
                 pass
             body = []
@@ -679,7 +680,8 @@ def make_handler(gw: Gateway):
 
         def _stream(self, req, prompt):
             rid = new_id(req.chat)
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens) for _ in range(req.n)]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
+                       for _ in range(req.n)]
             gen = self._choices(req, prompt, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
