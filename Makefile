@@ -103,7 +103,9 @@ clean:
 
 # Wheels the GPU machine lacks (Python 3.12 there; its package list: the device library's KINDS.md):
 # this project's grpcio/protobuf pins, grpcio-health-checking (kvstore.server imports it), lmdb,
-# pyzmq (KV events; test modules import it) and the test tools. `run` carries .whl/ (kept out of
+# pyzmq (KV events; test modules import it) and the test tools; in .whl/structured, xgrammar and what
+# it needs beyond the machine's torch/transformers (structured outputs, an optional extra: installed
+# apart, so that they cannot fail the rest). `run` carries .whl/ (kept out of
 # git); bench/gpu_check.sh installs them. Checked here by a Python 3.12-less stand-in: a venv with only
 # that machine's packages collects `pytest -m gpu tests` and runs the prefix-reuse bench.
 gpu-wheels: setup
@@ -112,3 +114,6 @@ gpu-wheels: setup
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
 	  lmdb grpcio==1.85.1 grpcio-health-checking==1.85.1 pyzmq "protobuf==$$($(PY) -c 'import google.protobuf as p; print(p.__version__)')" \
 	  "hypothesis==$$($(PY) -c 'import hypothesis as h; print(h.__version__)')" sortedcontainers attrs pytest-timeout
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl/structured \
+	  $$($(PY) -c 'import importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions")))')

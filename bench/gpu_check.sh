@@ -46,6 +46,11 @@ else
 fi
 export PYTHONPATH="$SITE:$PWD"
 python3 -c 'import grpc, grpc_health.v1.health, google.protobuf, lmdb, xxhash, zmq; print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "lmdb", lmdb.version())' || exit 1
+# Structured outputs (optional): xgrammar and its needs, installed apart so that they cannot fail the above.
+if ls .whl/structured/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target "$SITE" .whl/structured/*.whl 2>&1 | tail -3
+fi
+python3 -c 'import xgrammar; print("xgrammar", xgrammar.__version__)' 2>&1 | tail -1
 
 step "prefix reuse: random:llama3-8b cut to 8 layers, 7900-token prompt (8000 + 1 overflows its 8192 context at 50%) (one prefill step), store node on this host"
 timeout $(lim 110) python3 bench/prefix_reuse_bench.py "${LLAMA8[@]}" --reps 2 --dram 4GiB \
