@@ -54,3 +54,54 @@ def test_every_module_level_import_is_on_the_gpu_machine_or_carried():
             for name in _module_level_imports(path) - have:
                 missing.setdefault(name, []).append(rel)
     assert missing == {}, f"not on the GPU machine; add its wheel to `make gpu-wheels` or import it lazily: {missing}"
+
+
+def _bench_invocations() -> list[tuple[str, list[str]]]:
+    """Every `python3 bench/X.py ...` command line of bench/gpu_check.sh, its arguments as bash
+    would pass them (the script's arrays and $FIG expanded)."""
+    import shlex
+
+    text = (ROOT / "bench" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    arrays = {m.group(1): shlex.split(m.group(2)) for m in re.finditer(r"^(\w+)=\((.*?)\)", text, re.S | re.M)}
+    out = []
+    for m in re.finditer(r"python3 (bench/\w+\.py)([^|\n]*?)(?:2>&1|\||$)", text, re.M):
+        args = []
+        for word in shlex.split(m.group(2)):
+            name = re.fullmatch(r"\$\{(\w+)\[@\]\}", word)
+            args += arrays[name.group(1)] if name else [word.replace("$FIG", "/tmp/gpu_figs")]
+        out.append((m.group(1), args))
+    return out
+
+
+def test_every_bench_command_of_the_gpu_run_parses():
+    """A flag a bench does not take would cost a step of the few minutes an H200 is lent: every
+    command line of the script goes through its bench's own argument parser here (the bench stops
+    there, before it computes anything)."""
+    import subprocess
+
+    calls = _bench_invocations()
+    assert {"bench/prefix_reuse_bench.py", "bench/kernels_bench.py"} <= {path for path, _ in calls}
+    assert any("--hf-overrides" in args and "random:llama3-8b" in args for _, args in calls)
+    script = """
+import argparse, json, runpy, sys
+class Parsed(BaseException):
+    pass
+orig = argparse.ArgumentParser.parse_args
+def parse_args(self, args=None, namespace=None):
+    raise Parsed(orig(self, args, namespace))
+argparse.ArgumentParser.parse_args = parse_args
+for path, args in json.loads(sys.argv[1]):
+    sys.argv = [path] + args
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Parsed:
+        print("parsed", path, flush=True)
+    else:
+        raise SystemExit(f"{path} returned without parsing its arguments")
+"""
+    import json
+
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(calls)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("parsed ") == len(calls), r.stdout
