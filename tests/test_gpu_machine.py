@@ -1,9 +1,12 @@
 """The GPU machine (`bench/gpu_check.sh`) has its own Python packages: every third-party module
 this project imports at module level — in the code and in every test module, which
 `pytest -m gpu tests` collects — must be there or among the wheels `make gpu-wheels` carries.
-A module missing there kills the whole run at import (as `grpc_health` once would have)."""
+A module missing there kills the whole run at import (as `grpc_health` once would have).
+And the script's bench command lines parse, and those benches run here at toy sizes: a step that
+crashes there costs part of the few minutes a GPU is lent."""
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -105,3 +108,36 @@ for path, args in json.loads(sys.argv[1]):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("parsed ") == len(calls), r.stdout
+
+
+def _run(cmd: list[str]) -> str:
+    import subprocess
+
+    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r.stdout
+
+
+def test_the_kernels_bench_runs_its_grid_and_sweep_at_toy_shapes(tmp_path):
+    """bench/kernels_bench.py --smoke: every kernel of the GPU run's table, checked against its
+    PyTorch twin in the Triton interpreter, the targets' lines and the engine ITL rows; then the
+    tile-config sweep, which writes the device's config file."""
+    out = _run(["bench/kernels_bench.py", "--smoke", "--out", str(tmp_path)])
+    assert "CORRECTNESS FAILURES" not in out
+    for kind in ("decode", "prefill", "gather", "scatter", "fp8 quantize", "engine decode (eager) B=1"):
+        assert f"target: {kind}" in out, kind
+    assert (tmp_path / "kernels_bench.md").read_text().count("|") > 50
+    out = _run(["bench/kernels_bench.py", "--smoke", "--sweep", "--out", str(tmp_path)])
+    configs = json.loads((tmp_path / "configs" / "cpu.json").read_text())
+    assert {"prefill", "decode"} <= set(configs), configs
+
+
+def test_the_speculation_verify_cost_bench_runs(tmp_path):
+    """bench/spec_decode_bench.py --verify-cost (a GPU run's step) at a toy size: a row per batch
+    and draft count, written to its JSON."""
+    _run(["bench/spec_decode_bench.py", "--verify-cost", "--model", "random:tiny", "--context", "64",
+          "--batch", "1,2", "--ks", "1,2", "--json", str(tmp_path / "v.json")])
+    fig = json.loads((tmp_path / "v.json").read_text())
+    assert set(fig["batches"]) == {"1", "2"}
+    for batch in fig["batches"].values():  # k = 0 (a plain step), 1, 2: each timed
+        assert [k for k, _ in batch["steps"]] == [0, 1, 2] and all(s > 0 for _, s in batch["steps"])
