@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
+"""engine/serve/tools.py's PARSERS (named here: importing it would import torch into every command)."""
+
+
 
 def register(sub) -> None:
     from engine.config import EngineConfig
@@ -51,9 +55,10 @@ def register(sub) -> None:
     g.add_argument("--https-cert", default=None, metavar="PEM",
                    help="serve HTTPS with this certificate chain (with --https-key); default: plain HTTP")
     g.add_argument("--https-key", default=None, metavar="PEM", help="the private key of --https-cert")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: <tool_call> JSON, "
-                        "as Qwen 2.5/3 and Hermes models write them); without it \"auto\" is refused")
+                        "as Qwen 2.5/3 and Hermes models write them; llama3_json: JSON calls, Llama 3.x/4; "
+                        "pythonic: [f(x=1)], Llama 3.2/4); without it \"auto\" is refused")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",

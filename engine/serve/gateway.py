@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
                                           full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
-from engine.serve.tools import PARSERS, TOOL_CALL_TAG, extract
+from engine.serve.tools import PARSERS, ToolParser, extract
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -702,7 +703,7 @@ def make_handler(gw: Gateway):
                 for i, c, piece, text in _chain(first_item, gen):
                     if tools == "auto":
                         c.held[1].extend(piece.logprobs)
-                        out = c.release(text, TOOL_CALL_TAG)
+                        out = c.release(text, PARSERS[gw.tool_parser])
                         if out or (c.first and not c.reason):
                             emit(stream_chunk(req, rid, gw.model_name, out, None, first=c.first, index=i))
                             c.first = False
@@ -766,21 +767,19 @@ class _Choice:
         self.held: list[list] = [[], []]  # tokens and logprobs not in a chunk yet
         self.offset = 0  # text offset of the next chunk's first token
         self.pending = ""  # text not streamed yet: where a tool call may begin, trailing spaces
-        self.calling = False  # the tool-call tag came: the rest is held for the parser
+        self.calling = False  # a tool call began: the rest is held for the parser
+        self.streamed = False  # some content was streamed
 
-    def release(self, text: str, tag: str) -> str:
-        """Of the text so far, what may stream as content now: not from ``tag`` on (a tool call),
-        nor a tail that may begin it, nor trailing whitespace (the content before a call has none)."""
+    def release(self, text: str, parser: ToolParser) -> str:
+        """Of the text so far, what may stream as content now: not where a tool call begins or may
+        begin (the parser says), nor trailing whitespace (the content before a call has none)."""
         self.pending += text
         if self.calling:
             return ""
-        at = self.pending.find(tag)
-        if at >= 0:
-            self.calling = True
-        else:  # the longest tail of pending that begins the tag
-            at = len(self.pending) - max((n for n in range(1, len(tag)) if self.pending.endswith(tag[:n])), default=0)
+        at, self.calling = parser.streamable(self.pending, self.streamed)
         out = self.pending[:at].rstrip()
         self.pending = self.pending[len(out):]
+        self.streamed = self.streamed or bool(out)
         return out
 
 
@@ -789,7 +788,19 @@ def _chain(first, rest):
     yield from rest
 
 
-class _HttpsServer(ThreadingHTTPServer):
+class _HttpServer(ThreadingHTTPServer):
+    """A client that drops its connection (reset while the next request is awaited, a broken pipe)
+    is logged in one line at debug level, not with a traceback on stderr."""
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("gateway: connection from %s dropped: %s", client_address, exc)
+        else:
+            log.exception("gateway: serving %s failed", client_address)
+
+
+class _HttpsServer(_HttpServer):
     """HTTPS: each connection's TLS handshake runs on its own thread (a slow or broken client never
     holds up the accept loop) and a failed one just closes that connection."""
 
@@ -832,7 +843,7 @@ def https_context(cert: str, key: str):
 class GatewayServer:
     def __init__(self, gw: Gateway, listen: str, ssl_context=None) -> None:
         host, _, port = listen.rpartition(":")
-        cls = ThreadingHTTPServer
+        cls = _HttpServer
         if ssl_context is not None:
             cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context})
         try:

@@ -71,7 +71,7 @@ class ParsedRequest:
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,),
-    "parallel_tool_calls": (True,), "logits_processors": (), "guided_decoding_backend": (),
+    "logits_processors": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "chat_template": (),
 }
 MAX_STOP_TOKEN_IDS = 64

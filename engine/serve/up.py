@@ -26,6 +26,7 @@ import urllib.request
 
 import grpc
 
+from engine.serve.cli import TOOL_PARSERS
 from kvstore import tls
 from kvstore.config import port_arg
 from kvstore.procs import stop_processes
@@ -88,7 +89,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="JSON",
                    help="the gateway takes only requests with one of this file's API keys (tenants, cache salts, "
                         "concurrency quotas: docs/serving.md)")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the gateway reads tool calls out of the model's text for tool_choice \"auto\" (docs/serving.md)")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "

@@ -3,6 +3,7 @@ stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no
 
 import http.client
 import json
+import logging
 import socket
 import ssl
 import urllib.parse
@@ -784,6 +785,24 @@ def test_https_gateway_serves_clients_that_trust_its_ca_and_refuses_plaintext(tm
         decode.stop()
     with pytest.raises(ValueError, match="--https-cert"):
         https_context(str(tmp_path / "missing.pem"), paths["node_key"])
+
+
+def test_a_client_that_resets_its_kept_alive_connection_is_one_debug_line_not_a_traceback(capfd, caplog):
+    import struct
+
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0").start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="engine.serve.gateway"):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # a reset while the server waits for the next request on it
+            wait_for(lambda: any("dropped" in r.getMessage() for r in caplog.records), what="the debug line")
+        assert request(server.url, "GET", "/v1/models")[0] == 200  # (and it serves on)
+    finally:
+        server.stop()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_no_route_is_503_and_health_says_why():

@@ -43,7 +43,7 @@ def cluster():
     decode = EngineNode("decode", engine_cfg()).start()
     parts.append(decode.stop)
     servers = {}
-    for parser in (None, "hermes"):
+    for parser in (None, "hermes", "llama3_json", "pythonic"):
         gw = Gateway(MODEL, [prefill.address], [decode.address], timeout_s=300, tool_parser=parser)
         servers[parser] = GatewayServer(gw, "127.0.0.1:0").start()
         parts.append(servers[parser].stop)
@@ -113,7 +113,7 @@ def test_auto_needs_a_parser_and_with_one_plain_text_stays_content(cluster):
     ("tools", [WEATHER, WEATHER]), ("tools", "x"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": []}}]),
     ("tool_choice", {"type": "function", "function": {"name": "nope"}}), ("tool_choice", "sometimes"),
-    ("parallel_tool_calls", False)])
+    ("parallel_tool_calls", "no")])
 def test_bad_tools_are_400_naming_the_field(cluster, field, value):
     body = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required", field: value}
     status, data = request(cluster[None].url, "POST", "/v1/chat/completions", json.dumps(body).encode(),
@@ -163,9 +163,75 @@ def test_the_hermes_parser_reads_calls_and_leaves_the_rest_as_text():
         '[{"name": "get_time", "parameters": {"zone": "cet"}}', [])  # (cut by max_tokens: text)
 
 
+def test_the_llama3_json_parser_reads_json_calls_that_are_the_whole_output():
+    auto = ToolRequest((WEATHER, TIME), "auto")
+
+    def got(text):
+        content, calls = extract(auto, text, "llama3_json")
+        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    assert got(' {"name": "get_weather", "parameters": {"city": "paris", "days": 2}}\n') == (
+        None, [("get_weather", {"city": "paris", "days": 2})])
+    assert got('{"name": "get_time", "arguments": {"zone": "utc"}}; {"name": "get_weather", "parameters": '
+               '{"city": "rome", "days": 1}}') == (None, [("get_time", {"zone": "utc"}),
+                                                   ("get_weather", {"city": "rome", "days": 1})])
+    assert got('{"name": "get_time", "parameters": {}}') == (None, [("get_time", {})])
+    for text in ('It is sunny. {"name": "get_time", "parameters": {}}',  # calls only as the whole output
+                 '{"name": "rm_rf", "parameters": {}}', '{"name": "get_time", "parameters": "utc"}',
+                 '{"name": "get_time", "parameters": {"zone": "utc"}} and then', '{"name": "get_time", "param',
+                 '[{"name": "get_time", "parameters": {}}]', '{}', ""):
+        assert extract(auto, text, "llama3_json") == (text, []), text
+
+
+def test_the_pythonic_parser_reads_a_list_of_calls_of_literals_never_evaluating_them():
+    auto = ToolRequest((WEATHER, TIME), "auto")
+
+    def got(text):
+        content, calls = extract(auto, text, "pythonic")
+        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    assert got('[get_weather(city="paris", days=2), get_time(zone=\'utc\')]') == (
+        None, [("get_weather", {"city": "paris", "days": 2}), ("get_time", {"zone": "utc"})])
+    assert got("\n[get_time()]") == (None, [("get_time", {})])
+    assert got('[get_weather(city="x", days=None, extra={"a": [1, 2.5, True]})]') == (
+        None, [("get_weather", {"city": "x", "days": None, "extra": {"a": [1, 2.5, True]}})])
+    for text in ('[get_weather("paris")]', "[rm_rf()]", "[get_time(zone=__import__('os').getcwd())]",
+                 "[os.system(cmd='x')]", "[get_time(zone=x)]", "[]", "[1, 2]", "[get_time(zone='utc')",
+                 "Sure: [get_time()]", "[get_time(**{'zone': 'utc'})]"):
+        assert extract(auto, text, "pythonic") == (text, []), text
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "days": 3}}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>')
+    one = parse_request({"model": "m", "messages": MESSAGES, "tools": [WEATHER, TIME],
+                         "parallel_tool_calls": False}, True, "m").tools
+    assert [c["function"]["name"] for c in extract(one, text, "hermes")[1]] == ["get_weather"]
+    assert [c["function"]["name"] for c in extract(ToolRequest(one.tools, "auto"), text, "hermes")[1]] == [
+        "get_weather", "get_time"]
+    req = parse_request({"model": "m", "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": "required",
+                         "parallel_tool_calls": False}, True, "m")
+    assert json.loads(req.structured[1])["maxItems"] == 1
+    assert "maxItems" not in json.loads(parse_request({"model": "m", "messages": MESSAGES, "tools": [WEATHER],
+                                                       "tool_choice": "required"}, True, "m").structured[1])
+
+
+def test_required_without_parallel_calls_is_one_call(cluster):
+    for seed in range(3):
+        for stream in (False, True):
+            content, calls, reason = _chat(cluster[None], stream, tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=600, parallel_tool_calls=False)
+            assert content is None and reason == "tool_calls" and len(calls) == 1, (seed, stream, calls)
+            assert _meets(calls[0][0], json.loads(calls[0][1]))
+
+
 def test_the_gateway_refuses_an_unknown_parser():
+    from engine.serve.cli import TOOL_PARSERS
+    from engine.serve.tools import PARSERS
+
     with pytest.raises(ValueError, match="unknown tool-call parser 'json'"):
         Gateway(MODEL, [], ["127.0.0.1:1"], tool_parser="json")
+    assert set(TOOL_PARSERS) == set(PARSERS)  # what the CLIs offer
 
 
 def _literal(text: str) -> str:
@@ -173,28 +239,41 @@ def _literal(text: str) -> str:
     return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
 
 
-@pytest.mark.parametrize("text,content,calls", [
+@pytest.mark.parametrize("text,content,calls,parser", [
     ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
-     "Let me check.", [("get_time", {"zone": "utc"})]),
+     "Let me check.", [("get_time", {"zone": "utc"})], "hermes"),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "days": 3}}</tool_call>\n'
      '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>',
-     None, [("get_weather", {"city": "rome", "days": 3}), ("get_time", {"zone": "cet"})]),
-    ("a <tool is not a <tool_cal", "a <tool is not a <tool_cal", []),
-    ('so <tool_call>{"name": "nope"}</tool_call>', 'so <tool_call>{"name": "nope"}</tool_call>', []),
-], ids=["content-then-call", "two-calls", "tag-prefixes", "unknown-tool"])
-def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, text, content, calls):
+     None, [("get_weather", {"city": "rome", "days": 3}), ("get_time", {"zone": "cet"})], "hermes"),
+    ("a <tool is not a <tool_cal", "a <tool is not a <tool_cal", [], "hermes"),
+    ('so <tool_call>{"name": "nope"}</tool_call>', 'so <tool_call>{"name": "nope"}</tool_call>', [], "hermes"),
+    ('{"name": "get_weather", "parameters": {"city": "oslo", "days": 1}}; '
+     '{"name": "get_time", "parameters": {"zone": "utc"}}',
+     None, [("get_weather", {"city": "oslo", "days": 1}), ("get_time", {"zone": "utc"})], "llama3_json"),
+    ('It is {"name": "get_time"}', 'It is {"name": "get_time"}', [], "llama3_json"),
+    ('{"name": "get_time", "parameters": {"zone"', '{"name": "get_time", "parameters": {"zone"', [],
+     "llama3_json"),
+    ('[get_weather(city="oslo", days=2), get_time(zone="cet")]',
+     None, [("get_weather", {"city": "oslo", "days": 2}), ("get_time", {"zone": "cet"})], "pythonic"),
+    ("Try [get_time()] later", "Try [get_time()] later", [], "pythonic"),
+], ids=["content-then-call", "two-calls", "tag-prefixes", "unknown-tool", "llama3-two-calls", "llama3-text",
+        "llama3-cut", "pythonic-two-calls", "pythonic-text"])
+def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, text, content, calls, parser):
     """The model's text is forced (a regex: auto leaves room for a response format) to a given
-    hermes output: the content streams up to the tag, never a piece of the tag, and the calls come
-    parsed at the end; streamed and not alike."""
+    output in the parser's format: the content streams up to where a call begins, never a piece
+    of the call, and the calls come parsed at the end; streamed and not alike."""
     want = (content, [(n, a) for n, a in calls], "tool_calls" if calls else "stop")
     for stream in (False, True):
-        got_content, got_calls, reason = _chat(cluster["hermes"], stream, tools=[WEATHER, TIME],
+        got_content, got_calls, reason = _chat(cluster[parser], stream, tools=[WEATHER, TIME],
                                                extra_body={"structured_outputs": {"regex": _literal(text)}})
         assert (got_content, [(n, json.loads(a)) for n, a in got_calls], reason) == want, stream
-    c = _client(cluster["hermes"])
+    c = _client(cluster[parser])
     pieces = [ch.choices[0].delta.content for ch in c.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, tools=[WEATHER, TIME], stream=True,
         extra_body={"structured_outputs": {"regex": _literal(text)}}) if ch.choices and ch.choices[0].delta.content]
     if calls:
         assert not any("<" in p for p in pieces), pieces
-    assert len(pieces) > 1 if content else pieces == []  # (the content streams in pieces, as it comes)
+    if content is not None and content.startswith(("{", "[")) and parser != "hermes":
+        assert pieces == [content]  # (it began as a call: held to the end, where it did not parse)
+    else:
+        assert len(pieces) > 1 if content else pieces == []  # (the content streams in pieces, as it comes)
