@@ -31,7 +31,7 @@ from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
                                           full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
-from engine.serve.tools import PARSERS, ToolParser, extract
+from engine.serve.tools import PARSERS, ToolParser, extract, tool_call
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -695,8 +695,8 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-            # tool calls: a named function's or "required" calls are the whole text, sent in one chunk at the
-            # end; with "auto" the text streams up to where a call may begin (the parser's tag), the calls
+            # tool calls: a named function's arguments stream as they come (the first chunk names the call);
+            # "required" calls are the whole text, sent in one chunk at the end; with "auto" the text streams up to where a call may begin (the parser's tag), the calls
             # follow at the end (the logprobs, all, with them)
             tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
@@ -712,6 +712,16 @@ def make_handler(gw: Gateway):
                             emit(stream_chunk(req, rid, gw.model_name, None if calls else c.pending, c.reason,
                                               first=c.first, index=i, tool_calls=calls,
                                               logprobs=logprobs_body(req, c.detok.ids, c.held[1], gw.tokenizer)))
+                        continue
+                    if tools == "named":  # the text is the call's arguments: they stream as they come
+                        c.held[0].extend(piece.ids)
+                        c.held[1].extend(piece.logprobs)
+                        if text or c.reason:
+                            call = tool_call(req.tools.name, text) if c.first else {"function": {"arguments": text}}
+                            emit(stream_chunk(req, rid, gw.model_name, None, c.reason, first=c.first, index=i,
+                                              tool_calls=[call] if text or c.first else None,
+                                              logprobs=logprobs_body(req, c.held[0], c.held[1], gw.tokenizer)))
+                            c.held, c.first = [[], []], False
                         continue
                     if tools:
                         c.held[1].extend(piece.logprobs)

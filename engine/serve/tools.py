@@ -91,7 +91,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
     return ToolRequest(tuple(tools), "named", fn["name"], parallel)
 
 
-def _call(name: str, arguments) -> dict:
+def tool_call(name: str, arguments) -> dict:
+    """An OpenAI tool call (a fresh ``call_…`` id); ``arguments`` as JSON text, or an object."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": args}}
 
@@ -217,17 +218,17 @@ def extract(req: ToolRequest, text: str, parser: str | None) -> tuple[str | None
     calls (an output cut by ``max_tokens``, a malformed call) stays text. Without parallel tool
     calls only the first call is kept."""
     if req.choice == "named":
-        return None, [_call(req.name, text)]
+        return None, [tool_call(req.name, text)]
     if req.choice == "required":
         try:
             items = json.loads(text)
         except ValueError:
             return text, []
-        return None, [_call(i["name"], i["parameters"]) for i in items[:None if req.parallel else 1]]
+        return None, [tool_call(i["name"], i["parameters"]) for i in items[:None if req.parallel else 1]]
     if req.choice != "auto" or parser is None:
         return text, []
     got = PARSERS[parser].calls(text, {t["function"]["name"] for t in req.tools})
     if not got:
         return text, []
     content, calls = got
-    return content, [_call(n, a) for n, a in calls[:None if req.parallel else 1]]
+    return content, [tool_call(n, a) for n, a in calls[:None if req.parallel else 1]]

@@ -67,8 +67,15 @@ def _chat(server, stream: bool, **kw):
         return r.message.content, calls, r.finish_reason
     chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
     content = "".join(ch.delta.content or "" for ch in chunks) or None
-    calls = [(t.function.name, t.function.arguments) for ch in chunks for t in ch.delta.tool_calls or []]
-    return content, calls, chunks[-1].finish_reason
+    calls = {}  # a call's arguments may come in pieces: its first piece names it
+    for t in (t for ch in chunks for t in ch.delta.tool_calls or []):
+        if t.index not in calls:
+            assert t.id.startswith("call_") and t.type == "function" and t.function.name
+            calls[t.index] = [t.function.name, ""]
+        else:
+            assert t.id is None and t.function.name is None
+        calls[t.index][1] += t.function.arguments or ""
+    return content, [tuple(v) for _, v in sorted(calls.items())], chunks[-1].finish_reason
 
 
 def test_a_named_function_gets_arguments_that_follow_its_schema(cluster):
@@ -86,6 +93,13 @@ def test_a_named_function_gets_arguments_that_follow_its_schema(cluster):
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert (content, reason) == (None, "stop") and [n for n, _ in calls] == ["get_weather"], stream
         assert calls[0][1] == want.text and _meets("get_weather", json.loads(calls[0][1]))
+    # streamed, the arguments come as they are generated, with their logprobs
+    chunks = [ch.choices[0] for ch in _client(server).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, stream=True, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, logprobs=True) if ch.choices]
+    pieces = [ch.delta.tool_calls[0].function.arguments for ch in chunks if ch.delta.tool_calls]
+    assert len(pieces) > 3 and "".join(pieces) == want.text and chunks[-1].finish_reason == "stop"
+    assert sum(len(ch.logprobs.content) for ch in chunks if ch.logprobs) == len(want.token_ids)
 
 
 def test_required_calls_are_tools_each_with_arguments_that_follow_its_schema(cluster):
