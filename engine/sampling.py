@@ -83,6 +83,9 @@ class SamplingParams:
     """``(kind, spec)``: the output follows a grammar (engine/structured.py: ``"json"`` and a JSON
     schema, ``"json_object"``, ``"regex"``, ``"choice"`` and a JSON list of strings, ``"grammar"``
     and EBNF) and ends, with EOS, where the grammar does."""
+    structured_after: tuple[int, ...] = ()
+    """The grammar applies only once the output holds these tokens, to what follows them (a
+    reasoning model's end of thinking, ``</think>``); empty: from the first token."""
 
     @property
     def has_penalties(self) -> bool:
@@ -112,7 +115,8 @@ class SamplingParams:
         """Drafts may be proposed for it: its processing is applied row by row in a verification
         (a grammar's matcher follows each row's drafts and rolls back the rejected ones), which
         the penalties' running counts and banned sequences of several tokens are not."""
-        return self.speculative and not self.has_penalties and not any(len(w) > 1 for w in self.bad_words_ids)
+        return self.speculative and not self.has_penalties and not any(len(w) > 1 for w in self.bad_words_ids) \
+            and not self.structured_after
 
     def is_stop(self, tok: int, num_output: int, eos) -> bool:
         """Whether ``tok``, the ``num_output``-th token of the output, stops it (``eos``: the model's
@@ -176,12 +180,17 @@ class SamplingParams:
             object.__setattr__(self, "structured", check_spec(self.structured))
             if self.min_tokens:  # (a complete grammar allows only EOS, which min_tokens masks)
                 raise ValueError("min_tokens cannot be combined with structured outputs")
+        if self.structured_after and (self.structured is None or not _token_ids(self.structured_after)):
+            raise ValueError(f"structured_after must be a sequence of token ids, with structured, "
+                             f"got {self.structured_after!r}")
+        object.__setattr__(self, "structured_after", tuple(self.structured_after))
 
     def token_ids(self):
         """Every token id the request names (to check against a vocabulary)."""
         yield from self.stop_token_ids
         yield from (t for t, _ in self.logit_bias)
         yield from self.allowed_token_ids or ()
+        yield from self.structured_after
         for w in self.bad_words_ids:
             yield from w
 
@@ -299,6 +308,7 @@ class Sampler:
         self.eos = frozenset(eos)
         self.grammars = grammars
         self._matchers: dict = {}  # seq_id: its structured output's Matcher
+        self._grammar_from: dict[int, list] = {}  # seq_id: [where its grammar starts (None: not yet), scanned]
         self._generators: dict[int, torch.Generator] = {}
         self._penalty_state: dict[int, list] = {}  # seq_id: [seen in prompt or output, output counts, outputs counted]
         self._masks: dict[int, _Masks] = {}
@@ -308,6 +318,7 @@ class Sampler:
         self._penalty_state.pop(seq_id, None)
         self._masks.pop(seq_id, None)
         self._matchers.pop(seq_id, None)
+        self._grammar_from.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """Samples one token per row (``sample_async(...).tolist()``).
@@ -335,10 +346,12 @@ class Sampler:
         raw = logits
         if history is not None and any(h is not None for h in history):
             logits = logits.to(torch.float32, copy=True)
-            grammar = [i for i, (p, h) in enumerate(zip(params, history)) if h is not None and p.structured is not None]
+            grammar = [(i, out) for i, (p, h, sid) in enumerate(zip(params, history, seq_ids))
+                       if h is not None and p.structured is not None
+                       and (out := self.grammar_output(sid, p, h[1])) is not None]
             if grammar:
-                self._mask_grammars(logits, grammar, [seq_ids[i] for i in grammar], [params[i] for i in grammar],
-                                    [history[i][1] for i in grammar])
+                self._mask_grammars(logits, [i for i, _ in grammar], [seq_ids[i] for i, _ in grammar],
+                                    [params[i] for i, _ in grammar], [out for _, out in grammar])
             for i, (p, sid, h) in enumerate(zip(params, seq_ids, history)):
                 if h is not None and p._has_row_processors:
                     logits[i] = self.processed(logits[i], sid, p, h[0], h[1], grammar=False)
@@ -352,6 +365,22 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         lps = _RowLogprobs(raw, out, want, [params[i].logprobs for i in want]) if want else None
         return SampledTokens(out, lps)
+
+    def grammar_output(self, seq_id: int, p: SamplingParams, output: list[int]) -> list[int] | None:
+        """The part of ``output`` request ``p``'s grammar follows: all of it, or with
+        ``structured_after`` what follows the first occurrence of those tokens (None before it)."""
+        after = p.structured_after
+        if not after:
+            return output
+        st = self._grammar_from.setdefault(seq_id, [None, 0])
+        if st[0] is None:
+            n = len(after)
+            for k in range(max(0, st[1] - n + 1), len(output) - n + 1):
+                if tuple(output[k:k + n]) == after:
+                    st[0] = k + n
+                    break
+            st[1] = len(output)
+        return None if st[0] is None else output[st[0]:]
 
     def valid_draft(self, seq_id: int, p: SamplingParams, output: list[int], draft: list[int]) -> list[int]:
         """``draft`` cut where the request's grammar stops allowing it (all of it without one)."""
@@ -392,9 +421,10 @@ class Sampler:
         grammar, the penalties and banned sequences of several tokens look at which tokens ``output``
         has (under async scheduling its last ones may still be ``PENDING``, which counts their number
         only: those requests' steps wait for their tokens)."""
-        if grammar and p.structured is not None:  # (``sample_async`` masks all its rows' grammars at once)
+        followed = self.grammar_output(seq_id, p, output) if grammar and p.structured is not None else None
+        if followed is not None:  # (``sample_async`` masks all its rows' grammars at once)
             g = self._matcher(seq_id, p)
-            g.follow(output)
+            g.follow(followed)
             logits.masked_fill_(~g.allowed(self.eos, logits.device), -math.inf)
         m = self._masks.get(seq_id)
         if m is None:

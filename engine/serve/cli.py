@@ -9,6 +9,8 @@ import sys
 
 TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
 """engine/serve/tools.py's PARSERS (named here: importing it would import torch into every command)."""
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+"""engine/serve/reasoning.py's PARSERS."""
 
 
 
@@ -59,6 +61,9 @@ def register(sub) -> None:
                    help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: <tool_call> JSON, "
                         "as Qwen 2.5/3 and Hermes models write them; llama3_json: JSON calls, Llama 3.x/4; "
                         "pythonic: [f(x=1)], Llama 3.2/4); without it \"auto\" is refused")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a chat choice's <think> reasoning (message.reasoning, reasoning_content) from its "
+                        "content, as vLLM's deepseek_r1/qwen3 parsers do (docs/serving.md)")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -104,7 +109,8 @@ def _run_gateway(ns: argparse.Namespace) -> int:
         ctx = https_context(ns.https_cert, ns.https_key) if ns.https_cert else None
         keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
-                     etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser)
+                     etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser,
+                     reasoning_parser=ns.reasoning_parser)
         serve(gw, ns.listen, ctx)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

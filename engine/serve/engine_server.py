@@ -32,6 +32,7 @@ def sampling_from_pb(s: pb.SamplingOptions) -> SamplingParams:
                           allowed_token_ids=tuple(s.allowed_token_ids) or None,
                           bad_words_ids=tuple(tuple(w.ids) for w in s.bad_words),
                           structured=(s.structured.kind, s.structured.spec) if s.HasField("structured") else None,
+                          structured_after=tuple(s.structured.after),
                           temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,

@@ -31,6 +31,7 @@ from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
                                           full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
+from engine.serve import reasoning
 from engine.serve.tools import PARSERS, ToolParser, extract, tool_call
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
@@ -126,12 +127,16 @@ class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
                  etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.model_name = served_model_name or model
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {', '.join(PARSERS)})")
         self.tool_parser = tool_parser
         """Reads tool calls out of a model's text for ``tool_choice: auto`` (engine/serve/tools.py)."""
+        if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: {', '.join(reasoning.PARSERS)})")
+        self.reasoning_parser = reasoning_parser
+        """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
         self.api_keys = api_keys
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self._inflight: dict[str, int] = {}
@@ -194,6 +199,15 @@ class Gateway:
         engines = self.engines.health()
         return bool(engines) and all(engines.values()), {"engines": engines}
 
+    def with_reasoning(self, req: ParsedRequest, prompt: list[int]) -> ParsedRequest:
+        """A chat request, with a reasoning parser: whether its prompt opened the reasoning, and
+        then where its grammar (if any) starts: after ``</think>``."""
+        if not req.chat or self.reasoning_parser is None:
+            return req
+        is_open = reasoning.opened(self.tokenizer.decode(prompt[-16:]))
+        after = tuple(self.tokenizer.encode(reasoning.END, add_bos=False)) if is_open and req.structured else ()
+        return dataclasses.replace(req, reasoning=is_open, structured_after=after)
+
     def encode(self, req: ParsedRequest) -> list[int]:
         if req.tools is not None and req.tools.choice == "auto" and self.tool_parser is None:
             raise BadRequest("tool_choice \"auto\" (the default with tools) needs a gateway started with "
@@ -250,7 +264,8 @@ class Gateway:
                                   repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                                   logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
                                   bad_words=[pb.TokenIds(ids=w) for w in bad_words_ids(req.bad_words, self.tokenizer)],
-                                  structured=pb.StructuredOutput(kind=req.structured[0], spec=req.structured[1])
+                                  structured=pb.StructuredOutput(kind=req.structured[0], spec=req.structured[1],
+                                                                 after=req.structured_after)
                                   if req.structured else None,
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
@@ -549,6 +564,7 @@ def make_handler(gw: Gateway):
                                            code="tenant_quota_exceeded")
                 try:
                     prompt = gw.encode(req)
+                    req = gw.with_reasoning(req, prompt)
                     if req.stream:
                         self._stream(req, prompt)
                     else:
@@ -650,21 +666,27 @@ def make_handler(gw: Gateway):
         def _complete(self, req, prompt):
             choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
                        for _ in range(req.n)]
+            for c in choices if req.reasoning is not None else ():
+                c.think = reasoning.Stream(req.reasoning)
             for _ in self._choices(req, prompt, choices):
                 pass
-            body = []
+            body, thoughts = [], []
             for c in choices:
                 text = c.detok.text()
                 echo = c.echo or ("", [], [])
                 # (logprobs of every token generated, the one completing a stop string included, as vLLM)
                 lps = logprobs_body(req, echo[1] + c.detok.ids, echo[2] + c.lps, gw.tokenizer)
+                if req.reasoning is not None:
+                    thought, text = reasoning.split(text, req.reasoning)
+                    thoughts.append(thought)
                 if req.tools is not None:
-                    content, calls = self._tool_calls(req, c, text)
-                    body.append((content, c.reason, lps, calls))
+                    content, calls = self._tool_calls(req, c, text or "")
+                    body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
                 else:
-                    body.append((echo[0] + text, c.reason, lps))
+                    body.append((echo[0] + text if text is not None else None, c.reason, lps))
             self._json(200, full_response(req, new_id(req.chat), gw.model_name, body,
-                                          usage(len(prompt), sum(c.n for c in choices), choices[0].cached)))
+                                          usage(len(prompt), sum(c.n for c in choices), choices[0].cached),
+                                          thoughts if req.reasoning is not None else None))
 
         @staticmethod
         def _tool_calls(req, c: _Choice, text: str) -> tuple[str | None, list[dict]]:
@@ -683,6 +705,8 @@ def make_handler(gw: Gateway):
             rid = new_id(req.chat)
             choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
                        for _ in range(req.n)]
+            for c in choices if req.reasoning is not None else ():
+                c.think = reasoning.Stream(req.reasoning)
             gen = self._choices(req, prompt, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
@@ -701,6 +725,12 @@ def make_handler(gw: Gateway):
             tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
                 for i, c, piece, text in _chain(first_item, gen):
+                    if c.think is not None:  # the reasoning streams first; what follows is the content
+                        thought, text = c.think.feed(text, final=c.reason is not None)
+                        if thought:
+                            emit(stream_chunk(req, rid, gw.model_name, None, None, first=c.first, index=i,
+                                              reasoning=thought))
+                            c.first = False
                     if tools == "auto":
                         c.held[1].extend(piece.logprobs)
                         out = c.release(text, PARSERS[gw.tool_parser])
@@ -708,7 +738,7 @@ def make_handler(gw: Gateway):
                             emit(stream_chunk(req, rid, gw.model_name, out, None, first=c.first, index=i))
                             c.first = False
                         if c.reason:
-                            content, calls = self._tool_calls(req, c, c.detok.text())
+                            content, calls = self._tool_calls(req, c, c.content())
                             emit(stream_chunk(req, rid, gw.model_name, None if calls else c.pending, c.reason,
                                               first=c.first, index=i, tool_calls=calls,
                                               logprobs=logprobs_body(req, c.detok.ids, c.held[1], gw.tokenizer)))
@@ -717,17 +747,18 @@ def make_handler(gw: Gateway):
                         c.held[0].extend(piece.ids)
                         c.held[1].extend(piece.logprobs)
                         if text or c.reason:
-                            call = tool_call(req.tools.name, text) if c.first else {"function": {"arguments": text}}
+                            opening = not c.called
+                            call = tool_call(req.tools.name, text) if opening else {"function": {"arguments": text}}
                             emit(stream_chunk(req, rid, gw.model_name, None, c.reason, first=c.first, index=i,
-                                              tool_calls=[call] if text or c.first else None,
+                                              tool_calls=[call] if text or opening else None,
                                               logprobs=logprobs_body(req, c.held[0], c.held[1], gw.tokenizer)))
-                            c.held, c.first = [[], []], False
+                            c.held, c.first, c.called = [[], []], False, True
                         continue
                     if tools:
                         c.held[1].extend(piece.logprobs)
                         if c.reason:
-                            content, calls = self._tool_calls(req, c, c.detok.text())
-                            emit(stream_chunk(req, rid, gw.model_name, content, c.reason, first=True, index=i,
+                            content, calls = self._tool_calls(req, c, c.content())
+                            emit(stream_chunk(req, rid, gw.model_name, content, c.reason, first=c.first, index=i,
                                               tool_calls=calls, logprobs=logprobs_body(req, c.detok.ids, c.held[1],
                                                                                        gw.tokenizer)))
                         continue
@@ -779,6 +810,12 @@ class _Choice:
         self.pending = ""  # text not streamed yet: where a tool call may begin, trailing spaces
         self.calling = False  # a tool call began: the rest is held for the parser
         self.streamed = False  # some content was streamed
+        self.called = False  # a named function's call was opened (streaming)
+        self.think = None  # with a reasoning parser: the reasoning.Stream splitting the text
+
+    def content(self) -> str:
+        """The whole text, or with a reasoning parser its content part (once the choice ended)."""
+        return self.think.content if self.think is not None else self.detok.text()
 
     def release(self, text: str, parser: ToolParser) -> str:
         """Of the text so far, what may stream as content now: not where a tool call begins or may

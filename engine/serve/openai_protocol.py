@@ -65,6 +65,11 @@ class ParsedRequest:
     """Chat: the ``ToolRequest`` (engine/serve/tools.py), or None."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last this many tokens (vLLM's)."""
+    reasoning: bool | None = None
+    """Chat with a reasoning parser: whether the prompt opened the reasoning
+    (engine/serve/reasoning.py); None: no parser."""
+    structured_after: tuple[int, ...] = ()
+    """The tokens after which ``structured`` applies (``SamplingParams.structured_after``)."""
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
@@ -422,13 +427,17 @@ def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs
             "text_offset": offsets}
 
 
-def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple], use: dict) -> dict:
+def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple], use: dict,
+                  reasoning: list | None = None) -> dict:
     """The whole answer; ``choices``: (text, finish reason, logprobs[, tool calls]) of each, in
-    index order (chat with tools: the text is the content, None when there is none)."""
+    index order (chat with tools or reasoning: the text is the content, None when there is none);
+    ``reasoning``: each chat choice's reasoning (with a reasoning parser)."""
     if req.chat:
         out = []
         for i, (text, reason, logprobs, *calls) in enumerate(choices):
             msg = {"role": "assistant", "content": text}
+            if reasoning is not None:  # (vLLM's field, and its old name, which DeepSeek's API uses)
+                msg["reasoning"] = msg["reasoning_content"] = reasoning[i]
             if req.tools is not None:
                 msg["tool_calls"] = calls[0] if calls else []
             out.append({"index": i, "message": msg, "finish_reason": reason, "logprobs": logprobs})
@@ -442,11 +451,17 @@ def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple]
 
 def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,
                  first: bool = False, use: dict | None = None, logprobs: dict | None = None, index: int = 0,
-                 tool_calls: list[dict] | None = None) -> dict:
+                 tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    """One chunk of a stream; ``reasoning``: a chat chunk of the reasoning (no content)."""
     if use is not None:
         return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                 "created": int(time.time()), "model": model, "choices": [], "usage": use}
-    if req.chat:
+    if req.chat and reasoning is not None:
+        delta = {"role": "assistant"} if first else {}
+        delta["reasoning"] = delta["reasoning_content"] = reasoning
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        obj = "chat.completion.chunk"
+    elif req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         if tool_calls:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(tool_calls)]

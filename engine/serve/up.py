@@ -26,7 +26,7 @@ import urllib.request
 
 import grpc
 
-from engine.serve.cli import TOOL_PARSERS
+from engine.serve.cli import REASONING_PARSERS, TOOL_PARSERS
 from kvstore import tls
 from kvstore.config import port_arg
 from kvstore.procs import stop_processes
@@ -91,6 +91,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "concurrency quotas: docs/serving.md)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the gateway reads tool calls out of the model's text for tool_choice \"auto\" (docs/serving.md)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="the gateway splits chat choices' <think> reasoning from their content (docs/serving.md)")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
                         "is not restarted, and a part exiting 10 times within a minute stops the cluster")
@@ -412,6 +414,8 @@ def run_up(ns: argparse.Namespace) -> int:
             gw_cmd += ["--api-keys", os.path.abspath(ns.api_keys)]
         if ns.tool_call_parser:
             gw_cmd += ["--tool-call-parser", ns.tool_call_parser]
+        if ns.reasoning_parser:
+            gw_cmd += ["--reasoning-parser", ns.reasoning_parser]
         if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
             gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
                        "--https-key", os.path.join(tls_dir, "node-key.pem")]

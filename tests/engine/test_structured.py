@@ -63,14 +63,18 @@ def _requests() -> list[tuple[list[int], SamplingParams]]:
 
 
 def _reference(prompt: list[int], p: SamplingParams, eos, device: str = "cpu") -> tuple[list[int], str]:
-    """Greedy under the grammar: a fresh matcher fed the output so far gives each step's mask."""
+    """Greedy under the grammar: a fresh matcher fed the output so far gives each step's mask
+    (with ``structured_after``, the output after the first occurrence of those tokens; none before)."""
     grammars = Grammars(ByteTokenizer(), 512, eos)
     out: list[int] = []
+    n = len(p.structured_after)
     while True:
         logits = all_logits(MODEL, prompt + out, device=device)[-1].cpu()
-        if p.structured is not None:
+        start = next((k + n for k in range(len(out) - n + 1) if tuple(out[k:k + n]) == p.structured_after), None) \
+            if n else 0
+        if p.structured is not None and start is not None:
             m = grammars.matcher(p.structured)
-            m.follow(out)
+            m.follow(out[start:])
             logits = logits.masked_fill(~m.allowed(eos, "cpu"), -math.inf)
         out.append(int(logits.argmax()))
         if p.is_stop(out[-1], len(out), eos):
@@ -251,6 +255,28 @@ def test_structured_outputs_on_the_gpu_with_captured_graphs_and_async_scheduling
     seqs = _run(eng, reqs)
     for seq, (prompt, p) in zip(seqs, reqs):
         assert (seq.output, seq.finish_reason) == _reference(prompt, p, eng.eos, "cuda"), p.structured
+
+
+@pytest.mark.parametrize("kw", [{}, {"async_scheduling": True}, {"speculative": "ngram"}])
+def test_a_grammar_after_given_tokens_leaves_the_output_free_until_them(kw):
+    """``structured_after`` (a reasoning model's ``</think>``): the output is the model's own until
+    those tokens, then held to the grammar from there. The tokens are taken from the unconstrained
+    greedy output itself (a random model writes no ``</think>``), so both halves are seen."""
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", num_pages=256, max_num_seqs=4, **kw))
+    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(6 + 3 * i)] for i in range(3)]
+    free = [s.output for s in _run(eng, [(q, SamplingParams(max_tokens=12, ignore_eos=True)) for q in prompts])]
+    reqs = [(q, SamplingParams(max_tokens=120, structured=spec, structured_after=tuple(f[4:6])))
+            for q, f, spec in zip(prompts, free, SPECS)]
+    for seq, (prompt, p) in zip(_run(eng, reqs), reqs):
+        want = _reference(prompt, p, eng.eos)
+        assert (seq.output, seq.finish_reason) == want, p.structured
+        start = next(k + 2 for k in range(len(want[0])) if tuple(want[0][k:k + 2]) == p.structured_after)
+        assert start <= 6 and seq.output[:start] == free[reqs.index((prompt, p))][:start]
+        assert _meets(p.structured, bytes(t for t in seq.output[start:] if t < 256).decode(errors="replace")) \
+            or seq.finish_reason == "length"
+    assert not SamplingParams(max_tokens=5, structured=SPECS[1], structured_after=(1,)).speculable
+    with pytest.raises(ValueError, match="structured_after"):
+        SamplingParams(max_tokens=5, structured_after=(1,))
 
 
 def test_the_structured_bench_prints_its_tables(capsys):
