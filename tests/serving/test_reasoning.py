@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from engine.serve.engine_server import EngineNode
-from engine.serve.gateway import Gateway, GatewayServer
+from engine.serve.gateway import Gateway
 from engine.serve.reasoning import Stream, opened, split
-from tests.serving.test_gateway import MODEL, engine_cfg
+from tests.serving.test_gateway import MODEL
+from tests.serving.test_tools import _literal, engines_with_gateways
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
@@ -61,20 +61,8 @@ def test_held_back_text_is_only_what_may_begin_a_tag():
 
 @pytest.fixture(scope="module")
 def cluster():
-    parts = []
-    prefill = EngineNode("prefill", engine_cfg()).start()
-    parts.append(prefill.stop)
-    decode = EngineNode("decode", engine_cfg()).start()
-    parts.append(decode.stop)
-    servers = {}
-    for name, kw in (("plain", {}), ("r1", {"reasoning_parser": "deepseek_r1"}),
-                     ("r1+hermes", {"reasoning_parser": "deepseek_r1", "tool_parser": "hermes"})):
-        gw = Gateway(MODEL, [prefill.address], [decode.address], timeout_s=300, **kw)
-        servers[name] = GatewayServer(gw, "127.0.0.1:0").start()
-        parts.append(servers[name].stop)
-    yield servers
-    for stop in reversed(parts):
-        stop()
+    yield from engines_with_gateways({"plain": {}, "r1": {"reasoning_parser": "deepseek_r1"},
+                                      "r1+hermes": {"reasoning_parser": "deepseek_r1", "tool_parser": "hermes"}})
 
 
 def _chat(server, stream: bool, **kw):
@@ -96,10 +84,6 @@ def _chat(server, stream: bool, **kw):
     calls = [(t.function.name, json.loads(t.function.arguments)) for ch in chunks for t in ch.delta.tool_calls or []]
     return "".join(pieces) or None, "".join(ch.delta.content or "" for ch in chunks) or None, calls, \
         chunks[-1].finish_reason, pieces
-
-
-def _literal(text: str) -> str:
-    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
 
 
 @pytest.mark.parametrize("text,want", [

@@ -35,21 +35,29 @@ def _meets(name: str, args: dict) -> bool:
     return args == {"zone": "utc"} or args == {"zone": "cet"}
 
 
+def engines_with_gateways(gateways: dict):
+    """A prefill and a decode engine, and over them a gateway per ``{name: Gateway options}``:
+    yields ``{name: server}``; all stopped after."""
+    parts = []
+    try:
+        prefill = EngineNode("prefill", engine_cfg()).start()
+        parts.append(prefill.stop)
+        decode = EngineNode("decode", engine_cfg()).start()
+        parts.append(decode.stop)
+        servers = {}
+        for name, kw in gateways.items():
+            gw = Gateway(MODEL, [prefill.address], [decode.address], timeout_s=300, **kw)
+            servers[name] = GatewayServer(gw, "127.0.0.1:0").start()
+            parts.append(servers[name].stop)
+        yield servers
+    finally:
+        for stop in reversed(parts):
+            stop()
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    parts = []
-    prefill = EngineNode("prefill", engine_cfg()).start()
-    parts.append(prefill.stop)
-    decode = EngineNode("decode", engine_cfg()).start()
-    parts.append(decode.stop)
-    servers = {}
-    for parser in (None, "hermes", "llama3_json", "pythonic"):
-        gw = Gateway(MODEL, [prefill.address], [decode.address], timeout_s=300, tool_parser=parser)
-        servers[parser] = GatewayServer(gw, "127.0.0.1:0").start()
-        parts.append(servers[parser].stop)
-    yield servers
-    for stop in reversed(parts):
-        stop()
+    yield from engines_with_gateways({p: {"tool_parser": p} for p in (None, "hermes", "llama3_json", "pythonic")})
 
 
 def _client(server) -> openai.OpenAI:
@@ -177,12 +185,15 @@ def test_the_hermes_parser_reads_calls_and_leaves_the_rest_as_text():
         '[{"name": "get_time", "parameters": {"zone": "cet"}}', [])  # (cut by max_tokens: text)
 
 
-def test_the_llama3_json_parser_reads_json_calls_that_are_the_whole_output():
-    auto = ToolRequest((WEATHER, TIME), "auto")
+def _parsed(parser: str, text: str):
+    """(content, [(name, arguments)]) of ``text`` with "auto" over the weather and time tools."""
+    content, calls = extract(ToolRequest((WEATHER, TIME), "auto"), text, parser)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
+
+def test_the_llama3_json_parser_reads_json_calls_that_are_the_whole_output():
     def got(text):
-        content, calls = extract(auto, text, "llama3_json")
-        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        return _parsed("llama3_json", text)
 
     assert got(' {"name": "get_weather", "parameters": {"city": "paris", "days": 2}}\n') == (
         None, [("get_weather", {"city": "paris", "days": 2})])
@@ -194,15 +205,12 @@ def test_the_llama3_json_parser_reads_json_calls_that_are_the_whole_output():
                  '{"name": "rm_rf", "parameters": {}}', '{"name": "get_time", "parameters": "utc"}',
                  '{"name": "get_time", "parameters": {"zone": "utc"}} and then', '{"name": "get_time", "param',
                  '[{"name": "get_time", "parameters": {}}]', '{}', ""):
-        assert extract(auto, text, "llama3_json") == (text, []), text
+        assert _parsed("llama3_json", text) == (text, []), text
 
 
 def test_the_pythonic_parser_reads_a_list_of_calls_of_literals_never_evaluating_them():
-    auto = ToolRequest((WEATHER, TIME), "auto")
-
     def got(text):
-        content, calls = extract(auto, text, "pythonic")
-        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        return _parsed("pythonic", text)
 
     assert got('[get_weather(city="paris", days=2), get_time(zone=\'utc\')]') == (
         None, [("get_weather", {"city": "paris", "days": 2}), ("get_time", {"zone": "utc"})])
@@ -212,7 +220,7 @@ def test_the_pythonic_parser_reads_a_list_of_calls_of_literals_never_evaluating_
     for text in ('[get_weather("paris")]', "[rm_rf()]", "[get_time(zone=__import__('os').getcwd())]",
                  "[os.system(cmd='x')]", "[get_time(zone=x)]", "[]", "[1, 2]", "[get_time(zone='utc')",
                  "Sure: [get_time()]", "[get_time(**{'zone': 'utc'})]"):
-        assert extract(auto, text, "pythonic") == (text, []), text
+        assert _parsed("pythonic", text) == (text, []), text
 
 
 def test_parallel_tool_calls_false_keeps_one_call():
