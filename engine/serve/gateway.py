@@ -563,12 +563,12 @@ def make_handler(gw: Gateway):
                                                 "flight, its quota; retry shortly", "rate_limit_error",
                                            code="tenant_quota_exceeded")
                 try:
-                    prompt = gw.encode(req)
-                    req = gw.with_reasoning(req, prompt)
+                    # (a completions batch: a request per prompt, answered together)
+                    subs = [(gw.with_reasoning(r, p), p) for r in req.split() for p in (gw.encode(r),)]
                     if req.stream:
-                        self._stream(req, prompt)
+                        self._stream(subs)
                     else:
-                        self._complete(req, prompt)
+                        self._complete(subs)
                 finally:
                     if tenant is not None:
                         gw.done(tenant)
@@ -599,7 +599,7 @@ def make_handler(gw: Gateway):
                     self._error(500, "internal error (logged by the gateway)", "server_error")
 
         def _run(self, req, prompt, calls: dict):
-            """``gw.generate``'s ``(choice, Piece)``s, checked, with the TTFT and ITL metrics."""
+            """``gw.generate``'s ``(0, choice, Piece)``s, checked, with the TTFT and ITL metrics."""
             t0 = time.perf_counter()
             last: dict[int, float] = {}  # when each choice's last tokens came
             seen: set[int] = set()
@@ -612,7 +612,7 @@ def make_handler(gw: Gateway):
                                        f"{len(prompt)} prompt tokens")
                 seen.add(i)
                 if req.max_tokens == 0:  # echo alone: the prompt's logprobs, no completion
-                    yield i, piece._replace(ids=[], reason="length", logprobs=[])
+                    yield 0, i, piece._replace(ids=[], reason="length", logprobs=[])
                     continue
                 now = time.perf_counter()
                 if ids:
@@ -622,7 +622,7 @@ def make_handler(gw: Gateway):
                     else:
                         gw.m_itl.observe((now - last[i]) / len(ids))
                     last[i] = now
-                yield i, piece
+                yield 0, i, piece
 
         def _echo(self, req, prompt: list[int], prompt_logprobs: list) -> tuple[str, list[int], list]:
             """What an echoed prompt adds before the completion: its text, its tokens and their
@@ -633,14 +633,18 @@ def make_handler(gw: Gateway):
                 else gw.tokenizer.decode(prompt)
             return text, list(prompt), [None, *prompt_logprobs]
 
-        def _choices(self, req, prompt, choices: list[_Choice]):
+        def _choices(self, subs: list, choices: list[_Choice]):
             """Yields ``(choice, its _Choice, the Piece, the new text)`` until every choice has ended
-            (its stream done, or a stop string found: then its decode call is cancelled)."""
-            calls: dict = {}
-            gen = self._run(req, prompt, calls)
+            (its stream done, or a stop string found: then its decode call is cancelled). ``subs``:
+            ``(request, prompt)`` of each prompt of a batch (one otherwise); prompt ``b``'s choice
+            ``i`` is ``choices[b * n + i]``."""
+            n = subs[0][0].n
+            calls: list[dict] = [{} for _ in subs]
+            gen = self._run(*subs[0], calls[0]) if len(subs) == 1 else self._batch(subs, calls)
             try:
-                for i, piece in gen:
-                    c = choices[i]
+                for b, i, piece in gen:
+                    req, prompt = subs[b]
+                    c = choices[b * n + i]
                     if c.reason:  # (a choice ended by a stop string: what its stream still had)
                         continue
                     if c.echo is None:
@@ -650,25 +654,65 @@ def make_handler(gw: Gateway):
                     c.lps += piece.logprobs
                     text = c.detok.push(piece.ids, final=piece.reason is not None)
                     c.reason = "stop" if c.detok.stopped else piece.reason
-                    yield i, c, piece, text
-                    if c.detok.stopped and i in calls:
-                        calls[i].cancel()
+                    yield b * n + i, c, piece, text
+                    if c.detok.stopped and i in calls[b]:
+                        calls[b][i].cancel()
                     if all(c.reason for c in choices):
                         break
             finally:
                 gen.close()
             for c in choices:
                 c.reason = c.reason or "length"
-            gw.m_tokens.labels("prompt").inc(len(prompt))
-            gw.m_tokens.labels("cached").inc(choices[0].cached)
+            gw.m_tokens.labels("prompt").inc(sum(len(p) for _, p in subs))
+            gw.m_tokens.labels("cached").inc(sum(c.cached for c in choices[::n]))
             gw.m_tokens.labels("completion").inc(sum(c.n for c in choices))
 
-        def _complete(self, req, prompt):
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
-                       for _ in range(req.n)]
-            for c in choices if req.reasoning is not None else ():
-                c.think = reasoning.Stream(req.reasoning)
-            for _ in self._choices(req, prompt, choices):
+        def _batch(self, subs: list, calls: list[dict]):
+            """The ``(prompt, choice, Piece)``s of a batch's requests, each run by a thread of its own,
+            as they arrive; an error in any ends them all (closing this cancels every call)."""
+            q: queue.Queue = queue.Queue()
+            stopping = threading.Event()
+
+            def pump(b: int) -> None:
+                gen = self._run(*subs[b], calls[b])
+                try:
+                    for _, i, piece in gen:
+                        q.put((b, i, piece))
+                        if stopping.is_set():
+                            break
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.CANCELLED:  # (cancelled: by a stop string, or by us)
+                        q.put(exc)
+                        return
+                except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
+                    q.put(exc)
+                    return
+                finally:
+                    gen.close()
+                q.put(None)
+
+            for b in range(len(subs)):
+                threading.Thread(target=pump, args=(b,), name=f"gateway-prompt-{b}", daemon=True).start()
+            live = len(subs)
+            try:
+                while live:
+                    item = q.get()
+                    if item is None:
+                        live -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                stopping.set()
+                for cs in calls:
+                    for call in list(cs.values()):
+                        call.cancel()
+
+        def _complete(self, subs: list):
+            req = subs[0][0]
+            choices = self._new_choices(subs)
+            for _ in self._choices(subs, choices):
                 pass
             body, thoughts = [], []
             for c in choices:
@@ -684,9 +728,23 @@ def make_handler(gw: Gateway):
                     body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
                 else:
                     body.append((echo[0] + text if text is not None else None, c.reason, lps))
-            self._json(200, full_response(req, new_id(req.chat), gw.model_name, body,
-                                          usage(len(prompt), sum(c.n for c in choices), choices[0].cached),
+            self._json(200, full_response(req, new_id(req.chat), gw.model_name, body, self._usage(subs, choices),
                                           thoughts if req.reasoning is not None else None))
+
+        @staticmethod
+        def _new_choices(subs: list) -> list[_Choice]:
+            req = subs[0][0]
+            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
+                       for _ in range(req.n * len(subs))]
+            for c in choices if req.reasoning is not None else ():
+                c.think = reasoning.Stream(req.reasoning)
+            return choices
+
+        @staticmethod
+        def _usage(subs: list, choices: list[_Choice]) -> dict:
+            """Every prompt's tokens, every choice's, and the cached ones of each prompt's first choice."""
+            return usage(sum(len(p) for _, p in subs), sum(c.n for c in choices),
+                         sum(c.cached for c in choices[::subs[0][0].n]))
 
         @staticmethod
         def _tool_calls(req, c: _Choice, text: str) -> tuple[str | None, list[dict]]:
@@ -701,13 +759,11 @@ def make_handler(gw: Gateway):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
             self.wfile.flush()
 
-        def _stream(self, req, prompt):
+        def _stream(self, subs: list):
+            req = subs[0][0]
             rid = new_id(req.chat)
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
-                       for _ in range(req.n)]
-            for c in choices if req.reasoning is not None else ():
-                c.think = reasoning.Stream(req.reasoning)
-            gen = self._choices(req, prompt, choices)
+            choices = self._new_choices(subs)
+            gen = self._choices(subs, choices)
             first_item = next(gen)  # errors before the first token still answer 400/503
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -778,7 +834,7 @@ def make_handler(gw: Gateway):
                         c.first = False
                 if req.include_usage:
                     emit(stream_chunk(req, rid, gw.model_name, None, None,
-                                      use=usage(len(prompt), sum(c.n for c in choices), choices[0].cached)))
+                                      use=self._usage(subs, choices)))
             except grpc.RpcError as exc:  # the engine went away mid-stream: say so in the stream, end it
                 emit({"error": {"message": f"engine unavailable mid-stream: {exc.code().name}; retry the request",
                                 "type": "server_error", "param": None, "code": "engine_unavailable"}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -70,6 +71,13 @@ class ParsedRequest:
     (engine/serve/reasoning.py); None: no parser."""
     structured_after: tuple[int, ...] = ()
     """The tokens after which ``structured`` applies (``SamplingParams.structured_after``)."""
+    prompts: tuple | None = None
+    """Completions given a batch of prompts (``prompt`` is the first): each is its own request,
+    whose choices come in the answer in prompt order (prompt ``b``'s choice ``i`` at ``b * n + i``)."""
+
+    def split(self) -> list[ParsedRequest]:
+        """One request per prompt of a batch (this one alone otherwise)."""
+        return [dataclasses.replace(self, prompt=p, prompts=None) for p in self.prompts] if self.prompts else [self]
 
 
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
@@ -86,8 +94,23 @@ MAX_BAD_WORDS = 64
 INT32_MAX = (1 << 31) - 1
 MAX_N = 16
 """Most choices (``n``) one request may ask for."""
+MAX_PROMPTS = 256
+"""Most prompts of one completions request (a batch); ``n`` times their number is at most ``MAX_N**2``."""
 UINT32_MAX = (1 << 32) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_prompt(prompt) -> None:
+    """One prompt of a completions request: a non-empty string or list of token ids."""
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise BadRequest("'prompt' must be a non-empty string or list of token ids, or a list of those "
+                             "(a batch)", "prompt")
+        if not all(0 <= t <= UINT32_MAX for t in prompt):
+            raise BadRequest("token ids in 'prompt' must be non-negative (and below the vocabulary size)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string or list of token ids, or a list of those (a batch)",
+                         "prompt")
 
 
 def flag(body: dict, name: str, default: bool) -> bool:
@@ -125,6 +148,7 @@ def check_model(body, model_name: str) -> None:
 
 def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     check_model(body, model_name)
+    prompts = None
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -132,18 +156,19 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         prompt: str | list[int] = [_message(m) for m in msgs]  # rendered by the gateway's tokenizer
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one prompt)",
-                                 "prompt")
-            if not all(0 <= t <= UINT32_MAX for t in prompt):
-                raise BadRequest("token ids in 'prompt' must be non-negative (and below the vocabulary size)",
-                                 "prompt")
-        elif not isinstance(prompt, str) or not prompt:
-            raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
+        batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+            else [prompt]  # (a list of strings or of token-id lists: a batch, one prompt each)
+        if len(batch) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' may hold up to {MAX_PROMPTS} prompts, got {len(batch)}", "prompt")
+        for p in batch:
+            _check_prompt(p)
+        prompt = batch[0]
+        if len(batch) > 1:
+            prompts = tuple(batch)
     n = _num(body, "n", 1, 1, MAX_N, integer=True)
+    if prompts is not None and n * len(prompts) > MAX_N * MAX_N:
+        raise BadRequest(f"a batch of {len(prompts)} prompts with n={n} asks for {n * len(prompts)} choices; "
+                         f"at most {MAX_N * MAX_N}", "n")
     for name, off in ({**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED).items():
         if body.get(name) is not None and not any(body[name] == v and type(body[name]) is type(v) for v in off):
             raise BadRequest(f"'{name}' is not supported by this server (leave it out"
@@ -183,7 +208,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
     return ParsedRequest(
-        chat=chat, prompt=prompt,
+        chat=chat, prompt=prompt, prompts=prompts,
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
         allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=structured,
         template_kwargs=_template_kwargs(body, tools) if chat else None, tools=tools,

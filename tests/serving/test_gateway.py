@@ -500,6 +500,46 @@ def test_n_choices_are_each_sampled_on_their_own_from_one_prefill(disagg, prefil
             setup.close()
 
 
+def test_a_batch_of_prompts_is_answered_prompt_by_prompt_in_one_response(disagg):
+    """OpenAI's batched completions (a list of prompts, as evaluation harnesses send): prompt
+    ``b``'s choice ``i`` is choice ``b * n + i``, each the answer the prompt alone gets; streamed,
+    the same; usage adds them up; a stop string ends one choice while the others go on."""
+    c = disagg.client()
+    prompts = ["The cat", [(7 * i) % 250 + 3 for i in range(90)], STOP_PROMPT, "x"]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [c.completions.create(prompt=p, **kw) for p in prompts]
+    r = c.completions.create(prompt=prompts, n=2, **kw)
+    assert [ch.index for ch in r.choices] == list(range(8))
+    assert [ch.text for ch in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 8 * 6
+    chunks = [ch.choices[0] for ch in c.completions.create(prompt=prompts, n=2, stream=True, **kw) if ch.choices]
+    assert ["".join(ch.text for ch in chunks if ch.index == i) for i in range(8)] == [ch.text for ch in r.choices]
+    assert sorted(ch.index for ch in chunks if ch.finish_reason) == list(range(8))
+    stop = alone[2].choices[0].text[1:3]  # (STOP_PROMPT's own output has it: that choice stops, the rest run)
+    got = c.completions.create(prompt=prompts, stop=[stop], **kw).choices
+    for a, ch in zip(alone, got):
+        text = a.choices[0].text
+        want = (text[:text.index(stop)], "stop") if stop in text else (text, "length")
+        assert (ch.text, ch.finish_reason) == want
+    assert got[2].finish_reason == "stop"
+    echo = c.completions.create(prompt=["ab", "cde"], echo=True, **{**kw, "max_tokens": 1}).choices
+    assert [ch.text[:len(p)] for ch, p in zip(echo, ["ab", "cde"])] == ["ab", "cde"]
+
+
+@pytest.mark.parametrize("prompt,n,match", [
+    (["ok", ""], 1, "non-empty"), (["ok", [1, -2]], 1, "non-negative"), (["ok", 5], 1, "non-empty"),
+    (["p"] * 257, 1, "up to 256 prompts"), (["p"] * 17, 16, "at most 256"),
+    (["ok", [5] * 9000], 1, "exceeds the model's context")])  # (the engine says so)
+def test_a_bad_prompt_in_a_batch_is_a_400_for_the_whole_request(disagg, prompt, n, match):
+    status, data = request(disagg.server.url, "POST", "/v1/completions",
+                           json.dumps({"model": MODEL, "prompt": prompt, "n": n, "max_tokens": 2}).encode(),
+                           {"Content-Type": "application/json"})
+    err = json.loads(data)["error"]
+    assert status == 400 and match in err["message"], err
+    assert request(disagg.server.url, "GET", "/health")[0] == 200  # (and the engines serve on)
+
+
 def test_chat_n_choices_streamed_and_not(disagg):
     c = disagg.client()
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9,
