@@ -722,7 +722,7 @@ def make_handler(gw: Gateway):
                 lps = logprobs_body(req, echo[1] + c.detok.ids, echo[2] + c.lps, gw.tokenizer)
                 if req.reasoning is not None:
                     thought, text = reasoning.split(text, req.reasoning)
-                    thoughts.append(thought)
+                    thoughts.append(thought if req.include_reasoning else None)
                 if req.tools is not None:
                     content, calls = self._tool_calls(req, c, text or "")
                     body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
@@ -783,7 +783,7 @@ def make_handler(gw: Gateway):
                 for i, c, piece, text in _chain(first_item, gen):
                     if c.think is not None:  # the reasoning streams first; what follows is the content
                         thought, text = c.think.feed(text, final=c.reason is not None)
-                        if thought:
+                        if thought and req.include_reasoning:
                             emit(stream_chunk(req, rid, gw.model_name, None, None, first=c.first, index=i,
                                               reasoning=thought))
                             c.first = False

@@ -71,6 +71,8 @@ class ParsedRequest:
     (engine/serve/reasoning.py); None: no parser."""
     structured_after: tuple[int, ...] = ()
     """The tokens after which ``structured`` applies (``SamplingParams.structured_after``)."""
+    include_reasoning: bool = True
+    """Chat with a reasoning parser: the reasoning comes back (vLLM's ``include_reasoning``)."""
     prompts: tuple | None = None
     """Completions given a batch of prompts (``prompt`` is the first): each is its own request,
     whose choices come in the answer in prompt order (prompt ``b``'s choice ``i`` at ``b * n + i``)."""
@@ -212,6 +214,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
         allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=structured,
         template_kwargs=_template_kwargs(body, tools) if chat else None, tools=tools,
+        include_reasoning=flag(body, "include_reasoning", True),
         truncate_prompt_tokens=_num(body, "truncate_prompt_tokens", None, 1, UINT32_MAX, integer=True),
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),

@@ -104,6 +104,10 @@ def test_reasoning_comes_apart_from_the_content_streamed_and_not(cluster, text, 
         assert reason == ("length" if want[1] is None else "stop")
         if stream and want[0]:
             assert len(pieces) > 1
+    body["extra_body"]["include_reasoning"] = False  # (vLLM's: the reasoning is left out, the content stays)
+    for stream in (False, True):
+        assert _chat(cluster["r1"], stream, **body)[:3] == (None, want[1], []), stream
+    del body["extra_body"]["include_reasoning"]
     plain = _chat(cluster["plain"], False, **body)  # without a parser: all of it is the content
     assert plain[:2] == (None, text)
 
