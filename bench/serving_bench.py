@@ -14,18 +14,12 @@ ITL p50/p99 per configuration; writes a table and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import ROOT, publish, table  # noqa: E402
+from bench.common import publish, table, up_cluster  # noqa: E402
 from engine.serve.workload import load_workload, pct, run_workload  # noqa: E402
 
 CONFIGS = [
@@ -40,20 +34,7 @@ def log(msg: str) -> None:
 
 
 def run_config(name: str, extra: list[str], model: str, work, concurrency: int) -> dict:
-    data = tempfile.mkdtemp(prefix="crescent-serving-")
-    out = open(os.path.join(data, "up.out"), "w")
-    up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", model,
-                           "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
-                           "--conductor-port", "0",
-                           "--dram", "512MiB", *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        state = os.path.join(data, "up.json")
-        deadline = time.monotonic() + 300
-        while not os.path.exists(state):
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(open(os.path.join(data, "up.out")).read())
-            time.sleep(0.2)
-        url = json.load(open(state))["openai_base_url"]
+    with up_cluster(model, extra) as url:
         import random
 
         rng = random.Random(12345)  # warm-up on prompts that share nothing with the workload
@@ -61,11 +42,6 @@ def run_config(name: str, extra: list[str], model: str, work, concurrency: int) 
         run_workload(url, model, warm, 2, progress=False)
         log(f"{name}: {len(work)} requests")
         results, wall = run_workload(url, model, work, concurrency)
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=120)
-        out.close()
-        shutil.rmtree(data, ignore_errors=True)
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]]
     return {"name": name, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50),
