@@ -84,6 +84,7 @@ bench: setup
 	$(PY) bench/store_bench.py
 	$(PY) bench/prefix_reuse_bench.py
 	$(PY) bench/serving_bench.py
+	$(PY) bench/batch_bench.py
 	$(PY) bench/replay_bench.py
 
 # Best effort: Debian's python3-pyverbs, linked into .venv through a .pth file that
