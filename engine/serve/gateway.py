@@ -742,9 +742,13 @@ def make_handler(gw: Gateway):
 
         @staticmethod
         def _usage(subs: list, choices: list[_Choice]) -> dict:
-            """Every prompt's tokens, every choice's, and the cached ones of each prompt's first choice."""
+            """Every prompt's tokens, every choice's, the cached ones of each prompt's first choice, and
+            (with a reasoning parser) the choices' reasoning tokens."""
+            req = subs[0][0]
+            thought = None if req.reasoning is None else sum(
+                reasoning.reasoning_tokens(c.detok.ids, gw.tokenizer.decode, req.reasoning) for c in choices)
             return usage(sum(len(p) for _, p in subs), sum(c.n for c in choices),
-                         sum(c.cached for c in choices[::subs[0][0].n]))
+                         sum(c.cached for c in choices[::req.n]), thought)
 
         @staticmethod
         def _tool_calls(req, c: _Choice, text: str) -> tuple[str | None, list[dict]]:
@@ -776,8 +780,9 @@ def make_handler(gw: Gateway):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             # tool calls: a named function's arguments stream as they come (the first chunk names the call);
-            # "required" calls are the whole text, sent in one chunk at the end; with "auto" the text streams up to where a call may begin (the parser's tag), the calls
-            # follow at the end (the logprobs, all, with them)
+            # "required" calls are the whole text, sent in one chunk at the end; with "auto" the text streams
+            # up to where a call may begin (the parser says), the calls follow at the end (all the logprobs
+            # with them)
             tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
                 for i, c, piece, text in _chain(first_item, gen):

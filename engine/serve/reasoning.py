@@ -70,3 +70,21 @@ class Stream:
             content, self.buf = self.buf, ""
             self.content += content
         return reasoning, content
+
+
+def reasoning_tokens(ids: list[int], decode, opened: bool) -> int:
+    """How many of an output's tokens ``ids`` are its reasoning: through the one that completes
+    ``</think>`` (all of them if it never closes); none for an output without reasoning."""
+    text = decode(ids)
+    if not (opened or text.lstrip().startswith(START)):
+        return 0
+    if END not in text:
+        return len(ids)
+    lo, hi = 1, len(ids)  # the fewest tokens whose text holds END (it only grows with more tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in decode(ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

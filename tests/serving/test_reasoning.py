@@ -49,6 +49,21 @@ def test_split_and_every_streaming_of_it_agree(text, is_open, want):
         assert (r or None, c or None) == want and s.content == c
 
 
+def test_reasoning_tokens_run_through_the_one_that_closes_it():
+    from engine.serve.reasoning import reasoning_tokens
+    from engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    def count(text, is_open):
+        return reasoning_tokens(tok.encode(text), tok.decode, is_open)
+
+    assert count("<think>ab</think>cd", False) == len("<think>ab</think>")
+    assert count("ab</think>cd", True) == len("ab</think>")
+    assert count("cut short", True) == len("cut short") and count("<think>cut", False) == len("<think>cut")
+    assert count("no thinking</think>", False) == 0 and count("", False) == 0
+
+
 def test_held_back_text_is_only_what_may_begin_a_tag():
     s = Stream(True)
     assert s.feed("a</th") == ("a", "")  # (the tail may begin </think>)
@@ -63,6 +78,10 @@ def test_held_back_text_is_only_what_may_begin_a_tag():
 def cluster():
     yield from engines_with_gateways({"plain": {}, "r1": {"reasoning_parser": "deepseek_r1"},
                                       "r1+hermes": {"reasoning_parser": "deepseek_r1", "tool_parser": "hermes"}})
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
 
 
 def _chat(server, stream: bool, **kw):
@@ -104,6 +123,11 @@ def test_reasoning_comes_apart_from_the_content_streamed_and_not(cluster, text, 
         assert reason == ("length" if want[1] is None else "stop")
         if stream and want[0]:
             assert len(pieces) > 1
+    use = _client(cluster["r1"]).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                          max_tokens=body.get("max_tokens", 200),
+                                                          extra_body=body["extra_body"]).usage
+    closes = text.find("</think>") + len("</think>") if "</think>" in text else len(text)
+    assert use.completion_tokens_details.reasoning_tokens == (len(text[:closes].encode()) if want[0] else 0)
     body["extra_body"]["include_reasoning"] = False  # (vLLM's: the reasoning is left out, the content stays)
     for stream in (False, True):
         assert _chat(cluster["r1"], stream, **body)[:3] == (None, want[1], []), stream
