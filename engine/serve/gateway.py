@@ -51,7 +51,8 @@ RETRY_AFTER_S = 1
 
 
 class StreamCut(Exception):
-    """A stream ended early with an error event (its engine went away)."""
+    """A stream ended early with an error event (its engine went away, or another prompt of its
+    batch was refused)."""
 
 
 class Engines:
@@ -712,8 +713,12 @@ def make_handler(gw: Gateway):
         def _complete(self, subs: list):
             req = subs[0][0]
             choices = self._new_choices(subs)
-            for _ in self._choices(subs, choices):
-                pass
+            gen = self._choices(subs, choices)
+            try:
+                for _ in gen:
+                    pass
+            finally:
+                gen.close()  # (an error: a batch's other prompts' calls cancelled now)
             body, thoughts = [], []
             for c in choices:
                 text = c.detok.text()
@@ -768,7 +773,11 @@ def make_handler(gw: Gateway):
             rid = new_id(req.chat)
             choices = self._new_choices(subs)
             gen = self._choices(subs, choices)
-            first_item = next(gen)  # errors before the first token still answer 400/503
+            try:
+                first_item = next(gen)  # errors before the first token still answer 400/503
+            except BaseException:
+                gen.close()  # (a batch's other prompts: their calls cancelled now)
+                raise
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -840,12 +849,21 @@ def make_handler(gw: Gateway):
                 if req.include_usage:
                     emit(stream_chunk(req, rid, gw.model_name, None, None,
                                       use=self._usage(subs, choices)))
-            except grpc.RpcError as exc:  # the engine went away mid-stream: say so in the stream, end it
-                emit({"error": {"message": f"engine unavailable mid-stream: {exc.code().name}; retry the request",
-                                "type": "server_error", "param": None, "code": "engine_unavailable"}})
+            except (grpc.RpcError, BadRequest, Rejected, NoRoute) as exc:
+                # mid-stream (the engine went away; or, in a batch, another prompt was refused after this
+                # one's tokens went out): say so in the stream, end it
+                if isinstance(exc, grpc.RpcError):
+                    err = {"message": f"engine unavailable mid-stream: {exc.code().name}; retry the request",
+                           "type": "server_error", "param": None, "code": "engine_unavailable"}
+                elif isinstance(exc, BadRequest):
+                    err = exc.body()["error"]
+                else:
+                    err = {"message": str(exc), "type": "server_error", "param": None,
+                           "code": "slo_rejected" if isinstance(exc, Rejected) else None}
+                emit({"error": err})
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
-                raise StreamCut(exc.code().name) from None
+                raise StreamCut(err["message"]) from None
             else:
                 self._send_chunk(b"data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")

@@ -51,9 +51,22 @@ class EngineLoop:
         return self
 
     def stop(self) -> None:
+        """Stops the loop; every request still in it, or still queued, ends with ``failed``, so
+        that no caller waits on it forever."""
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        left = list(self._handles.values())
+        self._handles.clear()
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not None and cmd[0] == "add":
+                left.append(cmd[1])
+        for h in left:
+            h.events.put(("failed", "the engine stopped"))
 
     def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
                output_prefix: list[int] | None = None, prefetched: dict | None = None,
@@ -74,7 +87,8 @@ class EngineLoop:
     def _handle_command(self, cmd) -> None:
         op, h, args = cmd
         if op == "add":
-            if h.aborted:
+            if h.aborted:  # (aborted before it was added: its caller still waits for an end)
+                h.events.put(("done", "abort"))
                 return
             try:
                 seq = self.engine.add_request(*args)

@@ -540,6 +540,25 @@ def test_a_bad_prompt_in_a_batch_is_a_400_for_the_whole_request(disagg, prompt, 
     assert request(disagg.server.url, "GET", "/health")[0] == 200  # (and the engines serve on)
 
 
+def test_a_streamed_batch_with_a_refused_prompt_is_a_400_or_ends_with_an_error_event(disagg):
+    """The engines refuse one prompt of a streamed batch (longer than the context): before any
+    token went out, the answer is a 400; after another prompt's tokens (the order is the threads'),
+    the stream ends with the error as an event, its framing intact, never a second response."""
+    body = json.dumps({"model": MODEL, "prompt": ["ok"] * 7 + [[5] * 9000], "max_tokens": 8,
+                       "stream": True}).encode()
+    for _ in range(8):
+        status, data = request(disagg.server.url, "POST", "/v1/completions", body,
+                               {"Content-Type": "application/json"})
+        if status == 400:
+            assert "exceeds the model's context" in json.loads(data)["error"]["message"]
+            continue
+        assert status == 200
+        events = [json.loads(line[6:]) for line in data.decode().split("\n\n") if line.startswith("data: {")]
+        assert "exceeds the model's context" in events[-1]["error"]["message"], data[-500:]
+        assert all("choices" in e for e in events[:-1]) and b"[DONE]" not in data
+    assert request(disagg.server.url, "GET", "/health")[0] == 200
+
+
 def test_chat_n_choices_streamed_and_not(disagg):
     c = disagg.client()
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9,
