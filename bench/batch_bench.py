@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import publish, table, up_cluster  # noqa: E402
+from bench.common import publish, table  # noqa: E402
+from engine.serve.workload import UpCluster  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -81,7 +82,8 @@ def main() -> None:
         return [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
 
     rows, results = [], {}
-    with up_cluster(args.model, ["--mode", "disagg"]) as url:
+    with UpCluster(args.model, ["--mode", "disagg", "--dram", "512MiB"]) as cluster:
+        url = cluster.url
         model = args.model
         post(url, {"model": model, "prompt": fresh()[:4], "max_tokens": 2})  # warm-up
         for task, opts in TASKS.items():

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "bench", "out")
@@ -63,29 +55,3 @@ def publish(fig, name: str, body: str, write_docs: bool) -> str:
         write_docs_section(name, f"{body.rstrip()}\n\n![{name}]({name}.png)\n")
         print("docs/benchmarks.md updated")
     return png
-
-
-@contextlib.contextmanager
-def up_cluster(model: str, extra: list[str], dram: str = "512MiB"):
-    """``crescent up`` (conductor, store, engines, gateway: real processes, every port picked free)
-    with ``extra`` flags; yields the gateway's OpenAI base URL; stops it all on exit (SIGTERM to
-    ``up``, which stops its parts)."""
-    data = tempfile.mkdtemp(prefix="crescent-bench-")
-    out = open(os.path.join(data, "up.out"), "w")
-    up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", model,
-                           "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
-                           "--conductor-port", "0", "--dram", dram, *extra], cwd=ROOT, stdout=out,
-                          stderr=subprocess.STDOUT)
-    try:
-        state = os.path.join(data, "up.json")
-        deadline = time.monotonic() + 300
-        while not os.path.exists(state):
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(open(os.path.join(data, "up.out")).read())
-            time.sleep(0.2)
-        yield json.load(open(state))["openai_base_url"]
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=120)
-        out.close()
-        shutil.rmtree(data, ignore_errors=True)

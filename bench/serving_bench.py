@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import publish, table, up_cluster  # noqa: E402
-from engine.serve.workload import load_workload, pct, run_workload  # noqa: E402
+from bench.common import publish, table  # noqa: E402
+from engine.serve.workload import UpCluster, load_workload, pct, run_workload  # noqa: E402
 
 CONFIGS = [
     ("monolithic, unchunked", ["--mode", "mono", "--no-store", "--chunk-size", "16384"]),
@@ -34,7 +34,8 @@ def log(msg: str) -> None:
 
 
 def run_config(name: str, extra: list[str], model: str, work, concurrency: int) -> dict:
-    with up_cluster(model, extra) as url:
+    with UpCluster(model, ["--dram", "512MiB", *extra]) as cluster:
+        url = cluster.url
         import random
 
         rng = random.Random(12345)  # warm-up on prompts that share nothing with the workload

@@ -16,12 +16,9 @@ import collections
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 
-from engine.serve.workload import ROOT, TENANTS, load_workload, pct, run_workload
+from engine.serve.workload import TENANTS, UpCluster, load_workload, pct, run_workload
 from kvstore import tls
 
 def main() -> int:
@@ -43,33 +40,24 @@ def main() -> int:
     shutil.rmtree(data, ignore_errors=True)
     os.makedirs(data)
     print(f"Starting `crescent up` ({args.model}) in the background; logs in {data}/logs", flush=True)
-    up_log = open(os.path.join(data, "up.out"), "w")
-    up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", data, "--model", args.model,
-                           "--store-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0",
-                           "--conductor-port", "0",
-                           "--dram", "256MiB", "--disk-size", "2GiB"], cwd=ROOT, stdout=up_log,
-                          stderr=subprocess.STDOUT)
+    cluster = UpCluster(args.model, ["--dram", "256MiB", "--disk-size", "2GiB"], data)
     try:
-        state_path = os.path.join(data, "up.json")
-        deadline = time.monotonic() + 300
-        while not os.path.exists(state_path):
-            if up.poll() is not None or time.monotonic() > deadline:
-                print(open(os.path.join(data, "up.out")).read(), file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        state = json.load(open(state_path))
-        print(open(os.path.join(data, "up.out")).read().strip())
+        cluster.start()
+    except RuntimeError as exc:  # (it exited, or never served: its output)
+        print(exc, file=sys.stderr)
+        return 1
+    try:
+        state = cluster.state
+        print(open(cluster.log_path).read().strip())
         print(f"\nWorkload: {len(work)} requests from the {source}, {args.groups} shared prefixes x "
               f"{args.per_group}, tenants {', '.join(TENANTS)}; "
               f"{sum(len(p) for _, p, _ in work)} prompt tokens\n", flush=True)
-        results, wall = run_workload(state["openai_base_url"], args.model, work, args.concurrency)
+        results, wall = run_workload(cluster.url, args.model, work, args.concurrency)
         report(results, state, wall, data)
-        showcase(state["openai_base_url"], args.model)
+        showcase(cluster.url, args.model)
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=120)
-        up_log.close()
-    print(f"cluster stopped (exit {up.returncode})")
+        cluster.stop()
+    print(f"cluster stopped (exit {cluster.returncode})")
     return 0
 
 

@@ -6,10 +6,69 @@ import collections
 import json
 import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class UpCluster:
+    """``crescent up`` as a subprocess (conductor, store, engines, gateway: real processes, every
+    port picked free) with ``flags``, its output in ``<data>/up.out``. ``with`` waits until it serves
+    (``state``: its ``up.json``; RuntimeError with its output if it exits or takes over 300 s) and
+    stops it on exit (SIGTERM to ``up``, which stops its parts; ``returncode`` then). Without
+    ``data``, a temporary folder, removed after. ``start``/``stop`` do the same without ``with``."""
+
+    def __init__(self, model: str, flags: list[str], data: str | None = None) -> None:
+        self.model, self.flags = model, flags
+        self.temporary = data is None
+        self.data = tempfile.mkdtemp(prefix="crescent-up-") if data is None else data
+        self.log_path = os.path.join(self.data, "up.out")
+        self.state: dict = {}
+        self.returncode: int | None = None
+
+    def __enter__(self) -> UpCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> UpCluster:
+        self._log = open(self.log_path, "w")
+        self._up = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--data", self.data, "--model",
+                                     self.model, "--store-port", "0", "--prefill-port", "0", "--decode-port", "0",
+                                     "--gateway-port", "0", "--conductor-port", "0", *self.flags],
+                                    cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            path = os.path.join(self.data, "up.json")
+            deadline = time.monotonic() + 300
+            while not os.path.exists(path):
+                if self._up.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(open(self.log_path).read())
+                time.sleep(0.2)
+            with open(path) as f:
+                self.state = json.load(f)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def url(self) -> str:
+        """The gateway's OpenAI base URL."""
+        return self.state["openai_base_url"]
+
+    def stop(self) -> None:
+        self._up.send_signal(signal.SIGTERM)
+        self.returncode = self._up.wait(timeout=120)
+        self._log.close()
+        if self.temporary:
+            shutil.rmtree(self.data, ignore_errors=True)
 TRACE = os.path.join(ROOT, "tests", "data", "synthetic_trace.jsonl")  # public Mooncake data, see its SOURCES.md
 TENANTS = ["acme", "globex", "initech", "umbrella"]
 
