@@ -55,6 +55,20 @@ def fragment_arena(address: str, values: int) -> None:
         c.delete(fill[::2])
 
 
+def run_in_own_session(cmd: list[str], timeout_s: float = 900) -> tuple[int, str]:
+    """Runs ``cmd`` in ``ROOT`` in a session of its own: ``(exit status, stdout and stderr)``. On a
+    timeout it and every process it started (a bench's cluster) are ended together, by its pid."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    return proc.returncode, out
+
+
 def wait_for(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):
     """Polls ``cond`` until truthy; generous deadline for a loaded 2-core machine."""
     deadline = time.monotonic() + timeout_s

@@ -6,14 +6,11 @@ issue 12; a crash in its common code found there would cost the lent minutes."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_in_own_session
 
 VARIANTS = {
     "shm": [],
@@ -27,16 +24,8 @@ VARIANTS = {
 def test_the_prefix_reuse_bench_runs_and_reports_its_figures(tmp_path, variant):
     out = tmp_path / "figures.json"
     cmd = [sys.executable, "bench/prefix_reuse_bench.py", "--quick", "--json", str(out), *VARIANTS[variant]]
-    # its own session: on a timeout the bench and the store process it started are ended together
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-    assert proc.returncode == 0, log[-4000:]
+    rc, log = run_in_own_session(cmd)
+    assert rc == 0, log[-4000:]
     fig = json.loads(out.read_text())
     assert fig["device"] == "cpu" and fig["model"] == "random:small"
     by_target = {r["target"]: r for r in fig["results"]}
