@@ -13,7 +13,6 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 """engine/serve/reasoning.py's PARSERS."""
 
 
-
 def register(sub) -> None:
     from engine.config import EngineConfig
     from kvstore.cli import add_config_args

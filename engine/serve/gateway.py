@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
-                                          full_response, logprobs_body, new_id, parse_request, stream_chunk, usage)
+                                          full_response, logprobs_body, new_id, parse_request, stream_chunk, tag_tail,
+                                          usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
 from engine.serve.tools import PARSERS, ToolParser, extract, tool_call
@@ -340,34 +341,55 @@ class Gateway:
         """Several choices' streams, each read by a thread of its own, as their pieces arrive. Choices
         after the first get the prompt's logprobs the prefill engine computed (if any) in their first
         piece; an error in any stream ends them all."""
-        q: queue.Queue = queue.Queue()
+        started = set()
+        for i, item in merge_threads({i: (lambda i=i, call=call: self._pieces(call, cached.get(i)))
+                                      for i, call in calls.items()}):
+            if i not in started and i and shared_plps is not None:
+                item = item._replace(prompt_logprobs=shared_plps)
+            started.add(i)
+            yield i, item
 
-        def pump(i: int, call) -> None:
-            try:
-                for p in self._pieces(call, cached.get(i)):
-                    q.put((i, p))
-            except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
-                q.put((i, exc))
+
+def merge_threads(sources: dict) -> Iterator[tuple]:
+    """``(key, item)`` of every ``sources[key]()`` iterator, each read by a thread of its own, as the
+    items arrive. A source cancelled (a gRPC CANCELLED: a choice ended by a stop string) just ends;
+    any other error ends them all, raised here. Closing this stops every thread after its next item
+    (its iterator closed in its own thread)."""
+    q: queue.Queue = queue.Queue()
+    stopping = threading.Event()
+
+    def pump(key, source) -> None:
+        it = source()
+        try:
+            for item in it:
+                q.put((key, item))
+                if stopping.is_set():
+                    break
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                q.put((key, exc))
                 return
-            q.put((i, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer's thread
+            q.put((key, exc))
+            return
+        finally:
+            it.close()
+        q.put((key, None))
 
-        for i, call in calls.items():
-            threading.Thread(target=pump, args=(i, call), name=f"gateway-choice-{i}", daemon=True).start()
-        live, started = len(calls), set()
+    for key, source in sources.items():
+        threading.Thread(target=pump, args=(key, source), name=f"gateway-merge-{key}", daemon=True).start()
+    live = len(sources)
+    try:
         while live:
-            i, item = q.get()
+            key, item = q.get()
             if item is None:
                 live -= 1
             elif isinstance(item, BaseException):
-                if isinstance(item, grpc.RpcError) and item.code() == grpc.StatusCode.CANCELLED:
-                    live -= 1  # (a choice the caller cancelled)
-                    continue
                 raise item
             else:
-                if i not in started and i and shared_plps is not None:
-                    item = item._replace(prompt_logprobs=shared_plps)
-                started.add(i)
-                yield i, item
+                yield key, item
+    finally:
+        stopping.set()
 
 
 class Piece(NamedTuple):
@@ -421,8 +443,7 @@ class _Detok:
             if text.endswith("\ufffd"):
                 end = len(text.rstrip("\ufffd"))
             # hold back a tail that may begin a stop string: the next tokens may complete it
-            end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
-                        if text.endswith(s[:n], 0, end)), default=0)
+            end -= max((tag_tail(text, s, end) for s in self.stop), default=0)
         out = text[self.sent:end]
         self.sent = max(self.sent, end)
         return out
@@ -671,41 +692,11 @@ def make_handler(gw: Gateway):
         def _batch(self, subs: list, calls: list[dict]):
             """The ``(prompt, choice, Piece)``s of a batch's requests, each run by a thread of its own,
             as they arrive; an error in any ends them all (closing this cancels every call)."""
-            q: queue.Queue = queue.Queue()
-            stopping = threading.Event()
-
-            def pump(b: int) -> None:
-                gen = self._run(*subs[b], calls[b])
-                try:
-                    for _, i, piece in gen:
-                        q.put((b, i, piece))
-                        if stopping.is_set():
-                            break
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.CANCELLED:  # (cancelled: by a stop string, or by us)
-                        q.put(exc)
-                        return
-                except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
-                    q.put(exc)
-                    return
-                finally:
-                    gen.close()
-                q.put(None)
-
-            for b in range(len(subs)):
-                threading.Thread(target=pump, args=(b,), name=f"gateway-prompt-{b}", daemon=True).start()
-            live = len(subs)
             try:
-                while live:
-                    item = q.get()
-                    if item is None:
-                        live -= 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        yield item
+                for b, (_, i, piece) in merge_threads({b: (lambda b=b: self._run(*subs[b], calls[b]))
+                                                       for b in range(len(subs))}):
+                    yield b, i, piece
             finally:
-                stopping.set()
                 for cs in calls:
                     for call in list(cs.values()):
                         call.cancel()
@@ -739,11 +730,8 @@ def make_handler(gw: Gateway):
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
             req = subs[0][0]
-            choices = [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
-                       for _ in range(req.n * len(subs))]
-            for c in choices if req.reasoning is not None else ():
-                c.think = reasoning.Stream(req.reasoning)
-            return choices
+            return [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
+                    for _ in range(req.n * len(subs))]
 
         @staticmethod
         def _usage(subs: list, choices: list[_Choice]) -> dict:
@@ -772,6 +760,8 @@ def make_handler(gw: Gateway):
             req = subs[0][0]
             rid = new_id(req.chat)
             choices = self._new_choices(subs)
+            for c in choices if req.reasoning is not None else ():
+                c.think = reasoning.Stream(req.reasoning)
             gen = self._choices(subs, choices)
             try:
                 first_item = next(gen)  # errors before the first token still answer 400/503
@@ -890,7 +880,7 @@ class _Choice:
         self.calling = False  # a tool call began: the rest is held for the parser
         self.streamed = False  # some content was streamed
         self.called = False  # a named function's call was opened (streaming)
-        self.think = None  # with a reasoning parser: the reasoning.Stream splitting the text
+        self.think = None  # streamed, with a reasoning parser: the reasoning.Stream splitting the text
 
     def content(self) -> str:
         """The whole text, or with a reasoning parser its content part (once the choice ended)."""

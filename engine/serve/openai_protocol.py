@@ -102,6 +102,13 @@ UINT32_MAX = (1 << 32) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
+def tag_tail(text: str, tag: str, end: int | None = None) -> int:
+    """The length of the longest tail of ``text[:end]`` that begins ``tag`` (short of all of it):
+    what a stream holds back, since the next tokens may complete the tag."""
+    end = len(text) if end is None else end
+    return max((n for n in range(1, min(len(tag), end + 1)) if text.endswith(tag[:n], 0, end)), default=0)
+
+
 def _check_prompt(prompt) -> None:
     """One prompt of a completions request: a non-empty string or list of token ids."""
     if isinstance(prompt, list):

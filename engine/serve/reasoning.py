@@ -20,6 +20,8 @@ first token.
 
 from __future__ import annotations
 
+from engine.serve.openai_protocol import tag_tail
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -64,7 +66,7 @@ class Stream:
             if at >= 0:
                 reasoning, self.buf, self.state = self.buf[:at], self.buf[at + len(END):], "content"
             else:
-                keep = 0 if final else max((n for n in range(1, len(END)) if self.buf.endswith(END[:n])), default=0)
+                keep = 0 if final else tag_tail(self.buf, END)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         if self.state == "content":
             content, self.buf = self.buf, ""

@@ -27,7 +27,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.serve.openai_protocol import BadRequest, flag
+from engine.serve.openai_protocol import BadRequest, flag, tag_tail
 
 MAX_TOOLS = 128
 
@@ -137,9 +137,7 @@ class Hermes(ToolParser):
         at = pending.find(self.TAG)
         if at >= 0:
             return at, True
-        # not the longest tail of pending that may begin the tag
-        return len(pending) - max((n for n in range(1, len(self.TAG)) if pending.endswith(self.TAG[:n])),
-                                  default=0), False
+        return len(pending) - tag_tail(pending, self.TAG), False
 
 
 class _AtStart(ToolParser):
