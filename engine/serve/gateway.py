@@ -33,7 +33,7 @@ from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest,
                                           usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
-from engine.serve.tools import PARSERS, ToolParser, extract, tool_call
+from engine.serve.tools import PARSERS, CallStream, extract, tool_call
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -778,10 +778,10 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-            # tool calls: a named function's arguments stream as they come (the first chunk names the call);
-            # "required" calls are the whole text, sent in one chunk at the end; with "auto" the text streams
-            # up to where a call may begin (the parser says), the calls follow at the end (all the logprobs
-            # with them)
+            # tool calls stream as they are written: a call's first delta names it, the next ones carry its
+            # arguments in pieces. A named function's arguments are the text, each piece with its logprobs;
+            # "required" calls are the text's JSON list; with "auto" the content streams up to where a call may
+            # begin (the parser says) and the calls are read from there on. Their logprobs come at the end
             tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
                 for i, c, piece, text in _chain(first_item, gen):
@@ -791,17 +791,19 @@ def make_handler(gw: Gateway):
                             emit(stream_chunk(req, rid, gw.model_name, None, None, first=c.first, index=i,
                                               reasoning=thought))
                             c.first = False
-                    if tools == "auto":
+                    if tools in ("auto", "required"):
                         c.held[1].extend(piece.logprobs)
-                        out = c.release(text, PARSERS[gw.tool_parser])
-                        if out or (c.first and not c.reason):
-                            emit(stream_chunk(req, rid, gw.model_name, out, None, first=c.first, index=i))
+                        if c.calls is None:
+                            c.calls = CallStream(req.tools, gw.tool_parser)
+                        out, calls = c.calls.feed(text, final=c.reason is not None)
+                        if c.calls.sent and c.reason == "stop":
+                            c.reason = "tool_calls"
+                        if out or calls or c.reason or c.first:
+                            emit(stream_chunk(req, rid, gw.model_name, out or None, c.reason, first=c.first,
+                                              index=i, tool_calls=calls,
+                                              logprobs=logprobs_body(req, c.detok.ids, c.held[1], gw.tokenizer)
+                                              if c.reason else None))
                             c.first = False
-                        if c.reason:
-                            content, calls = self._tool_calls(req, c, c.content())
-                            emit(stream_chunk(req, rid, gw.model_name, None if calls else c.pending, c.reason,
-                                              first=c.first, index=i, tool_calls=calls,
-                                              logprobs=logprobs_body(req, c.detok.ids, c.held[1], gw.tokenizer)))
                         continue
                     if tools == "named":  # the text is the call's arguments: they stream as they come
                         c.held[0].extend(piece.ids)
@@ -813,14 +815,6 @@ def make_handler(gw: Gateway):
                                               tool_calls=[call] if text or opening else None,
                                               logprobs=logprobs_body(req, c.held[0], c.held[1], gw.tokenizer)))
                             c.held, c.first, c.called = [[], []], False, True
-                        continue
-                    if tools:
-                        c.held[1].extend(piece.logprobs)
-                        if c.reason:
-                            content, calls = self._tool_calls(req, c, c.content())
-                            emit(stream_chunk(req, rid, gw.model_name, content, c.reason, first=c.first, index=i,
-                                              tool_calls=calls, logprobs=logprobs_body(req, c.detok.ids, c.held[1],
-                                                                                       gw.tokenizer)))
                         continue
                     if c.first:  # the echoed prompt goes first, in the choice's first chunk
                         c.held = [list(c.echo[1]), list(c.echo[2])]
@@ -876,27 +870,9 @@ class _Choice:
         self.first = True  # no chunk sent yet (streaming)
         self.held: list[list] = [[], []]  # tokens and logprobs not in a chunk yet
         self.offset = 0  # text offset of the next chunk's first token
-        self.pending = ""  # text not streamed yet: where a tool call may begin, trailing spaces
-        self.calling = False  # a tool call began: the rest is held for the parser
-        self.streamed = False  # some content was streamed
         self.called = False  # a named function's call was opened (streaming)
         self.think = None  # streamed, with a reasoning parser: the reasoning.Stream splitting the text
-
-    def content(self) -> str:
-        """The whole text, or with a reasoning parser its content part (once the choice ended)."""
-        return self.think.content if self.think is not None else self.detok.text()
-
-    def release(self, text: str, parser: ToolParser) -> str:
-        """Of the text so far, what may stream as content now: not where a tool call begins or may
-        begin (the parser says), nor trailing whitespace (the content before a call has none)."""
-        self.pending += text
-        if self.calling:
-            return ""
-        at, self.calling = parser.streamable(self.pending, self.streamed)
-        out = self.pending[:at].rstrip()
-        self.pending = self.pending[len(out):]
-        self.streamed = self.streamed or bool(out)
-        return out
+        self.calls: CallStream | None = None  # streamed, "required" or "auto" tool calls
 
 
 def _chain(first, rest):

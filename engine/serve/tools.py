@@ -17,6 +17,10 @@ The request's ``tools`` reach the chat template (the model sees them as it was t
 
 ``parallel_tool_calls: false`` keeps a choice to one call ("required" is held to a list of one;
 with "auto" the calls after the first are dropped, as vLLM does).
+
+A call's ``arguments`` are the JSON the model wrote (the pythonic format's literals turned to
+JSON), cut short where the output was (its finish reason says so). Streamed, a call is named as
+soon as its arguments begin and they follow in pieces as they are written (``CallStream``).
 """
 
 from __future__ import annotations
@@ -97,12 +101,156 @@ def tool_call(name: str, arguments) -> dict:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": args}}
 
 
+# Calls stream as the model writes them (vLLM's and OpenAI's way): a call's first delta once its
+# name is read and its arguments have begun, then its arguments piece by piece, exactly as written.
+# So a call is read from a prefix of the text and stays a call as the text grows: what the
+# unstreamed answer holds is what the stream sent. The JSON formats are read by a small scanner
+# that tolerates a text cut anywhere.
+
+_WS = " \t\r\n"
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_SCALAR = re.compile(r"[-+.\w]+")
+DONE, CUT, BAD = "done", "cut", "bad"
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _value(s: str, i: int) -> tuple[int, str]:
+    """The JSON value that begins at ``s[i]``: (where it ends, DONE), (len(s), CUT) where the text
+    ends inside it, or (where it stops being JSON, BAD). Containers are followed by their brackets
+    and strings; their scalars are not checked."""
+    ch = s[i]
+    if ch == '"':
+        m = _STRING.match(s, i)
+        return (m.end(), DONE) if m else (len(s), CUT)
+    if ch in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                m = _STRING.match(s, j)
+                if m is None:
+                    return len(s), CUT
+                j = m.end()
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1, DONE
+            elif not (c in _WS or c in ",:" or c.isalnum() or c in "-+."):
+                return j, BAD
+            j += 1
+        return len(s), CUT
+    m = _SCALAR.match(s, i)
+    if m is None:
+        return i, BAD
+    return (m.end(), DONE) if m.end() < len(s) else (len(s), CUT)
+
+
+def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, str]], int, str]:
+    """The members of the JSON object at ``s[i]`` (``{``) as far as they go: ``{key: (start, end,
+    state)}`` of their values (a repeated key: its first), and the object's (end, state)."""
+    members: dict[str, tuple[int, int, str]] = {}
+    j = _skip_ws(s, i + 1)
+    while True:
+        if j >= len(s):
+            return members, len(s), CUT
+        if s[j] == "}":
+            return members, j + 1, DONE
+        if s[j] != '"':
+            return members, j, BAD
+        end, state = _value(s, j)
+        if state != DONE:
+            return members, end, state
+        key = s[j + 1:end - 1]
+        j = _skip_ws(s, end)
+        if j >= len(s):
+            return members, len(s), CUT
+        if s[j] != ":":
+            return members, j, BAD
+        j = _skip_ws(s, j + 1)
+        if j >= len(s):
+            return members, len(s), CUT
+        end, state = _value(s, j)
+        members.setdefault(key, (j, end, state))
+        if state != DONE:
+            return members, end, state
+        j = _skip_ws(s, end)
+        if j < len(s) and s[j] == ",":
+            j = _skip_ws(s, j + 1)
+        elif j < len(s) and s[j] != "}":
+            return members, j, BAD
+
+
+_PENDING, _NOT_A_CALL = "pending", "not a call"
+
+
+def _json_call(s: str, i: int, known: set[str], arg_keys: tuple[str, ...]):
+    """The call written as the JSON object at ``s[i]``: ((name, arguments as written so far), end,
+    state), or _PENDING where the text ends before that is decided, or _NOT_A_CALL. A call is
+    one once its name (one of ``known``) is read and its arguments have begun with ``{`` (or the
+    object closed without them: ``{}``)."""
+    if s[i] != "{":
+        return _NOT_A_CALL
+    members, end, state = _members(s, i)
+    name = members.get("name")
+    if name is None or name[2] != DONE:
+        return _PENDING if state == CUT else _NOT_A_CALL
+    try:
+        fn = json.loads(s[name[0]:name[1]])
+    except ValueError:
+        return _NOT_A_CALL
+    if fn not in known:
+        return _NOT_A_CALL
+    args = next((members[k] for k in arg_keys if k in members), None)
+    if args is None:
+        if state == CUT:
+            return _PENDING
+        return (fn, "{}"), end, state
+    if s[args[0]] != "{":
+        return _NOT_A_CALL
+    return (fn, s[args[0]:args[1]]), end, state
+
+
+def _json_calls(s: str, i: int, known: set[str], arg_keys: tuple[str, ...], sep: str, final: bool,
+                close: str = ""):
+    """Calls written as JSON objects from ``s[i]`` on, separated by ``sep`` (and ended by ``close``
+    where given): ([(name, arguments)], where the text after them begins, or None). What follows
+    the last call that is not one is that text; a call cut short ends the calls."""
+    calls, j = [], i
+    while True:
+        got = _json_call(s, j, known, arg_keys)
+        if got is _PENDING:
+            return calls, (j if final else None)
+        if got is _NOT_A_CALL:
+            return calls, j
+        call, end, state = got
+        calls.append(call)
+        if state != DONE:
+            return calls, None
+        j = _skip_ws(s, end)
+        if j < len(s) and s[j] == sep:
+            j = _skip_ws(s, j + 1)
+        if j >= len(s) or s[j] == close:
+            return calls, None
+        if s[j] != "{":
+            return calls, j
+
+
 class ToolParser:
     """Reads a model's own tool-call format (``tool_choice: auto``)."""
 
-    def calls(self, text: str, known: set[str]) -> tuple[str | None, list[tuple[str, dict]]] | None:
-        """The content and the calls (name, arguments) in ``text``; None where it holds no calls,
-        or calls that do not parse or name a tool not offered (the whole text is then content)."""
+    def calls(self, text: str, known: set[str], final: bool = True) -> tuple[int, list[tuple[str, str]], int | None]:
+        """The calls in ``text`` (or its prefix so far, when not ``final``): (where they begin,
+        [(name, arguments as written)], where the text after them begins or None). The text before
+        them is content, and the text after them (the two a line apart); with no calls the whole
+        text is content."""
         raise NotImplementedError
 
     def streamable(self, pending: str, started: bool) -> tuple[int, bool]:
@@ -114,24 +262,32 @@ class ToolParser:
 
 class Hermes(ToolParser):
     """JSON ``{"name", "arguments"}`` between ``<tool_call>`` and ``</tool_call>`` (Qwen 2.5/3,
-    Hermes); the text before the first call is the content."""
+    Hermes); the text before the first call is the content, the text between calls is dropped,
+    and from a call that is not one (no JSON, a tool not offered) on, the text is content too."""
 
     TAG = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
-    def calls(self, text, known):
-        if self.TAG not in text:
-            return None
-        out = []
-        for m in self._CALL.finditer(text):
-            try:
-                obj = json.loads(m.group(1))
-            except ValueError:
-                return None
-            if not isinstance(obj, dict) or obj.get("name") not in known:
-                return None
-            out.append((obj["name"], obj.get("arguments", {})))
-        return text[:text.index(self.TAG)].rstrip() or None, out
+    def calls(self, text, known, final=True):
+        head = text.find(self.TAG)
+        if head < 0:
+            return len(text), [], None
+        calls, at = [], head
+        while True:
+            j = _skip_ws(text, at + len(self.TAG))
+            if j >= len(text):
+                return head, calls, (at if final else None)
+            got = _json_call(text, j, known, ("arguments", "parameters"))
+            if got is _PENDING:
+                return head, calls, (at if final else None)
+            if got is _NOT_A_CALL:
+                return head, calls, at
+            call, end, state = got
+            calls.append(call)
+            if state == CUT:
+                return head, calls, None
+            at = text.find(self.TAG, end)
+            if at < 0:
+                return head, calls, None
 
     def streamable(self, pending, started):
         at = pending.find(self.TAG)
@@ -158,75 +314,122 @@ class _AtStart(ToolParser):
 class Llama3Json(_AtStart):
     """Llama 3.1/3.2/3.3 and 4's JSON calls: ``{"name": ..., "parameters": {...}}`` (or
     ``"arguments"``), several separated by ``;``; their ``<|python_tag|>`` is a special token,
-    gone from the text."""
+    gone from the text. What follows the calls (not JSON, or a tool not offered) is content."""
 
     START = "{"
 
-    def calls(self, text, known):
-        s = text.strip()
-        if not s.startswith("{"):
-            return None
-        dec, out, at = json.JSONDecoder(), [], 0
-        while at < len(s):
-            try:
-                obj, at = dec.raw_decode(s, at)
-            except ValueError:
-                return None
-            if not isinstance(obj, dict) or obj.get("name") not in known:
-                return None
-            args = obj.get("parameters", obj.get("arguments", {}))
-            if not isinstance(args, dict):
-                return None
-            out.append((obj["name"], args))
-            at = len(s) - len(s[at:].lstrip().removeprefix(";").lstrip())
-        return None, out
+    def calls(self, text, known, final=True):
+        at = _skip_ws(text, 0)
+        if at >= len(text) or text[at] != "{":
+            return at, [], None
+        return (at, *_json_calls(text, at, known, ("parameters", "arguments"), ";", final))
 
 
 class Pythonic(_AtStart):
     """Python-call lists, as Llama 3.2 (lightweight) and Llama 4 write them:
     ``[get_weather(city="paris", days=2), get_time(zone="utc")]``, keyword arguments of Python
-    literals (read by ``ast.literal_eval``, never evaluated)."""
+    literals (read by ``ast.literal_eval``, never evaluated). Read whole, once the output ended:
+    all calls or none (the whole text is then content)."""
 
     START = "["
 
-    def calls(self, text, known):
+    def calls(self, text, known, final=True):
         s = text.strip()
-        if not s.startswith("["):
-            return None
+        if not final or not s.startswith("["):
+            return len(text), [], None
         try:
             tree = ast.parse(s, mode="eval").body
             if not isinstance(tree, ast.List) or not tree.elts:
-                return None
+                return len(text), [], None
             out = []
             for call in tree.elts:
                 if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
                         and call.func.id in known and all(k.arg for k in call.keywords)):
-                    return None
-                out.append((call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+                    return len(text), [], None
+                out.append((call.func.id, json.dumps({k.arg: ast.literal_eval(k.value) for k in call.keywords},
+                                                     ensure_ascii=False)))
         except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-            return None
-        return None, out
+            return len(text), [], None
+        return 0, out, None
 
 
 PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
 
 
+def _calls(req: ToolRequest, text: str, parser: str | None, final: bool):
+    """(where the calls begin, [(name, arguments)], where the text after them begins or None) of a
+    choice's text, for "required" and "auto"; no calls for the other choices."""
+    known = {t["function"]["name"] for t in req.tools}
+    if req.choice == "required":  # the grammar's JSON list of {"name", "parameters"}
+        at = _skip_ws(text, 0)
+        if at >= len(text) or text[at] != "[":
+            return at, [], None
+        j = _skip_ws(text, at + 1)
+        if j >= len(text):
+            return at, [], None
+        calls, rest = _json_calls(text, j, known, ("parameters",), ",", final, close="]")
+    elif req.choice == "auto" and parser is not None:
+        at, calls, rest = PARSERS[parser].calls(text, known, final)
+    else:
+        return len(text), [], None
+    return at, calls[:None if req.parallel else 1], rest
+
+
 def extract(req: ToolRequest, text: str, parser: str | None) -> tuple[str | None, list[dict]]:
-    """The message's ``content`` and ``tool_calls`` from a choice's text. What does not parse as
-    calls (an output cut by ``max_tokens``, a malformed call) stays text. Without parallel tool
-    calls only the first call is kept."""
+    """The message's ``content`` and ``tool_calls`` from a choice's text: each call's arguments
+    as the model wrote them (cut short where the output was: its finish reason says so). Text
+    with no calls is content; so is the text before them and after them (see the parsers).
+    Without parallel tool calls only the first call is kept."""
     if req.choice == "named":
         return None, [tool_call(req.name, text)]
-    if req.choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        return None, [tool_call(i["name"], i["parameters"]) for i in items[:None if req.parallel else 1]]
-    if req.choice != "auto" or parser is None:
+    at, calls, rest = _calls(req, text, parser, final=True)
+    if not calls:
         return text, []
-    got = PARSERS[parser].calls(text, {t["function"]["name"] for t in req.tools})
-    if not got:
-        return text, []
-    content, calls = got
-    return content, [tool_call(n, a) for n, a in calls[:None if req.parallel else 1]]
+    content = "\n".join(part for part in (text[:at].rstrip(), _after(text, rest)) if part)
+    return content or None, [tool_call(n, a) for n, a in calls]
+
+
+def _after(text: str, rest: int | None) -> str:
+    return text[rest:].strip() if rest is not None else ""
+
+
+class CallStream:
+    """A streamed choice's content and calls ("required", or "auto" with a parser) as its text
+    grows. The content streams up to where a call may begin (the parser says; trailing whitespace
+    is held too: the content before a call has none). A call's first delta carries its id and name
+    with its arguments so far, the next ones the rest of its arguments as they are written. Joined,
+    they are what ``extract`` gives for the whole text."""
+
+    def __init__(self, req: ToolRequest, parser: str | None) -> None:
+        self.req, self.parser = req, parser
+        self.reader = PARSERS[parser] if req.choice == "auto" else None  # None: the text is all calls
+        self.pending = ""  # the text not streamed as content: where a call may begin, trailing spaces
+        self.calling = self.reader is None  # a call began: the rest is read as calls
+        self.streamed = False  # some content was streamed
+        self.sent: list[int] = []  # per call begun: how much of its arguments went out
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """The content to stream now and the tool-call deltas (``index`` included) for the next
+        piece of the choice's text; ``final``: it is the last."""
+        self.pending += text
+        out = ""
+        if not self.calling:
+            at, self.calling = self.reader.streamable(self.pending, self.streamed)
+            out = self.pending[:at].rstrip()
+            self.pending = self.pending[len(out):]
+            self.streamed = self.streamed or bool(out)
+        if not (self.calling or final):
+            return out, []
+        at, calls, rest = _calls(self.req, self.pending, self.parser, final)
+        deltas = []
+        for k, (name, args) in enumerate(calls):
+            if k == len(self.sent):
+                deltas.append({"index": k, **tool_call(name, args)})
+                self.sent.append(len(args))
+            elif len(args) > self.sent[k]:
+                deltas.append({"index": k, "function": {"arguments": args[self.sent[k]:]}})
+                self.sent[k] = len(args)
+        if final:  # what follows the calls is content (a line below the content before them); no calls: all is
+            after = _after(self.pending, rest)
+            out += (("\n" if self.streamed and after else "") + after) if self.sent else self.pending
+        return out, deltas

@@ -100,7 +100,10 @@ def _chat(server, stream: bool, **kw):
     pieces = [d["reasoning"] for d in deltas if d.get("reasoning")]
     assert not any(d.get("content") for d in deltas[:max((i for i, d in enumerate(deltas) if d.get("reasoning")),
                                                           default=0)]), "content before the reasoning's end"
-    calls = [(t.function.name, json.loads(t.function.arguments)) for ch in chunks for t in ch.delta.tool_calls or []]
+    joined = {}  # a call's first delta names it, the next ones carry the rest of its arguments
+    for t in (t for ch in chunks for t in ch.delta.tool_calls or []):
+        joined.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments or ""
+    calls = [(name, json.loads(args)) for _, (name, args) in sorted(joined.items())]
     return "".join(pieces) or None, "".join(ch.delta.content or "" for ch in chunks) or None, calls, \
         chunks[-1].finish_reason, pieces
 

@@ -111,12 +111,18 @@ def test_a_named_function_gets_arguments_that_follow_its_schema(cluster):
 
 
 def test_required_calls_are_tools_each_with_arguments_that_follow_its_schema(cluster):
+    kw = {"tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 1.0, "max_tokens": 600}
     for seed in range(3):
-        for stream in (False, True):
-            content, calls, reason = _chat(cluster[None], stream, tools=[WEATHER, TIME], tool_choice="required",
-                                           temperature=1.0, seed=seed, max_tokens=600)
-            assert content is None and reason == "tool_calls" and calls, (seed, stream)
-            assert all(_meets(n, json.loads(a)) for n, a in calls), calls
+        got = [_chat(cluster[None], stream, seed=seed, **kw) for stream in (False, True)]
+        assert got[0] == got[1], seed  # (the arguments as written, streamed or not)
+        content, calls, reason = got[0]
+        assert content is None and reason == "tool_calls" and calls, seed
+        assert all(_meets(n, json.loads(a)) for n, a in calls), calls
+    # streamed, each call is named in its first delta and its arguments follow in pieces, as generated
+    chunks = [ch.choices[0] for ch in _client(cluster[None]).chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, seed=0, **kw) if ch.choices]
+    deltas = [t for ch in chunks for t in ch.delta.tool_calls or []]
+    assert len(deltas) > 2 * len(got[0][1]) and not chunks[-1].delta.tool_calls
 
 
 def test_auto_needs_a_parser_and_with_one_plain_text_stays_content(cluster):
@@ -176,13 +182,31 @@ def test_the_hermes_parser_reads_calls_and_leaves_the_rest_as_text():
     assert len({c["id"] for c in calls}) == 2
     unclosed = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}'  # (EOS before the closing tag)
     assert extract(auto, unclosed, "hermes")[0] is None and len(extract(auto, unclosed, "hermes")[1]) == 1
-    for bad in ('<tool_call>{"name": "get_time", "arguments": {</tool_call>',
-                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "no calls at all"):
-        assert extract(auto, bad, "hermes") == (bad, [])
+    for bad in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>get_time()</tool_call>",
+                '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "get_time", "arguments": "utc"}',
+                '<tool_call>{"name": "get_ti', "no calls at all"):
+        assert extract(auto, bad, "hermes") == (bad, []), bad
     assert extract(auto, text, None) == (text, [])
+    # arguments as written, cut where the output was cut; the name may follow them
+    assert _raw(auto, '<tool_call>{"name": "get_time", "arguments": {"zone": "c', "hermes") == (
+        None, [("get_time", '{"zone": "c')])
+    assert _raw(auto, '<tool_call>{"arguments": {"zone":"cet"}, "name": "get_time"}', "hermes") == (
+        None, [("get_time", '{"zone":"cet"}')])
+    assert _raw(auto, '<tool_call>{"name": "get_time"}</tool_call>', "hermes") == (None, [("get_time", "{}")])
+    assert _raw(auto, '<tool_call>{"name": "get_time", "arguments": {</tool_call>', "hermes") == (
+        None, [("get_time", "{")])  # (not JSON from there on: its arguments end where they stopped being)
+    # from a call that is not one on, the text is content, a line below the content before the calls
+    assert _raw(auto, 'So: <tool_call>{"name": "get_time", "arguments": {}}</tool_call> <tool_call>{"name": "rm"}',
+                "hermes") == ('So:\n<tool_call>{"name": "rm"}', [("get_time", "{}")])
     required = ToolRequest((WEATHER, TIME), "required")
-    assert extract(required, '[{"name": "get_time", "parameters": {"zone": "cet"}}', None) == (
-        '[{"name": "get_time", "parameters": {"zone": "cet"}}', [])  # (cut by max_tokens: text)
+    assert _raw(required, '[{"name": "get_time", "parameters": {"zone": "c', None) == (
+        None, [("get_time", '{"zone": "c')])  # (cut by max_tokens: its finish reason says so)
+    assert _raw(required, '[{"name": "get_t', None) == ('[{"name": "get_t', [])
+
+
+def _raw(req, text, parser):
+    content, calls = extract(req, text, parser)
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def _parsed(parser: str, text: str):
@@ -201,10 +225,11 @@ def test_the_llama3_json_parser_reads_json_calls_that_are_the_whole_output():
                '{"city": "rome", "days": 1}}') == (None, [("get_time", {"zone": "utc"}),
                                                    ("get_weather", {"city": "rome", "days": 1})])
     assert got('{"name": "get_time", "parameters": {}}') == (None, [("get_time", {})])
-    for text in ('It is sunny. {"name": "get_time", "parameters": {}}',  # calls only as the whole output
+    assert got('{"name": "get_time", "parameters": {"zone": "utc"}} and then') == (
+        "and then", [("get_time", {"zone": "utc"})])  # (what follows the calls is content)
+    for text in ('It is sunny. {"name": "get_time", "parameters": {}}',  # calls only at the start
                  '{"name": "rm_rf", "parameters": {}}', '{"name": "get_time", "parameters": "utc"}',
-                 '{"name": "get_time", "parameters": {"zone": "utc"}} and then', '{"name": "get_time", "param',
-                 '[{"name": "get_time", "parameters": {}}]', '{}', ""):
+                 '{"name": "get_time", "param', '[{"name": "get_time", "parameters": {}}]', '{}', ""):
         assert _parsed("llama3_json", text) == (text, []), text
 
 
@@ -263,39 +288,95 @@ def _literal(text: str) -> str:
 
 @pytest.mark.parametrize("text,content,calls,parser", [
     ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
-     "Let me check.", [("get_time", {"zone": "utc"})], "hermes"),
+     "Let me check.", [("get_time", '{"zone": "utc"}')], "hermes"),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "days": 3}}</tool_call>\n'
      '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>',
-     None, [("get_weather", {"city": "rome", "days": 3}), ("get_time", {"zone": "cet"})], "hermes"),
+     None, [("get_weather", '{"city": "rome", "days": 3}'), ("get_time", '{"zone": "cet"}')], "hermes"),
     ("a <tool is not a <tool_cal", "a <tool is not a <tool_cal", [], "hermes"),
     ('so <tool_call>{"name": "nope"}</tool_call>', 'so <tool_call>{"name": "nope"}</tool_call>', [], "hermes"),
     ('{"name": "get_weather", "parameters": {"city": "oslo", "days": 1}}; '
      '{"name": "get_time", "parameters": {"zone": "utc"}}',
-     None, [("get_weather", {"city": "oslo", "days": 1}), ("get_time", {"zone": "utc"})], "llama3_json"),
+     None, [("get_weather", '{"city": "oslo", "days": 1}'), ("get_time", '{"zone": "utc"}')], "llama3_json"),
     ('It is {"name": "get_time"}', 'It is {"name": "get_time"}', [], "llama3_json"),
-    ('{"name": "get_time", "parameters": {"zone"', '{"name": "get_time", "parameters": {"zone"', [],
-     "llama3_json"),
+    ('{"name": "get_time", "parameters": {"zone"', None, [("get_time", '{"zone"')], "llama3_json"),
+    ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', [], "llama3_json"),
     ('[get_weather(city="oslo", days=2), get_time(zone="cet")]',
-     None, [("get_weather", {"city": "oslo", "days": 2}), ("get_time", {"zone": "cet"})], "pythonic"),
+     None, [("get_weather", '{"city": "oslo", "days": 2}'), ("get_time", '{"zone": "cet"}')], "pythonic"),
     ("Try [get_time()] later", "Try [get_time()] later", [], "pythonic"),
 ], ids=["content-then-call", "two-calls", "tag-prefixes", "unknown-tool", "llama3-two-calls", "llama3-text",
-        "llama3-cut", "pythonic-two-calls", "pythonic-text"])
+        "llama3-cut", "llama3-unknown-tool", "pythonic-two-calls", "pythonic-text"])
 def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, text, content, calls, parser):
     """The model's text is forced (a regex: auto leaves room for a response format) to a given
     output in the parser's format: the content streams up to where a call begins, never a piece
-    of the call, and the calls come parsed at the end; streamed and not alike."""
-    want = (content, [(n, a) for n, a in calls], "tool_calls" if calls else "stop")
+    of the call; the JSON formats' calls stream as they are written (arguments in pieces, as the
+    model wrote them), the pythonic ones come whole at the end; streamed and not alike."""
+    want = (content, calls, "tool_calls" if calls else "stop")
     for stream in (False, True):
-        got_content, got_calls, reason = _chat(cluster[parser], stream, tools=[WEATHER, TIME],
-                                               extra_body={"structured_outputs": {"regex": _literal(text)}})
-        assert (got_content, [(n, json.loads(a)) for n, a in got_calls], reason) == want, stream
+        assert _chat(cluster[parser], stream, tools=[WEATHER, TIME],
+                     extra_body={"structured_outputs": {"regex": _literal(text)}}) == want, stream
     c = _client(cluster[parser])
-    pieces = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, tools=[WEATHER, TIME], stream=True,
-        extra_body={"structured_outputs": {"regex": _literal(text)}}) if ch.choices and ch.choices[0].delta.content]
+        extra_body={"structured_outputs": {"regex": _literal(text)}}) if ch.choices]
+    pieces = [ch.delta.content for ch in chunks if ch.delta.content]
     if calls:
         assert not any("<" in p for p in pieces), pieces
+        deltas = [t for ch in chunks for t in ch.delta.tool_calls or []]
+        if parser == "pythonic":
+            assert len(deltas) == len(calls) and chunks[-1].delta.tool_calls  # (whole, in the last chunk)
+        else:  # (each call's arguments in pieces, before the last chunk)
+            assert len(deltas) > 2 * len(calls) and not chunks[-1].delta.tool_calls, deltas
     if content is not None and content.startswith(("{", "[")) and parser != "hermes":
         assert pieces == [content]  # (it began as a call: held to the end, where it did not parse)
     else:
         assert len(pieces) > 1 if content else pieces == []  # (the content streams in pieces, as it comes)
+
+
+_SHAPES = {
+    "hermes": ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>',
+               '<tool_call>{"name": "get_time", "arguments": {</tool_call>', "no calls at all  ",
+               '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "a <tool is not a <tool_cal",
+               'so <tool_call>{"name": "get_time", "arguments": {"zone": "c\\"e}t"}}</tool_call> <tool_call>'
+               '{"name":"x"}</tool_call>', '<tool_call>{"arguments": {"x": ["}"]}, "name": "get_time"}',
+               '<tool_call>{"name": "get_weather", "arguments": {"city": "ro'],
+    "llama3_json": [' {"name": "get_weather", "parameters": {"city": "paris", "days": 2}}\n',
+                    '{"name": "get_time", "arguments": {"zone": "utc"}}; {"name": "get_weather", "parameters": '
+                    '{"city": "rome", "days": 1}}', '{"name": "get_time", "parameters": {}}',
+                    'It is sunny. {"name": "get_time", "parameters": {}}', '{"name": "get_time", "parameters": 1}',
+                    '{"name": "get_time", "parameters": {"zone": "utc"}} and then', '{"name": "get_time", "param'],
+    "pythonic": ['[get_weather(city="paris", days=2), get_time(zone=\'utc\')]', "Try [get_time()]", "[get_time(x=y)]"],
+    None: ['[{"name": "get_time", "parameters": {"zone": "cet"}}', '[{"name": "get_ti',
+           '[{"name": "get_time", "parameters": {"zone": "cet"}}, {"name": "get_weather", "parameters": '
+           '{"city": "a", "days": 1, "x": [1, {"b": "]}"}]}}]'],
+}
+
+
+@pytest.mark.parametrize("parser", list(_SHAPES), ids=[str(p) for p in _SHAPES])
+def test_streamed_calls_join_to_the_unstreamed_answer_however_the_text_is_cut(parser):
+    """``CallStream`` fed a text in pieces (every cutting a tokenizer could make, sampled) sends
+    content and call deltas that join to exactly what ``extract`` reads from the whole text, each
+    call named in its first delta and never again."""
+    import random
+
+    from engine.serve.tools import CallStream
+
+    rng = random.Random(0)
+    req = ToolRequest((WEATHER, TIME), "required" if parser is None else "auto")
+    for text in _SHAPES[parser]:
+        want = _raw(req, text, parser)
+        for _ in range(60):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 20))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            stream, content, calls = CallStream(req, parser), "", {}
+            for k, piece in enumerate(pieces):
+                out, deltas = stream.feed(piece, final=k == len(pieces) - 1)
+                content += out
+                for d in deltas:
+                    if d["index"] not in calls:
+                        assert d["id"].startswith("call_") and d["function"]["name"], d
+                        calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
+                    else:
+                        assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+                        calls[d["index"]][1] += d["function"]["arguments"]
+            assert (content or None, [tuple(v) for _, v in sorted(calls.items())]) == want, (text, pieces)
