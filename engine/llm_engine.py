@@ -425,7 +425,7 @@ class LLMEngine:
         end = min(len(seq.prompt), start + len(logits) + 1)
         if first < end:
             seq.prompt_logprobs += token_logprobs(logits[first - 1 - start:end - 1 - start], seq.prompt[first:end],
-                                                 seq.params.prompt_logprobs)
+                                                 seq.params.prompt_logprobs, ranks=True)
 
     def _stop_reason(self, seq: Sequence, tok: int, num_output: int) -> str | None:
         """Why ``seq`` ends with ``tok`` as its ``num_output``-th output token, or None."""

@@ -34,6 +34,9 @@ class TokenLogprobs(NamedTuple):
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
+    """The token's rank in the distribution (1: the likeliest; ties count the tokens strictly more
+    likely), where asked for (prompt tokens' logprobs, as vLLM reports them)."""
 
 
 @dataclass(frozen=True)
@@ -256,34 +259,39 @@ class _RowLogprobs:
     """The log-probabilities of some rows of a step's logits: the chosen token's and the top ``k``'s,
     computed on the logits' device."""
 
-    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]) -> None:
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int],
+                 ranks: bool = False) -> None:
         self.rows, self.ks = rows, ks
         idx = to_device(rows, torch.int64, logits.device)
         lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
         self.chosen = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)
         k = min(max(ks), lp.shape[-1])
         self.top_lp, self.top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        self.ranks = (lp > self.chosen.unsqueeze(1)).sum(dim=-1).add_(1) if ranks else None
 
     def to_host(self) -> None:
         self.chosen = _to_host(self.chosen)
         if self.top_lp is not None:
             self.top_lp, self.top_ids = _to_host(self.top_lp), _to_host(self.top_ids)
+        if self.ranks is not None:
+            self.ranks = _to_host(self.ranks)
 
     def tolist(self, n: int) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * n
         chosen = self.chosen.clamp_min(LOGPROB_FLOOR).tolist()
         top_lp = self.top_lp.clamp_min(LOGPROB_FLOOR).tolist() if self.top_lp is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        ranks = self.ranks.tolist() if self.ranks is not None else [None] * len(self.rows)
         for i, (r, k) in enumerate(zip(self.rows, self.ks)):
-            out[r] = TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k else ())
+            out[r] = TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k else (), ranks[i])
         return out
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
-    """``TokenLogprobs`` of ``tokens[i]`` under row ``i`` of ``logits`` (a verification's rows;
-    waits for the device)."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int, ranks: bool = False) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``tokens[i]`` under row ``i`` of ``logits`` (a verification's rows, a
+    prompt's; ``ranks``: with the tokens' ranks); waits for the device."""
     return _RowLogprobs(logits, torch.tensor(tokens, device=logits.device), list(range(len(tokens))),
-                        [k] * len(tokens)).tolist(len(tokens))
+                        [k] * len(tokens), ranks).tolist(len(tokens))
 
 
 class _Masks(NamedTuple):

@@ -45,7 +45,7 @@ def sampling_from_pb(s: pb.SamplingOptions) -> SamplingParams:
 
 def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                            top_logprobs=[v for _, v in lp.top])
+                            top_logprobs=[v for _, v in lp.top], rank=lp.rank or 0)
 
 
 def _prompt_logprobs(seq, sent: int) -> list[pb.TokenLogprobs]:

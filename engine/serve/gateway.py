@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
-                                          full_response, logprobs_body, new_id, parse_request, stream_chunk, tag_tail,
-                                          usage)
+                                          full_response, logprobs_body, new_id, parse_request, prompt_logprobs_body,
+                                          stream_chunk, tag_tail, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
@@ -405,7 +405,7 @@ class Piece(NamedTuple):
 
 
 def _logprobs(msgs) -> list[TokenLogprobs]:
-    return [TokenLogprobs(m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs))) for m in msgs]
+    return [TokenLogprobs(m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs)), m.rank or None) for m in msgs]
 
 
 class _Detok:
@@ -653,6 +653,8 @@ def make_handler(gw: Gateway):
                 return "", [], []
             text = req.prompt if isinstance(req.prompt, str) and not req.truncate_prompt_tokens \
                 else gw.tokenizer.decode(prompt)
+            if req.logprobs is not None and req.prompt_logprobs > req.logprobs:  # (more were asked for the
+                prompt_logprobs = [lp._replace(top=lp.top[:req.logprobs]) for lp in prompt_logprobs]  # body)
             return text, list(prompt), [None, *prompt_logprobs]
 
         def _choices(self, subs: list, choices: list[_Choice]):
@@ -671,6 +673,9 @@ def make_handler(gw: Gateway):
                         continue
                     if c.echo is None:
                         c.echo = self._echo(req, prompt, piece.prompt_logprobs)
+                        if req.show_prompt_logprobs is not None:
+                            c.prompt_logprobs = prompt_logprobs_body(prompt, piece.prompt_logprobs,
+                                                                     req.show_prompt_logprobs, gw.tokenizer)
                     c.cached = piece.cached
                     c.n += len(piece.ids)
                     c.lps += piece.logprobs
@@ -725,7 +730,9 @@ def make_handler(gw: Gateway):
                 else:
                     body.append((echo[0] + text if text is not None else None, c.reason, lps))
             self._json(200, full_response(req, new_id(req.chat), gw.model_name, body, self._usage(subs, choices),
-                                          thoughts if req.reasoning is not None else None))
+                                          thoughts if req.reasoning is not None else None,
+                                          [c.prompt_logprobs for c in choices] if req.show_prompt_logprobs is not None
+                                          else None))
 
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
@@ -867,6 +874,7 @@ class _Choice:
         self.cached = 0
         self.lps: list = []  # the tokens' logprobs
         self.echo: tuple | None = None  # (text, tokens, logprobs) of the echoed prompt
+        self.prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, where asked for
         self.first = True  # no chunk sent yet (streaming)
         self.held: list[list] = [[], []]  # tokens and logprobs not in a chunk yet
         self.offset = 0  # text offset of the next chunk's first token

@@ -52,7 +52,11 @@ class ParsedRequest:
     echo: bool = False
     """Completions: the prompt comes back before the completion (with its logprobs, if asked for)."""
     prompt_logprobs: int | None = None
-    """The prompt tokens' log-probabilities are needed (``echo`` with ``logprobs``)."""
+    """The prompt tokens' log-probabilities are needed, with this many alternatives (``echo`` with
+    ``logprobs``, ``show_prompt_logprobs``)."""
+    show_prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: the response shows the prompt tokens' log-probabilities, with
+    this many alternatives each."""
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
@@ -85,7 +89,7 @@ class ParsedRequest:
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,), "prompt_logprobs": (0,),
+    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
     "logits_processors": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "chat_template": (),
 }
@@ -190,6 +194,10 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     echo = not chat and flag(body, "echo", False)
+    shown = _num(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if shown is not None and flag(body, "stream", False):
+        raise BadRequest("'prompt_logprobs' are not available when streaming (as in vLLM)", "prompt_logprobs")
+    needed = [k for k in (logprobs if echo else None, shown) if k is not None]
     tools = _tools(body, chat)
     structured = _structured(body)
     if tools is not None and tools.structured() is not None:
@@ -231,7 +239,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         stop=stop, ignore_eos=flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
-        prompt_logprobs=logprobs if echo else None, n=n,
+        prompt_logprobs=max(needed) if needed else None, show_prompt_logprobs=shown, n=n,
         top_k=_num(body, "top_k", 0, -1, INT32_MAX, integer=True), min_p=float(_num(body, "min_p", 0.0, 0.0, 1.0)),
         stop_token_ids=tuple(stop_ids),
         presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),
@@ -467,11 +475,32 @@ def logprobs_body(req: ParsedRequest, tokens: list[int], lps: list[TokenLogprobs
             "text_offset": offsets}
 
 
+def prompt_logprobs_body(prompt: list[int], lps: list[TokenLogprobs], k: int, tokenizer) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (predicted by nothing), then for
+    each the token's own and the ``k`` likeliest at its place, keyed by token id (as text), each
+    ``{"logprob", "rank", "decoded_token"}`` (rank 1: the likeliest)."""
+    text = {}
+
+    def entry(i: int, lp: float, rank: int | None) -> dict:
+        if i not in text:
+            text[i] = tokenizer.decode([i])
+        return {"logprob": lp, "rank": rank, "decoded_token": text[i]}
+
+    out: list = [None]
+    for tok, lp in zip(prompt[1:], lps):
+        place = {str(tok): entry(tok, lp.logprob, lp.rank)}
+        for rank, (j, v) in enumerate(lp.top[:k], 1):
+            place.setdefault(str(j), entry(j, v, rank))
+        out.append(place)
+    return out
+
+
 def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple], use: dict,
-                  reasoning: list | None = None) -> dict:
+                  reasoning: list | None = None, prompt_logprobs: list | None = None) -> dict:
     """The whole answer; ``choices``: (text, finish reason, logprobs[, tool calls]) of each, in
     index order (chat with tools or reasoning: the text is the content, None when there is none);
-    ``reasoning``: each chat choice's reasoning (with a reasoning parser)."""
+    ``reasoning``: each chat choice's reasoning (with a reasoning parser); ``prompt_logprobs``:
+    each choice's ``prompt_logprobs_body`` (chat: one for the response, its prompt's)."""
     if req.chat:
         out = []
         for i, (text, reason, logprobs, *calls) in enumerate(choices):
@@ -485,8 +514,13 @@ def full_response(req: ParsedRequest, rid: str, model: str, choices: list[tuple]
     else:
         out = [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
                for i, (text, reason, logprobs) in enumerate(choices)]
+        for choice, plps in zip(out, prompt_logprobs or ()):
+            choice["prompt_logprobs"] = plps
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out, "usage": use}
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out, "usage": use}
+    if req.chat and prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs[0]
+    return body
 
 
 def stream_chunk(req: ParsedRequest, rid: str, model: str, text: str | None, reason: str | None,

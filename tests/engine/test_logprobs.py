@@ -75,14 +75,21 @@ def _check_against_reference(model: str, prompt: list[int], output: list[int], l
     every = torch.log_softmax(all_logits(model, prompt + output), dim=-1)
     if prompt_lps is not None:
         assert len(prompt_lps) == len(prompt) and prompt_lps[0] is None
-        _check_rows(every[:len(prompt) - 1], prompt[1:], prompt_lps[1:], pk, atol)
+        _check_rows(every[:len(prompt) - 1], prompt[1:], prompt_lps[1:], pk, atol, ranked=True)
     _check_rows(every[len(prompt) - 1:-1], output, lps, k, atol)
 
 
-def _check_rows(ref: torch.Tensor, tokens: list[int], lps: list[TokenLogprobs], k: int, atol: float) -> None:
+def _check_rows(ref: torch.Tensor, tokens: list[int], lps: list[TokenLogprobs], k: int, atol: float,
+                ranked: bool = False) -> None:
+    """``ranked``: each token's rank too (prompt tokens'), within the reference's near-ties."""
     assert len(lps) == len(tokens)
     for i, (tok, lp) in enumerate(zip(tokens, lps)):
         assert lp.logprob == pytest.approx(ref[i, tok].item(), abs=atol), f"token {i}"
+        v = ref[i, tok].item()
+        if ranked:
+            assert int((ref[i] > v + atol).sum()) + 1 <= lp.rank <= int((ref[i] >= v - atol).sum()), f"token {i}"
+        else:
+            assert lp.rank is None
         assert len(lp.top) == k
         want_v, want_i = ref[i].topk(k)
         assert [t for t, _ in lp.top] == want_i.tolist(), f"token {i}: top ids"

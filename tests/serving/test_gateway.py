@@ -559,6 +559,66 @@ def test_a_streamed_batch_with_a_refused_prompt_is_a_400_or_ends_with_an_error_e
     assert request(disagg.server.url, "GET", "/health")[0] == 200
 
 
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-engine", "decode-engine-alone"])
+def test_prompt_logprobs_are_vllms_each_prompt_token_with_its_rank_and_the_likeliest(disagg, prefill):
+    """vLLM's ``prompt_logprobs`` extension: per choice (chat: per response), None for the first
+    prompt token, then each token's own logprob, rank and text with the ``k`` likeliest, keyed by
+    token id; the engine's reference values, whichever engine computed the prompt."""
+    setup = disagg if prefill else Setup(with_store=False, prefill=False)
+    try:
+        c, tok = setup.client(), setup.gw.tokenizer
+        prompt = [(11 * i) % 250 + 3 for i in range(100)]
+        ref = _engine_reference_prompt(prompt, 3)
+
+        def check(plps, prompt, ref, k):
+            assert len(plps) == len(prompt) and plps[0] is None
+            for place, x, t in zip(plps[1:], ref.prompt_logprobs[1:], prompt[1:]):
+                assert list(place)[0] == str(t) and place[str(t)]["decoded_token"] == tok.decode([t])
+                assert place[str(t)]["logprob"] == pytest.approx(x.logprob, abs=1e-5)
+                assert place[str(t)]["rank"] == x.rank >= 1
+                assert set(place) == {str(t)} | {str(j) for j, _ in x.top[:k]}
+                for rank, (j, v) in enumerate(x.top[:k], 1):
+                    assert place[str(j)]["logprob"] == pytest.approx(v, abs=1e-5)
+                    assert place[str(j)]["rank"] == (x.rank if j == t else rank)
+                    if j == t:
+                        assert x.rank == rank  # (a token among the likeliest is ranked where it stands)
+
+        kw = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "prompt_logprobs": 3}}
+        r = c.completions.create(prompt=prompt, **kw)
+        check(r.choices[0].model_extra["prompt_logprobs"], prompt, ref, 3)
+        assert r.choices[0].logprobs is None and r.choices[0].text == tok.decode(ref.token_ids)
+        # 0: each token's own alone; beside echo asking for 1 alternative, the echo shows 1
+        r = c.completions.create(prompt=prompt, logprobs=1, echo=True, **{**kw, "extra_body": {"prompt_logprobs": 0}})
+        plps = r.choices[0].model_extra["prompt_logprobs"]
+        assert all(list(place) == [str(t)] for place, t in zip(plps[1:], prompt[1:]))
+        r = c.completions.create(prompt=prompt, logprobs=1, echo=True, **kw)
+        check(r.choices[0].model_extra["prompt_logprobs"], prompt, ref, 3)
+        assert all(len(top) <= 2 for top in r.choices[0].logprobs.top_logprobs[1:])  # (1 and the token itself)
+        # a batch of prompts with n=2: each choice its own prompt's
+        other = prompt[::-1]
+        r = c.completions.create(prompt=[prompt, other], n=2, **kw)
+        check(r.choices[1].model_extra["prompt_logprobs"], prompt, ref, 3)
+        check(r.choices[3].model_extra["prompt_logprobs"], other, _engine_reference_prompt(other, 3), 3)
+        # chat: the response's, over the templated prompt
+        msgs = [{"role": "user", "content": "score me"}]
+        r = c.chat.completions.create(messages=msgs, **kw)
+        plps = r.model_extra["prompt_logprobs"]
+        assert plps[0] is None and len(plps) == r.usage.prompt_tokens
+        assert all(place[min(place, key=lambda j: place[j]["rank"])]["rank"] == 1 for place in plps[1:])
+        # not asked for: not there; streamed or out of range: a 400 naming the field
+        plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert "prompt_logprobs" not in plain.choices[0].model_extra
+        for bad in ({"stream": True}, {"extra_body": {"prompt_logprobs": -1}},
+                    {"extra_body": {"prompt_logprobs": MAX_LOGPROBS + 1}}, {"extra_body": {"prompt_logprobs": "3"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(**{**kw, "prompt": prompt, **bad})
+            assert e.value.body["param"] == "prompt_logprobs", bad
+    finally:
+        if not prefill:
+            setup.close()
+
+
 def test_chat_n_choices_streamed_and_not(disagg):
     c = disagg.client()
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9,
