@@ -1,0 +1,91 @@
+"""Bad requests get a 400 naming what is wrong, never a crash: request bodies drawn at random from
+the fields the gateway reads (and others), each holding any JSON value — nulls, bools, huge
+integers, NaN and infinities (Python's json reads them), strings, lists, objects shaped like
+tools, response formats and messages — are parsed (``parse_request``: a request or BadRequest,
+nothing else) and sent to a real gateway over HTTP, whose engine is unreachable: every answer is a
+400, or the 503 of a request that parsed, rendered and tokenized and found no engine."""
+
+import http.client
+import json
+
+import pytest
+
+from engine.serve.gateway import Gateway, GatewayServer
+from engine.serve.openai_protocol import BadRequest, parse_request
+
+hypothesis = pytest.importorskip("hypothesis")  # a dev dependency: the module skips without it
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+MODEL = "random:tiny"
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+          "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
+          "logit_bias", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
+          "min_tokens", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "allowed_token_ids",
+          "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", "cache_salt", "truncate_prompt_tokens",
+          "speculative", "include_reasoning", "chat_template_kwargs", "add_generation_prompt",
+          "continue_final_message", "documents", "best_of", "suffix", "logits_processors", "unknown_field"]
+KEYS = FIELDS + ["type", "function", "name", "parameters", "role", "content", "json_schema", "schema", "regex",
+                 "choice", "json", "grammar", "text", "include_usage", "tool_calls", "arguments", "id", "strict"]
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([2 ** 31, 2 ** 63, -2 ** 64, 10 ** 30]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["", "x", MODEL, "auto", "none", "required", "json_object", "json_schema", "text", "\x00",
+                     "{", "user", "assistant", "function", "<think>", "<tool_call>"]),
+    st.text(max_size=8))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4),
+    st.dictionaries(st.sampled_from(KEYS), inner, max_size=4),
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g", "x y"]), "parameters": inner})}),
+    st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object", "function", "text"]),
+                           "json_schema": inner}),
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
+                                    "content": inner}), min_size=1, max_size=2)), max_leaves=12)
+
+
+@st.composite
+def bodies(draw):
+    chat = draw(st.booleans())
+    body = {"model": MODEL, **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    body.update(draw(st.dictionaries(st.sampled_from(FIELDS), values, min_size=1, max_size=4)))
+    return chat, body
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(bodies())
+def test_parse_request_gives_a_request_or_a_bad_request_for_any_body(case):
+    chat, body = case
+    try:
+        parse_request(body, chat, MODEL)
+    except BadRequest as exc:
+        assert exc.body()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    gw = Gateway(MODEL, [], ["127.0.0.1:1"], timeout_s=30, tool_parser="hermes", reasoning_parser="qwen3")
+    srv = GatewayServer(gw, "127.0.0.1:0").start()
+    yield srv
+    srv.stop()
+
+
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(bodies())
+def test_the_gateway_answers_any_body_with_a_400_or_no_engine(gateway, case):
+    chat, body = case
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status in (400, 503), (resp.status, out)
+    assert out["error"]["message"]
+    if resp.status == 503:  # (it parsed, rendered and tokenized; then found no engine)
+        assert "engine unavailable" in out["error"]["message"], out
