@@ -2,14 +2,17 @@
 the fields the gateway reads (and others), each holding any JSON value — nulls, bools, huge
 integers, NaN and infinities (Python's json reads them), strings, lists, objects shaped like
 tools, response formats and messages — are parsed (``parse_request``: a request or BadRequest,
-nothing else) and sent to a real gateway over HTTP, whose engine is unreachable: every answer is a
-400, or the 503 of a request that parsed, rendered and tokenized and found no engine."""
+nothing else) and sent to a real gateway over HTTP: with its engine unreachable every answer is a
+400, or the 503 of a request that parsed, rendered and tokenized and found no engine; over real
+engines, a 400 or a whole answer (a JSON body, or a stream that ends with ``[DONE]`` and holds no
+error)."""
 
 import http.client
 import json
 
 import pytest
 
+from engine.serve.engine_server import EngineNode
 from engine.serve.gateway import Gateway, GatewayServer
 from engine.serve.openai_protocol import BadRequest, parse_request
 
@@ -17,7 +20,7 @@ hypothesis = pytest.importorskip("hypothesis")  # a dev dependency: the module s
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-MODEL = "random:tiny"
+from tests.serving.test_gateway import MODEL, engine_cfg  # noqa: E402
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
           "logit_bias", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
@@ -72,20 +75,56 @@ def gateway():
     srv.stop()
 
 
-@settings(max_examples=400, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(bodies())
-def test_the_gateway_answers_any_body_with_a_400_or_no_engine(gateway, case):
-    chat, body = case
-    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=120)
+def _post(server, chat: bool, body: dict) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
     try:
         conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        out = json.loads(resp.read())
+        return resp.status, resp.read()
     finally:
         conn.close()
-    assert resp.status in (400, 503), (resp.status, out)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(bodies())
+def test_the_gateway_answers_any_body_with_a_400_or_no_engine(gateway, case):
+    status, raw = _post(gateway, *case)
+    out = json.loads(raw)
+    assert status in (400, 503), (status, out)
     assert out["error"]["message"]
-    if resp.status == 503:  # (it parsed, rendered and tokenized; then found no engine)
+    if status == 503:  # (it parsed, rendered and tokenized; then found no engine)
         assert "engine unavailable" in out["error"]["message"], out
+
+
+@pytest.fixture(scope="module")
+def served():
+    parts = []
+    try:
+        for role in ("prefill", "decode"):
+            parts.append(EngineNode(role, engine_cfg()).start())
+        gw = Gateway(MODEL, [parts[0].address], [parts[1].address], timeout_s=300, tool_parser="hermes",
+                     reasoning_parser="qwen3")
+        srv = GatewayServer(gw, "127.0.0.1:0").start()
+        yield srv
+        srv.stop()
+    finally:
+        for p in reversed(parts):
+            p.stop()
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(bodies())
+def test_over_real_engines_any_body_gets_a_400_or_a_whole_answer(served, case):
+    chat, body = case
+    if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 32:  # (short answers: a fast test)
+        body["max_tokens"] = 8
+    status, raw = _post(served, chat, body)
+    assert status in (200, 400), (status, raw[:500])
+    if status == 200 and body.get("stream") is True:
+        assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw, raw[-500:]
+    else:
+        out = json.loads(raw)
+        assert out["choices"] if status == 200 else out["error"]["message"], out
