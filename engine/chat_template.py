@@ -3,11 +3,13 @@ trained to see them (Llama 3's headers, ChatML's ``<|im_start|>``, …).
 
 The template comes from ``chat_template.jinja`` in the checkpoint folder or from
 ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the one named
-``default``). It runs in Jinja's immutable sandbox with what Hugging Face templates expect:
-``messages``, ``add_generation_prompt``, ``tools``, the special tokens' strings (``bos_token``,
-``eos_token``, …), ``raise_exception`` and ``strftime_now``, and a ``tojson`` filter that keeps
-non-ASCII text as is. A template's own ``raise_exception`` (roles that do not alternate, a system
-message where none is allowed) is a ValueError with its message: a bad request.
+``default``), or from a chat request (vLLM's ``chat_template``, on a gateway that trusts them). It
+runs in Jinja's immutable sandbox with what Hugging Face templates expect: ``messages``,
+``add_generation_prompt``, ``tools``, the special tokens' strings (``bos_token``, ``eos_token``, …),
+``raise_exception`` and ``strftime_now``, and a ``tojson`` filter that keeps non-ASCII text as is. A
+template's own ``raise_exception`` (roles that do not alternate, a system message where none is
+allowed) is a ValueError with its message: a bad request; so is anything else a template raises,
+and a template that does not parse.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
+        except (jinja2.TemplateError, RecursionError, MemoryError) as exc:  # (nesting too deep: recursion)
+            raise ChatTemplateError(f"the chat template does not parse: {type(exc).__name__}: {exc}") from None
         self.special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
@@ -67,8 +69,6 @@ class ChatTemplate:
         template writes after it cut off), so that the model goes on with that message. Its end is
         found by a marker rendered after the content; a template that trims the content (the
         marker ends in a space) has the content's trailing spaces trimmed too."""
-        import jinja2
-
         if continue_final_message:
             messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _MARK}]
         try:
@@ -76,8 +76,10 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt and not continue_final_message)
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template is code: whatever it raises (a division by zero,
+            # a recursion, a range the sandbox refuses), it failed on these messages
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") \
+                from None
         if continue_final_message:
             at = text.rfind(_MARK.strip())
             if at < 0:

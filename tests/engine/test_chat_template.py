@@ -211,3 +211,29 @@ def test_the_plain_prompt_honours_the_generation_prompt_and_continuation():
     assert plain_chat_prompt(msgs) == "<|user|>\nhi\n<|assistant|>\nwell\n<|assistant|>\n"
     assert plain_chat_prompt(msgs, add_generation_prompt=False) == "<|user|>\nhi\n<|assistant|>\nwell\n"
     assert plain_chat_prompt(msgs, continue_final_message=True) == "<|user|>\nhi\n<|assistant|>\nwell"
+
+
+def test_any_template_renders_or_is_a_chat_template_error():
+    """A request's template is code: templates drawn from Jinja's pieces (loops, macros calling
+    themselves, divisions by zero, ranges the sandbox refuses, attributes it hides, unclosed
+    tags) render to text or raise ``ChatTemplateError`` (a 400 at the gateway), nothing else."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    from engine.chat_template import ChatTemplate
+
+    pieces = ["{{", "}}", "{%", "%}", " for m in messages ", " endfor ", " if ", " endif ", " else ", "m.content",
+              "1/0", "raise_exception('x')", " macro f() ", " endmacro ", "f()", "range(10**6)", "messages",
+              "|tojson", "|upper", " ", "x", "'a'*3", "[0]", "[9]", ".role", "loop.index", " set y = 1 ", "tools",
+              "add_generation_prompt", "bos_token", "strftime_now('%Y')", "messages.__class__", "(", ")", "~", "+",
+              "-1", "10**400", "{{ f() }}", "{% macro f() %}{{ f() }}{% endmacro %}", "{" * 50, "[" * 400]
+
+    @hypothesis.settings(max_examples=600, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.sampled_from(pieces), max_size=12).map("".join))
+    def check(source):
+        try:
+            ChatTemplate(source, {"bos_token": "<s>"}).render([{"role": "user", "content": "hi"}], tools=[])
+        except ChatTemplateError:
+            pass
+
+    check()
