@@ -26,6 +26,8 @@ class ByteTokenizer:
 
     bos_token_id = BYTE_BOS
     eos_token_id = BYTE_EOS
+    special_tokens: dict[str, str] = {}
+    """The special tokens' strings a chat template is rendered with (none: they are not bytes)."""
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -51,7 +53,10 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return plain_chat_prompt(messages, **kwargs)
 
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], template: ChatTemplate | None = None, **kwargs) -> list[int]:
+        """The plain role-tagged prompt with BOS, or what ``template`` writes (a request's)."""
+        if template is not None:
+            return self.encode(template.render(messages, **kwargs))
         return self.encode(plain_chat_prompt(messages, **kwargs), add_bos=True)
 
     def token_bytes(self, i: int) -> bytes:
@@ -84,8 +89,10 @@ class HFTokenizer:
         self.bos_token_id = tok_id("bos_token")
         self.eos_token_id = tok_id("eos_token")
         source = load_chat_template(path, cfg)
-        specials = {n: v for n in ("bos_token", "eos_token", "unk_token", "pad_token") if (v := tok_str(n)) is not None}
-        self.chat_template = ChatTemplate(source, specials) if source else None
+        self.special_tokens = {n: v for n in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (v := tok_str(n)) is not None}
+        """The special tokens' strings a chat template is rendered with."""
+        self.chat_template = ChatTemplate(source, self.special_tokens) if source else None
         """The checkpoint's own (engine/chat_template.py); None: the plain role-tagged one."""
 
     @property
@@ -111,12 +118,14 @@ class HFTokenizer:
             return plain_chat_prompt(messages, **kwargs)
         return self.chat_template.render(messages, **kwargs)
 
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        """A conversation's prompt ids. A checkpoint's template writes its own BOS (or none, as
-        ChatML's): its text is encoded as is, the special tokens in it as themselves."""
-        if self.chat_template is None:
+    def encode_chat(self, messages: list[dict], template: ChatTemplate | None = None, **kwargs) -> list[int]:
+        """A conversation's prompt ids, through ``template`` (a request's) or the checkpoint's. A
+        template writes its own BOS (or none, as ChatML's): its text is encoded as is, the special
+        tokens in it as themselves."""
+        template = template or self.chat_template
+        if template is None:
             return self.encode(plain_chat_prompt(messages, **kwargs), add_bos=True)
-        return self.encode(self.apply_chat_template(messages, **kwargs))
+        return self.encode(template.render(messages, **kwargs))
 
 
 def load_tokenizer(model: str, require: bool = False):

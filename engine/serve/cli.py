@@ -63,6 +63,9 @@ def register(sub) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a chat choice's <think> reasoning (message.reasoning, reasoning_content) from its "
                         "content, as vLLM's deepseek_r1/qwen3 parsers do (docs/serving.md)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat_template (Jinja the gateway runs in a sandbox; "
+                        "one can still spend its CPU and memory): only for clients you trust")
     g.set_defaults(handler=_run_gateway)
 
     u = sub.add_parser("up", help="run a whole cluster on this machine (conductor, store, engines, gateway)",
@@ -109,7 +112,7 @@ def _run_gateway(ns: argparse.Namespace) -> int:
         keys = load_api_keys(ns.api_keys) if ns.api_keys else None
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
                      etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser,
-                     reasoning_parser=ns.reasoning_parser)
+                     reasoning_parser=ns.reasoning_parser, trust_request_chat_template=ns.trust_request_chat_template)
         serve(gw, ns.listen, ctx)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest,
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
+from engine.chat_template import ChatTemplate
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -129,7 +130,8 @@ class Gateway:
     def __init__(self, model: str, prefill: list[str], decode: list[str], served_model_name: str | None = None,
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
                  etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.model_name = served_model_name or model
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {', '.join(PARSERS)})")
@@ -139,6 +141,9 @@ class Gateway:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: {', '.join(reasoning.PARSERS)})")
         self.reasoning_parser = reasoning_parser
         """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
+        self.trust_request_chat_template = trust_request_chat_template
+        """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
+        self._templates: dict[str, ChatTemplate] = {}  # requests' templates, compiled (the last few)
         self.api_keys = api_keys
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self._inflight: dict[str, int] = {}
@@ -216,15 +221,33 @@ class Gateway:
                              "--tool-call-parser; \"required\", a named function and \"none\" work without",
                              "tool_choice")
         if req.chat:
+            template = self._request_template(req.chat_template) if req.chat_template is not None else None
             try:
-                ids = self.tokenizer.encode_chat(req.prompt, **req.template_kwargs)
+                ids = self.tokenizer.encode_chat(req.prompt, template=template, **req.template_kwargs)
             except ValueError as exc:  # the template refused the conversation
-                raise BadRequest(str(exc), "messages") from None
+                raise BadRequest(str(exc), "messages" if template is None else "chat_template") from None
         elif isinstance(req.prompt, str):
             ids = self.tokenizer.encode(req.prompt, add_bos=True)
         else:
             ids = list(req.prompt)
         return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
+
+    def _request_template(self, source: str) -> ChatTemplate:
+        """A request's ``chat_template``, compiled (kept for the next requests that bring it)."""
+        if not self.trust_request_chat_template:
+            raise BadRequest("this gateway renders chats with the model's own template; it takes one from the "
+                             "request only when started with --trust-request-chat-template (a template is code "
+                             "it runs)", "chat_template")
+        template = self._templates.get(source)
+        if template is None:
+            try:
+                template = ChatTemplate(source, self.tokenizer.special_tokens)
+            except ValueError as exc:
+                raise BadRequest(str(exc), "chat_template") from None
+            if len(self._templates) >= 32:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[source] = template
+        return template
 
     def tokenize(self, body) -> dict:
         """vLLM's ``/tokenize``: a ``prompt`` (``add_special_tokens``, default true: with BOS) or
@@ -724,6 +747,8 @@ def make_handler(gw: Gateway):
                 if req.reasoning is not None:
                     thought, text = reasoning.split(text, req.reasoning)
                     thoughts.append(thought if req.include_reasoning else None)
+                if req.chat_echo:  # (vLLM's chat echo: the final assistant message's text first)
+                    text = req.chat_echo + (text or "")
                 if req.tools is not None:
                     content, calls = self._tool_calls(req, c, text or "")
                     body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
@@ -792,6 +817,9 @@ def make_handler(gw: Gateway):
             tools = req.tools.choice if req.tools is not None and req.tools.choice != "none" else None
             try:
                 for i, c, piece, text in _chain(first_item, gen):
+                    if c.first and req.chat_echo:  # (vLLM's chat echo: the final assistant message's text first)
+                        emit(stream_chunk(req, rid, gw.model_name, req.chat_echo, None, first=True, index=i))
+                        c.first = False
                     if c.think is not None:  # the reasoning streams first; what follows is the content
                         thought, text = c.think.feed(text, final=c.reason is not None)
                         if thought and req.include_reasoning:

@@ -54,6 +54,11 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     """The prompt tokens' log-probabilities are needed, with this many alternatives (``echo`` with
     ``logprobs``, ``show_prompt_logprobs``)."""
+    chat_echo: str | None = None
+    """Chat ``echo`` (vLLM's): the final assistant message's text, which each choice's content
+    begins with (None: no echo, or the last message is not the assistant's)."""
+    chat_template: str | None = None
+    """vLLM's per-request ``chat_template`` (Jinja source), for gateways that trust requests' templates."""
     show_prompt_logprobs: int | None = None
     """vLLM's ``prompt_logprobs``: the response shows the prompt tokens' log-probabilities, with
     this many alternatives each."""
@@ -91,8 +96,9 @@ class ParsedRequest:
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
     "logits_processors": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "chat_template": (),
+    "guided_whitespace_pattern": (),
 }
+MAX_CHAT_TEMPLATE = 1 << 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
@@ -182,7 +188,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     if prompts is not None and n * len(prompts) > MAX_N * MAX_N:
         raise BadRequest(f"a batch of {len(prompts)} prompts with n={n} asks for {n * len(prompts)} choices; "
                          f"at most {MAX_N * MAX_N}", "n")
-    for name, off in ({**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED).items():
+    for name, off in UNSUPPORTED.items():
         if body.get(name) is not None and not any(body[name] == v and type(body[name]) is type(v) for v in off):
             raise BadRequest(f"'{name}' is not supported by this server (leave it out"
                              f"{' or ' + repr(off[0]) if off else ''})", name)
@@ -193,7 +199,14 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         logprobs = _num(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
-    echo = not chat and flag(body, "echo", False)
+    echo = flag(body, "echo", False)
+    chat_echo = prompt[-1]["content"] if chat and echo and prompt[-1]["role"] == "assistant" else None
+    echo = echo and not chat
+    template = body.get("chat_template")
+    if template is not None and (not chat or not isinstance(template, str) or not template
+                                 or len(template) > MAX_CHAT_TEMPLATE):
+        raise BadRequest(f"'chat_template' is a chat request's Jinja template: a string of up to "
+                         f"{MAX_CHAT_TEMPLATE} characters", "chat_template")
     shown = _num(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
     if shown is not None and flag(body, "stream", False):
         raise BadRequest("'prompt_logprobs' are not available when streaming (as in vLLM)", "prompt_logprobs")
@@ -239,7 +252,8 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         stop=stop, ignore_eos=flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,
-        prompt_logprobs=max(needed) if needed else None, show_prompt_logprobs=shown, n=n,
+        prompt_logprobs=max(needed) if needed else None, show_prompt_logprobs=shown, n=n, chat_echo=chat_echo,
+        chat_template=template,
         top_k=_num(body, "top_k", 0, -1, INT32_MAX, integer=True), min_p=float(_num(body, "min_p", 0.0, 0.0, 1.0)),
         stop_token_ids=tuple(stop_ids),
         presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),

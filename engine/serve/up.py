@@ -93,6 +93,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="the gateway reads tool calls out of the model's text for tool_choice \"auto\" (docs/serving.md)")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="the gateway splits chat choices' <think> reasoning from their content (docs/serving.md)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="the gateway lets chat requests bring their own chat_template (Jinja it runs): trusted "
+                        "clients only")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
                         "is not restarted, and a part exiting 10 times within a minute stops the cluster")
@@ -416,6 +419,8 @@ def run_up(ns: argparse.Namespace) -> int:
             gw_cmd += ["--tool-call-parser", ns.tool_call_parser]
         if ns.reasoning_parser:
             gw_cmd += ["--reasoning-parser", ns.reasoning_parser]
+        if ns.trust_request_chat_template:
+            gw_cmd += ["--trust-request-chat-template"]
         if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
             gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
                        "--https-key", os.path.join(tls_dir, "node-key.pem")]

@@ -619,6 +619,59 @@ def test_prompt_logprobs_are_vllms_each_prompt_token_with_its_rank_and_the_likel
             setup.close()
 
 
+def test_chat_echo_begins_each_choice_with_the_final_assistant_message(disagg):
+    """vLLM's chat ``echo``: with the assistant's message last (here continued), each choice's
+    content begins with its text, streamed (in the choice's first chunk) and not; with another
+    message last, echo changes nothing."""
+    c = disagg.client()
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0, "n": 2,
+          "extra_body": {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}}
+    plain = c.chat.completions.create(**kw).choices[0].message.content
+    echoed = c.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}})
+    assert [ch.message.content for ch in echoed.choices] == ["The colour is" + plain] * 2
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(
+        stream=True, **{**kw, "extra_body": {**kw["extra_body"], "echo": True}}) if ch.choices]
+    for i in range(2):
+        mine = [ch.delta.content for ch in chunks if ch.index == i]
+        assert mine[0] == "The colour is" and "".join(m or "" for m in mine) == "The colour is" + plain
+    user_last = {"model": MODEL, "messages": msgs[:1], "max_tokens": 4, "temperature": 0}
+    assert c.chat.completions.create(**user_last, extra_body={"echo": True}).choices[0].message.content == \
+        c.chat.completions.create(**user_last).choices[0].message.content
+
+
+def test_a_request_brings_its_chat_template_only_to_a_gateway_that_trusts_them(disagg):
+    """The request's template renders the prompt (the tokens ``/tokenize`` and the usage count are
+    its text's; the answer is the engine's for those tokens); a template that does not parse or
+    raises is a 400 naming ``chat_template``; an untrusting gateway refuses any."""
+    gw = Gateway(MODEL, [disagg.prefill.address], [disagg.decode.address], trust_request_chat_template=True)
+    srv = GatewayServer(gw, "127.0.0.1:0").start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        template = ("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+        msgs = [{"role": "user", "content": "hi"}]
+        want = "[USER] hi\n[ASSISTANT]"
+        status, data = request(srv.url, "POST", "/tokenize", json.dumps(
+            {"model": MODEL, "messages": msgs, "chat_template": template}).encode(), {})
+        assert status == 200 and json.loads(data)["tokens"] == gw.tokenizer.encode(want), data
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                      extra_body={"chat_template": template, "ignore_eos": True})
+        ref = c.completions.create(model=MODEL, prompt=gw.tokenizer.encode(want), max_tokens=4, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == ref.choices[0].text and r.usage.prompt_tokens == len(want)
+        for bad, why in (("{% for %}", "does not parse"), ("{{ raise_exception('no users here') }}", "no users here"),
+                         ("{{ messages.__class__.__mro__ }}", "failed on these messages")):  # (the sandbox's refusal)
+            with pytest.raises(openai.BadRequestError, match=why) as e:
+                c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"chat_template": bad})
+            assert e.value.body["param"] == "chat_template", bad
+    finally:
+        srv.stop()
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        disagg.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                extra_body={"chat_template": template})
+
+
 def test_chat_n_choices_streamed_and_not(disagg):
     c = disagg.client()
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9,
@@ -658,7 +711,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (True, "logprobs", 2), (False, "presence_penalty", 2.5), (False, "frequency_penalty", "1"), (False, "repetition_penalty", 0),
     (False, "logit_bias", {"5": 101}), (False, "logit_bias", {"x": 1}), (True, "logit_bias", [5]),
     (False, "min_tokens", 3), (True, "min_tokens", -1), (False, "allowed_token_ids", []),
-    (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 2), (True, "echo", True), (False, "top_k", -2), (False, "min_p", 1.5),
+    (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 2), (True, "echo", "yes"), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_schema"}), (False, "response_format", {"type": "xml"}),
     (True, "response_format", "json"), (False, "structured_outputs", {"regex": "a", "choice": ["a"]}),
@@ -667,7 +720,9 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (True, "tool_choice", "required"), (True, "tools", [{"type": "function"}]),
     (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "truncate_prompt_tokens", 0),
     (True, "continue_final_message", True), (True, "continue_final_message", "yes"),
-    (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17)])  # (max_tokens 0 only with echo)
+    (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17), (False, "chat_template", "{{ x }}"),
+    (True, "chat_template", ""), (True, "chat_template", 5),
+    (True, "chat_template", "{{ messages[0].content }}")])  # (max_tokens 0 only with echo; templates need trust)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
             **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
