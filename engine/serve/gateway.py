@@ -808,6 +808,8 @@ def make_handler(gw: Gateway):
             self._headers_sent = True
 
             def emit(obj):
+                if req.continuous_usage and obj.get("choices"):  # (vLLM's: the usage so far, in every chunk)
+                    obj["usage"] = self._usage(subs, choices)
                 self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             # tool calls stream as they are written: a call's first delta names it, the next ones carry its

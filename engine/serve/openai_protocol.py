@@ -54,6 +54,8 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     """The prompt tokens' log-probabilities are needed, with this many alternatives (``echo`` with
     ``logprobs``, ``show_prompt_logprobs``)."""
+    continuous_usage: bool = False
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
     chat_echo: str | None = None
     """Chat ``echo`` (vLLM's): the final assistant message's text, which each choice's content
     begins with (None: no echo, or the last message is not the assistant's)."""
@@ -95,9 +97,12 @@ class ParsedRequest:
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
-    "logits_processors": (), "guided_decoding_backend": (),
+    "logits_processors": (), "guided_decoding_backend": ("xgrammar", "auto"),
     "guided_whitespace_pattern": (),
 }
+STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+"""OpenAI's ``stream_options`` (``include_usage``; ``include_obfuscation`` only false) and vLLM's
+(``continuous_usage_stats``)."""
 MAX_CHAT_TEMPLATE = 1 << 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -233,7 +238,16 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     min_tokens = _num(body, "min_tokens", 0, 0, UINT32_MAX, integer=True)
     if min_tokens > max_tokens:
         raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed '{limit_name}' ({max_tokens})", "min_tokens")
-    opts = body.get("stream_options") or {}
+    stream = flag(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - STREAM_OPTIONS or not all(
+            isinstance(opts[k], bool) or opts[k] is None for k in opts)):
+        raise BadRequest("'stream_options' is for a stream (\"stream\": true): an object of "
+                         f"{', '.join(sorted(STREAM_OPTIONS))}, each true or false", "stream_options")
+    opts = opts or {}
+    if opts.get("include_obfuscation"):
+        raise BadRequest("'stream_options.include_obfuscation' (random padding of the chunks) is not supported by "
+                         "this server (leave it out or false)", "stream_options")
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
@@ -247,8 +261,8 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         temperature=float(_num(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_num(body, "top_p", 1.0, 1e-9, 1.0)),
         seed=_num(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
-        stream=flag(body, "stream", False),
-        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+        stream=stream, include_usage=bool(opts.get("include_usage")),
+        continuous_usage=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
         stop=stop, ignore_eos=flag(body, "ignore_eos", False), cache_salt=salt,
         speculative=flag(body, "speculative", True),
         user=body.get("user") if isinstance(body.get("user"), str) else None, logprobs=logprobs, echo=echo,

@@ -619,6 +619,29 @@ def test_prompt_logprobs_are_vllms_each_prompt_token_with_its_rank_and_the_likel
             setup.close()
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(disagg):
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk with choices carries the usage
+    so far (its completion tokens growing to the final count); ``stream_options`` without a
+    stream, or holding what this server does not do, is a 400 naming it."""
+    c = disagg.client()
+    kw = {"model": MODEL, "prompt": "count", "max_tokens": 6, "temperature": 0, "n": 2,
+          "extra_body": {"ignore_eos": True}}
+    got = list(c.completions.create(stream=True, stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True}, **kw))
+    counts = [ch.usage.completion_tokens for ch in got[:-1]]
+    assert all(ch.choices and ch.usage.prompt_tokens == got[-1].usage.prompt_tokens for ch in got[:-1])
+    assert counts == sorted(counts) and counts[-1] == got[-1].usage.completion_tokens == 12
+    assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in got)
+    plain = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage.completion_tokens == 12
+    for bad in ({"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": True}},
+                {"stream": True, "stream_options": {"include_usage": "yes"}}, {"stream": True, "stream_options": []},
+                {"stream": True, "stream_options": {"include_obfuscation": True}}):
+        status, data = request(disagg.url, "POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "x", **bad}).encode(), {"Content-Type": "application/json"})
+        assert status == 400 and json.loads(data)["error"]["param"] == "stream_options", (bad, data)
+
+
 def test_chat_echo_begins_each_choice_with_the_final_assistant_message(disagg):
     """vLLM's chat ``echo``: with the assistant's message last (here continued), each choice's
     content begins with its text, streamed (in the choice's first chunk) and not; with another
@@ -721,7 +744,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (False, "tools", [{"type": "function", "function": {"name": "f"}}]), (False, "truncate_prompt_tokens", 0),
     (True, "continue_final_message", True), (True, "continue_final_message", "yes"),
     (False, "max_tokens", 0), (False, "n", 0), (True, "n", 17), (False, "chat_template", "{{ x }}"),
-    (True, "chat_template", ""), (True, "chat_template", 5),
+    (True, "chat_template", ""), (True, "chat_template", 5), (False, "guided_decoding_backend", "outlines"),
     (True, "chat_template", "{{ messages[0].content }}")])  # (max_tokens 0 only with echo; templates need trust)
 def test_options_the_server_does_not_implement_are_400_by_name_never_ignored(disagg, chat, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value,
@@ -746,7 +769,8 @@ def test_the_off_values_of_unimplemented_options_are_served():
     from engine.serve.openai_protocol import parse_request
 
     body = {"model": MODEL, "prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-            "best_of": 1, "echo": False, "top_k": -1, "logprobs": None, "suffix": None}
+            "best_of": 1, "echo": False, "top_k": -1, "logprobs": None, "suffix": None,
+            "guided_decoding_backend": "xgrammar"}
     assert parse_request(body, False, MODEL).logprobs is None
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"},
             "tools": [], "logprobs": False}
