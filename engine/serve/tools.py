@@ -108,7 +108,7 @@ def tool_call(name: str, arguments) -> dict:
 # that tolerates a text cut anywhere.
 
 _WS = " \t\r\n"
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_STRING_STOP = re.compile(r'["\\]')
 _SCALAR = re.compile(r"[-+.\w]+")
 DONE, CUT, BAD = "done", "cut", "bad"
 
@@ -119,41 +119,62 @@ def _skip_ws(s: str, i: int) -> int:
     return i
 
 
-def _value(s: str, i: int) -> tuple[int, str]:
+def _value(s: str, i: int, memo: dict | None = None) -> tuple[int, str]:
     """The JSON value that begins at ``s[i]``: (where it ends, DONE), (len(s), CUT) where the text
-    ends inside it, or (where it stops being JSON, BAD). Containers are followed by their brackets
-    and strings; their scalars are not checked."""
+    ends inside it, or (where it stops being JSON, BAD). Strings and containers are followed by
+    their quotes and brackets; scalars in containers are not checked. ``memo``: where the scans of
+    cut values stopped, for a text that only grows (a stream's), so that each piece is read once."""
     ch = s[i]
-    if ch == '"':
-        m = _STRING.match(s, i)
-        return (m.end(), DONE) if m else (len(s), CUT)
-    if ch in "{[":
-        depth, j = 0, i
-        while j < len(s):
-            c = s[j]
-            if c == '"':
-                m = _STRING.match(s, j)
-                if m is None:
-                    return len(s), CUT
-                j = m.end()
+    if ch != '"' and ch not in "{[":
+        m = _SCALAR.match(s, i)
+        if m is None:
+            return i, BAD
+        return (m.end(), DONE) if m.end() < len(s) else (len(s), CUT)
+    seen = memo.get(i) if memo is not None else None
+    if seen is not None and len(seen) == 2:  # (ended before: a text that grows keeps it so)
+        return seen
+    j, depth, in_str = seen or ((i + 1, 0, True) if ch == '"' else (i, 0, False))
+    end = _scan(s, j, depth, in_str)
+    if memo is not None:
+        memo[i] = end
+    return end if len(end) == 2 else (len(s), CUT)
+
+
+def _scan(s: str, j: int, depth: int, in_str: bool) -> tuple:
+    """``_value``'s walk from ``s[j]`` (``depth`` brackets open, inside a string or not): (end,
+    DONE or BAD), or where it stopped in a cut text, ``(j, depth, in_str)``."""
+    while j < len(s):
+        if in_str:  # (to the next quote or escape)
+            m = _STRING_STOP.search(s, j)
+            if m is None:
+                j = len(s)
+                break
+            if m.group() == "\\":
+                if m.end() >= len(s):  # (an escape cut in two: read it again with the next piece)
+                    j = m.start()
+                    break
+                j = m.end() + 1
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1, DONE
-            elif not (c in _WS or c in ",:" or c.isalnum() or c in "-+."):
-                return j, BAD
-            j += 1
-        return len(s), CUT
-    m = _SCALAR.match(s, i)
-    if m is None:
-        return i, BAD
-    return (m.end(), DONE) if m.end() < len(s) else (len(s), CUT)
+            in_str, j = False, m.end()
+            if depth == 0:
+                return j, DONE
+            continue
+        c = s[j]
+        if c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1, DONE
+        elif not (c in _WS or c in ",:" or c.isalnum() or c in "-+."):
+            return j, BAD
+        j += 1
+    return j, depth, in_str
 
 
-def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, str]], int, str]:
+def _members(s: str, i: int, memo: dict | None = None) -> tuple[dict[str, tuple[int, int, str]], int, str]:
     """The members of the JSON object at ``s[i]`` (``{``) as far as they go: ``{key: (start, end,
     state)}`` of their values (a repeated key: its first), and the object's (end, state)."""
     members: dict[str, tuple[int, int, str]] = {}
@@ -165,7 +186,7 @@ def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, str]], int, str]
             return members, j + 1, DONE
         if s[j] != '"':
             return members, j, BAD
-        end, state = _value(s, j)
+        end, state = _value(s, j, memo)
         if state != DONE:
             return members, end, state
         key = s[j + 1:end - 1]
@@ -177,7 +198,7 @@ def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, str]], int, str]
         j = _skip_ws(s, j + 1)
         if j >= len(s):
             return members, len(s), CUT
-        end, state = _value(s, j)
+        end, state = _value(s, j, memo)
         members.setdefault(key, (j, end, state))
         if state != DONE:
             return members, end, state
@@ -191,14 +212,14 @@ def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, str]], int, str]
 _PENDING, _NOT_A_CALL = "pending", "not a call"
 
 
-def _json_call(s: str, i: int, known: set[str], arg_keys: tuple[str, ...]):
+def _json_call(s: str, i: int, known: set[str], arg_keys: tuple[str, ...], memo: dict | None = None):
     """The call written as the JSON object at ``s[i]``: ((name, arguments as written so far), end,
     state), or _PENDING where the text ends before that is decided, or _NOT_A_CALL. A call is
     one once its name (one of ``known``) is read and its arguments have begun with ``{`` (or the
     object closed without them: ``{}``)."""
     if s[i] != "{":
         return _NOT_A_CALL
-    members, end, state = _members(s, i)
+    members, end, state = _members(s, i, memo)
     name = members.get("name")
     if name is None or name[2] != DONE:
         return _PENDING if state == CUT else _NOT_A_CALL
@@ -219,13 +240,13 @@ def _json_call(s: str, i: int, known: set[str], arg_keys: tuple[str, ...]):
 
 
 def _json_calls(s: str, i: int, known: set[str], arg_keys: tuple[str, ...], sep: str, final: bool,
-                close: str = ""):
+                close: str = "", memo: dict | None = None):
     """Calls written as JSON objects from ``s[i]`` on, separated by ``sep`` (and ended by ``close``
     where given): ([(name, arguments)], where the text after them begins, or None). What follows
     the last call that is not one is that text; a call cut short ends the calls."""
     calls, j = [], i
     while True:
-        got = _json_call(s, j, known, arg_keys)
+        got = _json_call(s, j, known, arg_keys, memo)
         if got is _PENDING:
             return calls, (j if final else None)
         if got is _NOT_A_CALL:
@@ -246,11 +267,12 @@ def _json_calls(s: str, i: int, known: set[str], arg_keys: tuple[str, ...], sep:
 class ToolParser:
     """Reads a model's own tool-call format (``tool_choice: auto``)."""
 
-    def calls(self, text: str, known: set[str], final: bool = True) -> tuple[int, list[tuple[str, str]], int | None]:
+    def calls(self, text: str, known: set[str], final: bool = True,
+              memo: dict | None = None) -> tuple[int, list[tuple[str, str]], int | None]:
         """The calls in ``text`` (or its prefix so far, when not ``final``): (where they begin,
         [(name, arguments as written)], where the text after them begins or None). The text before
         them is content, and the text after them (the two a line apart); with no calls the whole
-        text is content."""
+        text is content. ``memo``: see ``_value``."""
         raise NotImplementedError
 
     def streamable(self, pending: str, started: bool) -> tuple[int, bool]:
@@ -267,7 +289,7 @@ class Hermes(ToolParser):
 
     TAG = "<tool_call>"
 
-    def calls(self, text, known, final=True):
+    def calls(self, text, known, final=True, memo=None):
         head = text.find(self.TAG)
         if head < 0:
             return len(text), [], None
@@ -276,7 +298,7 @@ class Hermes(ToolParser):
             j = _skip_ws(text, at + len(self.TAG))
             if j >= len(text):
                 return head, calls, (at if final else None)
-            got = _json_call(text, j, known, ("arguments", "parameters"))
+            got = _json_call(text, j, known, ("arguments", "parameters"), memo)
             if got is _PENDING:
                 return head, calls, (at if final else None)
             if got is _NOT_A_CALL:
@@ -318,11 +340,11 @@ class Llama3Json(_AtStart):
 
     START = "{"
 
-    def calls(self, text, known, final=True):
+    def calls(self, text, known, final=True, memo=None):
         at = _skip_ws(text, 0)
         if at >= len(text) or text[at] != "{":
             return at, [], None
-        return (at, *_json_calls(text, at, known, ("parameters", "arguments"), ";", final))
+        return (at, *_json_calls(text, at, known, ("parameters", "arguments"), ";", final, memo=memo))
 
 
 class Pythonic(_AtStart):
@@ -333,7 +355,7 @@ class Pythonic(_AtStart):
 
     START = "["
 
-    def calls(self, text, known, final=True):
+    def calls(self, text, known, final=True, memo=None):
         s = text.strip()
         if not final or not s.startswith("["):
             return len(text), [], None
@@ -356,7 +378,7 @@ class Pythonic(_AtStart):
 PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
 
 
-def _calls(req: ToolRequest, text: str, parser: str | None, final: bool):
+def _calls(req: ToolRequest, text: str, parser: str | None, final: bool, memo: dict | None = None):
     """(where the calls begin, [(name, arguments)], where the text after them begins or None) of a
     choice's text, for "required" and "auto"; no calls for the other choices."""
     known = {t["function"]["name"] for t in req.tools}
@@ -367,9 +389,9 @@ def _calls(req: ToolRequest, text: str, parser: str | None, final: bool):
         j = _skip_ws(text, at + 1)
         if j >= len(text):
             return at, [], None
-        calls, rest = _json_calls(text, j, known, ("parameters",), ",", final, close="]")
+        calls, rest = _json_calls(text, j, known, ("parameters",), ",", final, close="]", memo=memo)
     elif req.choice == "auto" and parser is not None:
-        at, calls, rest = PARSERS[parser].calls(text, known, final)
+        at, calls, rest = PARSERS[parser].calls(text, known, final, memo)
     else:
         return len(text), [], None
     return at, calls[:None if req.parallel else 1], rest
@@ -407,6 +429,7 @@ class CallStream:
         self.calling = self.reader is None  # a call began: the rest is read as calls
         self.streamed = False  # some content was streamed
         self.sent: list[int] = []  # per call begun: how much of its arguments went out
+        self._memo: dict = {}  # the scanner's place in cut values (once a call began, the text only grows)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         """The content to stream now and the tool-call deltas (``index`` included) for the next
@@ -420,7 +443,7 @@ class CallStream:
             self.streamed = self.streamed or bool(out)
         if not (self.calling or final):
             return out, []
-        at, calls, rest = _calls(self.req, self.pending, self.parser, final)
+        at, calls, rest = _calls(self.req, self.pending, self.parser, final, self._memo)
         deltas = []
         for k, (name, args) in enumerate(calls):
             if k == len(self.sent):

@@ -339,7 +339,9 @@ _SHAPES = {
                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "a <tool is not a <tool_cal",
                'so <tool_call>{"name": "get_time", "arguments": {"zone": "c\\"e}t"}}</tool_call> <tool_call>'
                '{"name":"x"}</tool_call>', '<tool_call>{"arguments": {"x": ["}"]}, "name": "get_time"}',
-               '<tool_call>{"name": "get_weather", "arguments": {"city": "ro'],
+               '<tool_call>{"name": "get_weather", "arguments": {"city": "ro',
+               '<tool_call>{"name": "get_time", "arguments": {"zone": "a\\\\", "x": ["\\"}", 1.5e3, true]}}'
+               '</tool_call><tool_call>{"name": "get_time", "arguments": {}}'],
     "llama3_json": [' {"name": "get_weather", "parameters": {"city": "paris", "days": 2}}\n',
                     '{"name": "get_time", "arguments": {"zone": "utc"}}; {"name": "get_weather", "parameters": '
                     '{"city": "rome", "days": 1}}', '{"name": "get_time", "parameters": {}}',
@@ -380,3 +382,16 @@ def test_streamed_calls_join_to_the_unstreamed_answer_however_the_text_is_cut(pa
                         assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
                         calls[d["index"]][1] += d["function"]["arguments"]
             assert (content or None, [tuple(v) for _, v in sorted(calls.items())]) == want, (text, pieces)
+
+
+def test_the_tool_stream_bench_prints_its_table(monkeypatch, capsys):
+    """bench/tool_stream_bench.py at a toy size (its figures are in docs/benchmarks.md): both ways
+    send exactly the call's arguments (the bench fails otherwise), one row per size."""
+    import sys
+
+    from bench.tool_stream_bench import main
+
+    monkeypatch.setattr(sys, "argv", ["tool_stream_bench.py", "--quick"])
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("| ") and line.endswith("× |") for line in out.splitlines()) == 2, out
