@@ -33,6 +33,7 @@ from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest,
                                           stream_chunk, tag_tail, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
+from engine.serve.responses import StreamEvents, from_chat, to_chat
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
 from engine.chat_template import ChatTemplate
 from engine.tokenizer import load_tokenizer
@@ -43,8 +44,8 @@ from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-POST_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/tokenize": "tokenize",
-               "/detokenize": "detokenize"}
+POST_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+               "/tokenize": "tokenize", "/detokenize": "detokenize"}
 MAX_BODY = 8 << 20
 MAX_DISCARD = 64 << 20
 """An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
@@ -598,6 +599,9 @@ def make_handler(gw: Gateway):
                     self._json(200, gw.tokenize(body) if endpoint == "tokenize" else gw.detokenize(body))
                     gw.m_requests.labels(endpoint, "200").inc()
                     return
+                asked = body
+                if endpoint == "responses":  # (a chat request written another way: answered as one)
+                    body, chat = to_chat(body), True
                 req = parse_request(body, chat, gw.model_name)
                 if tenant is not None:
                     # the tenant's cache salt comes from its key, never from the request
@@ -611,9 +615,10 @@ def make_handler(gw: Gateway):
                     # (a completions batch: a request per prompt, answered together)
                     subs = [(gw.with_reasoning(r, p), p) for r in req.split() for p in (gw.encode(r),)]
                     if req.stream:
-                        self._stream(subs)
+                        self._stream(subs, StreamEvents(asked) if endpoint == "responses" else None)
                     else:
-                        self._complete(subs)
+                        answer = self._complete(subs)
+                        self._json(200, from_chat(asked, answer) if endpoint == "responses" else answer)
                 finally:
                     if tenant is not None:
                         gw.done(tenant)
@@ -729,7 +734,8 @@ def make_handler(gw: Gateway):
                     for call in list(cs.values()):
                         call.cancel()
 
-        def _complete(self, subs: list):
+        def _complete(self, subs: list) -> dict:
+            """The whole answer (a chat or completions response body)."""
             req = subs[0][0]
             choices = self._new_choices(subs)
             gen = self._choices(subs, choices)
@@ -754,10 +760,9 @@ def make_handler(gw: Gateway):
                     body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
                 else:
                     body.append((echo[0] + text if text is not None else None, c.reason, lps))
-            self._json(200, full_response(req, new_id(req.chat), gw.model_name, body, self._usage(subs, choices),
-                                          thoughts if req.reasoning is not None else None,
-                                          [c.prompt_logprobs for c in choices] if req.show_prompt_logprobs is not None
-                                          else None))
+            return full_response(req, new_id(req.chat), gw.model_name, body, self._usage(subs, choices),
+                                 thoughts if req.reasoning is not None else None,
+                                 [c.prompt_logprobs for c in choices] if req.show_prompt_logprobs is not None else None)
 
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
@@ -788,7 +793,9 @@ def make_handler(gw: Gateway):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
             self.wfile.flush()
 
-        def _stream(self, subs: list):
+        def _stream(self, subs: list, events: StreamEvents | None = None):
+            """Streams the answer as server-sent chat/completions chunks, or through ``events``
+            (the Responses API's)."""
             req = subs[0][0]
             rid = new_id(req.chat)
             choices = self._new_choices(subs)
@@ -810,7 +817,14 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 if req.continuous_usage and obj.get("choices"):  # (vLLM's: the usage so far, in every chunk)
                     obj["usage"] = self._usage(subs, choices)
-                self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                if events is None:
+                    self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                else:
+                    for event in events.chunk(obj):
+                        self._send_chunk(event)
+
+            for event in events.start() if events is not None else ():
+                self._send_chunk(event)
 
             # tool calls stream as they are written: a call's first delta names it, the next ones carry its
             # arguments in pieces. A named function's arguments are the text, each piece with its logprobs;
@@ -881,12 +895,17 @@ def make_handler(gw: Gateway):
                 else:
                     err = {"message": str(exc), "type": "server_error", "param": None,
                            "code": "slo_rejected" if isinstance(exc, Rejected) else None}
-                emit({"error": err})
+                if events is None:
+                    emit({"error": err})
+                else:
+                    for event in events.error(err):
+                        self._send_chunk(event)
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
                 raise StreamCut(err["message"]) from None
             else:
-                self._send_chunk(b"data: [DONE]\n\n")
+                for event in events.end() if events is not None else [b"data: [DONE]\n\n"]:
+                    self._send_chunk(event)
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
             finally:

@@ -3,7 +3,8 @@ the fields the gateway reads (and others), each holding any JSON value — nulls
 integers, NaN and infinities (Python's json reads them), strings, lists, objects shaped like
 tools, response formats and messages — are parsed (``parse_request``: a request or BadRequest,
 nothing else) and sent to a real gateway over HTTP: with its engine unreachable every answer is a
-400, or the 503 of a request that parsed, rendered and tokenized and found no engine; over real
+400, or the 503 of a request that parsed, rendered and tokenized and found no engine (the
+Responses API's bodies, its input items drawn too, likewise); over real
 engines, a 400 or a whole answer (a JSON body, or a stream that ends with ``[DONE]`` and holds no
 error)."""
 
@@ -75,10 +76,10 @@ def gateway():
     srv.stop()
 
 
-def _post(server, chat: bool, body: dict) -> tuple[int, bytes]:
+def _post(server, chat: bool, body: dict, path: str | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
     try:
-        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
+        conn.request("POST", path or ("/v1/chat/completions" if chat else "/v1/completions"), json.dumps(body),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
         return resp.status, resp.read()
@@ -95,6 +96,27 @@ def test_the_gateway_answers_any_body_with_a_400_or_no_engine(gateway, case):
     assert status in (400, 503), (status, out)
     assert out["error"]["message"]
     if status == 503:  # (it parsed, rendered and tokenized; then found no engine)
+        assert "engine unavailable" in out["error"]["message"], out
+
+
+RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "store",
+                    "previous_response_id", "metadata", "reasoning", "truncation", "include", "background",
+                    "temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "structured_outputs"]
+items = st.one_of(values, st.lists(st.fixed_dictionaries({
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "image"]),
+    "role": st.sampled_from(["user", "assistant", "developer", "tool"]), "content": values, "call_id": values,
+    "name": values, "arguments": values, "output": values}), max_size=3))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(items, st.dictionaries(st.sampled_from(RESPONSES_FIELDS), values, max_size=4))
+def test_the_responses_api_answers_any_body_with_a_400_or_no_engine(gateway, input_, fields):
+    status, raw = _post(gateway, True, {"model": MODEL, "input": input_, **fields}, "/v1/responses")
+    out = json.loads(raw)
+    assert status in (400, 503), (status, out)
+    assert out["error"]["message"]
+    if status == 503:
         assert "engine unavailable" in out["error"]["message"], out
 
 

@@ -1,0 +1,160 @@
+"""OpenAI's Responses API over real engines on loopback, driven by the official client: text,
+structured text, function calls (named, required, and read by the tool-call parser), reasoning
+items, a conversation of earlier calls and their outputs, streamed (the events, in order, joined)
+and not; and what this stateless server refuses."""
+
+import json
+
+import pytest
+
+from tests.serving.test_gateway import MODEL
+from tests.serving.test_tools import TIME, WEATHER, _literal, _meets, engines_with_gateways
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+FLAT_TIME = {"type": "function", **TIME["function"]}  # (Responses tools are flat)
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from engines_with_gateways({"plain": {}, "parsers": {"tool_parser": "hermes", "reasoning_parser": "qwen3"}})
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _items(resp) -> list[tuple]:
+    """A Response's output as (type, text or (name, arguments))."""
+    out = []
+    for o in resp.output:
+        if o.type == "message":
+            out.append(("message", "".join(p.text for p in o.content)))
+        elif o.type == "reasoning":
+            out.append(("reasoning", "".join(p.text for p in o.content)))
+        else:
+            assert o.call_id.startswith("call_") and o.id.startswith("fc_")
+            out.append(("function_call", (o.name, o.arguments)))
+    return out
+
+
+def _both(server, **kw):
+    """(the unstreamed Response, the streamed one as its last event carries it, the events)."""
+    c = _client(server)
+    kw = {"model": MODEL, "temperature": 0, "max_output_tokens": 300, **kw}
+    whole = c.responses.create(**kw)
+    events = list(c.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    streamed = events[-1].response
+    # the deltas join to the items the last event holds
+    for i, item in enumerate(streamed.output):
+        deltas = "".join(e.delta for e in events if getattr(e, "output_index", None) == i and e.type.endswith(".delta"))
+        if item.type == "function_call":
+            assert deltas == item.arguments
+        else:
+            assert deltas == "".join(p.text for p in item.content)
+        kinds = [e.type for e in events if getattr(e, "output_index", None) == i]
+        assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done", kinds
+    return whole, streamed, events
+
+
+def test_text_streamed_and_not_with_its_status_and_usage(cluster):
+    whole, streamed, events = _both(cluster["plain"], input="Say hello.",
+                                    extra_body={"structured_outputs": {"regex": "Hello, world"}})
+    assert whole.status == streamed.status == "completed" and whole.incomplete_details is None
+    assert whole.output_text == streamed.output_text == "Hello, world" and _items(whole) == _items(streamed)
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.usage.output_tokens == streamed.usage.output_tokens == len("Hello, world") + 1  # (and EOS)
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    assert sum(e.type == "response.output_text.delta" for e in events) > 1  # (in pieces, as generated)
+    # cut by max_output_tokens: incomplete, saying why
+    whole, streamed, _ = _both(cluster["plain"], input="Say hello.", max_output_tokens=5,
+                               extra_body={"ignore_eos": True})
+    for r in (whole, streamed):
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.usage.output_tokens == 5
+    assert whole.output_text == streamed.output_text
+
+
+def test_instructions_and_input_items_are_the_chat_conversation(cluster):
+    """``instructions``, messages, an earlier function call and its output make the prompt the
+    same chat messages make (the usage's input tokens, and the answer, are the chat's)."""
+    c = _client(cluster["plain"])
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text",
+                                                                                  "text": "tomorrow?"}]}]
+    r = c.responses.create(model=MODEL, instructions="Be brief.", input=items, tools=[FLAT_WEATHER], tool_choice="none",
+                           max_output_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    chat = c.chat.completions.create(model=MODEL, max_tokens=32, temperature=0, tools=[WEATHER], tool_choice="none",
+                                     extra_body={"ignore_eos": True}, messages=[
+        {"role": "system", "content": "Be brief."}, items[0],
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.output_text == chat.choices[0].message.content
+    from engine.serve.responses import to_chat
+
+    assert to_chat({"model": MODEL, "instructions": "Be brief.", "input": items})["messages"] == [
+        {"role": "system", "content": "Be brief."}, items[0],
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "user", "content": "And tomorrow?"}]
+
+
+def test_structured_text_follows_its_schema(cluster):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    whole, streamed, _ = _both(cluster["plain"], input="A number.", max_output_tokens=200,
+                               text={"format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}})
+    assert whole.status == "completed" and whole.output_text == streamed.output_text
+    assert 0 <= json.loads(whole.output_text)["n"] <= 9
+
+
+def test_function_calls_named_required_and_read_by_the_parser(cluster):
+    # named: the call's arguments follow its schema
+    whole, streamed, events = _both(cluster["plain"], input="Time?", tools=[FLAT_WEATHER, FLAT_TIME],
+                                    tool_choice={"type": "function", "name": "get_time"})
+    assert _items(whole) == _items(streamed) and [t for t, _ in _items(whole)] == ["function_call"]
+    name, args = _items(whole)[0][1]
+    assert name == "get_time" and _meets(name, json.loads(args))
+    assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1
+    # required, one call
+    whole, streamed, _ = _both(cluster["plain"], input="Weather?", tools=[FLAT_WEATHER, FLAT_TIME],
+                               tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=600,
+                               extra_body={"seed": 1})
+    assert _items(whole) == _items(streamed) and len(whole.output) == 1 and whole.status == "completed"
+    assert _meets(*(lambda n, a: (n, json.loads(a)))(*_items(whole)[0][1]))
+    # auto: the model's text, read by the gateway's parser: content, then the call
+    text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>'
+    whole, streamed, _ = _both(cluster["parsers"], input="Time?", tools=[FLAT_TIME],
+                               extra_body={"structured_outputs": {"regex": _literal(text)}})
+    assert _items(whole) == _items(streamed) == [("message", "Let me check."),
+                                                 ("function_call", ("get_time", '{"zone": "cet"}'))]
+
+
+def test_reasoning_comes_as_its_own_item(cluster):
+    text = "<think>Two and two.</think>Four."
+    whole, streamed, events = _both(cluster["parsers"], input="2+2?",
+                                    extra_body={"structured_outputs": {"regex": _literal(text)}})
+    assert _items(whole) == _items(streamed) == [("reasoning", "Two and two."), ("message", "Four.")]
+    assert any(e.type == "response.reasoning_text.delta" for e in events)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("store", True), ("previous_response_id", "resp_1"), ("tools", [{"type": "web_search"}]),
+    ("input", []), ("input", [{"type": "image", "url": "x"}]), ("input", [{"role": "robot", "content": "x"}]),
+    ("reasoning", {"effort": "high"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
+    ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 2)])
+def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(cluster, field, value):
+    body = {"model": MODEL, "input": "hi", field: value}
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(cluster["plain"]).post("/responses", body=body, cast_to=object)
+    assert e.value.body["param"] == field, e.value.body
