@@ -142,8 +142,8 @@ def to_chat(body) -> dict:
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif fmt is not None:
         chat["response_format"] = fmt
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-    if body.get("reasoning") is not None and (not isinstance(body["reasoning"], dict) or effort is not None):
+    wanted = body.get("reasoning")
+    if wanted is not None and (not isinstance(wanted, dict) or any(v is not None for v in wanted.values())):
         raise BadRequest("'reasoning' options (effort, summary) are not supported by this server: the model "
                          "reasons as its chat template and the gateway's --reasoning-parser say", "reasoning")
     if chat.get("stream"):
