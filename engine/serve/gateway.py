@@ -11,6 +11,7 @@ locally: the request still completes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -27,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from engine.chat_template import ChatTemplate
 from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
                                           full_response, logprobs_body, new_id, parse_request, prompt_logprobs_body,
@@ -35,7 +37,6 @@ from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRo
 from engine.serve import reasoning
 from engine.serve.responses import StreamEvents, from_chat, to_chat
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
-from engine.chat_template import ChatTemplate
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
 from kvstore.liveness import channel_options
@@ -144,7 +145,9 @@ class Gateway:
         """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
         self.trust_request_chat_template = trust_request_chat_template
         """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
-        self._templates: dict[str, ChatTemplate] = {}  # requests' templates, compiled (the last few)
+        self._compile = functools.lru_cache(maxsize=32)(
+            lambda source: ChatTemplate(source, self.tokenizer.special_tokens))
+        """Requests' templates, compiled; the 32 used last are kept (thread-safe: handlers share it)."""
         self.api_keys = api_keys
         """With ``--api-keys``: who may call, and the tenant (and cache salt) each key stands for."""
         self._inflight: dict[str, int] = {}
@@ -239,16 +242,10 @@ class Gateway:
             raise BadRequest("this gateway renders chats with the model's own template; it takes one from the "
                              "request only when started with --trust-request-chat-template (a template is code "
                              "it runs)", "chat_template")
-        template = self._templates.get(source)
-        if template is None:
-            try:
-                template = ChatTemplate(source, self.tokenizer.special_tokens)
-            except ValueError as exc:
-                raise BadRequest(str(exc), "chat_template") from None
-            if len(self._templates) >= 32:
-                self._templates.pop(next(iter(self._templates)))
-            self._templates[source] = template
-        return template
+        try:
+            return self._compile(source)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "chat_template") from None
 
     def tokenize(self, body) -> dict:
         """vLLM's ``/tokenize``: a ``prompt`` (``add_special_tokens``, default true: with BOS) or
@@ -692,6 +689,7 @@ def make_handler(gw: Gateway):
             ``i`` is ``choices[b * n + i]``."""
             n = subs[0][0].n
             calls: list[dict] = [{} for _ in subs]
+            shown: dict[int, list] = {}  # prompt b's prompt_logprobs body, made once for its n choices
             gen = self._run(*subs[0], calls[0]) if len(subs) == 1 else self._batch(subs, calls)
             try:
                 for b, i, piece in gen:
@@ -702,8 +700,10 @@ def make_handler(gw: Gateway):
                     if c.echo is None:
                         c.echo = self._echo(req, prompt, piece.prompt_logprobs)
                         if req.show_prompt_logprobs is not None:
-                            c.prompt_logprobs = prompt_logprobs_body(prompt, piece.prompt_logprobs,
-                                                                     req.show_prompt_logprobs, gw.tokenizer)
+                            if b not in shown:
+                                shown[b] = prompt_logprobs_body(prompt, piece.prompt_logprobs,
+                                                                req.show_prompt_logprobs, gw.tokenizer)
+                            c.prompt_logprobs = shown[b]
                     c.cached = piece.cached
                     c.n += len(piece.ids)
                     c.lps += piece.logprobs

@@ -212,8 +212,9 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
                                  or len(template) > MAX_CHAT_TEMPLATE):
         raise BadRequest(f"'chat_template' is a chat request's Jinja template: a string of up to "
                          f"{MAX_CHAT_TEMPLATE} characters", "chat_template")
+    stream = flag(body, "stream", False)
     shown = _num(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
-    if shown is not None and flag(body, "stream", False):
+    if shown is not None and stream:
         raise BadRequest("'prompt_logprobs' are not available when streaming (as in vLLM)", "prompt_logprobs")
     needed = [k for k in (logprobs if echo else None, shown) if k is not None]
     tools = _tools(body, chat)
@@ -238,7 +239,6 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     min_tokens = _num(body, "min_tokens", 0, 0, UINT32_MAX, integer=True)
     if min_tokens > max_tokens:
         raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed '{limit_name}' ({max_tokens})", "min_tokens")
-    stream = flag(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - STREAM_OPTIONS or not all(
             isinstance(opts[k], bool) or opts[k] is None for k in opts)):
