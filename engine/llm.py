@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from engine.beam_search import Beam, BeamSearch, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -25,6 +26,25 @@ class RequestOutput:
     """With ``logprobs``: one per generated token (``TokenLogprobs``)."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With ``prompt_logprobs``: one per prompt token, None for the first."""
+
+
+@dataclass
+class BeamOutput:
+    """One hypothesis of ``LLM.beam_search``."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    """Its tokens' summed log-probability."""
+    score: float
+    """``cum_logprob`` over its length ** ``length_penalty``: what it was ranked by."""
+    finish_reason: str
+    num_cached_tokens: int
+    """Prompt tokens its search's first step did not compute (the store's and the local cache's)."""
+    steps: int
+    """Steps its search took (at most ``max_tokens``; fewer when no live beam could still win)."""
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -63,29 +83,17 @@ class LLM:
         Saves of newly computed chunks are flushed before returning, so another
         engine can reuse them at once.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
-            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+        prompts = self._prompts(prompts)
         if params is None:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                     min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs)
-        salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
-        encoded = [self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+        salt = self._salt(tenant_salt)
+        encoded = self._encode(prompts)
         for ids in encoded:  # all or nothing: a bad prompt queues none of the batch
             self.engine.validate(ids, params)
         seqs = [self.engine.add_request(ids, params, cache_salt=salt) for ids in encoded]
-        try:
-            while any(not s.is_finished for s in seqs):
-                self.engine.step()
-        except BaseException:
-            for s in seqs:  # a failed step leaves none of them queued (the next call would fail the same way)
-                self.engine.abort(s.seq_id)
-            raise
+        self._run(seqs)
         if self.engine.connector is not None:
             self.engine.connector.flush()
         return [RequestOutput(prompt_token_ids=s.prompt, token_ids=list(s.output),
@@ -95,6 +103,71 @@ class LLM:
                               logprobs=list(s.logprobs) if params.logprobs is not None else None,
                               prompt_logprobs=list(s.prompt_logprobs) if params.prompt_logprobs is not None else None)
                 for s in seqs]
+
+    @staticmethod
+    def _prompts(prompts) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (str, list, tuple)) for p in prompts):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+        return list(prompts)
+
+    def _salt(self, tenant_salt: str | None) -> str | None:
+        salt = tenant_salt if tenant_salt is not None else self.config.tenant_salt
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"tenant_salt must be a string, got {type(salt).__name__}")
+        return salt
+
+    def _encode(self, prompts: list) -> list[list[int]]:
+        return [self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _run(self, seqs) -> None:
+        """Steps the engine until every one of ``seqs`` has finished."""
+        try:
+            while any(not s.is_finished for s in seqs):
+                self.engine.step()
+        except BaseException:
+            for s in seqs:  # a failed step leaves none of them queued (the next call would fail the same way)
+                self.engine.abort(s.seq_id)
+            raise
+
+    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], beam_width: int = 4,
+                    max_tokens: int = 16, length_penalty: float = 1.0, ignore_eos: bool = False,
+                    stop_token_ids: Seq[int] = (), logprobs: int | None = None,
+                    tenant_salt: str | None = None) -> list[list[BeamOutput]]:
+        """Beam search (engine/beam_search.py) for every prompt: its ``beam_width`` best hypotheses,
+        best first, one list per prompt, in order. The searches step together: each step is one
+        batch of one-token requests, a request per live beam of every prompt, whose prompts the
+        local prefix cache (and the store) already holds but for the last token or so."""
+        prompts = self._prompts(prompts)
+        params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+        salt = self._salt(tenant_salt)
+        encoded = self._encode(prompts)
+        step = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=params.alternatives)
+        for ids in encoded:
+            self.engine.validate(ids + [0] * (max_tokens - 1), step)  # (the longest request it will make)
+        searches = [BeamSearch(params, self.engine.eos) for _ in encoded]
+        cached = [0] * len(encoded)
+        first = True
+        while live := [(i, s) for i, s in enumerate(searches) if s.pending()]:
+            asked = [(i, s, beams) for i, s in live for beams in [s.pending()]]
+            seqs = [[self.engine.add_request(encoded[i] + t, step, cache_salt=salt) for t in beams]
+                    for i, _, beams in asked]
+            self._run([q for qs in seqs for q in qs])
+            for (i, search, _), qs in zip(asked, seqs):
+                if first:
+                    cached[i] = qs[0].num_store_tokens + qs[0].num_local_tokens
+                search.advance([q.logprobs[0] for q in qs])
+            first = False
+        if self.engine.connector is not None:
+            self.engine.connector.flush()
+        return [[BeamOutput(prompt_token_ids=encoded[i], token_ids=b.tokens, text=self.tokenizer.decode(b.tokens),
+                            cum_logprob=b.cum_logprob, score=b.score(length_penalty), finish_reason=b.finish_reason,
+                            num_cached_tokens=cached[i], steps=s.steps,
+                            logprobs=b.logprobs if logprobs is not None else None)
+                 for b in s.result()] for i, s in enumerate(searches)]
 
     def close(self) -> None:
         self.engine.close()
