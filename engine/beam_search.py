@@ -17,7 +17,6 @@ answer is the same as searching to ``max_tokens``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +24,8 @@ from engine.sampling import MAX_LOGPROBS, TokenLogprobs
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 """Widest search: each step asks for ``2 * beam_width`` alternatives, at most ``MAX_LOGPROBS``."""
+MAX_LENGTH_PENALTY = 10.0
+"""Largest ``length_penalty``, either sign (a length to this power stays a float)."""
 
 
 @dataclass
@@ -61,8 +62,10 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                             f"got {self.length_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

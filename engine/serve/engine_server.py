@@ -175,7 +175,8 @@ class EngineService(pb_grpc.EngineServicer):
         mc = self.engine.model_config
         return pb.EngineHealthResponse(serving=True, role=self.role, model=self.engine.cfg.model,
                                        vocab_size=mc.vocab_size, max_model_len=mc.max_position_embeddings,
-                                       fingerprint=self.engine.fingerprint.encode())
+                                       fingerprint=self.engine.fingerprint.encode(),
+                                       eos_token_ids=sorted(self.engine.eos))
 
     def Stats(self, request, context):
         eng = self.engine

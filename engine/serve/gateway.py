@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from engine.beam_search import BeamSearchParams, beam_search
 from engine.chat_template import ChatTemplate
 from engine.sampling import TokenLogprobs
 from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest, bad_words_ids, check_model, flag,
@@ -161,6 +162,8 @@ class Gateway:
         self.router = router or static
         self.engines = Engines(prefill + decode)
         self.timeout_s = timeout_s
+        self._models: dict[str, tuple[frozenset[int], int]] = {}
+        """Each engine's EOS tokens and context length (its Health), once asked."""
         self.registry = CollectorRegistry()
         self.m_requests = Counter("crescent_gateway_requests", "Requests by endpoint and status",
                                   ["endpoint", "status"], registry=self.registry)
@@ -328,6 +331,9 @@ class Gateway:
         stream of its own that loads the prompt's KV the prefill engine saved and samples its own
         first token. ``calls`` gets each choice's decode call, for the caller to cancel one that is
         done (a stop string); closing the generator cancels them all."""
+        if req.beam_search:
+            yield from self._beam_search(prompt, req)
+            return
         route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         sampling = self._sampling(req)
         first, keys, cached, shared_plps = None, [], None, None
@@ -351,6 +357,89 @@ class Gateway:
             yield from self._merged(calls, {0: cached}, shared_plps)
         finally:
             for call in calls.values():
+                call.cancel()
+
+    def _beam_search(self, prompt: list[int], req: ParsedRequest) -> Iterator[tuple[int, Piece]]:
+        """vLLM's ``use_beam_search``: the ``req.n`` best hypotheses of a beam search of width
+        ``req.n`` (engine/beam_search.py), each a choice, all sent once the search is done. Each step
+        is a one-token request per live beam, all in flight at once, on the prefill engine the
+        router picked (whose prefix cache holds all but the beam's last tokens), or its decode
+        engine (when there is no prefill engine, or from the step the prefill engine failed)."""
+        route = self.router.route(prompt, req.cache_salt, req.max_tokens)
+        targets = [("prefill", route.prefill)] if route.prefill is not None else []
+        targets.append(("decode", route.decode))
+
+        def on_target(call):
+            """``call(role, address)`` on the prefill engine, or, from the first time it fails, the decode engine."""
+            while True:
+                role, address = targets[0]
+                try:
+                    return call(role, address)
+                except grpc.RpcError as exc:
+                    if len(targets) == 1:
+                        raise
+                    log.warning("beam search on %s failed (%s): its decode engine goes on", address, exc.code().name)
+                    self.m_fallbacks.inc()
+                    targets.pop(0)
+
+        eos, context = on_target(lambda role, address: self._model(address))
+        if len(prompt) + req.max_tokens > context:
+            raise BadRequest(f"prompt ({len(prompt)}) + max_tokens ({req.max_tokens}) exceeds the model's context "
+                             f"of {context}", "max_tokens")
+        params = BeamSearchParams(beam_width=req.n, max_tokens=req.max_tokens, length_penalty=req.length_penalty,
+                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+        first: dict = {}  # the first step's cached tokens and prompt logprobs
+
+        def expand(beams: list[list[int]]) -> list[TokenLogprobs]:
+            sampling = pb.SamplingOptions(max_tokens=1, ignore_eos=True, logprobs=params.alternatives,
+                                          no_speculation=True,
+                                          prompt_logprobs=None if first else req.prompt_logprobs)
+            got = on_target(lambda role, address: self._first_tokens(role, address, [prompt + b for b in beams], req,
+                                                                     sampling))
+            if not first:
+                first.update(cached=got[0][1], plps=got[0][2])
+            return [lp for lp, _, _ in got]
+
+        for i, b in enumerate(beam_search(expand, params, eos)):
+            yield i, Piece(b.tokens, b.finish_reason, first["cached"], b.logprobs, first["plps"])
+
+    def _model(self, address: str) -> tuple[frozenset[int], int]:
+        """An engine's EOS tokens and context length."""
+        if address not in self._models:
+            h = self.engines[address].Health(pb.EngineHealthRequest(), timeout=self.timeout_s)
+            self._models[address] = frozenset(h.eos_token_ids), h.max_model_len
+        return self._models[address]
+
+    def _first_tokens(self, role: str, address: str, prompts: list[list[int]], req: ParsedRequest, sampling) \
+            -> list[tuple[TokenLogprobs, int, list[TokenLogprobs]]]:
+        """The first token's logprobs after each of ``prompts`` (one-token requests, all in flight at
+        once), with the prompt tokens the engine did not compute and the prompt's logprobs (if asked)."""
+        stub = self.engines[address]
+        if role == "prefill":
+            calls = [stub.Prefill.future(pb.PrefillRequest(prompt_token_ids=p, sampling=sampling,
+                                                           cache_salt=req.cache_salt), timeout=self.timeout_s)
+                     for p in prompts]
+        else:
+            calls = [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling, cache_salt=req.cache_salt),
+                                   timeout=self.timeout_s) for p in prompts]
+        try:
+            out = []
+            for call in calls:
+                if role == "prefill":
+                    try:
+                        r = call.result()
+                    except grpc.RpcError as exc:
+                        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                            raise BadRequest(exc.details()) from None
+                        raise
+                    out.append((_logprobs([r.first_logprobs])[0], r.num_cached_tokens, _logprobs(r.prompt_logprobs)))
+                else:
+                    pieces = list(self._pieces(call, None))
+                    out.append((next(lp for pc in pieces for lp in pc.logprobs), pieces[-1].cached,
+                                pieces[0].prompt_logprobs))
+            return out
+        finally:
+            for call in calls:
                 call.cancel()
 
     def _decode(self, decode: str, prompt: list[int], req: ParsedRequest, sampling, first, keys):

@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from engine.beam_search import MAX_BEAM_WIDTH, MAX_LENGTH_PENALTY
 from engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprobs
 
 
@@ -56,6 +57,11 @@ class ParsedRequest:
     ``logprobs``, ``show_prompt_logprobs``)."""
     continuous_usage: bool = False
     """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    beam_search: bool = False
+    """vLLM's ``use_beam_search``: the ``n`` choices are the ``n`` best hypotheses of a beam search
+    of width ``n`` (engine/beam_search.py)."""
+    length_penalty: float = 1.0
+    """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
     chat_echo: str | None = None
     """Chat ``echo`` (vLLM's): the final assistant message's text, which each choice's content
     begins with (None: no echo, or the last message is not the assistant's)."""
@@ -96,7 +102,7 @@ class ParsedRequest:
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "best_of": (1,), "suffix": ("",), "use_beam_search": (False,),
+    "best_of": (1,), "suffix": ("",),
     "logits_processors": (), "guided_decoding_backend": ("xgrammar", "auto"),
     "guided_whitespace_pattern": (),
 }
@@ -251,7 +257,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", "cache_salt")
-    return ParsedRequest(
+    req = ParsedRequest(
         chat=chat, prompt=prompt, prompts=prompts,
         max_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body),
         allowed_token_ids=_allowed(body), bad_words=_bad_words(body), structured=structured,
@@ -273,7 +279,39 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         presence_penalty=float(_num(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_num(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
-        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False))
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
+        beam_search=flag(body, "use_beam_search", False),
+        length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
+    _check_beam_search(req)
+    return req
+
+
+# What a beam search cannot honour: it ranks the model's own log-probabilities, and each of its steps
+# is a request of one token after a beam (so nothing that depends on the output so far applies).
+NOT_WITH_BEAM_SEARCH = (
+    ("top_p", lambda r: r.top_p < 1.0), ("top_k", lambda r: r.top_k > 0), ("min_p", lambda r: r.min_p > 0),
+    ("presence_penalty", lambda r: r.presence_penalty), ("frequency_penalty", lambda r: r.frequency_penalty),
+    ("repetition_penalty", lambda r: r.repetition_penalty != 1.0), ("logit_bias", lambda r: r.logit_bias),
+    ("allowed_token_ids", lambda r: r.allowed_token_ids is not None), ("bad_words", lambda r: r.bad_words),
+    ("min_tokens", lambda r: r.min_tokens), ("response_format", lambda r: r.structured is not None),
+)
+
+
+def _check_beam_search(req: ParsedRequest) -> None:
+    if not req.beam_search:
+        if req.length_penalty != 1.0:
+            raise BadRequest("'length_penalty' is for a beam search (\"use_beam_search\": true)", "length_penalty")
+        return
+    if req.n > MAX_BEAM_WIDTH:
+        raise BadRequest(f"with 'use_beam_search', 'n' is the beam width: at most {MAX_BEAM_WIDTH}, got {req.n}", "n")
+    if req.max_tokens == 0:
+        raise BadRequest("a beam search generates: 'max_tokens' must be at least 1", "max_tokens")
+    for name, used in NOT_WITH_BEAM_SEARCH:
+        if used(req):
+            what = "a structured output (response_format, structured_outputs, guided_*, a required tool call)" \
+                if name == "response_format" else f"'{name}'"
+            raise BadRequest(f"a beam search ranks the model's own log-probabilities: {what} cannot apply to it "
+                             "(leave it out)", name)
 
 
 def _message(m) -> dict:

@@ -162,7 +162,8 @@ def test_the_search_stops_once_no_live_beam_can_win_with_the_same_answer():
 
 
 @pytest.mark.parametrize("bad", [dict(beam_width=0), dict(beam_width=MAX_BEAM_WIDTH + 1), dict(beam_width=2.0),
-                                 dict(max_tokens=0), dict(length_penalty=math.nan), dict(logprobs=21)])
+                                 dict(max_tokens=0), dict(length_penalty=math.nan),
+                                 dict(length_penalty=11), dict(logprobs=21)])
 def test_bad_parameters_are_refused_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         BeamSearchParams(**bad)

@@ -29,7 +29,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
           "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", "cache_salt", "truncate_prompt_tokens",
           "speculative", "include_reasoning", "chat_template_kwargs", "add_generation_prompt",
-          "continue_final_message", "documents", "best_of", "suffix", "logits_processors", "unknown_field"]
+          "continue_final_message", "documents", "best_of", "suffix", "logits_processors", "use_beam_search",
+          "length_penalty", "unknown_field"]
 KEYS = FIELDS + ["type", "function", "name", "parameters", "role", "content", "json_schema", "schema", "regex",
                  "choice", "json", "grammar", "text", "include_usage", "tool_calls", "arguments", "id", "strict"]
 

@@ -158,20 +158,22 @@ class EngineHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineHealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "vocab_size", "max_model_len", "fingerprint")
+    __slots__ = ("serving", "role", "model", "vocab_size", "max_model_len", "fingerprint", "eos_token_ids")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
     vocab_size: int
     max_model_len: int
     fingerprint: bytes
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()
