@@ -5,6 +5,7 @@ pruning), and on small synthetic models that of enumerating every hypothesis."""
 import itertools
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from engine.beam_search import MAX_BEAM_WIDTH, Beam, BeamSearch, BeamSearchParam
 from engine.llm import LLM
 from engine.sampling import TokenLogprobs
 from tests.engine.reference import all_logits
+from tests.helpers import run_in_own_session
 
 MODEL = "random:tiny"
 
@@ -167,3 +169,12 @@ def test_the_search_stops_once_no_live_beam_can_win_with_the_same_answer():
 def test_bad_parameters_are_refused_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         BeamSearchParams(**bad)
+
+
+def test_the_bench_runs_and_finds_the_same_answer_with_and_without_the_prefix_cache():
+    rc, out = run_in_own_session([sys.executable, "bench/beam_search_bench.py", "--model", MODEL,
+                                  "--prompt-tokens", "40", "--reps", "1", "--max-tokens", "3", "--width", "2"])
+    assert rc == 0, out[-4000:]
+    row = next(line for line in out.splitlines() if line.startswith("| 40 |"))
+    computed_cached, computed_plain = (int(c.strip().replace(",", "")) for c in row.split("|")[3:5])
+    assert computed_cached < computed_plain, row
