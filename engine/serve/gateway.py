@@ -767,7 +767,7 @@ def make_handler(gw: Gateway):
                 return "", [], []
             text = req.prompt if isinstance(req.prompt, str) and not req.truncate_prompt_tokens \
                 else gw.tokenizer.decode(prompt)
-            if req.logprobs is not None and req.prompt_logprobs > req.logprobs:  # (more were asked for the
+            if req.logprobs is not None and (req.prompt_logprobs or 0) > req.logprobs:  # (more were asked for the
                 prompt_logprobs = [lp._replace(top=lp.top[:req.logprobs]) for lp in prompt_logprobs]  # body)
             return text, list(prompt), [None, *prompt_logprobs]
 
@@ -826,15 +826,22 @@ def make_handler(gw: Gateway):
         def _complete(self, subs: list) -> dict:
             """The whole answer (a chat or completions response body)."""
             req = subs[0][0]
-            choices = self._new_choices(subs)
-            gen = self._choices(subs, choices)
+            run = subs
+            if req.best_of:  # best_of candidates, with their logprobs, each
+                run = [(dataclasses.replace(r, n=r.best_of, logprobs=r.logprobs or 0), p) for r, p in subs]
+            choices = self._new_choices(run)
+            gen = self._choices(run, choices)
             try:
                 for _ in gen:
                     pass
             finally:
                 gen.close()  # (an error: a batch's other prompts' calls cancelled now)
+            answered = choices
+            if req.best_of:  # each prompt's n likeliest per token, likeliest first
+                answered = [c for b in range(len(subs)) for c in sorted(
+                    choices[b * req.best_of:(b + 1) * req.best_of], key=_mean_logprob, reverse=True)[:req.n]]
             body, thoughts = [], []
-            for c in choices:
+            for c in answered:
                 text = c.detok.text()
                 echo = c.echo or ("", [], [])
                 # (logprobs of every token generated, the one completing a stop string included, as vLLM)
@@ -849,9 +856,11 @@ def make_handler(gw: Gateway):
                     body.append((content or None if req.reasoning is not None else content, c.reason, lps, calls))
                 else:
                     body.append((echo[0] + text if text is not None else None, c.reason, lps))
-            return full_response(req, new_id(req.chat), gw.model_name, body, self._usage(subs, choices),
+            # (the usage counts every candidate's tokens: they were all generated)
+            return full_response(req, new_id(req.chat), gw.model_name, body, self._usage(run, choices),
                                  thoughts if req.reasoning is not None else None,
-                                 [c.prompt_logprobs for c in choices] if req.show_prompt_logprobs is not None else None)
+                                 [c.prompt_logprobs for c in answered] if req.show_prompt_logprobs is not None
+                                 else None)
 
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
@@ -1019,6 +1028,11 @@ class _Choice:
         self.called = False  # a named function's call was opened (streaming)
         self.think = None  # streamed, with a reasoning parser: the reasoning.Stream splitting the text
         self.calls: CallStream | None = None  # streamed, "required" or "auto" tool calls
+
+
+def _mean_logprob(c: _Choice) -> float:
+    """A choice's log-probability per generated token (OpenAI's ``best_of`` ranking)."""
+    return sum(lp.logprob for lp in c.lps) / len(c.lps) if c.lps else float("-inf")
 
 
 def _chain(first, rest):

@@ -62,6 +62,9 @@ class ParsedRequest:
     of width ``n`` (engine/beam_search.py)."""
     length_penalty: float = 1.0
     """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
+    best_of: int | None = None
+    """OpenAI's (completions): this many choices are sampled and the ``n`` with the highest mean
+    log-probability per token are answered."""
     chat_echo: str | None = None
     """Chat ``echo`` (vLLM's): the final assistant message's text, which each choice's content
     begins with (None: no echo, or the last message is not the assistant's)."""
@@ -102,7 +105,7 @@ class ParsedRequest:
 # Sampling options of the OpenAI API (and vLLM's extensions) that this gateway does not implement,
 # each with the values that mean "off": anything else is refused by name, never silently ignored.
 UNSUPPORTED = {
-    "best_of": (1,), "suffix": ("",),
+    "suffix": ("",),
     "logits_processors": (), "guided_decoding_backend": ("xgrammar", "auto"),
     "guided_whitespace_pattern": (),
 }
@@ -283,7 +286,26 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         beam_search=flag(body, "use_beam_search", False),
         length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
     _check_beam_search(req)
+    req.best_of = _best_of(body, req)
     return req
+
+
+def _best_of(body: dict, req: ParsedRequest) -> int | None:
+    best_of = _num(body, "best_of", None, 1, MAX_N, integer=True)
+    if best_of is None or best_of == req.n:
+        return None
+    if req.chat:
+        raise BadRequest("'best_of' is for /v1/completions", "best_of")
+    if best_of < req.n:
+        raise BadRequest(f"'best_of' ({best_of}) must be at least 'n' ({req.n})", "best_of")
+    if req.stream:
+        raise BadRequest("'best_of' answers once every candidate is done: it cannot be streamed", "best_of")
+    if req.beam_search:
+        raise BadRequest("with 'use_beam_search', 'n' is the beam width: leave 'best_of' out", "best_of")
+    if req.prompts is not None and best_of * len(req.prompts) > MAX_N * MAX_N:
+        raise BadRequest(f"a batch of {len(req.prompts)} prompts with best_of={best_of} samples "
+                         f"{best_of * len(req.prompts)} choices; at most {MAX_N * MAX_N}", "best_of")
+    return best_of
 
 
 # What a beam search cannot honour: it ranks the model's own log-probabilities, and each of its steps

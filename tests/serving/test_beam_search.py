@@ -1,6 +1,7 @@
 """vLLM's ``use_beam_search`` through the gateway, over real engines on loopback: the choices are the
 hypotheses of ``LLM.beam_search`` in this process (itself checked against a plain search over a
-plain forward, tests/engine/test_beam_search.py), whichever engine runs the steps."""
+plain forward, tests/engine/test_beam_search.py), whichever engine runs the steps. And OpenAI's
+``best_of``: the ``n`` likeliest per token of ``best_of`` sampled candidates."""
 
 import json
 
@@ -145,3 +146,38 @@ def test_echo_and_prompt_logprobs_are_those_of_a_plain_request(disagg, offline, 
     finally:
         if not prefill:
             s.close()
+
+
+# ---- best_of (OpenAI's completions) --------------------------------------------------------------
+
+def test_best_of_answers_the_n_candidates_likeliest_per_token(disagg, offline):
+    """Choice ``i`` of a seeded request draws from ``seed + i``: the same request with ``n=best_of``
+    shows every candidate, whose mean logprobs say which ``n`` best_of must answer."""
+    c = disagg.client()
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    every = c.completions.create(n=5, logprobs=0, **kw)
+    means = [sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs) for ch in every.choices]
+    assert len(set(means)) == 5
+    order = sorted(range(5), key=lambda i: means[i], reverse=True)
+    best = c.completions.create(n=2, best_of=5, **kw)
+    assert [ch.text for ch in best.choices] == [every.choices[i].text for i in order[:2]]
+    assert [ch.index for ch in best.choices] == [0, 1] and all(ch.logprobs is None for ch in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # every candidate was generated
+    one = c.completions.create(best_of=5, logprobs=1, echo=True, **kw)
+    assert one.choices[0].text == offline.tokenizer.decode(PROMPTS[1]) + every.choices[order[0]].text
+    assert one.choices[0].logprobs.token_logprobs[len(PROMPTS[1]):] == pytest.approx(
+        every.choices[order[0]].logprobs.token_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("chat,body", [
+    (False, {"n": 3, "best_of": 2}), (False, {"best_of": 2, "stream": True}), (True, {"best_of": 2}),
+    (False, {"best_of": 3, "use_beam_search": True}), (False, {"best_of": 17}),
+    (False, {"best_of": 16, "prompt": ["a"] * 17}),
+])
+def test_best_of_it_cannot_serve_is_a_400_naming_it(disagg, chat, body):
+    base = {"model": MODEL, **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "abc"})}
+    status, data = request(disagg.url, "POST", "/v1/chat/completions" if chat else "/v1/completions",
+                           json.dumps({**base, **body}).encode(), {"Content-Type": "application/json"})
+    assert status == 400, data
+    assert json.loads(data)["error"]["param"] == "best_of"
