@@ -67,7 +67,11 @@ class CrescentConnectorConfig:
     load: bool = True
     """Load hit prefixes from the store."""
     save: bool = True
-    """Save new full prompt chunks to the store."""
+    """Save new full chunks to the store."""
+    save_decode: bool = True
+    """Save the chunks generated tokens complete too, not only the prompt's: the next turn of a
+    conversation, whose prompt repeats this answer, loads them (each such chunk is looked up once
+    first, and saved only when the store lacks it)."""
     timeout_s: float = 10.0
     """Deadline of each store call."""
     cooldown_s: float = 5.0
@@ -167,11 +171,14 @@ class CrescentConnector(KVConnectorBase_V1):
         self._link = StoreLink(link_config)
         self._planner: ChunkPlanner | None = None
         self._worker: WorkerSide | None = None
+        self._requests: dict[str, Request] = {}
+        """Scheduler side, with save_decode: the requests in flight (their tokens grow as they generate)."""
         if role == KVConnectorRole.SCHEDULER:
             # NOTE: kv_role narrows the config: a kv_producer only saves, a kv_consumer only loads.
             self._planner = ChunkPlanner(c, self.block_size, self._keys_for,
                                          load=self.config.load and tc.is_kv_consumer,
-                                         save=self.config.save and tc.is_kv_producer)
+                                         save=self.config.save and tc.is_kv_producer,
+                                         save_decode=self.config.save_decode, lookup=self._link.lookup)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -222,6 +229,8 @@ class CrescentConnector(KVConnectorBase_V1):
         assert self._planner is not None
         self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), request.cache_salt,
                                _eligible(request), num_external_tokens)
+        if self._planner.save_decode:
+            self._requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         planner = self._planner
@@ -236,8 +245,10 @@ class CrescentConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
+            request = self._requests.get(req_id)
             op = planner.on_cached(req_id, new_ids[0] if new_ids else None, req_id in cached.resumed_req_ids,
-                                   cached.num_computed_tokens[i], num_scheduled.get(req_id, 0))
+                                   cached.num_computed_tokens[i], num_scheduled.get(req_id, 0),
+                                   request.all_token_ids if request is not None else None)
             if op is not None:
                 ops.append(op)
         return CrescentConnectorMetadata(ops)
@@ -250,6 +261,7 @@ class CrescentConnector(KVConnectorBase_V1):
         # NOTE: saves copy their blocks out during the step, so vLLM may free them now.
         if self._planner is not None:
             self._planner.on_finished(request.request_id)
+            self._requests.pop(request.request_id, None)
         return False, None
 
     @property

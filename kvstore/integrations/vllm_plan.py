@@ -5,12 +5,15 @@ scheduler says (matched tokens, allocated blocks, scheduled token counts) and
 ships the resulting ``RequestOps`` to the workers.
 
 Rules:
-- Only full chunks of the prompt are stored (``chunk_tokens`` tokens, a
-  multiple of vLLM's block size); a partial tail is recomputed.
+- Only full chunks are stored (``chunk_tokens`` tokens, a multiple of vLLM's
+  block size); a partial tail is recomputed. With ``save_decode`` the chunks
+  that generated tokens complete are stored too (the request's tokens are fed
+  in as they come): a later turn whose prompt repeats this answer loads them.
 - A load never covers the prompt's last token: vLLM needs to compute at least
   one token to sample from.
 - Chunk ``j`` is saved in the step whose computed range first reaches its end,
-  unless the store already held it when the request arrived. A step that loads
+  unless the store already held it when the request arrived (a chunk past the
+  prompt: when it became due, one lookup). A step that loads
   and fails is rerun by vLLM from the first failed block, and the chunks that
   step would have saved are planned again by the rerun (their ends fall in its
   range once more), so nothing computed on top of a failed load is ever saved.
@@ -55,17 +58,24 @@ class RequestOps:
 @dataclass
 class _Req:
     tokens: tuple[int, ...]
+    """The prompt, then (``save_decode``) the generated tokens known so far."""
     tenant_salt: str | None
     eligible: bool
+    num_prompt_tokens: int = 0
     num_stored_chunks: int = 0
     pending_load: tuple[int, int] | None = None
     block_ids: list[int] = field(default_factory=list)
     loaded_blocks: dict[int, int] = field(default_factory=dict)
     """block id -> chunk index, for the blocks of this request's last load."""
+    planned: int | None = None
+    """Chunks before this one were planned (saved or found stored) since the request was (re)scheduled
+    from ``computed // chunk_tokens``; None: from the next step's computed tokens."""
 
 
 KeyFn = Callable[[Sequence[int], str | None], list[list[ChunkKey]]]
 """(prompt tokens, tenant salt) -> per rank, the keys of every full chunk."""
+LookupFn = Callable[[Sequence[ChunkKey]], int]
+"""keys -> how many of them, from the first, the store holds (0 when it cannot be asked)."""
 
 
 class ChunkPlanner:
@@ -77,10 +87,14 @@ class ChunkPlanner:
         keys_for: computes per-rank chunk keys of a prompt under a tenant salt.
         load: plan loads at all.
         save: plan saves at all.
+        save_decode: save the chunks generated tokens complete too (``on_cached`` is given the
+            request's tokens).
+        lookup: asks the store which leading keys it holds (a chunk past the prompt that it
+            holds is not saved again); None: never asked.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int, keys_for: KeyFn, *, load: bool = True,
-                 save: bool = True) -> None:
+                 save: bool = True, save_decode: bool = False, lookup: LookupFn | None = None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}")
         self.chunk_tokens = chunk_tokens
@@ -89,6 +103,8 @@ class ChunkPlanner:
         self._keys_for = keys_for
         self.load = load
         self.save = save
+        self.save_decode = save_decode
+        self._lookup = lookup
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}
         self._keys: dict[str, list[list[ChunkKey]]] = {}
@@ -102,9 +118,10 @@ class ChunkPlanner:
         return max(0, num_prompt_tokens - 1) // self.chunk_tokens
 
     def keys(self, req_id: str, tokens: Sequence[int], tenant_salt: str | None) -> list[list[ChunkKey]]:
-        """Per rank, the keys of every full chunk of the prompt (cached per request)."""
+        """Per rank, the keys of every full chunk of ``tokens`` (cached per request; computed again
+        when the tokens have grown by a chunk)."""
         keys = self._keys.get(req_id)
-        if keys is None:
+        if keys is None or len(keys[0]) < len(tokens) // self.chunk_tokens:
             keys = self._keys[req_id] = self._keys_for(tokens, tenant_salt)
         return keys
 
@@ -118,7 +135,7 @@ class ChunkPlanner:
         """vLLM allocated blocks for a request leaving the waiting queue (new or resumed)."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = _Req(tuple(tokens), tenant_salt, eligible)
+            st = self._reqs[req_id] = _Req(tuple(tokens), tenant_salt, eligible, len(tokens))
         num_hit = self._hits.pop(req_id, 0)
         st.num_stored_chunks = max(st.num_stored_chunks, num_hit) if st.eligible else 0
         if num_external_tokens > 0:
@@ -138,12 +155,21 @@ class ChunkPlanner:
         return self._ops(req_id, st, num_computed_tokens, num_scheduled_tokens)
 
     def on_cached(self, req_id: str, new_block_ids: Iterable[int] | None, resumed: bool,
-                  num_computed_tokens: int, num_scheduled_tokens: int) -> RequestOps | None:
+                  num_computed_tokens: int, num_scheduled_tokens: int,
+                  tokens: Sequence[int] | None = None) -> RequestOps | None:
+        """A running (or resumed) request's next step; ``tokens``: all of its tokens known now,
+        the prompt and those generated (with ``save_decode``)."""
         st = self._reqs.get(req_id)
         if st is None:
             return None
+        if self.save_decode and tokens is not None and len(tokens) >= len(st.tokens) + self.chunk_tokens - \
+                len(st.tokens) % self.chunk_tokens:  # (only when a chunk more is known)
+            grown = tuple(tokens)
+            if grown[:len(st.tokens)] == st.tokens:
+                st.tokens = grown
         if resumed:
             st.block_ids = list(new_block_ids or ())
+            st.planned = None  # (recomputed into new blocks: saved from them again)
         elif new_block_ids:
             st.block_ids.extend(new_block_ids)
         return self._ops(req_id, st, num_computed_tokens, num_scheduled_tokens)
@@ -155,6 +181,7 @@ class ChunkPlanner:
             if failed:
                 st.num_stored_chunks = min(st.num_stored_chunks, min(failed))
                 st.loaded_blocks.clear()
+                st.planned = None  # (the rerun plans the chunks from the failed one on again)
 
     def on_finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -184,9 +211,22 @@ class ChunkPlanner:
             self.num_hit_tokens += end - start
         saves: list[ChunkOp] = []
         if self.save and st.eligible:
+            # (a chunk whose tokens were not all known when its end was computed, under vLLM's async
+            # scheduling, is planned in a later step, from the same blocks)
             last = min(computed + scheduled, len(st.tokens)) // c
-            for j in range(max(computed // c, st.num_stored_chunks), last):
+            if st.planned is None:
+                st.planned = computed // c
+            first = max(st.planned, st.num_stored_chunks)
+            if self._lookup is not None and first < last and (first + 1) * c > st.num_prompt_tokens:
+                # chunks the prompt's lookup did not cover (generated tokens): the store may hold them
+                # already (another request answered the same); saved only when it does not
+                keys = self.keys(req_id, st.tokens, st.tenant_salt)
+                held = min(self._lookup(k[:last]) for k in keys)
+                st.num_stored_chunks = max(st.num_stored_chunks, held)
+                first = max(first, held)
+            for j in range(first, last):
                 saves.append(self._chunk(req_id, st, j))
+            st.planned = max(st.planned, last)
         if not loads and not saves:
             return None
         return RequestOps(req_id, st.tenant_salt, tuple(loads), tuple(saves))

@@ -2,11 +2,14 @@
 
 Four vLLM runs of one batch of greedy requests on a tiny random Llama:
   baseline   without the connector
-  process 1  with the connector and a live store node: saves every full prompt chunk
+  process 1  with the connector and a live store node: saves every full chunk, the prompt's and
+             those the generated tokens complete
   process 2  a fresh vLLM (empty local cache), same store: loads the prefixes from
              Crescent; one stored chunk was corrupted before it started
   process 3  the store is stopped: everything is recomputed
-Every run must produce exactly the baseline's tokens.
+Every run must produce exactly the baseline's tokens. Then a second turn: prompts that repeat
+baseline prompts and their answers, then more, run without the connector and, in a fresh vLLM with
+the store, loaded as far as process 1's chunks reach (past the first turn's prompt).
 
 vLLM lives in its own venv (``make setup-vllm``); the runs are separate
 processes of ``.venv-vllm/bin/python tests/integrations/vllm_run.py``.
@@ -26,7 +29,7 @@ from kvstore.chunk import decode_chunk
 from kvstore.client import StoreClient
 from kvstore.keys import ModelFingerprint, chunk_keys, make_namespace
 from tests.helpers import ROOT, StoreProcess, require_venv, venv_python
-from tests.integrations.tiny_llama import build_tiny_llama, random_prompt
+from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama, random_prompt
 
 VLLM_PY = venv_python("vllm")
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_run.py")
@@ -92,11 +95,24 @@ def runs(tmp_path_factory):
         with StoreClient(store.address) as c:
             res["healed"] = c.get(keys[1])
         res["corrupt_ids"], res["corrupt_key"], res["corrupt_parent"] = ids, keys[1], keys[0]
+        res["turn2"] = turn2 = _second_turn(res["baseline"], reqs)
+        res["baseline2"] = _run(tmp, "baseline2", model, turn2, None)
+        res["p4"] = _run(tmp, "process4", model, turn2, store.address)
     finally:
         store.stop()
     res["p3"] = _run(tmp, "process3", model, reqs, store.address)
     res["model"] = model
     return res
+
+
+TURN2 = [0, 1, SALTED, 6]  # requests whose answers the second turn repeats
+
+
+def _second_turn(baseline: dict, reqs: list[dict]) -> list[dict]:
+    """Each of TURN2's prompt and answer (token ids), then 40 more tokens, under its cache salt."""
+    rng = random.Random(11)
+    return [{"prompt_token_ids": baseline["outputs"][i]["prompt_token_ids"] + baseline["outputs"][i]["token_ids"]
+             + [rng.randrange(len(SPECIALS), len(SPECIALS) + NUM_WORDS) for _ in range(40)], "cache_salt": reqs[i]["cache_salt"]} for i in TURN2]
 
 
 def _tokens(result: dict) -> list[list[int]]:
@@ -107,11 +123,14 @@ def _loadable(n: int) -> int:
     return (n - 1) // CHUNK * CHUNK
 
 
-def test_process1_saves_every_full_prompt_chunk(runs):
+def test_process1_saves_every_full_chunk_of_prompts_and_answers(runs):
     p1 = runs["p1"]
     assert _tokens(p1) == _tokens(runs["baseline"])[:NEW_TENANT]
     lengths = [len(o["prompt_token_ids"]) for o in p1["outputs"]]
-    assert p1["stats"]["num_saved_chunks"] == sum(n // CHUNK for n in lengths) == 20
+    # 16 tokens generated: the KV of the prompt and the first 15 is computed; two 180-token prompts'
+    # answers complete a chunk more
+    assert sum(n // CHUNK for n in lengths) == 20
+    assert p1["stats"]["num_saved_chunks"] == sum((n + 15) // CHUNK for n in lengths) == 22
     assert p1["stats"]["num_loaded_tokens"] == 0 and p1["stats"]["num_dropped_chunks"] == 0
 
 
@@ -128,8 +147,9 @@ def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(run
     good = sum(_loadable(len(o["prompt_token_ids"])) for i, o in enumerate(outs) if i not in (CORRUPT, NEW_TENANT))
     assert stats["num_loaded_tokens"] == good + CHUNK  # the corrupt request still loads its chunk 0
     assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK  # its chunks 1 and 2
-    # Recomputed chunks 1-2 of the corrupt request and both chunks of the new tenant were saved.
-    assert stats["num_saved_chunks"] == 4
+    # Recomputed chunks 1-2 of the corrupt request and the new tenant's three (two of its prompt, one its
+    # answer completes) were saved; the other answers' chunks were looked up and found (process 1's)
+    assert stats["num_saved_chunks"] == 5
     decode_chunk(runs["healed"], key=runs["corrupt_key"], namespace=NAMESPACE, parent=runs["corrupt_parent"],
                  tokens=runs["corrupt_ids"][CHUNK:2 * CHUNK])
 
@@ -140,6 +160,17 @@ def test_process3_recomputes_when_the_store_is_gone(runs):
     assert all(o["num_cached_tokens"] == 0 for o in p3["outputs"])
     assert p3["stats"]["num_loaded_tokens"] == 0 and p3["stats"]["num_saved_chunks"] == 0
     assert p3["stats"]["num_dropped_chunks"] > 0
+
+
+def test_a_second_turn_loads_the_first_turns_answer_from_the_store(runs):
+    """The second turn's prompts begin with the first turn's prompt and answer: a fresh vLLM loads
+    every chunk process 1 stored, answer chunks included, and generates the storeless run's tokens."""
+    assert _tokens(runs["p4"]) == _tokens(runs["baseline2"])
+    first = [len(runs["baseline"]["outputs"][i]["prompt_token_ids"]) for i in TURN2]
+    want = [(n + 15) // CHUNK * CHUNK for n in first]  # what process 1 stored of each
+    assert [o["num_cached_tokens"] for o in runs["p4"]["outputs"]] == want
+    assert sum(want) > sum(n // CHUNK * CHUNK for n in first)  # more than the first turn's prompts alone
+    assert runs["p4"]["stats"]["num_loaded_tokens"] == sum(want)
 
 
 def test_stored_chunk_holds_the_models_keys_and_values(runs):

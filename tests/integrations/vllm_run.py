@@ -2,7 +2,8 @@
 
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT]
 
-Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``)
+Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
+``prompt_token_ids`` instead of ``prompt``)
 in one batch, with the Crescent connector when ``--store`` is given, and writes
 per request the prompt and output token ids and vLLM's cached-token count, plus
 the connector's counters. Single-process vLLM on CPU (the caller sets the env).
@@ -44,8 +45,8 @@ def main() -> None:
               max_model_len=512, max_num_seqs=16, seed=0, **kw)
     with open(args.requests) as f:
         requests = json.load(f)
-    prompts = [{"prompt": r["prompt"], **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})}
-               for r in requests]
+    prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else {"prompt_token_ids": r["prompt_token_ids"]}),
+                **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})} for r in requests]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     result = {"outputs": [{"prompt_token_ids": list(o.prompt_token_ids),
                            "token_ids": list(o.outputs[0].token_ids),

@@ -1,0 +1,147 @@
+"""The vLLM connector's scheduler-side plans (kvstore/integrations/vllm_plan.py), fed the way the
+connector feeds them from vLLM's scheduler (no vLLM needed): which chunks each step saves, with
+the tokens and blocks they hold; generated tokens' chunks with ``save_decode``, each looked up once
+in a real store node first. tests/integrations/test_vllm.py runs the same through real vLLM."""
+
+import random
+
+import pytest
+
+from kvstore.client import StoreClient
+from kvstore.config import StoreConfig
+from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
+from kvstore.integrations.vllm_plan import ChunkPlanner
+from kvstore.keys import ModelFingerprint, chunk_keys, make_namespace
+from kvstore.server import StoreNode
+
+C, BLOCK = 64, 32
+NS = make_namespace(ModelFingerprint("plan-test", "float32", num_layers=2, num_kv_heads=2, head_dim=64,
+                                     chunk_tokens=C, tp_rank=0, tp_size=1))
+
+
+def keys_for(tokens, salt):
+    return [chunk_keys(tokens, NS, C)]
+
+
+@pytest.fixture(scope="module")
+def store():
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 << 20)).start()
+    yield node
+    node.stop(grace=0)
+
+
+class Lookups:
+    """A real store's lookup through the connector's StoreLink, counted."""
+
+    def __init__(self, address: str) -> None:
+        self.link = StoreLink(StoreLinkConfig(address, 10.0))
+        self.calls = 0
+
+    def __call__(self, keys) -> int:
+        self.calls += 1
+        return self.link.lookup(keys)
+
+
+def _serve(planner: ChunkPlanner, prompt: list[int], outputs: list[int], req_id: str = "r",
+           preempt_at: int | None = None) -> list[tuple]:
+    """One request through prefill (one step) and decode steps, as vLLM schedules it: blocks
+    allocated as the tokens need them, each decode step computing the last sampled token. Returns
+    the saves of every step as (chunk index, its tokens, its blocks)."""
+    saves = []
+    next_block = iter(range(1000))
+    blocks = [next(next_block) for _ in range(-(-len(prompt) // BLOCK))]
+    planner.on_alloc(req_id, prompt, None, True, 0)
+    op = planner.on_new(req_id, list(blocks), 0, len(prompt))
+    saves += [(s.index, s.tokens, s.block_ids) for s in (op.saves if op else ())]
+    tokens = list(prompt)
+    for i, tok in enumerate(outputs):
+        tokens.append(tok)  # sampled by the last step; this step computes its KV
+        computed = len(tokens) - 1
+        new = []
+        resumed = preempt_at is not None and i == preempt_at
+        if resumed:  # preempted and resumed: every block again, fresh ids, everything recomputed
+            blocks = [next(next_block) for _ in range(-(-len(tokens) // BLOCK))]
+            new, computed = list(blocks), 0
+        elif len(tokens) > len(blocks) * BLOCK:
+            new = [next(next_block)]
+            blocks += new
+        op = planner.on_cached(req_id, new or None, resumed, computed, len(tokens) - computed, list(tokens))
+        saves += [(s.index, s.tokens, s.block_ids) for s in (op.saves if op else ())]
+    planner.on_finished(req_id)
+    return saves, blocks
+
+
+def _expected(tokens: list[int], blocks: list[int], chunks) -> list[tuple]:
+    per = C // BLOCK
+    return [(j, tuple(tokens[j * C:(j + 1) * C]), tuple(blocks[j * per:(j + 1) * per])) for j in chunks]
+
+
+def test_the_prompts_full_chunks_are_saved_and_with_save_decode_the_generated_ones_too():
+    r = random.Random(1)
+    prompt = [r.randrange(1000) for _ in range(150)]
+    outputs = [r.randrange(1000) for _ in range(120)]  # KV computed for 150 + 119 tokens: chunks 0-3
+    plain, _ = _serve(ChunkPlanner(C, BLOCK, keys_for), prompt, outputs)
+    assert plain == _expected(prompt, list(range(5)), [0, 1])
+    both, blocks = _serve(ChunkPlanner(C, BLOCK, keys_for, save_decode=True), prompt, outputs)
+    assert both == _expected(prompt + outputs, blocks, [0, 1, 2, 3])
+
+
+def test_a_generated_chunk_the_store_holds_is_looked_up_once_and_not_saved_again(store):
+    r = random.Random(2)
+    prompt = [r.randrange(1000) for _ in range(100)]
+    outputs = [r.randrange(1000) for _ in range(160)]  # chunks 0-3 computed
+    tokens = prompt + outputs
+    keys = chunk_keys(tokens, NS, C)
+    with StoreClient(store.address) as c:  # another request answered the same: chunks 0-2 stored
+        for k in keys[:3]:
+            c.put(k, b"x" * 64)
+    lookups = Lookups(store.address)
+    saves, blocks = _serve(ChunkPlanner(C, BLOCK, keys_for, save_decode=True, lookup=lookups), prompt, outputs)
+    # chunk 0 (the prompt's) is the prompt lookup's business, not this one's; 1-2 held; 3 new
+    assert saves == _expected(tokens, blocks, [0, 3])
+    assert lookups.calls == 3  # once for each chunk reaching past the prompt (1, 2, 3)
+
+
+def test_a_preempted_request_saves_its_later_chunks_from_its_new_blocks():
+    r = random.Random(3)
+    prompt = [r.randrange(1000) for _ in range(70)]
+    outputs = [r.randrange(1000) for _ in range(140)]
+    saves, blocks = _serve(ChunkPlanner(C, BLOCK, keys_for, save_decode=True), prompt, outputs, preempt_at=30)
+    # chunk 0 from the prefill; after the preemption (101 tokens recomputed into fresh blocks) chunk 0
+    # again from those (a save may have been dropped: it is planned whenever computed), then chunks 1-2
+    tokens = prompt + outputs
+    assert [s[0] for s in saves] == [0, 0, 1, 2]
+    assert saves[1:] == _expected(tokens, blocks, [0, 1, 2])
+
+
+def test_tokens_that_do_not_extend_the_request_are_ignored():
+    """A token list that is not the request's own continuation (never from vLLM) is not saved."""
+    planner = ChunkPlanner(C, BLOCK, keys_for, save_decode=True)
+    prompt = list(range(100))
+    planner.on_alloc("r", prompt, None, True, 0)
+    planner.on_new("r", [0, 1, 2, 3], 0, 100)
+    op = planner.on_cached("r", [4], False, 127, 1, [7] * 128)
+    assert op is None
+
+
+def test_under_async_scheduling_a_chunk_is_saved_once_its_tokens_are_known():
+    """vLLM's async scheduling computes a token's KV before the token reaches the request: the
+    tokens lag the computed range by one. A generated chunk is then saved a step late, whole."""
+    r = random.Random(4)
+    prompt = [r.randrange(1000) for _ in range(100)]
+    outputs = [r.randrange(1000) for _ in range(100)]
+    planner = ChunkPlanner(C, BLOCK, keys_for, save_decode=True)
+    planner.on_alloc("r", prompt, None, True, 0)
+    blocks = list(range(4))
+    saves = [(s.index, s.tokens, s.block_ids) for s in planner.on_new("r", list(blocks), 0, 100).saves]
+    tokens = list(prompt)
+    for tok in outputs:
+        computed = len(tokens)  # this step computes the KV of a token the request does not show yet
+        new = None
+        if computed + 1 > len(blocks) * BLOCK:
+            new = [len(blocks)]
+            blocks += new
+        op = planner.on_cached("r", new, False, computed, 1, list(tokens))
+        saves += [(s.index, s.tokens, s.block_ids) for s in (op.saves if op else ())]
+        tokens.append(tok)
+    assert saves == _expected(prompt + outputs, blocks, [0, 1, 2])
