@@ -195,6 +195,11 @@ class EngineConfig:
     first. A sequence that stops on a stop token has one extra row computed and thrown away."""
     enable_prefix_caching: bool = True
     """Share full pages between sequences with a common prefix (local prefix cache)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs: requests in arrival order, the newest running one preempted when pages run out.
+    priority (vLLM's): by each request's ``priority`` (lower first), then arrival; waiting requests
+    are admitted in that order, running ones get the step's budget in it, and the last in it is
+    preempted first."""
     store: str | None = None
     """Store node address host:port; None runs without the store."""
     conductor: str | None = None
@@ -287,7 +292,7 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint folder or a random: preset, got {self.model!r}")
         for name, allowed in (("dtype", ("auto", "float32", "float16", "bfloat16")),
-                              ("chunk_check", ("auto", "xxh3", "wsum"))):
+                              ("chunk_check", ("auto", "xxh3", "wsum")), ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

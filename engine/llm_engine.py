@@ -87,7 +87,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.blocks, chunk_size=cfg.chunk_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs, chunk_tokens=cfg.chunk_tokens)
+                                   max_num_seqs=cfg.max_num_seqs, chunk_tokens=cfg.chunk_tokens,
+                                   policy=cfg.scheduling_policy)
         self.tokenizer = load_tokenizer(cfg.model)
         mc = self.model_config
         self.fingerprint = ModelFingerprint(
@@ -218,6 +219,9 @@ class LLMEngine:
         if params.min_tokens and params.allowed_token_ids is not None and all(
                 params.is_stop(t, params.min_tokens + 1, self.eos) for t in params.allowed_token_ids):
             raise ValueError("every token of allowed_token_ids is a stop token, which min_tokens masks")
+        if params.priority and not self.scheduler.by_priority:
+            raise ValueError(f"priority {params.priority} asked of an engine that schedules first come, first served "
+                             "(start it with --scheduling-policy priority)")
         if params.structured is not None:
             self.grammars.compile(params.structured)  # (cached: the engine's thread finds it compiled)
 

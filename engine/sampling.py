@@ -89,6 +89,9 @@ class SamplingParams:
     structured_after: tuple[int, ...] = ()
     """The grammar applies only once the output holds these tokens, to what follows them (a
     reasoning model's end of thinking, ``</think>``); empty: from the first token."""
+    priority: int = 0
+    """Scheduling priority, lower first (vLLM's), on an engine with ``scheduling_policy="priority"``
+    (others refuse anything but 0); equal priorities go first come, first served."""
 
     @property
     def has_penalties(self) -> bool:
@@ -187,6 +190,8 @@ class SamplingParams:
             raise ValueError(f"structured_after must be a sequence of token ids, with structured, "
                              f"got {self.structured_after!r}")
         object.__setattr__(self, "structured_after", tuple(self.structured_after))
+        if not _is_int(self.priority) or not -(1 << 31) <= self.priority < 1 << 31:
+            raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
 
     def token_ids(self):
         """Every token id the request names (to check against a vocabulary)."""

@@ -8,10 +8,16 @@ costs the running decodes at most one chunk's worth of delay per step.
 When a decode needs a page and none is free, the most recently admitted
 running sequence is preempted: its pages are freed and it goes back to the
 front of the queue to be recomputed (its output so far is kept).
+
+With ``policy="priority"`` (vLLM's) every order above follows each request's
+``priority`` (lower first), then its arrival: the waiting queue is kept in it,
+running sequences take the step's budget in it, and the last in it (the least
+urgent, newest) is the one preempted, going back to its place in the queue.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -54,7 +60,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, chunk_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, chunk_tokens: int) -> None:
+                 max_num_seqs: int, chunk_tokens: int, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        self.by_priority = policy == "priority"
         self.blocks = blocks
         self.chunk_size = chunk_size
         self.budget = max_num_batched_tokens
@@ -63,8 +72,24 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    @staticmethod
+    def order(seq: Sequence) -> tuple:
+        """The priority policy's order: priority (lower first), then arrival."""
+        return seq.params.priority, seq.arrival_time, seq.seq_id
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place in the priority order."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, self.order(seq), key=self.order), seq)
+
+    def _in_order(self) -> list[Sequence]:
+        """The running sequences in the order they take the step's budget."""
+        return sorted(self.running, key=self.order) if self.by_priority else list(self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,7 +122,7 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted.
         """
         while not self._ensure_pages(seq, num_tokens):
-            victim = self.running[-1]
+            victim = max(self.running, key=self.order) if self.by_priority else self.running[-1]
             self._preempt(victim)
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
             if victim is seq:
@@ -114,7 +139,10 @@ class Scheduler:
         seq.num_saved_chunks = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def schedule(self, local_hashes, skip: Collection[int] = ()) -> SchedulerOutput:
         """Plans one step.
@@ -128,7 +156,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.budget
         # 1. decodes, each with its speculative tokens (``seq.draft``) as far as the budget goes
-        for seq in list(self.running):
+        for seq in self._in_order():
             if seq.num_tokens - seq.num_computed != 1 or budget == 0 or seq.seq_id in skip:
                 continue
             del seq.draft[budget - 1:]
@@ -137,7 +165,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, 1 + len(seq.draft), len(seq.draft)))
             budget -= 1 + len(seq.draft)
         # 2. prefill chunks of running sequences
-        for seq in list(self.running):
+        for seq in self._in_order():
             remaining = seq.num_tokens - seq.num_computed
             if remaining <= 1 or budget == 0 or seq.status is not SeqStatus.RUNNING or seq.seq_id in skip \
                     or any(s.seq is seq for s in out.scheduled):

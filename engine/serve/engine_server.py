@@ -40,7 +40,8 @@ def sampling_from_pb(s: pb.SamplingOptions) -> SamplingParams:
                           stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           speculative=not s.no_speculation,
                           logprobs=s.logprobs if s.HasField("logprobs") else None,
-                          prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
+                          prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                          priority=s.priority)
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:

@@ -294,7 +294,8 @@ class Gateway:
                                                                  after=req.structured_after)
                                   if req.structured else None,
                                   seed=seed, ignore_eos=req.ignore_eos, no_speculation=not req.speculative,
-                                  logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None)
+                                  logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if prompt_logprobs else None,
+                                  priority=req.priority)
 
     def _prefill(self, prefill: str, prompt: list[int], req: ParsedRequest, sampling, replicate: bool):
         """The prefill engine's response, or None when it failed (the decode engine prefills)."""
@@ -392,7 +393,7 @@ class Gateway:
 
         def expand(beams: list[list[int]]) -> list[TokenLogprobs]:
             sampling = pb.SamplingOptions(max_tokens=1, ignore_eos=True, logprobs=params.alternatives,
-                                          no_speculation=True,
+                                          no_speculation=True, priority=req.priority,
                                           prompt_logprobs=None if first else req.prompt_logprobs)
             got = on_target(lambda role, address: self._first_tokens(role, address, [prompt + b for b in beams], req,
                                                                      sampling))

@@ -62,6 +62,8 @@ class ParsedRequest:
     of width ``n`` (engine/beam_search.py)."""
     length_penalty: float = 1.0
     """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
+    priority: int = 0
+    """vLLM's: scheduling priority, lower first, on engines started with ``--scheduling-policy priority``."""
     best_of: int | None = None
     """OpenAI's (completions): this many choices are sampled and the ``n`` with the highest mean
     log-probability per token are answered."""
@@ -284,6 +286,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         repetition_penalty=float(_num(body, "repetition_penalty", 1.0, 0.01, 10.0)),
         include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
         beam_search=flag(body, "use_beam_search", False),
+        priority=_num(body, "priority", 0, -(1 << 31), INT32_MAX, integer=True),
         length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
     _check_beam_search(req)
     req.best_of = _best_of(body, req)

@@ -29,7 +29,7 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user
          "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "cache_salt",
          "include_reasoning", "chat_template_kwargs", "chat_template", "logit_bias", "min_tokens", "stop_token_ids",
          "include_stop_str_in_output", "allowed_token_ids", "bad_words", "speculative", "truncate_prompt_tokens",
-         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority")
 # Responses fields this server reads, or accepts at the value that changes nothing
 _KNOWN = {*_SAME, "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "store",
           "previous_response_id", "metadata", "reasoning", "truncation", "include", "background"}

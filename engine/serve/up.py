@@ -58,6 +58,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool per engine (default: 512MiB)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="engines launch each step before the last one's tokens reach the host (docs/engine.md)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="engines serve requests first come, first served, or by their priority (lower first; "
+                        "requests' \"priority\", as vLLM's) (default: fcfs)")
     p.add_argument("--mode", choices=["disagg", "mono"], default="disagg",
                    help="disagg: prefill + decode engines with the store; mono: one engine doing both, "
                         "no prefill engine (default: disagg)")
@@ -389,6 +392,8 @@ def run_up(ns: argparse.Namespace) -> int:
                   "--max-num-batched-tokens", str(ns.max_num_batched_tokens or ns.chunk_size + 64)] + join
         if ns.async_scheduling:
             common.append("--async-scheduling")
+        if ns.scheduling_policy != "fcfs":
+            common += ["--scheduling-policy", ns.scheduling_policy]
         engines = []  # (name, role, host)
         if ns.mode == "mono":
             engines = [(numbered("decode", i), "both", i) for i in range(ns.nodes)]

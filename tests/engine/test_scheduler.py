@@ -1,5 +1,7 @@
 """Scheduler and page allocator: exact page ids, sharing, eviction order, budgets, preemption."""
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -38,10 +40,10 @@ def test_shared_pages_are_ref_counted():
     assert bm.num_free == 3
 
 
-def _sched(num_pages=64, chunk_size=32, budget=64, max_seqs=8):
+def _sched(num_pages=64, chunk_size=32, budget=64, max_seqs=8, policy="fcfs"):
     bm = BlockManager(num_pages, 16)
     return bm, Scheduler(bm, chunk_size=chunk_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                         chunk_tokens=64)
+                         chunk_tokens=64, policy=policy)
 
 
 def _run(sched, out):
@@ -148,6 +150,73 @@ def test_preemption_frees_the_newest_sequence_and_requeues_it_first():
     assert b.status is SeqStatus.WAITING and b.num_preemptions == 1 and b.pages == []
     assert sched.waiting[0] is b and b.num_computed == 0
     assert len(a.pages) == 3
+
+
+def test_priority_orders_the_queue_then_first_come_first_served():
+    _, sched = _sched(policy="priority")
+    seqs = [Sequence([1, 2], SamplingParams(priority=p)) for p in (2, 0, 1, 0, -5, 2)]
+    for s in seqs:
+        sched.add(s)
+    assert list(sched.waiting) == [seqs[4], seqs[1], seqs[3], seqs[2], seqs[0], seqs[5]]
+    _, fcfs = _sched()
+    for s in seqs:
+        fcfs.add(s)
+    assert list(fcfs.waiting) == seqs  # (priorities ignored: the engine refuses them there)
+
+
+def test_priority_admits_the_most_urgent_first_and_preempts_the_least_urgent():
+    """Pages for two sequences: the two most urgent run, the more urgent first in the step; when
+    they grow, the least urgent running one is preempted, though it came first, and goes back to
+    its place in the queue."""
+    bm, sched = _sched(num_pages=4, chunk_size=64, budget=128, policy="priority")
+    low = Sequence(list(range(31)), SamplingParams(max_tokens=40, priority=5))
+    sched.add(low)
+    out = sched.schedule(lambda s: [])  # low runs alone
+    _run(sched, out)
+    high = Sequence(list(range(31)), SamplingParams(max_tokens=40, priority=1))
+    waiting = Sequence(list(range(31)), SamplingParams(max_tokens=40, priority=9))
+    sched.add(waiting)
+    sched.add(high)
+    assert list(sched.waiting) == [high, waiting]
+    out = sched.schedule(lambda s: [])
+    assert [s.seq for s in out.scheduled] == [low, high] and sched.running == [low, high]
+    _run(sched, out)
+    for _ in range(3):  # low (a step ahead) needs a third page first: it is the least urgent, so it goes
+        out = sched.schedule(lambda s: [])
+        _run(sched, out)
+        if low.status is SeqStatus.WAITING:
+            break
+    assert low.status is SeqStatus.WAITING and low.num_preemptions == 1 and high.num_preemptions == 0
+    assert list(sched.waiting) == [low, waiting]
+    _run(sched, sched.schedule(lambda s: []))
+    assert len(high.pages) == 3 and sched.running[0] is high
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_running_sequences_take_the_steps_budget_in_priority_order(policy):
+    _, sched = _sched(num_pages=64, chunk_size=64, budget=128, policy=policy)
+    low = Sequence(list(range(20)), SamplingParams(max_tokens=40, priority=5 if policy == "priority" else 0))
+    sched.add(low)
+    _run(sched, sched.schedule(lambda s: []))
+    high = Sequence(list(range(20)), SamplingParams(max_tokens=40))
+    sched.add(high)
+    _run(sched, sched.schedule(lambda s: []))
+    assert sched.running == [low, high]
+    sched.budget = 1  # one decode fits: the more urgent's (under fcfs: the first come's)
+    out = sched.schedule(lambda s: [])
+    assert [s.seq for s in out.scheduled] == [high if policy == "priority" else low]
+
+
+def test_fcfs_preempts_the_newest_even_when_it_is_more_urgent():
+    """(the same sequences under fcfs: priority plays no part)"""
+    bm, sched = _sched(num_pages=4, chunk_size=64, budget=128)
+    low = Sequence(list(range(31)), SamplingParams(max_tokens=40))
+    high = Sequence(list(range(31)), SamplingParams(max_tokens=40))
+    sched.add(low)
+    sched.add(high)
+    for _ in range(4):
+        _run(sched, sched.schedule(lambda s: []))
+    assert high.num_preemptions == 1 and low.num_preemptions == 0
 
 
 def test_token_range_is_the_slice_of_prompt_output_and_draft():

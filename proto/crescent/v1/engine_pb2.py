@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/crescent/v1/engine.proto\x12\x0b\x63rescent.v1\"\xed\x04\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0eno_speculation\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\r\n\x05top_k\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.crescent.v1.SamplingOptions.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12(\n\tbad_words\x18\x12 \x03(\x0b\x32\x15.crescent.v1.TokenIds\x12\x31\n\nstructured\x18\x13 \x01(\x0b\x32\x1d.crescent.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"=\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x03(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.crescent.v1.SamplingOptions\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x11\n\treplicate\x18\x05 \x01(\x08\x42\r\n\x0b_cache_salt\"\x94\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x18\n\x10num_saved_chunks\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x32\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x1a.crescent.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\"\xd5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.crescent.v1.SamplingOptions\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nchunk_keys\x18\x06 \x03(\x0c\x42\r\n\x0b_cache_saltB\x0e\n\x0c_first_token\"\xe7\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\"\x15\n\x13\x45ngineHealthRequest\"\x9b\x01\n\x14\x45ngineHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"\x14\n\x12\x45ngineStatsRequest\"\x82\x02\n\x13\x45ngineStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\r\x12\x15\n\rchunks_loaded\x18\x06 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x07 \x01(\x04\x12\x14\n\x0c\x63hunks_saved\x18\x08 \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\t \x01(\x04\x12\x14\n\x0cnum_requests\x18\n \x01(\x04\x12\x1a\n\x12num_local_prefills\x18\x0b \x01(\x04\x32\xb4\x02\n\x06\x45ngine\x12\x44\n\x07Prefill\x12\x1b.crescent.v1.PrefillRequest\x1a\x1c.crescent.v1.PrefillResponse\x12I\n\x08Generate\x12\x1c.crescent.v1.GenerateRequest\x1a\x1d.crescent.v1.GenerateResponse0\x01\x12M\n\x06Health\x12 .crescent.v1.EngineHealthRequest\x1a!.crescent.v1.EngineHealthResponse\x12J\n\x05Stats\x12\x1f.crescent.v1.EngineStatsRequest\x1a .crescent.v1.EngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/crescent/v1/engine.proto\x12\x0b\x63rescent.v1\"\xff\x04\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0eno_speculation\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\r\n\x05top_k\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.crescent.v1.SamplingOptions.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12(\n\tbad_words\x18\x12 \x03(\x0b\x32\x15.crescent.v1.TokenIds\x12\x31\n\nstructured\x18\x13 \x01(\x0b\x32\x1d.crescent.v1.StructuredOutput\x12\x10\n\x08priority\x18\x14 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"=\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x03(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.crescent.v1.SamplingOptions\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x11\n\treplicate\x18\x05 \x01(\x08\x42\r\n\x0b_cache_salt\"\x94\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x18\n\x10num_saved_chunks\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x32\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x1a.crescent.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\"\xd5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.crescent.v1.SamplingOptions\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nchunk_keys\x18\x06 \x03(\x0c\x42\r\n\x0b_cache_saltB\x0e\n\x0c_first_token\"\xe7\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.crescent.v1.TokenLogprobs\"\x15\n\x13\x45ngineHealthRequest\"\x9b\x01\n\x14\x45ngineHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"\x14\n\x12\x45ngineStatsRequest\"\x82\x02\n\x13\x45ngineStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\r\x12\x15\n\rchunks_loaded\x18\x06 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x07 \x01(\x04\x12\x14\n\x0c\x63hunks_saved\x18\x08 \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\t \x01(\x04\x12\x14\n\x0cnum_requests\x18\n \x01(\x04\x12\x1a\n\x12num_local_prefills\x18\x0b \x01(\x04\x32\xb4\x02\n\x06\x45ngine\x12\x44\n\x07Prefill\x12\x1b.crescent.v1.PrefillRequest\x1a\x1c.crescent.v1.PrefillResponse\x12I\n\x08Generate\x12\x1c.crescent.v1.GenerateRequest\x1a\x1d.crescent.v1.GenerateResponse0\x01\x12M\n\x06Health\x12 .crescent.v1.EngineHealthRequest\x1a!.crescent.v1.EngineHealthResponse\x12J\n\x05Stats\x12\x1f.crescent.v1.EngineStatsRequest\x1a .crescent.v1.EngineStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=48
-  _globals['_SAMPLINGOPTIONS']._serialized_end=669
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=579
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=627
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=671
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=732
-  _globals['_TOKENIDS']._serialized_start=734
-  _globals['_TOKENIDS']._serialized_end=757
-  _globals['_TOKENLOGPROBS']._serialized_start=759
-  _globals['_TOKENLOGPROBS']._serialized_end=850
-  _globals['_PREFILLREQUEST']._serialized_start=853
-  _globals['_PREFILLREQUEST']._serialized_end=1022
-  _globals['_PREFILLRESPONSE']._serialized_start=1025
-  _globals['_PREFILLRESPONSE']._serialized_end=1301
-  _globals['_GENERATEREQUEST']._serialized_start=1304
-  _globals['_GENERATEREQUEST']._serialized_end=1517
-  _globals['_GENERATERESPONSE']._serialized_start=1520
-  _globals['_GENERATERESPONSE']._serialized_end=1751
-  _globals['_ENGINEHEALTHREQUEST']._serialized_start=1753
-  _globals['_ENGINEHEALTHREQUEST']._serialized_end=1774
-  _globals['_ENGINEHEALTHRESPONSE']._serialized_start=1777
-  _globals['_ENGINEHEALTHRESPONSE']._serialized_end=1932
-  _globals['_ENGINESTATSREQUEST']._serialized_start=1934
-  _globals['_ENGINESTATSREQUEST']._serialized_end=1954
-  _globals['_ENGINESTATSRESPONSE']._serialized_start=1957
-  _globals['_ENGINESTATSRESPONSE']._serialized_end=2215
-  _globals['_ENGINE']._serialized_start=2218
-  _globals['_ENGINE']._serialized_end=2526
+  _globals['_SAMPLINGOPTIONS']._serialized_end=687
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=597
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=645
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=689
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=750
+  _globals['_TOKENIDS']._serialized_start=752
+  _globals['_TOKENIDS']._serialized_end=775
+  _globals['_TOKENLOGPROBS']._serialized_start=777
+  _globals['_TOKENLOGPROBS']._serialized_end=868
+  _globals['_PREFILLREQUEST']._serialized_start=871
+  _globals['_PREFILLREQUEST']._serialized_end=1040
+  _globals['_PREFILLRESPONSE']._serialized_start=1043
+  _globals['_PREFILLRESPONSE']._serialized_end=1319
+  _globals['_GENERATEREQUEST']._serialized_start=1322
+  _globals['_GENERATEREQUEST']._serialized_end=1535
+  _globals['_GENERATERESPONSE']._serialized_start=1538
+  _globals['_GENERATERESPONSE']._serialized_end=1769
+  _globals['_ENGINEHEALTHREQUEST']._serialized_start=1771
+  _globals['_ENGINEHEALTHREQUEST']._serialized_end=1792
+  _globals['_ENGINEHEALTHRESPONSE']._serialized_start=1795
+  _globals['_ENGINEHEALTHRESPONSE']._serialized_end=1950
+  _globals['_ENGINESTATSREQUEST']._serialized_start=1952
+  _globals['_ENGINESTATSREQUEST']._serialized_end=1972
+  _globals['_ENGINESTATSRESPONSE']._serialized_start=1975
+  _globals['_ENGINESTATSRESPONSE']._serialized_end=2233
+  _globals['_ENGINE']._serialized_start=2236
+  _globals['_ENGINE']._serialized_end=2544
 # @@protoc_insertion_point(module_scope)
