@@ -109,7 +109,9 @@ def main() -> None:
             f"without it, in the same run, a fresh random prompt per repetition (median of {args.reps}); both "
             f"gave the same hypotheses. Each step is a one-token request per live beam: with the cache an "
             f"engine computes the prompt once and then a page or less per beam per step; without it every "
-            f"beam's whole prompt every step. Greedy decoding of as many tokens beside it, for scale. Command: "
+            f"beam's whole prompt every step. Greedy decoding of as many tokens beside it, for scale: a beam "
+            f"step is {args.width} requests each computing up to a page (the beam's last tokens) over the whole "
+            f"history, where a greedy step decodes one token. Command: "
             f"`.venv/bin/python bench/beam_search_bench.py --write-docs`.\n\n{text}\n")
     publish(fig, "beam_search", body, args.write_docs)
 
