@@ -9,7 +9,8 @@ Load it with::
 
 Scheduler side (``ChunkPlanner``): ``get_num_new_matched_tokens`` computes the
 prompt's chunk keys (Crescent's chained scheme, docs/keys.md; namespace from
-vLLM's model config and the TP rank, ``cache_salt`` as the tenant salt) and asks
+vLLM's model config and the TP rank, a LoRA request's adapter as part of the model,
+``cache_salt`` as the tenant salt) and asks
 the store for the hit prefix; ``update_state_after_alloc`` and
 ``build_connector_meta`` turn hits and scheduled tokens into per-step load and
 save plans; ``request_finished`` drops a request's state.
@@ -35,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.integrations.paged import learn_block_layout
 from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
-from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps
+from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps, Scope
 from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
 from kvstore.keys import ChunkKey, ModelFingerprint, Namespace, chunk_keys, make_namespace
 
@@ -126,9 +127,20 @@ def _log_through_vllm() -> None:
 
 
 def _eligible(request: Request) -> bool:
-    """Token-only requests: LoRA, multimodal inputs and prompt embeddings change KV beyond the tokens."""
-    return (request.prompt_token_ids is not None and request.lora_request is None
-            and not request.mm_features and getattr(request, "prompt_embeds", None) is None)
+    """Requests whose KV follows from their tokens (and adapter): multimodal inputs and prompt
+    embeddings change it beyond them."""
+    return (request.prompt_token_ids is not None and not request.mm_features
+            and getattr(request, "prompt_embeds", None) is None)
+
+
+def _scope(request: Request) -> Scope:
+    """What a request's chunk keys are namespaced by: its ``cache_salt``, and for a LoRA request
+    also its adapter (name and path, as vLLM's own prefix cache tells adapters apart), which makes
+    another model of it: ``(cache_salt, "name@path")``."""
+    lora = request.lora_request
+    if lora is None:
+        return request.cache_salt
+    return request.cache_salt, f"{lora.lora_name}@{lora.lora_path}"
 
 
 class CrescentConnector(KVConnectorBase_V1):
@@ -166,7 +178,7 @@ class CrescentConnector(KVConnectorBase_V1):
         self._fp = {"model_id": model_id, "dtype": str(self.dtype).removeprefix("torch."),
                     "num_layers": mc.get_num_layers(pc), "num_kv_heads": mc.get_num_kv_heads(pc),
                     "head_dim": mc.get_head_size(), "chunk_tokens": c, "tp_size": self.tp_size}
-        self._namespaces: dict[tuple[int, str | None], Namespace] = {}
+        self._namespaces: dict[tuple[int, Scope], Namespace] = {}
         link_config = StoreLinkConfig(self.config.store, self.config.timeout_s, cooldown_s=self.config.cooldown_s)
         self._link = StoreLink(link_config)
         self._planner: ChunkPlanner | None = None
@@ -195,16 +207,21 @@ class CrescentConnector(KVConnectorBase_V1):
 
     # ---- keys ----------------------------------------------------------------
 
-    def namespace(self, tp_rank: int, tenant_salt: str | None) -> Namespace:
-        """The namespace of one TP rank's chunks under a tenant salt (``cache_salt``)."""
-        ns = self._namespaces.get((tp_rank, tenant_salt))
+    def namespace(self, tp_rank: int, scope: Scope) -> Namespace:
+        """The namespace of one TP rank's chunks for a request's scope (``_scope``): the model's
+        fingerprint (a LoRA adapter's as another model: ``model_id+lora:name@path``) under the
+        tenant salt (``cache_salt``)."""
+        ns = self._namespaces.get((tp_rank, scope))
         if ns is None:
-            fp = ModelFingerprint(tp_rank=tp_rank, **self._fp)
-            ns = self._namespaces[(tp_rank, tenant_salt)] = make_namespace(fp, tenant_salt)
+            salt, adapter = scope if isinstance(scope, tuple) else (scope, None)
+            fp = dict(self._fp)
+            if adapter is not None:
+                fp["model_id"] += f"+lora:{adapter}"
+            ns = self._namespaces[(tp_rank, scope)] = make_namespace(ModelFingerprint(tp_rank=tp_rank, **fp), salt)
         return ns
 
-    def _keys_for(self, tokens, tenant_salt: str | None) -> list[list[ChunkKey]]:
-        return [chunk_keys(tokens, self.namespace(r, tenant_salt), self.chunk_tokens)
+    def _keys_for(self, tokens, scope: Scope) -> list[list[ChunkKey]]:
+        return [chunk_keys(tokens, self.namespace(r, scope), self.chunk_tokens)
                 for r in range(self.tp_size)]
 
     # ==== scheduler side ======================================================
@@ -219,7 +236,7 @@ class CrescentConnector(KVConnectorBase_V1):
         if n * self.chunk_tokens <= num_computed_tokens:
             return 0, False
         num_hit = n
-        for rank_keys in planner.keys(request.request_id, tokens, request.cache_salt):
+        for rank_keys in planner.keys(request.request_id, tokens, _scope(request)):
             num_hit = min(num_hit, self._link.lookup(rank_keys[:num_hit]))
             if num_hit == 0:
                 break
@@ -227,7 +244,7 @@ class CrescentConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), request.cache_salt,
+        self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), _scope(request),
                                _eligible(request), num_external_tokens)
         if self._planner.save_decode:
             self._requests[request.request_id] = request

@@ -21,7 +21,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ROOT_KEY, ChunkKey
@@ -50,7 +50,7 @@ class RequestOps:
     """What the workers do for one request in one step."""
 
     req_id: str
-    tenant_salt: str | None
+    scope: Scope
     loads: tuple[ChunkOp, ...] = ()
     saves: tuple[ChunkOp, ...] = ()
 
@@ -59,7 +59,7 @@ class RequestOps:
 class _Req:
     tokens: tuple[int, ...]
     """The prompt, then (``save_decode``) the generated tokens known so far."""
-    tenant_salt: str | None
+    scope: Scope
     eligible: bool
     num_prompt_tokens: int = 0
     num_stored_chunks: int = 0
@@ -72,8 +72,11 @@ class _Req:
     from ``computed // chunk_tokens``; None: from the next step's computed tokens."""
 
 
-KeyFn = Callable[[Sequence[int], str | None], list[list[ChunkKey]]]
-"""(prompt tokens, tenant salt) -> per rank, the keys of every full chunk."""
+Scope = Hashable
+"""What a request's chunk keys are namespaced by, opaque here: the connector's (its tenant salt,
+``cache_salt``, and for a LoRA request its adapter)."""
+KeyFn = Callable[[Sequence[int], Scope], list[list[ChunkKey]]]
+"""(tokens, scope) -> per rank, the keys of every full chunk."""
 LookupFn = Callable[[Sequence[ChunkKey]], int]
 """keys -> how many of them, from the first, the store holds (0 when it cannot be asked)."""
 
@@ -84,7 +87,7 @@ class ChunkPlanner:
     Args:
         chunk_tokens: tokens per chunk, a multiple of ``block_size``.
         block_size: vLLM's KV block size.
-        keys_for: computes per-rank chunk keys of a prompt under a tenant salt.
+        keys_for: computes per-rank chunk keys of tokens under a request's scope.
         load: plan loads at all.
         save: plan saves at all.
         save_decode: save the chunks generated tokens complete too (``on_cached`` is given the
@@ -117,12 +120,12 @@ class ChunkPlanner:
         """Full chunks that may be loaded: never the prompt's last token."""
         return max(0, num_prompt_tokens - 1) // self.chunk_tokens
 
-    def keys(self, req_id: str, tokens: Sequence[int], tenant_salt: str | None) -> list[list[ChunkKey]]:
+    def keys(self, req_id: str, tokens: Sequence[int], scope: Scope) -> list[list[ChunkKey]]:
         """Per rank, the keys of every full chunk of ``tokens`` (cached per request; computed again
         when the tokens have grown by a chunk)."""
         keys = self._keys.get(req_id)
         if keys is None or len(keys[0]) < len(tokens) // self.chunk_tokens:
-            keys = self._keys[req_id] = self._keys_for(tokens, tenant_salt)
+            keys = self._keys[req_id] = self._keys_for(tokens, scope)
         return keys
 
     def matched_tokens(self, req_id: str, num_computed_tokens: int, num_hit_chunks: int) -> int:
@@ -130,12 +133,12 @@ class ChunkPlanner:
         self._hits[req_id] = num_hit_chunks
         return max(0, num_hit_chunks * self.chunk_tokens - num_computed_tokens)
 
-    def on_alloc(self, req_id: str, tokens: Sequence[int], tenant_salt: str | None, eligible: bool,
+    def on_alloc(self, req_id: str, tokens: Sequence[int], scope: Scope, eligible: bool,
                  num_external_tokens: int) -> None:
         """vLLM allocated blocks for a request leaving the waiting queue (new or resumed)."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = _Req(tuple(tokens), tenant_salt, eligible, len(tokens))
+            st = self._reqs[req_id] = _Req(tuple(tokens), scope, eligible, len(tokens))
         num_hit = self._hits.pop(req_id, 0)
         st.num_stored_chunks = max(st.num_stored_chunks, num_hit) if st.eligible else 0
         if num_external_tokens > 0:
@@ -189,7 +192,7 @@ class ChunkPlanner:
         self._keys.pop(req_id, None)
 
     def _chunk(self, req_id: str, st: _Req, j: int, first_block: int = 0) -> ChunkOp:
-        keys = self.keys(req_id, st.tokens, st.tenant_salt)
+        keys = self.keys(req_id, st.tokens, st.scope)
         c, m = self.chunk_tokens, self.blocks_per_chunk
         blocks = tuple(st.block_ids[j * m:(j + 1) * m])
         assert len(blocks) == m, f"request {req_id} has no blocks for chunk {j}"
@@ -220,7 +223,7 @@ class ChunkPlanner:
             if self._lookup is not None and first < last and (first + 1) * c > st.num_prompt_tokens:
                 # chunks the prompt's lookup did not cover (generated tokens): the store may hold them
                 # already (another request answered the same); saved only when it does not
-                keys = self.keys(req_id, st.tokens, st.tenant_salt)
+                keys = self.keys(req_id, st.tokens, st.scope)
                 held = min(self._lookup(k[:last]) for k in keys)
                 st.num_stored_chunks = max(st.num_stored_chunks, held)
                 first = max(first, held)
@@ -229,4 +232,4 @@ class ChunkPlanner:
             st.planned = max(st.planned, last)
         if not loads and not saves:
             return None
-        return RequestOps(req_id, st.tenant_salt, tuple(loads), tuple(saves))
+        return RequestOps(req_id, st.scope, tuple(loads), tuple(saves))

@@ -27,7 +27,7 @@ import torch
 from kvstore.chunk import encode_chunk
 from kvstore.integrations.paged import BlockLayout, gather_layer, scatter_layer
 from kvstore.integrations.storelink import ChunkRef, StoreLink
-from kvstore.integrations.vllm_plan import ChunkOp, RequestOps
+from kvstore.integrations.vllm_plan import ChunkOp, RequestOps, Scope
 from kvstore.keys import ChunkKey, Namespace, chunk_key
 
 log = logging.getLogger("crescent.integrations")
@@ -65,7 +65,7 @@ class WorkerSide:
     Args:
         link: the store, for loads (on vLLM's thread).
         save_link: the store, for the saver thread (its own client: no client is shared by threads).
-        namespace_for: tenant salt -> this rank's namespace.
+        namespace_for: a request's scope (``vllm_plan.Scope``) -> this rank's namespace.
         tp_rank: this worker's tensor-parallel rank (selects keys in ``ChunkOp``).
         chunk_tokens: tokens per chunk.
         block_size: vLLM's KV block size.
@@ -73,7 +73,7 @@ class WorkerSide:
         save_queue_steps: steps of encoded chunks that may wait for the saver thread.
     """
 
-    def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[str | None], Namespace], tp_rank: int,
+    def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[Scope], Namespace], tp_rank: int,
                  chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4) -> None:
         self.link = link
         self.save_link = save_link
@@ -88,7 +88,7 @@ class WorkerSide:
         self._shape: tuple[int, ...] = ()
         self._staged: dict[tuple[str, int], _Staged] = {}
         self._saves: list[tuple[str, ChunkOp]] = []
-        self._salts: dict[str, str | None] = {}
+        self._scopes: dict[str, Scope] = {}
         self._failed_reqs: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, save_queue_steps))
@@ -123,7 +123,7 @@ class WorkerSide:
     def begin_step(self, requests: Sequence[RequestOps]) -> None:
         """Records this step's saves (before the forward, whether or not it loads)."""
         self._saves = [(r.req_id, op) for r in requests for op in r.saves]
-        self._salts = {r.req_id: r.tenant_salt for r in requests}
+        self._scopes = {r.req_id: r.scope for r in requests}
         self._failed_reqs = set()
 
     def load(self, requests: Sequence[RequestOps]) -> None:
@@ -133,7 +133,7 @@ class WorkerSide:
                 self._load(r)
 
     def _load(self, r: RequestOps) -> None:
-        ns = self.namespace_for(r.tenant_salt)
+        ns = self.namespace_for(r.scope)
         rank = self.tp_rank
         refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32))
                 for op in r.loads]
@@ -169,7 +169,7 @@ class WorkerSide:
         st = self._staged.get((req_id, op.index))
         if st is None:
             rank = self.tp_rank
-            ns = self.namespace_for(self._salts.get(req_id))
+            ns = self.namespace_for(self._scopes.get(req_id))
             key, parent = op.keys[rank], op.parents[rank]
             if chunk_key(parent, ns, op.tokens) != key:
                 log.error("crescent: chunk %d of request %s: scheduler and worker namespaces differ; "

@@ -29,7 +29,7 @@ from kvstore.chunk import decode_chunk
 from kvstore.client import StoreClient
 from kvstore.keys import ModelFingerprint, chunk_keys, make_namespace
 from tests.helpers import ROOT, StoreProcess, require_venv, venv_python
-from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama, random_prompt
+from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_lora_adapter, build_tiny_llama, random_prompt
 
 VLLM_PY = venv_python("vllm")
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_run.py")
@@ -53,13 +53,14 @@ def _requests() -> list[dict]:
     return reqs
 
 
-def _run(tmp, name: str, model: str, requests: list[dict], store: str | None) -> dict:
+def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lora: str | None = None) -> dict:
     req_file, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("requests.json", "out.json", "log"))
     with open(req_file, "w") as f:
         json.dump(requests, f)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else [])
+    cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else []) + \
+        (["--lora", lora] if lora else [])
     with open(log, "w") as logf:
         rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
                             timeout=540).returncode
@@ -185,3 +186,41 @@ def test_stored_chunk_holds_the_models_keys_and_values(runs):
     for layer, ref in enumerate(past.layers):
         torch.testing.assert_close(kv[layer, 0], ref.keys[0], atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(kv[layer, 1], ref.values[0], atol=1e-4, rtol=1e-3)
+
+
+# ---- LoRA: an adapter's chunks are its own -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """Three vLLM runs with LoRA enabled: requests through the adapter and the same prompt without it.
+    baseline: no connector; process 1: the adapter's requests alone, saving; process 2: all of them,
+    a fresh vLLM loading."""
+    require_venv("vllm")
+    tmp = str(tmp_path_factory.mktemp("vllm-lora"))
+    model = build_tiny_llama(os.path.join(tmp, "model"))
+    adapter = build_lora_adapter(os.path.join(tmp, "adapter"), model)
+    rng = random.Random(3)
+    a, b = random_prompt(rng, 200), random_prompt(rng, 150)
+    reqs = [{"prompt": a, "lora": True}, {"prompt": a}, {"prompt": b, "lora": True}]
+    res = {"baseline": _run(tmp, "lora-baseline", model, reqs, None, adapter)}
+    store = StoreProcess("--dram", "64MiB")
+    try:
+        res["p1"] = _run(tmp, "lora-process1", model, [reqs[0], reqs[2]], store.address, adapter)
+        res["p2"] = _run(tmp, "lora-process2", model, reqs, store.address, adapter)
+    finally:
+        store.stop()
+    return res
+
+
+def test_lora_requests_reuse_their_adapters_chunks_and_the_base_model_never_does(lora_runs):
+    base = _tokens(lora_runs["baseline"])
+    assert base[0] != base[1]  # the adapter changes the answer to the same prompt
+    assert _tokens(lora_runs["p1"]) == [base[0], base[2]]
+    assert _tokens(lora_runs["p2"]) == base
+    outs = lora_runs["p2"]["outputs"]
+    assert lora_runs["p1"]["stats"]["num_saved_chunks"] == sum(
+        (len(o["prompt_token_ids"]) + 15) // CHUNK for o in (outs[0], outs[2]))
+    # the adapter's requests load what process 1 stored; the base model's, same prompt, nothing
+    assert [o["num_cached_tokens"] for o in outs] == [_loadable(len(outs[0]["prompt_token_ids"])), 0,
+                                                      _loadable(len(outs[2]["prompt_token_ids"]))]

