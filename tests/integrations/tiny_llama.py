@@ -13,8 +13,10 @@ NUM_WORDS = 509
 SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
-def build_tiny_llama(folder: str, seed: int = 0) -> str:
-    """Saves config, safetensors weights, tokenizer.json and tokenizer_config.json into ``folder``."""
+def build_tiny_llama(folder: str, seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, intermediate: int = 512, max_positions: int = 1024) -> str:
+    """Saves config, safetensors weights, tokenizer.json and tokenizer_config.json into ``folder``
+    (the tests' model by default; larger shapes for benchmarks)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -26,8 +28,9 @@ def build_tiny_llama(folder: str, seed: int = 0) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(folder)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=hidden // heads, max_position_embeddings=max_positions,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, dtype="float32")
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # NOTE: wide weights give peaked logits: no near-ties for greedy decoding

@@ -1,0 +1,179 @@
+"""A conversation's second turn in vLLM with the Crescent connector: what saving the answers' chunks
+(``save_decode``) saves it.
+
+Turn 1: every conversation's first prompt, answered (``--answer-tokens``, greedy) by a vLLM process
+with the connector and a fresh store node. Turn 2: each prompt is turn 1's prompt and answer and a
+new user message (``--followup-tokens``), served by a fresh vLLM process (an empty local cache, as
+another replica would be) with the store, timed to its first token (``max_tokens=1``). Three ways
+in the same run, on the same prompts: the connector saving prompt chunks only (``save_decode``
+off: turn 2 reloads turn 1's prompt and recomputes its answer), saving the answers' chunks too
+(the default: turn 2 recomputes only the new message), and no connector (everything recomputed).
+The three must give the same first tokens.
+
+vLLM runs in its own venv (``make setup-vllm``), single process on CPU, on a random Llama built in
+the run (word-level tokenizer; ``--hidden``, ``--layers``).
+
+    .venv/bin/python bench/vllm_multiturn_bench.py [--conversations 8] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHUNK_TOKENS = 64
+
+
+def child(args) -> None:
+    """One vLLM process (run with the vLLM venv's python): generates for every request, timed."""
+    sys.path.insert(0, ROOT)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if args.store:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS, "timeout_s": 60.0,
+                                       "save_decode": args.save_decode == "1"})
+    llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
+              max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192, seed=0, **kw)
+    with open(args.requests) as f:
+        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)  # (warm-up)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                                               "num_cached_tokens": o.num_cached_tokens} for o in outs]}
+    if args.store:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        conn.flush()
+        result["stats"] = {k: v for k, v in vars(conn.worker_stats).items()}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_tokens: int, store: str | None,
+             save_decode: bool = True) -> dict:
+    from tests.helpers import venv_python
+
+    req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
+    with open(req, "w") as f:
+        json.dump(prompts, f)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    cmd = [venv_python("vllm"), os.path.abspath(__file__), "--child", "--model", model, "--requests", req,
+           "--out", out, "--max-tokens", str(max_tokens), "--save-decode", "1" if save_decode else "0"]
+    if store:
+        cmd += ["--store", store]
+    print(f"  {name} ...", end="", flush=True)
+    with open(log, "w") as logf:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        sys.exit(f"vLLM {name} exited with {rc}; see {log}")
+    with open(out) as f:
+        result = json.load(f)
+    print(f" {result['seconds']:.2f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model")
+    ap.add_argument("--requests")
+    ap.add_argument("--out")
+    ap.add_argument("--store")
+    ap.add_argument("--save-decode", default="1")
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--answer-tokens", type=int, default=384)
+    ap.add_argument("--followup-tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    sys.path.insert(0, ROOT)
+    from bench.common import publish, table
+    from tests.helpers import StoreProcess, require_venv
+    from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama
+
+    require_venv("vllm")
+    tmp = tempfile.mkdtemp(prefix="crescent-multiturn-")
+    model = build_tiny_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers,
+                             heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256),
+                             intermediate=args.hidden * 11 // 4, max_positions=4096)
+    rng = random.Random(0)
+
+    def words(n):
+        return [rng.randrange(len(SPECIALS), len(SPECIALS) + NUM_WORDS) for _ in range(n)]
+
+    first = [words(args.prompt_tokens) for _ in range(args.conversations)]
+    followups = [words(args.followup_tokens) for _ in range(args.conversations)]
+    runs, second = {}, None
+    for mode, save_decode in (("prompt chunks only", False), ("prompt + answer chunks", True)):
+        print(f"{mode}:", flush=True)
+        store = StoreProcess("--dram", "2GiB")
+        try:
+            t1 = run_vllm(tmp, f"turn1-{save_decode}", model, first, args.answer_tokens, store.address, save_decode)
+            turn2 = [p + o["token_ids"] + f for p, o, f in zip(first, t1["outputs"], followups)]
+            assert second is None or turn2 == second, "turn 1 answered differently"
+            second = turn2
+            runs[mode] = run_vllm(tmp, f"turn2-{save_decode}", model, turn2, 1, store.address, save_decode)
+        finally:
+            store.stop()
+    print("no connector:", flush=True)
+    runs["no connector (recompute)"] = run_vllm(tmp, "turn2-none", model, second, 1, None)
+    firsts = {m: [o["token_ids"] for o in r["outputs"]] for m, r in runs.items()}
+    assert len({json.dumps(v) for v in firsts.values()}) == 1, f"the first tokens differ: {firsts}"
+
+    total = sum(len(p) for p in second)
+    base = runs["no connector (recompute)"]["seconds"]
+    rows, bars = [], []
+    for mode, r in runs.items():
+        cached = sum(o["num_cached_tokens"] for o in r["outputs"])
+        rows.append([mode, f"{total:,}", f"{cached:,}", f"{total - cached:,}", f"{r['seconds']:.2f}",
+                     f"{base / r['seconds']:.2f}x"])
+        bars.append((mode, r["seconds"]))
+    text = table(["turn 2", "prompt tokens", "loaded from the store", "computed", "time to first tokens, s",
+                  "speed-up vs recompute"], rows)
+    print(text)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#1f77b4", "#ff7f0e"])
+    ax.set_xlabel("turn 2: seconds to every conversation's first token")
+    ax.set_title(f"vLLM + Crescent, {args.conversations} conversations, {args.layers} layers x {args.hidden} (CPU)")
+    fig.tight_layout()
+    body = (f"A conversation's second turn through vLLM (vllm-cpu 0.32, single process) with the Crescent "
+            f"connector: {args.conversations} conversations, a {args.prompt_tokens}-token first prompt answered "
+            f"with {args.answer_tokens} tokens (greedy), then a {args.followup_tokens}-token follow-up; turn 2 "
+            f"served by a fresh vLLM process (empty local cache) with the store, timed to every conversation's "
+            f"first token. A random Llama of {args.layers} layers, hidden {args.hidden} (float32, CPU: 2 cores), "
+            f"chunks of {CHUNK_TOKENS} tokens; the three runs gave the same first tokens. Saving only prompt "
+            f"chunks, turn 2 recomputes turn 1's answer; with `save_decode` (the default) it loads it. Command: "
+            f"`.venv/bin/python bench/vllm_multiturn_bench.py --write-docs`.\n\n{text}\n")
+    publish(fig, "vllm_multiturn", body, args.write_docs)
+
+
+if __name__ == "__main__":
+    main()
