@@ -858,10 +858,18 @@ def make_handler(gw: Gateway):
                 else:
                     body.append((echo[0] + text if text is not None else None, c.reason, lps))
             # (the usage counts every candidate's tokens: they were all generated)
-            return full_response(req, new_id(req.chat), gw.model_name, body, self._usage(run, choices),
+            resp = full_response(req, new_id(req.chat), gw.model_name, body, self._usage(run, choices),
                                  thoughts if req.reasoning is not None else None,
                                  [c.prompt_logprobs for c in answered] if req.show_prompt_logprobs is not None
                                  else None)
+            if req.return_token_ids:  # (vLLM's: the prompt's ids, per choice for completions, and each choice's)
+                if req.chat:
+                    resp["prompt_token_ids"] = list(subs[0][1])
+                for k, (out, c) in enumerate(zip(resp["choices"], answered)):
+                    if not req.chat:
+                        out["prompt_token_ids"] = list(subs[k // req.n][1])
+                    out["token_ids"] = list(c.detok.ids)
+            return resp
 
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
@@ -916,6 +924,18 @@ def make_handler(gw: Gateway):
             def emit(obj):
                 if req.continuous_usage and obj.get("choices"):  # (vLLM's: the usage so far, in every chunk)
                     obj["usage"] = self._usage(subs, choices)
+                if req.return_token_ids and obj.get("choices"):  # (vLLM's: the tokens since the choice's last chunk)
+                    out = obj["choices"][0]
+                    c = choices[out["index"]]
+                    if c.ids_sent < 0:
+                        prompt = list(subs[out["index"] // req.n][1])
+                        if req.chat:
+                            obj["prompt_token_ids"] = prompt
+                        else:
+                            out["prompt_token_ids"] = prompt
+                        c.ids_sent = 0
+                    out["token_ids"] = c.detok.ids[c.ids_sent:]
+                    c.ids_sent = len(c.detok.ids)
                 if events is None:
                     self._send_chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
                 else:
@@ -1029,6 +1049,7 @@ class _Choice:
         self.called = False  # a named function's call was opened (streaming)
         self.think = None  # streamed, with a reasoning parser: the reasoning.Stream splitting the text
         self.calls: CallStream | None = None  # streamed, "required" or "auto" tool calls
+        self.ids_sent = -1  # streamed, with return_token_ids: generated tokens sent (-1: the prompt's not yet)
 
 
 def _mean_logprob(c: _Choice) -> float:

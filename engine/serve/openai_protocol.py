@@ -62,6 +62,9 @@ class ParsedRequest:
     of width ``n`` (engine/beam_search.py)."""
     length_penalty: float = 1.0
     """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
+    return_token_ids: bool = False
+    """vLLM's: the answer carries the prompt's token ids and each choice's generated ones (streamed:
+    each chunk's, the prompt's in a choice's first chunk)."""
     priority: int = 0
     """vLLM's: scheduling priority, lower first, on engines started with ``--scheduling-policy priority``."""
     best_of: int | None = None
@@ -287,6 +290,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
         beam_search=flag(body, "use_beam_search", False),
         priority=_num(body, "priority", 0, -(1 << 31), INT32_MAX, integer=True),
+        return_token_ids=flag(body, "return_token_ids", False),
         length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
     _check_beam_search(req)
     req.best_of = _best_of(body, req)

@@ -1,0 +1,94 @@
+"""vLLM's request options through the gateway, over real engines on loopback: ``priority`` (served
+by engines that schedule by priority, a 400 saying why from engines that do not) and
+``return_token_ids``."""
+
+import json
+
+import pytest
+
+from tests.serving.test_gateway import MODEL, Setup, request
+
+openai = pytest.importorskip("openai")
+
+
+def _post(url: str, body: dict):
+    status, data = request(url, "POST", "/v1/completions", json.dumps(body).encode(),
+                           {"Content-Type": "application/json"})
+    return status, json.loads(data)
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_engines_that_schedule_by_priority_serve_it_with_the_same_tokens(prefill):
+    s = Setup(with_store=False, prefill=False, scheduling_policy="priority") if not prefill else None
+    fcfs = Setup(with_store=False, prefill=prefill)
+    try:
+        body = {"model": MODEL, "prompt": "priority", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        if s is not None:
+            status, urgent = _post(s.url, {**body, "priority": -7})
+            status2, plain = _post(s.url, body)
+            assert status == status2 == 200 and urgent["choices"][0]["text"] == plain["choices"][0]["text"]
+        status, err = _post(fcfs.url, {**body, "priority": 1})
+        assert status == 400 and "--scheduling-policy priority" in err["error"]["message"]
+        status, _ = _post(fcfs.url, {**body, "priority": 0})
+        assert status == 200
+    finally:
+        for x in (s, fcfs):
+            if x is not None:
+                x.close()
+
+
+@pytest.mark.parametrize("bad", [1.5, "1", 1 << 31, True])
+def test_a_priority_that_is_not_a_32_bit_integer_is_a_400_naming_it(bad):
+    from engine.serve.openai_protocol import BadRequest, parse_request
+
+    with pytest.raises(BadRequest) as e:
+        parse_request({"model": MODEL, "prompt": "x", "priority": bad}, False, MODEL)
+    assert e.value.param == "priority"
+
+
+# ---- return_token_ids (vLLM's) ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served():
+    s = Setup(with_store=True)
+    yield s
+    s.close()
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    status, data = request(url, "POST", path, json.dumps({**body, "stream": True}).encode(),
+                           {"Content-Type": "application/json"})
+    assert status == 200, data
+    return [json.loads(line[6:]) for line in data.decode().splitlines()
+            if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_gives_the_prompts_and_each_choices_tokens_streamed_and_not(served, chat):
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "n": 2, "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": "tokens"}]} if chat else {"prompt": ["tokens", "ids"]})}
+    status, data = request(served.url, "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    assert status == 200, data
+    whole = json.loads(data)
+    prompts = [tok.encode_chat(body["messages"])] if chat else [tok.encode(p, add_bos=True) for p in body["prompt"]]
+    for k, choice in enumerate(whole["choices"]):
+        assert len(choice["token_ids"]) == 7
+        assert tok.decode(choice["token_ids"]) == (choice["message"]["content"] if chat else choice["text"])
+        assert (whole if chat else choice)["prompt_token_ids"] == prompts[k // 2]
+    streamed: dict[int, list] = {}
+    for chunk in _stream(served.url, path, body):
+        for choice in chunk["choices"]:
+            first = choice["index"] not in streamed
+            streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+            has_prompt = "prompt_token_ids" in (chunk if chat else choice)
+            assert has_prompt == first
+            if first:
+                assert (chunk if chat else choice)["prompt_token_ids"] == prompts[choice["index"] // 2]
+    assert [streamed[k] for k in sorted(streamed)] == [c["token_ids"] for c in whole["choices"]]
+    status, data = request(served.url, "POST", path, json.dumps({**body, "return_token_ids": False}).encode(),
+                           {"Content-Type": "application/json"})
+    assert "token_ids" not in data.decode()
