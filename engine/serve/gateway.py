@@ -522,46 +522,72 @@ def _logprobs(msgs) -> list[TokenLogprobs]:
 class _Detok:
     """Incremental detokenization that never emits half a character, with stop strings: the text
     ends where the first of them begins (``include_stop``: where it ends). With ``min_tokens``, as
-    in vLLM, a stop string counts only once more tokens are out and only where it ends in their text."""
+    in vLLM, a stop string counts only once more tokens are out and only where it ends in their text.
+
+    Each push decodes only the tokens since the last text it took, beside the ones before them (the
+    way vLLM's detokenizer does: a decoder's handling of where a sequence starts, such as a leading
+    space, then falls on text already taken), and looks for stop strings only where a new one can
+    end: a push costs the same at the 10th token and the 10,000th."""
 
     def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tok, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.min_tokens = min_tokens
         self.floor: int | None = None if min_tokens else 0  # a stop string must end past this in the text
         self.ids: list[int] = []
+        self.decoded = ""  # the text of ids[:read] (no trailing partial character, unless final)
+        self.prefix = self.read = 0  # ids[prefix:read]: the tokens whose text the last decode took
+        self.scanned = 0  # no stop string ends within decoded[:scanned] (past the floor)
+        self.end: int | None = None  # where the first stop string cuts the text
         self.sent = 0
         self.stopped = False
 
-    def cut(self, text: str) -> str:
-        """``text`` up to its first stop string (sets ``stopped`` when there is one)."""
+    def _decode(self, final: bool) -> None:
+        """Takes the text of the tokens not decoded yet (held back while it ends in half a character)."""
+        if self.read == len(self.ids):
+            return
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            self.decoded += text[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+
+    def _cut(self) -> None:
+        """Looks for the first stop string where a new one can end (sets ``stopped`` and ``end``)."""
+        if not self.stop or self.stopped:
+            return
         if self.floor is None:
             if len(self.ids) <= self.min_tokens:
-                return text
+                return
             self.floor = len(self.tok.decode(self.ids[:self.min_tokens]).rstrip("\ufffd"))
-        found = [(i, -len(s)) for s in self.stop if (i := text.find(s, max(0, self.floor - len(s) + 1))) >= 0]
-        if not found:
-            return text
-        self.stopped = True
-        i, neg_len = min(found)  # the earliest; of those starting there, the longest
-        return text[:i - neg_len if self.include_stop else i]
+        text = self.decoded
+        found = [(i, -len(s)) for s in self.stop
+                 if (i := text.find(s, max(0, self.floor - len(s) + 1, self.scanned - len(s) + 1))) >= 0]
+        self.scanned = len(text)
+        if found:
+            i, neg_len = min(found)  # the earliest; of those starting there, the longest
+            self.stopped, self.end = True, i - neg_len if self.include_stop else i
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """New text since the last push; holds back a trailing partial character unless ``final``."""
         self.ids += ids
-        text = self.cut(self.tok.decode(self.ids))
-        end = len(text)
+        if self.stopped:
+            return ""
+        self._decode(final)
+        self._cut()
+        end = len(self.decoded) if self.end is None else self.end
         if not self.stopped and not final:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
             # hold back a tail that may begin a stop string: the next tokens may complete it
-            end -= max((tag_tail(text, s, end) for s in self.stop), default=0)
-        out = text[self.sent:end]
+            end -= max((tag_tail(self.decoded, s, end) for s in self.stop), default=0)
+        out = self.decoded[self.sent:end]
         self.sent = max(self.sent, end)
         return out
 
     def text(self) -> str:
         """All the text, cut at the first stop string."""
-        return self.cut(self.tok.decode(self.ids))
+        if not self.stopped:
+            self._decode(final=True)
+            self._cut()
+        return self.decoded if self.end is None else self.decoded[:self.end]
 
 
 def make_handler(gw: Gateway):
