@@ -33,9 +33,10 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_bos else ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Bytes as UTF-8; BOS/EOS dropped; any other id (a random model's vocabulary
-        beyond bytes) shown as ``<|id|>`` so that no generated token is invisible."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Bytes as UTF-8; BOS/EOS dropped (``skip_special_tokens``, else shown as the others); any
+        other id (a random model's vocabulary beyond bytes) shown as ``<|id|>`` so that no generated
+        token is invisible."""
         out, run = [], bytearray()
         for i in ids:
             if 0 <= i < 256:
@@ -44,7 +45,7 @@ class ByteTokenizer:
             if run:
                 out.append(run.decode("utf-8", errors="replace"))
                 run = bytearray()
-            if i not in (self.bos_token_id, self.eos_token_id):
+            if not skip_special_tokens or i not in (self.bos_token_id, self.eos_token_id):
                 out.append(f"<|{i}|>")
         if run:
             out.append(run.decode("utf-8", errors="replace"))
@@ -104,8 +105,8 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, i: int) -> bytes:
         """Token ``i``'s text as UTF-8 (a byte-level piece of a character shows as U+FFFD)."""

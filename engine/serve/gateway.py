@@ -529,9 +529,11 @@ class _Detok:
     space, then falls on text already taken), and looks for stop strings only where a new one can
     end: a push costs the same at the 10th token and the 10,000th."""
 
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0,
+                 skip_special: bool = True) -> None:
         self.tok, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.min_tokens = min_tokens
+        self.skip_special = skip_special  # (vLLM's skip_special_tokens: special tokens' text left out)
         self.floor: int | None = None if min_tokens else 0  # a stop string must end past this in the text
         self.ids: list[int] = []
         self.decoded = ""  # the text of ids[:read] (no trailing partial character, unless final)
@@ -545,8 +547,8 @@ class _Detok:
         """Takes the text of the tokens not decoded yet (held back while it ends in half a character)."""
         if self.read == len(self.ids):
             return
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip_special)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip_special)
         if len(text) > len(before) and (final or not text.endswith("\ufffd")):
             self.decoded += text[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
@@ -558,7 +560,8 @@ class _Detok:
         if self.floor is None:
             if len(self.ids) <= self.min_tokens:
                 return
-            self.floor = len(self.tok.decode(self.ids[:self.min_tokens]).rstrip("\ufffd"))
+            self.floor = len(self.tok.decode(self.ids[:self.min_tokens],
+                                             skip_special_tokens=self.skip_special).rstrip("\ufffd"))
         text = self.decoded
         found = [(i, -len(s)) for s in self.stop
                  if (i := text.find(s, max(0, self.floor - len(s) + 1, self.scanned - len(s) + 1))) >= 0]
@@ -900,8 +903,8 @@ def make_handler(gw: Gateway):
         @staticmethod
         def _new_choices(subs: list) -> list[_Choice]:
             req = subs[0][0]
-            return [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens)
-                    for _ in range(req.n * len(subs))]
+            return [_Choice(gw.tokenizer, req.stop, req.include_stop_str_in_output, req.min_tokens,
+                            req.skip_special_tokens) for _ in range(req.n * len(subs))]
 
         @staticmethod
         def _usage(subs: list, choices: list[_Choice]) -> dict:
@@ -1061,8 +1064,9 @@ def make_handler(gw: Gateway):
 class _Choice:
     """One choice of a request as the gateway assembles it."""
 
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0) -> None:
-        self.detok = _Detok(tokenizer, stop, include_stop, min_tokens)
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, min_tokens: int = 0,
+                 skip_special: bool = True) -> None:
+        self.detok = _Detok(tokenizer, stop, include_stop, min_tokens, skip_special)
         self.reason: str | None = None  # set once it has ended
         self.n = 0  # tokens generated
         self.cached = 0

@@ -62,6 +62,8 @@ class ParsedRequest:
     of width ``n`` (engine/beam_search.py)."""
     length_penalty: float = 1.0
     """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
+    skip_special_tokens: bool = True
+    """vLLM's: special tokens' text is left out of the output (false: it is in)."""
     return_token_ids: bool = False
     """vLLM's: the answer carries the prompt's token ids and each choice's generated ones (streamed:
     each chunk's, the prompt's in a choice's first chunk)."""
@@ -112,6 +114,7 @@ class ParsedRequest:
 UNSUPPORTED = {
     "suffix": ("",),
     "logits_processors": (), "guided_decoding_backend": ("xgrammar", "auto"),
+    "spaces_between_special_tokens": (True,),
     "guided_whitespace_pattern": (),
 }
 STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
@@ -291,6 +294,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         beam_search=flag(body, "use_beam_search", False),
         priority=_num(body, "priority", 0, -(1 << 31), INT32_MAX, integer=True),
         return_token_ids=flag(body, "return_token_ids", False),
+        skip_special_tokens=flag(body, "skip_special_tokens", True),
         length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
     _check_beam_search(req)
     req.best_of = _best_of(body, req)

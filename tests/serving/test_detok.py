@@ -20,14 +20,15 @@ CORPUS = ["hello world, the quick brown fox jumps", "naïve café — über stra
 class Twin:
     """The reference: the whole output decoded at every push, the stop strings looked for in all of it."""
 
-    def __init__(self, tok, stop, include_stop=False, min_tokens=0):
+    def __init__(self, tok, stop, include_stop=False, min_tokens=0, skip_special=True):
         self.tok, self.stop, self.include_stop, self.min_tokens = tok, stop, include_stop, min_tokens
+        self.skip = skip_special
         self.ids, self.sent, self.stopped = [], 0, False
 
     def cut(self, text):
         if self.min_tokens and len(self.ids) <= self.min_tokens:
             return text
-        floor = len(self.tok.decode(self.ids[:self.min_tokens]).rstrip("\ufffd")) if self.min_tokens else 0
+        floor = len(self.tok.decode(self.ids[:self.min_tokens], self.skip).rstrip("\ufffd")) if self.min_tokens else 0
         found = [(i, -len(s)) for s in self.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
         if not found:
             return text
@@ -37,7 +38,7 @@ class Twin:
 
     def push(self, ids, final=False):
         self.ids += ids
-        text = self.cut(self.tok.decode(self.ids))
+        text = self.cut(self.tok.decode(self.ids, self.skip))
         end = len(text)
         if not self.stopped and not final:
             if text.endswith("\ufffd"):
@@ -86,8 +87,10 @@ def _outputs(tok, r: random.Random) -> list[int]:
     text = " ".join(r.choice(CORPUS) for _ in range(r.randrange(1, 6)))
     ids = tok.encode(text)
     vocab = 258 if isinstance(tok, ByteTokenizer) else tok.backend.get_vocab_size()
-    for _ in range(r.randrange(0, 4)):  # (a byte split off a character, an EOS, any token)
+    for _ in range(r.randrange(0, 4)):  # (a byte split off a character, any token)
         ids.insert(r.randrange(len(ids) + 1), r.randrange(vocab))
+    if r.random() < 0.5:  # a special token (BOS, EOS): its text shows only without skip_special_tokens
+        ids.insert(r.randrange(len(ids) + 1), r.choice([tok.bos_token_id, tok.eos_token_id]))
     return ids
 
 
@@ -98,7 +101,7 @@ def test_what_it_streams_is_what_decoding_it_whole_gives(tok):
     for case in range(300):
         ids = _outputs(tok, r)
         stop = r.sample(stops_pool, r.randrange(0, 3))
-        kw = dict(include_stop=r.random() < 0.3, min_tokens=r.choice([0, 0, 1, 5]))
+        kw = dict(include_stop=r.random() < 0.3, min_tokens=r.choice([0, 0, 1, 5]), skip_special=r.random() < 0.7)
         d, t = _Detok(tok, stop, **kw), Twin(tok, stop, **kw)
         got, want, at = [], [], 0
         while at < len(ids):
@@ -119,9 +122,9 @@ def test_a_push_costs_the_same_however_long_the_output():
     decoded = []
 
     class Counting(ByteTokenizer):
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             decoded.append(len(ids))
-            return tok.decode(ids)
+            return tok.decode(ids, skip_special_tokens)
 
     d = _Detok(Counting(), ["never"])
     for i in range(20_000):

@@ -92,3 +92,23 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens_streamed_and
     status, data = request(served.url, "POST", path, json.dumps({**body, "return_token_ids": False}).encode(),
                            {"Content-Type": "application/json"})
     assert "token_ids" not in data.decode()
+
+
+def test_skip_special_tokens_false_shows_the_special_tokens_text(served):
+    """Only 'A' and EOS may be generated (EOS ignored): EOS's text is in the output only when asked."""
+    from engine.config import BYTE_EOS
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    body = {"model": MODEL, "prompt": "special", "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "allowed_token_ids": [BYTE_EOS, ord("A")], "return_token_ids": True}
+    texts = {}
+    for skip in (True, False):
+        status, out = _post(served.url, {**body, "skip_special_tokens": skip})
+        assert status == 200, out
+        ids = out["choices"][0]["token_ids"]
+        texts[skip] = out["choices"][0]["text"]
+        assert texts[skip] == tok.decode(ids, skip_special_tokens=skip)
+    assert BYTE_EOS in ids and f"<|{BYTE_EOS}|>" in texts[False] and f"<|{BYTE_EOS}|>" not in texts[True]
+    status, err = _post(served.url, {**body, "spaces_between_special_tokens": False})
+    assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens"
