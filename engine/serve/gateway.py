@@ -36,7 +36,7 @@ from engine.serve.openai_protocol import (UINT32_MAX, BadRequest, ParsedRequest,
                                           stream_chunk, tag_tail, usage)
 from engine.serve.router import ConductorRouter, NoRoute, Rejected, RoundRobinRouter, Router
 from engine.serve import reasoning
-from engine.serve.responses import StreamEvents, from_chat, to_chat
+from engine.serve.responses import ResponseStore, StreamEvents, from_chat, to_chat
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
@@ -134,7 +134,7 @@ class Gateway:
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
                  etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, max_stored_responses: int = 1000) -> None:
         self.model_name = served_model_name or model
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {', '.join(PARSERS)})")
@@ -145,6 +145,8 @@ class Gateway:
         self.reasoning_parser = reasoning_parser
         """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
         self.trust_request_chat_template = trust_request_chat_template
+        self.responses = ResponseStore(max_stored_responses)
+        """The Responses API's kept responses (``previous_response_id``, ``GET /v1/responses/{id}``)."""
         """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
         self._compile = functools.lru_cache(maxsize=32)(
             lambda source: ChatTemplate(source, self.tokenizer.special_tokens))
@@ -635,11 +637,11 @@ def make_handler(gw: Gateway):
                         "invalid_request_error" if code < 500 else "server_error")
 
         def _not_allowed(self):
-            self._error(405, f"{self.command} is not supported here (GET /v1/models, /health, /metrics; "
-                             "POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize)",
-                        code="method_not_allowed")
+            self._error(405, f"{self.command} is not supported here (GET /v1/models, /v1/responses/{{id}}, /health, "
+                             "/metrics; POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, "
+                             "/detokenize; DELETE /v1/responses/{id})", code="method_not_allowed")
 
-        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+        do_PUT = do_PATCH = do_OPTIONS = _not_allowed
 
         def _body_length(self) -> int:
             """The request's Content-Length; BadRequest (the connection then closed) when the
@@ -668,7 +670,51 @@ def make_handler(gw: Gateway):
                 return False, None
             return True, tenant
 
+        @staticmethod
+        def _responses_request(body, tenant):
+            """A Responses request with ``store`` settled (kept: unless it says false, when this
+            gateway keeps any); BadRequest for a ``previous_response_id`` that is not a string."""
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            prev = body.get("previous_response_id")
+            if prev is not None and not isinstance(prev, str):
+                raise BadRequest("'previous_response_id' must be a response id", "previous_response_id")
+            store = body.get("store")
+            return {**body, "store": gw.responses.max_items > 0 and store is not False and
+                    (store is None or store is True)}
+
+        def _stored_response(self, method: str) -> None:
+            """GET or DELETE /v1/responses/{id}: a kept response, read back or forgotten; 404 when
+            it is not kept (or not the caller's)."""
+            rid = self.path.split("?", 1)[0][len("/v1/responses/"):]
+            endpoint = "responses_get" if method == "GET" else "responses_delete"
+            ok, tenant = self._authorized(endpoint)
+            if not ok:
+                return
+            owner = _owner(tenant)
+            if method == "GET":
+                resp = gw.responses.get(rid, owner)
+                found = resp is not None
+            else:
+                found = gw.responses.delete(rid, owner)
+                resp = {"id": rid, "object": "response", "deleted": True}
+            if not found:
+                gw.m_requests.labels(endpoint, "404").inc()
+                return self._error(404, f"no stored response {rid!r}", code="not_found")
+            gw.m_requests.labels(endpoint, "200").inc()
+            self._json(200, resp)
+
+        def do_DELETE(self):
+            if _stored_path(self.path):
+                length = self.headers.get("Content-Length")
+                if length and length.strip().isdigit():
+                    self._discard(int(length))
+                return self._stored_response("DELETE")
+            self._not_allowed()
+
         def do_GET(self):
+            if _stored_path(self.path):
+                return self._stored_response("GET")
             if self.path == "/v1/models":
                 if gw.api_keys is not None and gw.tenant(self.headers.get("Authorization")) is None:
                     return self._error(401, "a valid API key is needed (Authorization: Bearer <key>)",
@@ -717,7 +763,10 @@ def make_handler(gw: Gateway):
                     return
                 asked = body
                 if endpoint == "responses":  # (a chat request written another way: answered as one)
-                    body, chat = to_chat(body), True
+                    asked = self._responses_request(body, tenant)
+                    prev = asked.get("previous_response_id")
+                    history = gw.responses.history(prev, _owner(tenant)) if prev is not None else None
+                    body, chat = to_chat(body, history, gw.responses.max_items > 0), True
                 req = parse_request(body, chat, gw.model_name)
                 if tenant is not None:
                     # the tenant's cache salt comes from its key, never from the request
@@ -731,10 +780,17 @@ def make_handler(gw: Gateway):
                     # (a completions batch: a request per prompt, answered together)
                     subs = [(gw.with_reasoning(r, p), p) for r in req.split() for p in (gw.encode(r),)]
                     if req.stream:
-                        self._stream(subs, StreamEvents(asked) if endpoint == "responses" else None)
+                        events = StreamEvents(asked) if endpoint == "responses" else None
+                        self._stream(subs, events)
+                        if events is not None and asked["store"]:
+                            gw.responses.put(events.resp, _owner(tenant), asked.get("previous_response_id"), asked)
+                    elif endpoint == "responses":
+                        resp = from_chat(asked, self._complete(subs))
+                        if asked["store"]:
+                            gw.responses.put(resp, _owner(tenant), asked.get("previous_response_id"), asked)
+                        self._json(200, resp)
                     else:
-                        answer = self._complete(subs)
-                        self._json(200, from_chat(asked, answer) if endpoint == "responses" else answer)
+                        self._json(200, self._complete(subs))
                 finally:
                     if tenant is not None:
                         gw.done(tenant)
@@ -1080,6 +1136,17 @@ class _Choice:
         self.think = None  # streamed, with a reasoning parser: the reasoning.Stream splitting the text
         self.calls: CallStream | None = None  # streamed, "required" or "auto" tool calls
         self.ids_sent = -1  # streamed, with return_token_ids: generated tokens sent (-1: the prompt's not yet)
+
+
+def _stored_path(path: str) -> bool:
+    """``/v1/responses/{id}`` (a query string aside)."""
+    rest = path.split("?", 1)[0].removeprefix("/v1/responses/")
+    return rest != path.split("?", 1)[0] and bool(rest) and "/" not in rest
+
+
+def _owner(tenant) -> str | None:
+    """Whose kept responses a request reaches: its tenant's (everyone's without API keys)."""
+    return tenant.name if tenant is not None else None
 
 
 def _mean_logprob(c: _Choice) -> float:

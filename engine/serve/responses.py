@@ -11,15 +11,21 @@ answer is written back as a Response: ``output`` items (``reasoning``, ``message
 ``response.output_item.added``, ``response.output_text.delta``,
 ``response.function_call_arguments.delta``, …, ``response.completed``).
 
-Nothing is stored: ``store: true`` and ``previous_response_id`` are refused (send the whole
-conversation in ``input``), as are the built-in tools (web search, file search, …).
+Responses are kept (``store``, true unless the request says false, as OpenAI's) in the gateway's
+memory, the ``--max-stored-responses`` used last (``ResponseStore``): ``previous_response_id``
+continues one (its conversation, each turn's input and output, then the new input; the earlier
+``instructions`` are not carried over, as OpenAI's), ``GET /v1/responses/{id}`` reads one back,
+``DELETE`` forgets it. With API keys a tenant reaches only its own. Refused: the built-in tools (web
+search, file search, …), background responses.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
 
 from engine.serve.openai_protocol import BadRequest
 
@@ -50,16 +56,23 @@ def _text(content, field: str) -> str:
                      "only)", "input")
 
 
-def _messages(body: dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages (function calls and their outputs included)."""
+def _messages(body: dict, history: list[dict] | None = None) -> list[dict]:
+    """``instructions``, the conversation so far (``history``) and ``input`` as chat messages
+    (function calls and their outputs included)."""
     msgs = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
             raise BadRequest("'instructions' must be a string", "instructions")
         msgs.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
+    msgs += history or []
+    return msgs + _items_as_messages(body.get("input"))
+
+
+def _items_as_messages(items) -> list[dict]:
+    """Input (or output) items as chat messages."""
+    msgs: list[dict] = []
     if isinstance(items, str):
-        return msgs + [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise BadRequest("'input' must be a string or a non-empty list of items", "input")
     for item in items:
@@ -94,19 +107,23 @@ def _messages(body: dict) -> list[dict]:
     return msgs
 
 
-def to_chat(body) -> dict:
-    """The chat completions request that a Responses request is, or BadRequest naming the field."""
+def to_chat(body, history: list[dict] | None = None, can_store: bool = False) -> dict:
+    """The chat completions request that a Responses request is, or BadRequest naming the field.
+    ``history``: the conversation its ``previous_response_id`` continues; ``can_store``: this
+    gateway keeps responses."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in body:
         if name not in _KNOWN:
             raise BadRequest(f"'{name}' is not supported by this server's Responses API", name)
-    if body.get("store"):
-        raise BadRequest("this server stores no responses: send \"store\": false (the default here) and the whole "
-                         "conversation in 'input'", "store")
-    if body.get("previous_response_id") is not None:
-        raise BadRequest("this server stores no responses: leave out 'previous_response_id' and send the whole "
-                         "conversation in 'input'", "previous_response_id")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise BadRequest("'store' must be true or false", "store")
+    if not can_store and body.get("store"):
+        raise BadRequest("this gateway stores no responses (--max-stored-responses 0): send \"store\": false and "
+                         "the whole conversation in 'input'", "store")
+    if body.get("previous_response_id") is not None and history is None:
+        raise BadRequest("this gateway stores no responses (--max-stored-responses 0): leave out "
+                         "'previous_response_id' and send the whole conversation in 'input'", "previous_response_id")
     if body.get("background"):
         raise BadRequest("background responses are not supported by this server", "background")
     if body.get("truncation") not in (None, "disabled"):
@@ -116,7 +133,7 @@ def to_chat(body) -> dict:
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise BadRequest("'metadata' must be an object", "metadata")
     chat = {k: body[k] for k in _SAME if k in body}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, history)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     tools = body.get("tools")
@@ -168,8 +185,9 @@ def _shell(body: dict, rid: str, created: int, status: str) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": None, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "model": body.get("model"), "output": [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None}, "store": bool(body.get("store")),
             "temperature": body.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None, "user": body.get("user"),
@@ -326,3 +344,62 @@ def _blank(item: dict) -> dict:
         item["content"][0]["text"] = ""
     item["status"] = "in_progress"
     return item
+
+
+class ResponseStore:
+    """Responses kept for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``: the
+    ``max_items`` used last (each use refreshes a response and those it continues), in memory.
+    Each keeps its own turn (its input and output as chat messages) and the id it continues, so a
+    conversation costs its length once, not once per turn. ``owner``: the tenant (None without API
+    keys); another owner's responses are as absent as unknown ones."""
+
+    def __init__(self, max_items: int) -> None:
+        if max_items < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {max_items}")
+        self.max_items = max_items
+        self._items: OrderedDict[str, tuple] = OrderedDict()  # id: (owner, response, parent id, turn)
+        self._lock = threading.Lock()
+
+    def put(self, response: dict, owner, parent: str | None, body: dict) -> None:
+        """Keeps ``response`` (the answer to the Responses request ``body``)."""
+        if not self.max_items:
+            return
+        turn = _items_as_messages(body.get("input")) + (_items_as_messages(response["output"])
+                                                         if response["output"] else [])
+        with self._lock:
+            self._items[response["id"]] = (owner, json.loads(json.dumps(response)), parent, turn)
+            while len(self._items) > self.max_items:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str, owner) -> dict | None:
+        with self._lock:
+            entry = self._items.get(rid)
+            if entry is None or entry[0] != owner:
+                return None
+            self._items.move_to_end(rid)
+            return entry[1]
+
+    def history(self, rid: str, owner) -> list[dict]:
+        """The conversation response ``rid`` ends: each turn's input and output, oldest first;
+        BadRequest when it, or one it continues, is not kept (or not ``owner``'s)."""
+        turns = []
+        with self._lock:
+            at = rid
+            while at is not None:
+                entry = self._items.get(at)
+                if entry is None or entry[0] != owner:
+                    which = "" if at == rid else f" (the response {at!r} it continues is no longer kept)"
+                    raise BadRequest(f"no stored response {rid!r}{which}: send the whole conversation in 'input'",
+                                     "previous_response_id")
+                self._items.move_to_end(at)
+                turns.append(entry[3])
+                at = entry[2]
+        return [m for turn in reversed(turns) for m in turn]
+
+    def delete(self, rid: str, owner) -> bool:
+        with self._lock:
+            entry = self._items.get(rid)
+            if entry is None or entry[0] != owner:
+                return False
+            del self._items[rid]
+            return True

@@ -1,7 +1,8 @@
 """OpenAI's Responses API over real engines on loopback, driven by the official client: text,
 structured text, function calls (named, required, and read by the tool-call parser), reasoning
 items, a conversation of earlier calls and their outputs, streamed (the events, in order, joined)
-and not; and what this stateless server refuses."""
+and not; kept responses (previous_response_id, GET and DELETE /v1/responses/{id}, per tenant, the
+ones used last); and what this server refuses."""
 
 import json
 
@@ -17,9 +18,19 @@ FLAT_TIME = {"type": "function", **TIME["function"]}  # (Responses tools are fla
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
 
 
+KEYS = {"acme": "sk-acme-0000", "globex": "sk-globex-00"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    yield from engines_with_gateways({"plain": {}, "parsers": {"tool_parser": "hermes", "reasoning_parser": "qwen3"}})
+    import hashlib
+
+    from engine.serve.gateway import ApiTenant
+
+    keys = {hashlib.sha256(k.encode()).digest(): ApiTenant(t, t) for t, k in KEYS.items()}
+    yield from engines_with_gateways({"plain": {}, "parsers": {"tool_parser": "hermes", "reasoning_parser": "qwen3"},
+                                      "two": {"max_stored_responses": 2}, "none": {"max_stored_responses": 0},
+                                      "tenants": {"api_keys": keys}})
 
 
 def _client(server) -> openai.OpenAI:
@@ -149,7 +160,7 @@ def test_reasoning_comes_as_its_own_item(cluster):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("store", True), ("previous_response_id", "resp_1"), ("tools", [{"type": "web_search"}]),
+    ("store", "yes"), ("previous_response_id", "resp_1"), ("previous_response_id", 5), ("tools", [{"type": "web_search"}]),
     ("input", []), ("input", [{"type": "image", "url": "x"}]), ("input", [{"role": "robot", "content": "x"}]),
     ("reasoning", {"effort": "high"}), ("reasoning", {"summary": "auto"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
     ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 2)])
@@ -158,3 +169,88 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(cluster, field, va
     with pytest.raises(openai.BadRequestError) as e:
         _client(cluster["plain"]).post("/responses", body=body, cast_to=object)
     assert e.value.body["param"] == field, e.value.body
+
+
+# ---- kept responses ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_continues_the_conversation_it_ends(cluster, stream):
+    """Three turns, each continuing the last by id, answer as the whole conversation sent at once."""
+    c = _client(cluster["plain"])
+    kw = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+    r1 = c.responses.create(input="first question", instructions="be brief", **kw)
+    assert r1.store is True and r1.previous_response_id is None
+    if stream:
+        r2 = list(c.responses.create(input="second", previous_response_id=r1.id, stream=True, **kw))[-1].response
+    else:
+        r2 = c.responses.create(input="second", previous_response_id=r1.id, **kw)
+    assert r2.previous_response_id == r1.id
+    r3 = c.responses.create(input="third", previous_response_id=r2.id, **kw)
+    whole = [{"role": "user", "content": "first question"}, *[o.model_dump() for o in r1.output],
+             {"role": "user", "content": "second"}, *[o.model_dump() for o in r2.output],
+             {"role": "user", "content": "third"}]
+    stateless = c.responses.create(input=whole, store=False, **kw)  # (earlier instructions are not carried over)
+    assert _items(r3) == _items(stateless) and stateless.store is False
+    assert c.responses.retrieve(r2.id).model_dump() == r2.model_dump()
+
+
+def test_a_kept_response_is_read_back_and_deleted(cluster):
+    c = _client(cluster["plain"])
+    r = c.responses.create(model=MODEL, input="keep me", max_output_tokens=5, temperature=0)
+    assert c.responses.retrieve(r.id).model_dump() == r.model_dump()
+    c.responses.delete(r.id)
+    for call in (lambda: c.responses.retrieve(r.id), lambda: c.responses.delete(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="more", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
+    unkept = c.responses.create(model=MODEL, input="forget me", max_output_tokens=5, store=False)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unkept.id)
+
+
+def test_only_the_responses_used_last_are_kept(cluster):
+    c = _client(cluster["two"])
+    kw = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    a = c.responses.create(input="a", **kw)
+    b = c.responses.create(input="b", **kw)
+    c.responses.retrieve(a.id)  # a used last: b goes first
+    third = c.responses.create(input="c", **kw)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(b.id)
+    assert c.responses.retrieve(a.id).id == a.id and c.responses.retrieve(third.id).id == third.id
+    d = c.responses.create(input="d", previous_response_id=a.id, **kw)  # (continuing a uses it: third goes)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(third.id)
+    c.responses.delete(a.id)
+    with pytest.raises(openai.BadRequestError) as e:  # d continues a, which is gone
+        c.responses.create(input="e", previous_response_id=d.id, **kw)
+    assert "no longer kept" in e.value.body["message"]
+
+
+def test_a_gateway_that_keeps_nothing_refuses_store_and_previous_response_id(cluster):
+    c = _client(cluster["none"])
+    r = c.responses.create(model=MODEL, input="x", max_output_tokens=3)  # (store left out: not kept)
+    assert r.store is False
+    for field, value in (("store", True), ("previous_response_id", r.id)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.post("/responses", body={"model": MODEL, "input": "x", field: value}, cast_to=object)
+        assert e.value.body["param"] == field
+
+
+def test_a_tenant_reaches_only_its_own_kept_responses(cluster):
+    server = cluster["tenants"]
+    acme, globex = (openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[t], max_retries=0, timeout=300)
+                    for t in ("acme", "globex"))
+    r = acme.responses.create(model=MODEL, input="secret", max_output_tokens=4)
+    assert acme.responses.retrieve(r.id).id == r.id
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError):
+        globex.responses.create(model=MODEL, input="more", previous_response_id=r.id)
+    with pytest.raises(openai.AuthenticationError):
+        _client(server).responses.retrieve(r.id)
+    assert acme.responses.retrieve(r.id).id == r.id  # (still there)
