@@ -1,7 +1,8 @@
 """`crescent gateway`: an OpenAI-compatible HTTP front door over prefill and decode engines.
 
-POST /v1/completions, POST /v1/chat/completions (``stream: true`` as SSE),
-POST /tokenize, /detokenize, GET /v1/models, /health, /metrics. Each request: tokenize, route (round-robin,
+POST /v1/completions, POST /v1/chat/completions (``stream: true`` as SSE), POST /v1/responses (and
+GET, DELETE /v1/responses/{id}), POST /tokenize, /detokenize, GET /v1/models, /health, /metrics.
+Each request: tokenize, route (round-robin,
 or the conductor), Prefill on the prefill engine (first token; the prompt's
 chunks go to the store), then Generate on the decode engine (loads the chunks,
 streams the rest). If the prefill engine fails, the decode engine prefills
