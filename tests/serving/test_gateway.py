@@ -734,7 +734,7 @@ def test_a_byte_of_a_multibyte_character_is_its_own_bytes_in_chat_logprobs():
     (True, "logprobs", 2), (False, "presence_penalty", 2.5), (False, "frequency_penalty", "1"), (False, "repetition_penalty", 0),
     (False, "logit_bias", {"5": 101}), (False, "logit_bias", {"x": 1}), (True, "logit_bias", [5]),
     (False, "min_tokens", 3), (True, "min_tokens", -1), (False, "allowed_token_ids", []),
-    (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 2), (True, "echo", "yes"), (False, "top_k", -2), (False, "min_p", 1.5),
+    (True, "allowed_token_ids", [-1]), (False, "bad_words", [""]), (True, "bad_words", "x"), (False, "best_of", 0), (True, "best_of", 2), (True, "echo", "yes"), (False, "top_k", -2), (False, "min_p", 1.5),
     (False, "stop_token_ids", [-1]), (True, "stop_token_ids", 5), (False, "include_stop_str_in_output", 1),
     (True, "response_format", {"type": "json_schema"}), (False, "response_format", {"type": "xml"}),
     (True, "response_format", "json"), (False, "structured_outputs", {"regex": "a", "choice": ["a"]}),
