@@ -236,8 +236,10 @@ class Gateway:
                 ids = self.tokenizer.encode_chat(req.prompt, template=template, **req.template_kwargs)
             except ValueError as exc:  # the template refused the conversation
                 raise BadRequest(str(exc), "messages" if template is None else "chat_template") from None
+            if req.add_special_tokens and self.tokenizer.bos_token_id is not None:
+                ids = [self.tokenizer.bos_token_id, *ids]  # (as vLLM: before the template's own, if any)
         elif isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt, add_bos=True)
+            ids = self.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
         else:
             ids = list(req.prompt)
         return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids

@@ -62,6 +62,9 @@ class ParsedRequest:
     of width ``n`` (engine/beam_search.py)."""
     length_penalty: float = 1.0
     """Beam search: hypotheses are ranked by log-probability over length ** ``length_penalty``."""
+    add_special_tokens: bool = False
+    """vLLM's: the tokenizer's special tokens (BOS) go before the prompt's text (completions' default;
+    a chat's template writes its own, so there the default is false). Token-id prompts are as given."""
     skip_special_tokens: bool = True
     """vLLM's: special tokens' text is left out of the output (false: it is in)."""
     return_token_ids: bool = False
@@ -117,6 +120,8 @@ UNSUPPORTED = {
     "spaces_between_special_tokens": (True,),
     "guided_whitespace_pattern": (),
 }
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+"""OpenAI's ``reasoning_effort``: passed to the chat template (``reasoning_effort``), as vLLM does."""
 STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
 """OpenAI's ``stream_options`` (``include_usage``; ``include_obfuscation`` only false) and vLLM's
 (``continuous_usage_stats``)."""
@@ -295,6 +300,7 @@ def parse_request(body, chat: bool, model_name: str) -> ParsedRequest:
         priority=_num(body, "priority", 0, -(1 << 31), INT32_MAX, integer=True),
         return_token_ids=flag(body, "return_token_ids", False),
         skip_special_tokens=flag(body, "skip_special_tokens", True),
+        add_special_tokens=flag(body, "add_special_tokens", not chat),
         length_penalty=float(_num(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)))
     _check_beam_search(req)
     req.best_of = _best_of(body, req)
@@ -415,6 +421,11 @@ def _template_kwargs(body: dict, tools) -> dict:
     msgs = body.get("messages") or [{}]
     if cont and msgs[-1].get("role") != "assistant":
         raise BadRequest("'continue_final_message' needs an assistant message last", "continue_final_message")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        kw = {"reasoning_effort": effort, **kw}  # (the template's to use, as vLLM passes it; the kwargs win)
     return {**kw, "add_generation_prompt": flag(body, "add_generation_prompt", not cont),
             "continue_final_message": cont, "tools": list(tools.tools) if tools is not None else None}
 

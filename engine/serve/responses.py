@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-from engine.serve.openai_protocol import BadRequest
+from engine.serve.openai_protocol import REASONING_EFFORTS, BadRequest
 
 # Responses fields that mean the same as a chat request's, passed on as they are (OpenAI's, then the
 # extensions the chat endpoint takes, as vLLM's Responses API does)
@@ -160,9 +160,14 @@ def to_chat(body, history: list[dict] | None = None, can_store: bool = False) ->
     elif fmt is not None:
         chat["response_format"] = fmt
     wanted = body.get("reasoning")
-    if wanted is not None and (not isinstance(wanted, dict) or any(v is not None for v in wanted.values())):
-        raise BadRequest("'reasoning' options (effort, summary) are not supported by this server: the model "
-                         "reasons as its chat template and the gateway's --reasoning-parser say", "reasoning")
+    if wanted is not None and (not isinstance(wanted, dict) or any(
+            v is not None for k, v in wanted.items() if k != "effort")):
+        raise BadRequest("'reasoning' takes an effort (passed to the chat template as reasoning_effort); its other "
+                         "options (summary) are not supported by this server", "reasoning")
+    if wanted and wanted.get("effort") is not None:
+        if wanted["effort"] not in REASONING_EFFORTS:
+            raise BadRequest(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning")
+        chat["reasoning_effort"] = wanted["effort"]
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat
@@ -187,7 +192,8 @@ def _shell(body: dict, rid: str, created: int, status: str) -> dict:
             "max_output_tokens": body.get("max_output_tokens"), "model": body.get("model"), "output": [],
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None}, "store": bool(body.get("store")),
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
+            "store": bool(body.get("store")),
             "temperature": body.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None, "user": body.get("user"),

@@ -12,8 +12,11 @@ openai = pytest.importorskip("openai")
 
 
 def _post(url: str, body: dict):
-    status, data = request(url, "POST", "/v1/completions", json.dumps(body).encode(),
-                           {"Content-Type": "application/json"})
+    return _post_to(url, "/v1/completions", body)
+
+
+def _post_to(url: str, path: str, body: dict):
+    status, data = request(url, "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     return status, json.loads(data)
 
 
@@ -112,3 +115,38 @@ def test_skip_special_tokens_false_shows_the_special_tokens_text(served):
     assert BYTE_EOS in ids and f"<|{BYTE_EOS}|>" in texts[False] and f"<|{BYTE_EOS}|>" not in texts[True]
     status, err = _post(served.url, {**body, "spaces_between_special_tokens": False})
     assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens"
+
+
+def test_add_special_tokens_puts_bos_before_the_prompts_text_or_not(served):
+    from engine.config import BYTE_BOS
+
+    def prompt_ids(path, body):
+        status, out = _post_to(served.url, path, {"model": MODEL, "max_tokens": 1, "return_token_ids": True, **body})
+        assert status == 200, out
+        return out["prompt_token_ids"] if "prompt_token_ids" in out else out["choices"][0]["prompt_token_ids"]
+
+    text = prompt_ids("/v1/completions", {"prompt": "abc"})
+    assert text == [BYTE_BOS, 97, 98, 99] and prompt_ids("/v1/completions", {"prompt": "abc", "add_special_tokens": False}) == [97, 98, 99]
+    assert prompt_ids("/v1/completions", {"prompt": [5, 6], "add_special_tokens": True}) == [5, 6]  # (ids as given)
+    msgs = {"messages": [{"role": "user", "content": "hi"}]}
+    chat = prompt_ids("/v1/chat/completions", msgs)
+    assert prompt_ids("/v1/chat/completions", {**msgs, "add_special_tokens": True}) == [BYTE_BOS, *chat]
+
+
+def test_reasoning_effort_reaches_the_chat_template():
+    """(a gateway object over no engine: only the rendering is looked at)"""
+    from engine.serve.gateway import Gateway
+    from engine.serve.openai_protocol import BadRequest, parse_request
+    from engine.serve.responses import to_chat
+
+    gw = Gateway(MODEL, [], ["127.0.0.1:9"], trust_request_chat_template=True)
+    template = "{{ reasoning_effort | default('unset') }}:{{ messages[-1].content }}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "chat_template": template}
+    for extra, rendered in (({}, "unset:q"), ({"reasoning_effort": "low"}, "low:q"),
+                            ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "high:q")):
+        assert gw.tokenizer.decode(gw.encode(parse_request({**body, **extra}, True, MODEL))) == rendered
+    with pytest.raises(BadRequest) as e:
+        parse_request({**body, "reasoning_effort": "max"}, True, MODEL)
+    assert e.value.param == "reasoning_effort"
+    chat = to_chat({"model": MODEL, "input": "q", "reasoning": {"effort": "medium"}, "chat_template": template})
+    assert gw.tokenizer.decode(gw.encode(parse_request(chat, True, MODEL))) == "medium:q"

@@ -162,7 +162,7 @@ def test_reasoning_comes_as_its_own_item(cluster):
 @pytest.mark.parametrize("field,value", [
     ("store", "yes"), ("previous_response_id", "resp_1"), ("previous_response_id", 5), ("tools", [{"type": "web_search"}]),
     ("input", []), ("input", [{"type": "image", "url": "x"}]), ("input", [{"role": "robot", "content": "x"}]),
-    ("reasoning", {"effort": "high"}), ("reasoning", {"summary": "auto"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
+    ("reasoning", {"effort": "extreme"}), ("reasoning", {"summary": "auto"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
     ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 2)])
 def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(cluster, field, value):
     body = {"model": MODEL, "input": "hi", field: value}
