@@ -27,7 +27,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.beam_search import BeamSearchParams, beam_search
 from engine.chat_template import ChatTemplate
@@ -180,6 +180,8 @@ class Gateway:
         self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
+        Gauge("crescent_gateway_stored_responses", "Responses API responses kept (previous_response_id)",
+              registry=self.registry).set_function(lambda: len(self.responses))
 
     def admit(self, tenant: ApiTenant) -> bool:
         """Counts one more request of ``tenant`` in flight, unless that passes its quota."""

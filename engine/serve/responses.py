@@ -366,6 +366,9 @@ class ResponseStore:
         self._items: OrderedDict[str, tuple] = OrderedDict()  # id: (owner, response, parent id, turn)
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def put(self, response: dict, owner, parent: str | None, body: dict) -> None:
         """Keeps ``response`` (the answer to the Responses request ``body``)."""
         if not self.max_items:

@@ -99,6 +99,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="the gateway lets chat requests bring their own chat_template (Jinja it runs): trusted "
                         "clients only")
+    p.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                   help="the gateway keeps the N Responses API responses used last (previous_response_id); "
+                        "0: none (default: 1000)")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
                         "is not restarted, and a part exiting 10 times within a minute stops the cluster")
@@ -426,6 +429,8 @@ def run_up(ns: argparse.Namespace) -> int:
             gw_cmd += ["--reasoning-parser", ns.reasoning_parser]
         if ns.trust_request_chat_template:
             gw_cmd += ["--trust-request-chat-template"]
+        if ns.max_stored_responses != 1000:
+            gw_cmd += ["--max-stored-responses", str(ns.max_stored_responses)]
         if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
             gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
                        "--https-key", os.path.join(tls_dir, "node-key.pem")]

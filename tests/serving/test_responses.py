@@ -224,9 +224,20 @@ def test_only_the_responses_used_last_are_kept(cluster):
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(third.id)
     c.responses.delete(a.id)
+    assert _stored(cluster["two"]) == 1  # (d alone: the gauge counts what is kept)
     with pytest.raises(openai.BadRequestError) as e:  # d continues a, which is gone
         c.responses.create(input="e", previous_response_id=d.id, **kw)
     assert "no longer kept" in e.value.body["message"]
+
+
+def _stored(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.serving.test_gateway import request
+
+    status, data = request(server.url, "GET", "/metrics")
+    return next(s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples
+                if s.name == "crescent_gateway_stored_responses")
 
 
 def test_a_gateway_that_keeps_nothing_refuses_store_and_previous_response_id(cluster):
