@@ -785,12 +785,13 @@ def make_handler(gw: Gateway):
                     # (a completions batch: a request per prompt, answered together)
                     subs = [(gw.with_reasoning(r, p), p) for r in req.split() for p in (gw.encode(r),)]
                     if req.stream:
-                        events = StreamEvents(asked) if endpoint == "responses" else None
+                        events = StreamEvents(asked, gw.reasoning_parser is not None) if endpoint == "responses" \
+                            else None
                         self._stream(subs, events)
                         if events is not None and asked["store"]:
                             gw.responses.put(events.resp, _owner(tenant), asked.get("previous_response_id"), asked)
                     elif endpoint == "responses":
-                        resp = from_chat(asked, self._complete(subs))
+                        resp = from_chat(asked, self._complete(subs), gw.reasoning_parser is not None)
                         if asked["store"]:
                             gw.responses.put(resp, _owner(tenant), asked.get("previous_response_id"), asked)
                         self._json(200, resp)

@@ -28,6 +28,9 @@ import uuid
 from collections import OrderedDict
 
 from engine.serve.openai_protocol import REASONING_EFFORTS, BadRequest
+from engine.serve.reasoning import END
+
+END_TAG = END.encode()
 
 # Responses fields that mean the same as a chat request's, passed on as they are (OpenAI's, then the
 # extensions the chat endpoint takes, as vLLM's Responses API does)
@@ -38,7 +41,9 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user
          "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority")
 # Responses fields this server reads, or accepts at the value that changes nothing
 _KNOWN = {*_SAME, "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "store",
-          "previous_response_id", "metadata", "reasoning", "truncation", "include", "background"}
+          "previous_response_id", "metadata", "reasoning", "truncation", "include", "background", "top_logprobs"}
+LOGPROBS = "message.output_text.logprobs"
+"""The one ``include`` this server answers: the message text's tokens' logprobs."""
 
 
 def _id(prefix: str) -> str:
@@ -128,8 +133,9 @@ def to_chat(body, history: list[dict] | None = None, can_store: bool = False) ->
         raise BadRequest("background responses are not supported by this server", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise BadRequest("'truncation' must be \"disabled\" here (a prompt over the context is a 400)", "truncation")
-    if body.get("include"):
-        raise BadRequest("'include' is not supported by this server (leave it out)", "include")
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or any(x != LOGPROBS for x in include)):
+        raise BadRequest(f"'include' takes {LOGPROBS!r} only here", "include")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise BadRequest("'metadata' must be an object", "metadata")
     chat = {k: body[k] for k in _SAME if k in body}
@@ -168,9 +174,40 @@ def to_chat(body, history: list[dict] | None = None, can_store: bool = False) ->
         if wanted["effort"] not in REASONING_EFFORTS:
             raise BadRequest(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning")
         chat["reasoning_effort"] = wanted["effort"]
+    if wants_logprobs(body):  # (the chat request's own checks then apply to top_logprobs)
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def wants_logprobs(body: dict) -> bool:
+    """The message text's logprobs are asked for: ``include`` names them, or ``top_logprobs`` is given."""
+    return LOGPROBS in (body.get("include") or ()) or body.get("top_logprobs") is not None
+
+
+def message_logprobs(entries: list[dict], reasoning_parser: bool, content: str | None) -> list[dict]:
+    """Of a chat choice's logprobs (``{token, logprob, bytes, top_logprobs}`` per token, in order),
+    those of the tokens that wrote its content: after the reasoning (with a reasoning parser: the
+    tokens through the one that completes ``</think>``, as the usage counts them) and as many as
+    write the content's bytes (tool calls after it are not the message's)."""
+    start = 0
+    if reasoning_parser:
+        raw = b""
+        for i, e in enumerate(entries):
+            raw += bytes(e.get("bytes") or ())
+            if END_TAG in raw:
+                start = i + 1
+                break
+        else:  # (never closed: all reasoning, unless there was none and all is content)
+            start = 0 if content else len(entries)
+    want, got, out = len((content or "").encode()), 0, []
+    for e in entries[start:]:
+        if got >= want:
+            break
+        out.append(e)
+        got += len(e.get("bytes") or ())
+    return out
 
 
 def _usage(use: dict | None) -> dict | None:
@@ -196,6 +233,7 @@ def _shell(body: dict, rid: str, created: int, status: str) -> dict:
             "store": bool(body.get("store")),
             "temperature": body.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "top_logprobs": body.get("top_logprobs"),
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None, "user": body.get("user"),
             "metadata": body.get("metadata") or {}}
 
@@ -223,8 +261,9 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def from_chat(body: dict, chat: dict) -> dict:
-    """The Response for a chat completion (one choice) answering ``to_chat(body)``."""
+def from_chat(body: dict, chat: dict, reasoning_parser: bool = False) -> dict:
+    """The Response for a chat completion (one choice) answering ``to_chat(body)`` (``reasoning_parser``:
+    the gateway splits reasoning off)."""
     choice = chat["choices"][0]
     msg = choice["message"]
     resp = _shell(body, _id("resp"), chat["created"], "completed")
@@ -232,6 +271,9 @@ def from_chat(body: dict, chat: dict) -> dict:
         resp["output"].append(_reasoning_item(msg["reasoning"]))
     if msg.get("content"):
         resp["output"].append(_message_item(msg["content"]))
+        if choice.get("logprobs"):
+            resp["output"][-1]["content"][0]["logprobs"] = message_logprobs(
+                choice["logprobs"]["content"], reasoning_parser, msg["content"])
     resp["output"] += [_call_item(c) for c in msg.get("tool_calls") or []]
     resp["usage"] = _usage(chat.get("usage"))
     return _finish(resp, choice["finish_reason"])
@@ -242,8 +284,11 @@ class StreamEvents:
     an ``event:`` line): an output item opens when its first delta comes and closes when another
     kind begins or the answer ends; ``response.completed`` carries the whole Response."""
 
-    def __init__(self, body: dict) -> None:
+    def __init__(self, body: dict, reasoning_parser: bool = False) -> None:
         self.body = body
+        self.reasoning_parser = reasoning_parser
+        self.entries: list[dict] = []  # every token's logprobs so far (when asked for)
+        self.logprobs_sent = 0  # of the message's, those sent in its deltas
         self.resp = _shell(body, _id("resp"), int(time.time()), "in_progress")
         self.seq = 0
         self.open: dict | None = None  # the item being written: its dict and its kind's key
@@ -283,7 +328,11 @@ class StreamEvents:
         else:
             part = item["content"][0]
             kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            out += [self._event(kind, item_id=item["id"], output_index=index, content_index=0, text=part["text"]),
+            extra = {}
+            if item["type"] == "message":
+                part["logprobs"] = extra["logprobs"] = self._message_logprobs(part["text"])
+            out += [self._event(kind, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                                **extra),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=part)]
         out.append(self._event("response.output_item.done", output_index=index, item=item))
@@ -296,9 +345,16 @@ class StreamEvents:
                               else _message_item("", "in_progress"))
         item = self.open
         item["content"][0]["text"] += text
+        extra = {}
+        if kind == "message":  # (the logprobs of the message's tokens that came since its last delta)
+            lps = self._message_logprobs(item["content"][0]["text"])
+            extra["logprobs"], self.logprobs_sent = lps[self.logprobs_sent:], len(lps)
         event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         return out + [self._event(event, item_id=item["id"], output_index=self.resp["output"].index(item),
-                                  content_index=0, delta=text)]
+                                  content_index=0, delta=text, **extra)]
+
+    def _message_logprobs(self, text: str) -> list[dict]:
+        return message_logprobs(self.entries, self.reasoning_parser, text) if wants_logprobs(self.body) else []
 
     def chunk(self, obj: dict) -> list[bytes]:
         """The events of one chat chunk."""
@@ -307,6 +363,7 @@ class StreamEvents:
             return []
         choice = obj["choices"][0]
         delta, out = choice.get("delta") or {}, []
+        self.entries += (choice.get("logprobs") or {}).get("content") or []
         if delta.get("reasoning"):
             out += self._delta("reasoning", delta["reasoning"])
         if delta.get("content"):

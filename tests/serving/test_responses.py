@@ -163,12 +163,40 @@ def test_reasoning_comes_as_its_own_item(cluster):
     ("store", "yes"), ("previous_response_id", "resp_1"), ("previous_response_id", 5), ("tools", [{"type": "web_search"}]),
     ("input", []), ("input", [{"type": "image", "url": "x"}]), ("input", [{"role": "robot", "content": "x"}]),
     ("reasoning", {"effort": "extreme"}), ("reasoning", {"summary": "auto"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
-    ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 2)])
+    ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 21),
+    ("include", "message.output_text.logprobs")])
 def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(cluster, field, value):
     body = {"model": MODEL, "input": "hi", field: value}
     with pytest.raises(openai.BadRequestError) as e:
         _client(cluster["plain"]).post("/responses", body=body, cast_to=object)
     assert e.value.body["param"] == field, e.value.body
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+
+def _logprobs(item) -> list[tuple]:
+    return [(lp.token, lp.logprob, len(lp.top_logprobs)) for lp in item.content[0].logprobs]
+
+
+@pytest.mark.parametrize("server,text,content", [("plain", "Hello there.", "Hello there."),
+                                                 ("parsers", "<think>Two and two.</think>Four.", "Four.")])
+def test_the_messages_logprobs_are_its_own_tokens_streamed_and_not(cluster, server, text, content):
+    whole, streamed, events = _both(cluster[server], input="say it", include=["message.output_text.logprobs"],
+                                    top_logprobs=2, extra_body={"structured_outputs": {"regex": _literal(text)}})
+    for resp in (whole, streamed):
+        message = next(o for o in resp.output if o.type == "message")
+        assert "".join(p.text for p in message.content) == content
+        lps = _logprobs(message)
+        assert "".join(t for t, _, _ in lps) == content and all(k == 2 for _, _, k in lps)
+        assert all(v <= 0 for _, v, _ in lps)
+    message = [o for o in streamed.output if o.type == "message"][0]
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(d.token, d.logprob) for d in deltas] == [(t, v) for t, v, _ in _logprobs(message)]
+    assert [t for t, _, _ in _logprobs(message)] == [t for t, _, _ in _logprobs(
+        next(o for o in whole.output if o.type == "message"))]
+    plain = _client(cluster[server]).responses.create(model=MODEL, input="say it", max_output_tokens=50,
+                                                      extra_body={"structured_outputs": {"regex": _literal(text)}})
+    assert next(o for o in plain.output if o.type == "message").content[0].logprobs == []
 
 
 # ---- kept responses ------------------------------------------------------------------------------
