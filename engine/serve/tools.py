@@ -350,29 +350,131 @@ class Llama3Json(_AtStart):
 class Pythonic(_AtStart):
     """Python-call lists, as Llama 3.2 (lightweight) and Llama 4 write them:
     ``[get_weather(city="paris", days=2), get_time(zone="utc")]``, keyword arguments of Python
-    literals (read by ``ast.literal_eval``, never evaluated). Read whole, once the output ended:
-    all calls or none (the whole text is then content)."""
+    literals (read by ``ast.literal_eval``, never evaluated), each call's arguments the JSON object
+    of them. Read as the text grows: a call is named once its ``(`` is written, and its arguments
+    follow one keyword at a time (``{"city": "paris"``, then ``, "days": 2``, then ``}``: a JSON
+    object written left to right). From a call that is not one (a positional argument, a name
+    that is not a literal, a tool not offered) on, the text is content; so is what follows the
+    list. A list with no call is all content."""
 
     START = "["
 
     def calls(self, text, known, final=True, memo=None):
-        s = text.strip()
-        if not final or not s.startswith("["):
+        at = _skip_ws(text, 0)
+        if at >= len(text) or text[at] != "[":
             return len(text), [], None
-        try:
-            tree = ast.parse(s, mode="eval").body
-            if not isinstance(tree, ast.List) or not tree.elts:
-                return len(text), [], None
-            out = []
-            for call in tree.elts:
-                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
-                        and call.func.id in known and all(k.arg for k in call.keywords)):
-                    return len(text), [], None
-                out.append((call.func.id, json.dumps({k.arg: ast.literal_eval(k.value) for k in call.keywords},
-                                                     ensure_ascii=False)))
-        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-            return len(text), [], None
-        return 0, out, None
+        calls, rest = _py_calls(text, at + 1, known, final)
+        if not calls:
+            return (len(text), [], None) if final or rest is not None else (at, [], None)
+        return at, calls, rest
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PY_OPEN, _PY_CLOSE = "([{", ")]}"
+
+
+def _py_value_end(s: str, i: int) -> int | None:
+    """Where the Python literal that begins at ``s[i]`` ends (at the ``,`` or ``)`` after it, at
+    depth 0), or None where the text ends first. Quotes and brackets are followed; what is in
+    between is for ``ast.literal_eval`` to judge."""
+    depth, quote = 0, None
+    j = i
+    while j < len(s):
+        ch = s[j]
+        if quote is not None:
+            if ch == "\\":
+                j += 2
+                continue
+            if s.startswith(quote, j):
+                j += len(quote)
+                quote = None
+                continue
+        elif ch in "'\"":
+            quote = ch * 3 if s.startswith(ch * 3, j) else ch
+            j += len(quote)
+            continue
+        elif ch in _PY_OPEN:
+            depth += 1
+        elif ch in _PY_CLOSE:
+            if depth == 0:
+                return j if ch == ")" else -1
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return j
+        j += 1
+    return None
+
+
+def _py_calls(s: str, i: int, known: set[str], final: bool) -> tuple[list[tuple[str, str]], int | None]:
+    """The calls of a pythonic list from ``s[i]`` (just past its ``[``): ([(name, arguments as JSON
+    so far)], where the text after them begins, None while they may go on). A call is one once its
+    first keyword argument is read (or it closed without any), as a JSON call is once its arguments
+    began: a call the text cuts after that keeps the keywords read so far, and from a keyword that
+    is not one on, the text is content."""
+    calls: list[tuple[str, str]] = []
+    while True:
+        start = i = _skip_ws(s, i)
+        if i < len(s) and s[i] == "]":
+            return calls, i + 1  # (the list ends, after a trailing comma too)
+        m = _NAME.match(s, i)
+        if i >= len(s) or (m is not None and m.end() >= len(s)):  # the text ends before a name, or in it
+            return calls, None if not final or i >= len(s) else start
+        if m is None:
+            return calls, start
+        name, i = m.group(), _skip_ws(s, m.end())
+        if i >= len(s):
+            return calls, None if not final else start
+        if s[i] != "(" or name not in known:
+            return calls, start
+        parts: list[str] = []
+        i += 1
+        while True:  # keyword arguments, up to the call's ")"
+            here = i = _skip_ws(s, i)
+
+            def cut():  # (the text ends in the call: it is one if a keyword was read)
+                if parts:
+                    return calls + [(name, "{" + ", ".join(parts))], None
+                return calls, None if not final else start
+
+            def bad():  # (not a keyword argument: from here on the text is content)
+                if parts:
+                    return calls + [(name, "{" + ", ".join(parts))], here
+                return calls, start
+
+            if i >= len(s):
+                return cut()
+            if s[i] == ")":
+                calls.append((name, "{" + ", ".join(parts) + "}"))
+                i += 1
+                break
+            k = _NAME.match(s, i)
+            if k is None:
+                return bad()
+            j = _skip_ws(s, k.end())
+            if j >= len(s):
+                return cut()
+            if s[j] != "=" or s.startswith("==", j) or any(p.startswith(json.dumps(k.group()) + ":") for p in parts):
+                return bad()
+            j = _skip_ws(s, j + 1)
+            end = _py_value_end(s, j) if j < len(s) else None
+            if end is None:
+                return cut()
+            if end < 0 or end == j:
+                return bad()
+            try:
+                value = json.dumps(ast.literal_eval(s[j:end].strip()), ensure_ascii=False, allow_nan=False)
+            except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+                return bad()
+            parts.append(json.dumps(k.group()) + ": " + value)
+            i = end + 1 if s[end] == "," else end
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            return calls, None if not final else len(s)
+        if s[i] == "]":
+            return calls, i + 1
+        if s[i] != ",":
+            return calls, i
+        i += 1
 
 
 PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}

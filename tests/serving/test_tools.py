@@ -243,9 +243,17 @@ def test_the_pythonic_parser_reads_a_list_of_calls_of_literals_never_evaluating_
     assert got('[get_weather(city="x", days=None, extra={"a": [1, 2.5, True]})]') == (
         None, [("get_weather", {"city": "x", "days": None, "extra": {"a": [1, 2.5, True]}})])
     for text in ('[get_weather("paris")]', "[rm_rf()]", "[get_time(zone=__import__('os').getcwd())]",
-                 "[os.system(cmd='x')]", "[get_time(zone=x)]", "[]", "[1, 2]", "[get_time(zone='utc')",
-                 "Sure: [get_time()]", "[get_time(**{'zone': 'utc'})]"):
+                 "[os.system(cmd='x')]", "[get_time(zone=x)]", "[]", "[1, 2]",
+                 "Sure: [get_time()]", "[get_time(**{'zone': 'utc'})]", "[get_time(zone=float('inf'))]"):
         assert _parsed("pythonic", text) == (text, []), text
+    # read as written: the calls before one that is not, and a list the output cut, are calls; what
+    # follows them is content
+    assert got("[get_time(zone='utc')") == (None, [("get_time", {"zone": "utc"})])
+    assert got("[get_time(zone='a,b)c'), rm_rf()]") == ("rm_rf()]", [("get_time", {"zone": "a,b)c"})])
+    assert got("[get_time(zone='''it's'''),] done") == ("done", [("get_time", {"zone": "it's"})])
+    # a call is one once its first keyword is read: a later one that is not ends it, as written so far
+    assert _raw(ToolRequest((WEATHER, TIME), "auto"), "[get_weather(city='a', days=x)]", "pythonic") == (
+        "days=x)]", [("get_weather", '{"city": "a"')])
 
 
 def test_parallel_tool_calls_false_keeps_one_call():
@@ -309,7 +317,7 @@ def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, tex
     """The model's text is forced (a regex: auto leaves room for a response format) to a given
     output in the parser's format: the content streams up to where a call begins, never a piece
     of the call; the JSON formats' calls stream as they are written (arguments in pieces, as the
-    model wrote them), the pythonic ones come whole at the end; streamed and not alike."""
+    model wrote them, the pythonic ones a keyword at a time); streamed and not alike."""
     want = (content, calls, "tool_calls" if calls else "stop")
     for stream in (False, True):
         assert _chat(cluster[parser], stream, tools=[WEATHER, TIME],
@@ -322,10 +330,9 @@ def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, tex
     if calls:
         assert not any("<" in p for p in pieces), pieces
         deltas = [t for ch in chunks for t in ch.delta.tool_calls or []]
-        if parser == "pythonic":
-            assert len(deltas) == len(calls) and chunks[-1].delta.tool_calls  # (whole, in the last chunk)
-        else:  # (each call's arguments in pieces, before the last chunk)
-            assert len(deltas) > 2 * len(calls) and not chunks[-1].delta.tool_calls, deltas
+        # (each call's arguments in pieces, before the last chunk; the pythonic format's a keyword at a time)
+        assert len(deltas) > (1 if parser == "pythonic" else 2) * len(calls), deltas
+        assert not chunks[-1].delta.tool_calls, deltas
     if content is not None and content.startswith(("{", "[")) and parser != "hermes":
         assert pieces == [content]  # (it began as a call: held to the end, where it did not parse)
     else:
@@ -347,7 +354,10 @@ _SHAPES = {
                     '{"city": "rome", "days": 1}}', '{"name": "get_time", "parameters": {}}',
                     'It is sunny. {"name": "get_time", "parameters": {}}', '{"name": "get_time", "parameters": 1}',
                     '{"name": "get_time", "parameters": {"zone": "utc"}} and then', '{"name": "get_time", "param'],
-    "pythonic": ['[get_weather(city="paris", days=2), get_time(zone=\'utc\')]', "Try [get_time()]", "[get_time(x=y)]"],
+    "pythonic": ['[get_weather(city="paris", days=2), get_time(zone=\'utc\')]', "Try [get_time()]", "[get_time(x=y)]",
+                 ' [get_weather(city="a, (b)", days=-3), get_time(zone="x\\"y")] and more', "[get_weather(city='r",
+                 "[get_time(zone='''u,t)c'''), rm_rf(x=1)]", "[get_weather(city=\"x\", days=[1, {'k': (2, 3)}])]",
+                 "[]", "[get_time(),]", "[get_weather(city='a', days=x)] so", "[get_weather(city='a', city='b')]"],
     None: ['[{"name": "get_time", "parameters": {"zone": "cet"}}', '[{"name": "get_ti',
            '[{"name": "get_time", "parameters": {"zone": "cet"}}, {"name": "get_weather", "parameters": '
            '{"city": "a", "days": 1, "x": [1, {"b": "]}"}]}}]'],
