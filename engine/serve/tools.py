@@ -363,7 +363,7 @@ class Pythonic(_AtStart):
         at = _skip_ws(text, 0)
         if at >= len(text) or text[at] != "[":
             return len(text), [], None
-        calls, rest = _py_calls(text, at + 1, known, final)
+        calls, rest = _py_calls(text, at + 1, known, final, memo)
         if not calls:
             return (len(text), [], None) if final or rest is not None else (at, [], None)
         return at, calls, rest
@@ -373,27 +373,37 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PY_OPEN, _PY_CLOSE = "([{", ")]}"
 
 
-def _py_value_end(s: str, i: int) -> int | None:
+def _py_value_end(s: str, i: int, memo: dict | None = None) -> int | None:
     """Where the Python literal that begins at ``s[i]`` ends (at the ``,`` or ``)`` after it, at
-    depth 0), or None where the text ends first. Quotes and brackets are followed; what is in
-    between is for ``ast.literal_eval`` to judge."""
-    depth, quote = 0, None
-    j = i
-    while j < len(s):
+    depth 0; -1 at a stray closing bracket), or None where the text ends first. Quotes and brackets
+    are followed; what is in between is for ``ast.literal_eval`` to judge. ``memo``: where the scan
+    of a cut value stopped, resumed when the text has grown (a stream's: each piece read once)."""
+    j, depth, quote = memo.get(("py", i), (i, 0, None)) if memo is not None else (i, 0, None)
+    n = len(s)
+    while j < n:
+        if quote is not None:  # (to the next backslash or quote character)
+            k = min((x for x in (s.find("\\", j), s.find(quote[0], j)) if x >= 0), default=-1)
+            if k < 0:
+                j = n
+                break
+            if s[k] == "\\":
+                j = k + 2
+            elif len(quote) == 3 and n - k < 3 and s[k:] == quote[0] * (n - k):
+                j = k  # (two quotes of three so far: wait)
+                break
+            elif s.startswith(quote, k):
+                j, quote = k + len(quote), None
+            else:
+                j = k + 1
+            continue
         ch = s[j]
-        if quote is not None:
-            if ch == "\\":
-                j += 2
-                continue
-            if s.startswith(quote, j):
-                j += len(quote)
-                quote = None
-                continue
-        elif ch in "'\"":
+        if ch in "'\"":
+            if n - j < 3 and s[j:] == ch * (n - j):
+                break  # (one quote, or three? wait)
             quote = ch * 3 if s.startswith(ch * 3, j) else ch
             j += len(quote)
             continue
-        elif ch in _PY_OPEN:
+        if ch in _PY_OPEN:
             depth += 1
         elif ch in _PY_CLOSE:
             if depth == 0:
@@ -402,10 +412,26 @@ def _py_value_end(s: str, i: int) -> int | None:
         elif ch == "," and depth == 0:
             return j
         j += 1
+    if memo is not None:
+        memo[("py", i)] = (j, depth, quote)
     return None
 
 
-def _py_calls(s: str, i: int, known: set[str], final: bool) -> tuple[list[tuple[str, str]], int | None]:
+def _py_literal(s: str, j: int, end: int, memo: dict | None) -> str | None:
+    """The JSON of the Python literal ``s[j:end]`` (None: not a literal JSON can hold)."""
+    if memo is not None and ("pyv", j, end) in memo:
+        return memo[("pyv", j, end)]
+    try:
+        out = json.dumps(ast.literal_eval(s[j:end].strip()), ensure_ascii=False, allow_nan=False)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        out = None
+    if memo is not None:
+        memo[("pyv", j, end)] = out
+    return out
+
+
+def _py_calls(s: str, i: int, known: set[str], final: bool,
+              memo: dict | None = None) -> tuple[list[tuple[str, str]], int | None]:
     """The calls of a pythonic list from ``s[i]`` (just past its ``[``): ([(name, arguments as JSON
     so far)], where the text after them begins, None while they may go on). A call is one once its
     first keyword argument is read (or it closed without any), as a JSON call is once its arguments
@@ -456,14 +482,13 @@ def _py_calls(s: str, i: int, known: set[str], final: bool) -> tuple[list[tuple[
             if s[j] != "=" or s.startswith("==", j) or any(p.startswith(json.dumps(k.group()) + ":") for p in parts):
                 return bad()
             j = _skip_ws(s, j + 1)
-            end = _py_value_end(s, j) if j < len(s) else None
+            end = _py_value_end(s, j, memo) if j < len(s) else None
             if end is None:
                 return cut()
             if end < 0 or end == j:
                 return bad()
-            try:
-                value = json.dumps(ast.literal_eval(s[j:end].strip()), ensure_ascii=False, allow_nan=False)
-            except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            value = _py_literal(s, j, end, memo)
+            if value is None:
                 return bad()
             parts.append(json.dumps(k.group()) + ": " + value)
             i = end + 1 if s[end] == "," else end

@@ -357,7 +357,9 @@ _SHAPES = {
     "pythonic": ['[get_weather(city="paris", days=2), get_time(zone=\'utc\')]', "Try [get_time()]", "[get_time(x=y)]",
                  ' [get_weather(city="a, (b)", days=-3), get_time(zone="x\\"y")] and more', "[get_weather(city='r",
                  "[get_time(zone='''u,t)c'''), rm_rf(x=1)]", "[get_weather(city=\"x\", days=[1, {'k': (2, 3)}])]",
-                 "[]", "[get_time(),]", "[get_weather(city='a', days=x)] so", "[get_weather(city='a', city='b')]"],
+                 "[]", "[get_time(),]", "[get_weather(city='a', days=x)] so", "[get_weather(city='a', city='b')]",
+                 "[get_time(zone='a\\'b,)'), get_weather(city=\"\"\"x\"\"y'''\"\"\", days=1)]", "[get_time(zone='')]",
+                 "[get_time(zone=''''''), get_time(zone=\"\")]"],
     None: ['[{"name": "get_time", "parameters": {"zone": "cet"}}', '[{"name": "get_ti',
            '[{"name": "get_time", "parameters": {"zone": "cet"}}, {"name": "get_weather", "parameters": '
            '{"city": "a", "days": 1, "x": [1, {"b": "]}"}]}}]'],
