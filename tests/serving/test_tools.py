@@ -398,7 +398,7 @@ def test_streamed_calls_join_to_the_unstreamed_answer_however_the_text_is_cut(pa
 
 def test_the_tool_stream_bench_prints_its_table(monkeypatch, capsys):
     """bench/tool_stream_bench.py at a toy size (its figures are in docs/benchmarks.md): both ways
-    send exactly the call's arguments (the bench fails otherwise), one row per size."""
+    send exactly the call's arguments (the bench fails otherwise), one row per format and size."""
     import sys
 
     from bench.tool_stream_bench import main
@@ -406,4 +406,4 @@ def test_the_tool_stream_bench_prints_its_table(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["tool_stream_bench.py", "--quick"])
     assert main() == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| ") and line.endswith("× |") for line in out.splitlines()) == 2, out
+    assert sum(line.startswith("| ") and line.endswith("× |") for line in out.splitlines()) == 4, out
