@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless, over the chat endpoint.
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat endpoint.
 
 A Responses request is a chat request written another way: ``input`` (a string, or a list of items:
 messages with text parts, the model's earlier ``function_call``s and their ``function_call_output``s)
