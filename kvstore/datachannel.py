@@ -315,15 +315,20 @@ class DataChannelClient:
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0, proof: bytes = b"") -> None:
         from kvstore import tls
 
+        sock = None
         try:
-            self.sock = connect(host, port, timeout_s)
-            tune(self.sock)
+            sock = connect(host, port, timeout_s)
+            tune(sock)
             ctx = tls.client_context()
             if ctx is not None:
-                self.sock = ctx.wrap_socket(self.sock, server_hostname=host)
+                sock = ctx.wrap_socket(sock, server_hostname=host)
+            # (a node that dies as it accepts resets the hello: unreachable too, never a raw OSError)
+            sock.sendall(HELLO + token)
         except OSError as exc:  # ssl.SSLError included: a failed handshake
+            if sock is not None:
+                sock.close()
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
-        self.sock.sendall(HELLO + token)
+        self.sock = sock
         self._deferred: list[tuple[int, Callable | None]] = []
         if proof:  # its answer is read before the next request's, off the critical path
             with self._guard():
