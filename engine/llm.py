@@ -150,17 +150,14 @@ class LLM:
             self.engine.validate(ids + [0] * (max_tokens - 1), step)  # (the longest request it will make)
         searches = [BeamSearch(params, self.engine.eos) for _ in encoded]
         cached = [0] * len(encoded)
-        first = True
-        while live := [(i, s) for i, s in enumerate(searches) if s.pending()]:
-            asked = [(i, s, beams) for i, s in live for beams in [s.pending()]]
+        while live := [(i, s, beams) for i, s in enumerate(searches) if (beams := s.pending())]:
             seqs = [[self.engine.add_request(encoded[i] + t, step, cache_salt=salt) for t in beams]
-                    for i, _, beams in asked]
+                    for i, _, beams in live]
             self._run([q for qs in seqs for q in qs])
-            for (i, search, _), qs in zip(asked, seqs):
-                if first:
+            for (i, search, _), qs in zip(live, seqs):
+                if not search.steps:  # (the first step's request: the prompt's reuse)
                     cached[i] = qs[0].num_store_tokens + qs[0].num_local_tokens
                 search.advance([q.logprobs[0] for q in qs])
-            first = False
         if self.engine.connector is not None:
             self.engine.connector.flush()
         return [[BeamOutput(prompt_token_ids=encoded[i], token_ids=b.tokens, text=self.tokenizer.decode(b.tokens),

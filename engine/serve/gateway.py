@@ -146,9 +146,9 @@ class Gateway:
         self.reasoning_parser = reasoning_parser
         """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
         self.trust_request_chat_template = trust_request_chat_template
+        """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
         self.responses = ResponseStore(max_stored_responses)
         """The Responses API's kept responses (``previous_response_id``, ``GET /v1/responses/{id}``)."""
-        """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
         self._compile = functools.lru_cache(maxsize=32)(
             lambda source: ChatTemplate(source, self.tokenizer.special_tokens))
         """Requests' templates, compiled; the 32 used last are kept (thread-safe: handlers share it)."""
@@ -676,7 +676,7 @@ def make_handler(gw: Gateway):
             return True, tenant
 
         @staticmethod
-        def _responses_request(body, tenant):
+        def _responses_request(body):
             """A Responses request with ``store`` settled (kept: unless it says false, when this
             gateway keeps any); BadRequest for a ``previous_response_id`` that is not a string."""
             if not isinstance(body, dict):
@@ -685,13 +685,11 @@ def make_handler(gw: Gateway):
             if prev is not None and not isinstance(prev, str):
                 raise BadRequest("'previous_response_id' must be a response id", "previous_response_id")
             store = body.get("store")
-            return {**body, "store": gw.responses.max_items > 0 and store is not False and
-                    (store is None or store is True)}
+            return {**body, "store": gw.responses.max_items > 0 and (store is None or store is True)}
 
-        def _stored_response(self, method: str) -> None:
-            """GET or DELETE /v1/responses/{id}: a kept response, read back or forgotten; 404 when
+        def _stored_response(self, method: str, rid: str) -> None:
+            """GET or DELETE /v1/responses/{rid}: a kept response, read back or forgotten; 404 when
             it is not kept (or not the caller's)."""
-            rid = self.path.split("?", 1)[0][len("/v1/responses/"):]
             endpoint = "responses_get" if method == "GET" else "responses_delete"
             ok, tenant = self._authorized(endpoint)
             if not ok:
@@ -710,16 +708,18 @@ def make_handler(gw: Gateway):
             self._json(200, resp)
 
         def do_DELETE(self):
-            if _stored_path(self.path):
+            rid = _stored_id(self.path)
+            if rid is not None:
                 length = self.headers.get("Content-Length")
                 if length and length.strip().isdigit():
                     self._discard(int(length))
-                return self._stored_response("DELETE")
+                return self._stored_response("DELETE", rid)
             self._not_allowed()
 
         def do_GET(self):
-            if _stored_path(self.path):
-                return self._stored_response("GET")
+            rid = _stored_id(self.path)
+            if rid is not None:
+                return self._stored_response("GET", rid)
             if self.path == "/v1/models":
                 if gw.api_keys is not None and gw.tenant(self.headers.get("Authorization")) is None:
                     return self._error(401, "a valid API key is needed (Authorization: Bearer <key>)",
@@ -768,7 +768,7 @@ def make_handler(gw: Gateway):
                     return
                 asked = body
                 if endpoint == "responses":  # (a chat request written another way: answered as one)
-                    asked = self._responses_request(body, tenant)
+                    asked = self._responses_request(body)
                     prev = asked.get("previous_response_id")
                     history = gw.responses.history(prev, _owner(tenant)) if prev is not None else None
                     body, chat = to_chat(body, history, gw.responses.max_items > 0), True
@@ -1144,10 +1144,11 @@ class _Choice:
         self.ids_sent = -1  # streamed, with return_token_ids: generated tokens sent (-1: the prompt's not yet)
 
 
-def _stored_path(path: str) -> bool:
-    """``/v1/responses/{id}`` (a query string aside)."""
-    rest = path.split("?", 1)[0].removeprefix("/v1/responses/")
-    return rest != path.split("?", 1)[0] and bool(rest) and "/" not in rest
+def _stored_id(path: str) -> str | None:
+    """The id of ``/v1/responses/{id}`` (a query string aside), or None for any other path."""
+    path = path.split("?", 1)[0]
+    rest = path.removeprefix("/v1/responses/")
+    return rest if rest != path and rest and "/" not in rest else None
 
 
 def _owner(tenant) -> str | None:

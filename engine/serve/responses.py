@@ -193,10 +193,10 @@ def message_logprobs(entries: list[dict], reasoning_parser: bool, content: str |
     write the content's bytes (tool calls after it are not the message's)."""
     start = 0
     if reasoning_parser:
-        raw = b""
+        tail = b""  # (the last bytes, enough to hold the tag: each entry read once)
         for i, e in enumerate(entries):
-            raw += bytes(e.get("bytes") or ())
-            if END_TAG in raw:
+            tail = tail[-(len(END_TAG) - 1):] + bytes(e.get("bytes") or ())
+            if END_TAG in tail:
                 start = i + 1
                 break
         else:  # (never closed: all reasoning, unless there was none and all is content)

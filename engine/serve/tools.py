@@ -453,20 +453,21 @@ def _py_calls(s: str, i: int, known: set[str], final: bool,
         if s[i] != "(" or name not in known:
             return calls, start
         parts: list[str] = []
+        seen: set[str] = set()
+
+        def cut():  # (the text ends in the call: it is one if a keyword was read)
+            if parts:
+                return calls + [(name, "{" + ", ".join(parts))], None
+            return calls, None if not final else start
+
+        def bad():  # (not a keyword argument: from here on the text is content)
+            if parts:
+                return calls + [(name, "{" + ", ".join(parts))], here
+            return calls, start
+
         i += 1
         while True:  # keyword arguments, up to the call's ")"
             here = i = _skip_ws(s, i)
-
-            def cut():  # (the text ends in the call: it is one if a keyword was read)
-                if parts:
-                    return calls + [(name, "{" + ", ".join(parts))], None
-                return calls, None if not final else start
-
-            def bad():  # (not a keyword argument: from here on the text is content)
-                if parts:
-                    return calls + [(name, "{" + ", ".join(parts))], here
-                return calls, start
-
             if i >= len(s):
                 return cut()
             if s[i] == ")":
@@ -479,7 +480,7 @@ def _py_calls(s: str, i: int, known: set[str], final: bool,
             j = _skip_ws(s, k.end())
             if j >= len(s):
                 return cut()
-            if s[j] != "=" or s.startswith("==", j) or any(p.startswith(json.dumps(k.group()) + ":") for p in parts):
+            if s[j] != "=" or s.startswith("==", j) or k.group() in seen:
                 return bad()
             j = _skip_ws(s, j + 1)
             end = _py_value_end(s, j, memo) if j < len(s) else None
@@ -490,6 +491,7 @@ def _py_calls(s: str, i: int, known: set[str], final: bool,
             value = _py_literal(s, j, end, memo)
             if value is None:
                 return bad()
+            seen.add(k.group())
             parts.append(json.dumps(k.group()) + ": " + value)
             i = end + 1 if s[end] == "," else end
         i = _skip_ws(s, i)
