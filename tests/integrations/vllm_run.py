@@ -1,6 +1,7 @@
 """One vLLM run for tests/integrations/test_vllm.py (run with the vLLM venv's python).
 
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT] [--lora ADAPTER_DIR]
+        [--kv-cache-dtype auto|fp8|fp8_e5m2|...] [--dtype float32|bfloat16]
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
 ``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter)
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--store")
     ap.add_argument("--lora")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
 
@@ -44,8 +47,8 @@ def main() -> None:
                                        "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0})
     if args.lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
-    llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
-              max_model_len=512, max_num_seqs=16, seed=0, **kw)
+    llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
+              max_model_len=512, max_num_seqs=16, seed=0, kv_cache_dtype=args.kv_cache_dtype, **kw)
     with open(args.requests) as f:
         requests = json.load(f)
     prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else {"prompt_token_ids": r["prompt_token_ids"]}),
