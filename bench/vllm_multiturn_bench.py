@@ -11,9 +11,10 @@ off: turn 2 reloads turn 1's prompt and recomputes its answer), saving the answe
 The three must give the same first tokens.
 
 vLLM runs in its own venv (``make setup-vllm``), single process on CPU, on a random Llama built in
-the run (word-level tokenizer; ``--hidden``, ``--layers``).
+the run (word-level tokenizer; ``--hidden``, ``--layers``). ``--kv-cache-dtype fp8`` runs all three
+with vLLM's FP8 KV cache (chunks of FP8 codes: half the bytes of bf16, a quarter of float32).
 
-    .venv/bin/python bench/vllm_multiturn_bench.py [--conversations 8] [--write-docs]
+    .venv/bin/python bench/vllm_multiturn_bench.py [--conversations 8] [--kv-cache-dtype fp8] [--write-docs]
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def child(args) -> None:
             kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS, "timeout_s": 60.0,
                                        "save_decode": args.save_decode == "1"})
     llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
-              max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192, seed=0, **kw)
+              max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192, seed=0,
+              kv_cache_dtype=args.kv_cache_dtype, **kw)
     with open(args.requests) as f:
         prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -66,7 +68,7 @@ def child(args) -> None:
 
 
 def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_tokens: int, store: str | None,
-             save_decode: bool = True) -> dict:
+             save_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
     from tests.helpers import venv_python
 
     req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
@@ -75,7 +77,8 @@ def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_toke
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [venv_python("vllm"), os.path.abspath(__file__), "--child", "--model", model, "--requests", req,
-           "--out", out, "--max-tokens", str(max_tokens), "--save-decode", "1" if save_decode else "0"]
+           "--out", out, "--max-tokens", str(max_tokens), "--save-decode", "1" if save_decode else "0",
+           "--kv-cache-dtype", kv_cache_dtype]
     if store:
         cmd += ["--store", store]
     print(f"  {name} ...", end="", flush=True)
@@ -104,6 +107,7 @@ def main() -> None:
     ap.add_argument("--followup-tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's cache dtype: auto (the model's, float32) or fp8")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
@@ -111,6 +115,7 @@ def main() -> None:
         return
     sys.path.insert(0, ROOT)
     from bench.common import publish, table
+    from kvstore.client import StoreClient
     from tests.helpers import StoreProcess, require_venv
     from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama
 
@@ -126,20 +131,24 @@ def main() -> None:
 
     first = [words(args.prompt_tokens) for _ in range(args.conversations)]
     followups = [words(args.followup_tokens) for _ in range(args.conversations)]
-    runs, second = {}, None
+    runs, second, stored = {}, None, {}
+    dt = args.kv_cache_dtype
     for mode, save_decode in (("prompt chunks only", False), ("prompt + answer chunks", True)):
         print(f"{mode}:", flush=True)
         store = StoreProcess("--dram", "2GiB")
         try:
-            t1 = run_vllm(tmp, f"turn1-{save_decode}", model, first, args.answer_tokens, store.address, save_decode)
+            t1 = run_vllm(tmp, f"turn1-{save_decode}", model, first, args.answer_tokens, store.address, save_decode,
+                          dt)
+            with StoreClient(store.address) as c:
+                stored[mode] = c.stats()["tiers"]["dram"]["used_bytes"]
             turn2 = [p + o["token_ids"] + f for p, o, f in zip(first, t1["outputs"], followups)]
             assert second is None or turn2 == second, "turn 1 answered differently"
             second = turn2
-            runs[mode] = run_vllm(tmp, f"turn2-{save_decode}", model, turn2, 1, store.address, save_decode)
+            runs[mode] = run_vllm(tmp, f"turn2-{save_decode}", model, turn2, 1, store.address, save_decode, dt)
         finally:
             store.stop()
     print("no connector:", flush=True)
-    runs["no connector (recompute)"] = run_vllm(tmp, "turn2-none", model, second, 1, None)
+    runs["no connector (recompute)"] = run_vllm(tmp, "turn2-none", model, second, 1, None, kv_cache_dtype=dt)
     firsts = {m: [o["token_ids"] for o in r["outputs"]] for m, r in runs.items()}
     assert len({json.dumps(v) for v in firsts.values()}) == 1, f"the first tokens differ: {firsts}"
 
@@ -148,10 +157,10 @@ def main() -> None:
     rows, bars = [], []
     for mode, r in runs.items():
         cached = sum(o["num_cached_tokens"] for o in r["outputs"])
-        rows.append([mode, f"{total:,}", f"{cached:,}", f"{total - cached:,}", f"{r['seconds']:.2f}",
-                     f"{base / r['seconds']:.2f}x"])
+        rows.append([mode, f"{stored[mode] / 2**20:.1f}" if mode in stored else "", f"{total:,}", f"{cached:,}",
+                     f"{total - cached:,}", f"{r['seconds']:.2f}", f"{base / r['seconds']:.2f}x"])
         bars.append((mode, r["seconds"]))
-    text = table(["turn 2", "prompt tokens", "loaded from the store", "computed", "time to first tokens, s",
+    text = table(["turn 2", "stored after turn 1, MiB", "prompt tokens", "loaded from the store", "computed", "time to first tokens, s",
                   "speed-up vs recompute"], rows)
     print(text)
 
@@ -162,17 +171,20 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#1f77b4", "#ff7f0e"])
     ax.set_xlabel("turn 2: seconds to every conversation's first token")
-    ax.set_title(f"vLLM + Crescent, {args.conversations} conversations, {args.layers} layers x {args.hidden} (CPU)")
+    ax.set_title(f"vLLM + Crescent, {args.conversations} conversations, {args.layers} layers x {args.hidden}"
+                 f"{'' if dt == 'auto' else f', {dt} KV'} (CPU)")
     fig.tight_layout()
     body = (f"A conversation's second turn through vLLM (vllm-cpu 0.32, single process) with the Crescent "
             f"connector: {args.conversations} conversations, a {args.prompt_tokens}-token first prompt answered "
             f"with {args.answer_tokens} tokens (greedy), then a {args.followup_tokens}-token follow-up; turn 2 "
             f"served by a fresh vLLM process (empty local cache) with the store, timed to every conversation's "
             f"first token. A random Llama of {args.layers} layers, hidden {args.hidden} (float32, CPU: 2 cores), "
+            f"{'a float32 KV cache' if dt == 'auto' else f'an FP8 KV cache (vLLM `kv_cache_dtype={dt}`; chunks hold its codes)'}, "
             f"chunks of {CHUNK_TOKENS} tokens; the three runs gave the same first tokens. Saving only prompt "
             f"chunks, turn 2 recomputes turn 1's answer; with `save_decode` (the default) it loads it. Command: "
-            f"`.venv/bin/python bench/vllm_multiturn_bench.py --write-docs`.\n\n{text}\n")
-    publish(fig, "vllm_multiturn", body, args.write_docs)
+            f"`.venv/bin/python bench/vllm_multiturn_bench.py{'' if dt == 'auto' else f' --kv-cache-dtype {dt}'} "
+            f"--write-docs`.\n\n{text}\n")
+    publish(fig, "vllm_multiturn" + ("" if dt == "auto" else f"_{dt}"), body, args.write_docs)
 
 
 if __name__ == "__main__":
