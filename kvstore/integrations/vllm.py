@@ -16,7 +16,9 @@ the store for the hit prefix; ``update_state_after_alloc`` and
 save plans; ``request_finished`` drops a request's state.
 
 Worker side (``WorkerSide``): ``register_kv_caches`` adopts the paged caches;
-``start_load_kv`` fetches, verifies and scatters the planned chunks;
+``start_load_kv`` fetches, verifies and scatters the planned chunks (with
+``load_async``, hands them to a loader thread, whose finished requests
+``get_finished`` reports);
 ``save_kv_layer`` gathers each finished layer of the chunks to save;
 ``wait_for_save`` queues them for the store; ``get_block_ids_with_load_errors``
 reports chunks that could not be loaded, which vLLM recomputes.
@@ -90,6 +92,11 @@ class CrescentConnectorConfig:
     """After a store fault, seconds during which the store is not asked (requests compute)."""
     save_queue_steps: int = 4
     """Steps of encoded chunks that may wait for the background saver before a step blocks."""
+    load_async: bool = False
+    """Load beside the steps: vLLM holds a request with a hit until the worker's loader thread has
+    written its chunks, and runs the other requests' steps meanwhile (vLLM's ``load_kv_async``).
+    Off: a hit is loaded at the start of the step that computes the rest of the prompt, which
+    waits for it."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
@@ -208,6 +215,10 @@ class CrescentConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
         """Scheduler side, with save_decode: the requests in flight (their tokens grow as they generate)."""
+        self._async_new: dict[str, list[int]] = {}
+        """Scheduler side: requests given an asynchronous load, not yet sent to the workers -> blocks."""
+        self._async_inflight: set[str] = set()
+        """Scheduler side: requests whose asynchronous load the workers have not reported done."""
         if role == KVConnectorRole.SCHEDULER:
             # NOTE: kv_role narrows the config: a kv_producer only saves, a kv_consumer only loads.
             self._planner = ChunkPlanner(c, self.block_size, self._keys_for,
@@ -263,12 +274,15 @@ class CrescentConnector(KVConnectorBase_V1):
             num_hit = min(num_hit, self._link.lookup(rank_keys[:num_hit]))
             if num_hit == 0:
                 break
-        return planner.matched_tokens(request.request_id, num_computed_tokens, num_hit), False
+        matched = planner.matched_tokens(request.request_id, num_computed_tokens, num_hit)
+        return matched, self.config.load_async and matched > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
         self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), _scope(request),
                                _eligible(request), num_external_tokens)
+        if self.config.load_async and num_external_tokens > 0:
+            self._async_new[request.request_id] = list(blocks.get_block_ids()[0])
         if self._planner.save_decode:
             self._requests[request.request_id] = request
 
@@ -277,6 +291,12 @@ class CrescentConnector(KVConnectorBase_V1):
         assert planner is not None
         num_scheduled = scheduler_output.num_scheduled_tokens
         ops: list[RequestOps] = []
+        for req_id, block_ids in self._async_new.items():
+            op = planner.on_async_load(req_id, block_ids)
+            if op is not None:
+                ops.append(op)
+                self._async_inflight.add(req_id)
+        self._async_new.clear()
         for r in scheduler_output.scheduled_new_reqs:
             op = planner.on_new(r.req_id, r.block_ids[0], r.num_computed_tokens,
                                 num_scheduled.get(r.req_id, 0))
@@ -296,13 +316,16 @@ class CrescentConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._planner is not None and connector_output.invalid_block_ids:
             self._planner.on_load_errors(set(connector_output.invalid_block_ids))
+        self._async_inflight.difference_update(connector_output.finished_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # NOTE: saves copy their blocks out during the step, so vLLM may free them now.
+        # NOTE: saves copy their blocks out during the step, so vLLM may free them now; a load
+        # still being written into them holds them until the workers report it done.
         if self._planner is not None:
             self._planner.on_finished(request.request_id)
             self._requests.pop(request.request_id, None)
-        return False, None
+            self._async_new.pop(request.request_id, None)
+        return request.request_id in self._async_inflight, None
 
     @property
     def num_matched_tokens(self) -> int:
@@ -361,7 +384,8 @@ class CrescentConnector(KVConnectorBase_V1):
         self._worker.load(meta.requests)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # NOTE: loads are synchronous: start_load_kv wrote every layer before the forward.
+        # NOTE: a step's synchronous loads were written, every layer, in start_load_kv; asynchronous
+        # ones go to requests this step does not run.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -374,8 +398,9 @@ class CrescentConnector(KVConnectorBase_V1):
             self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # NOTE: no transfer outlives its step (loads are synchronous, saves copy their blocks).
-        return None, None
+        # NOTE: saves copy their blocks out during the step; only asynchronous loads outlive it.
+        done = self._worker.take_finished_loads() if self._worker is not None else set()
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_blocks() if self._worker is not None else set()

@@ -53,6 +53,8 @@ class RequestOps:
     scope: Scope
     loads: tuple[ChunkOp, ...] = ()
     saves: tuple[ChunkOp, ...] = ()
+    async_load: bool = False
+    """The loads run beside the steps (vLLM holds the request until the worker reports them done)."""
 
 
 @dataclass
@@ -157,6 +159,15 @@ class ChunkPlanner:
         st.block_ids = list(block_ids)
         return self._ops(req_id, st, num_computed_tokens, num_scheduled_tokens)
 
+    def on_async_load(self, req_id: str, block_ids: Iterable[int]) -> RequestOps | None:
+        """A request whose load vLLM lets run beside the steps (``load_kv_async``): its loads alone,
+        into the blocks allocated for it; it is scheduled (``on_new``) once they are done."""
+        st = self._reqs.get(req_id)
+        if st is None or st.pending_load is None:
+            return None
+        st.block_ids = list(block_ids)
+        return RequestOps(req_id, st.scope, self._loads(req_id, st), async_load=True)
+
     def on_cached(self, req_id: str, new_block_ids: Iterable[int] | None, resumed: bool,
                   num_computed_tokens: int, num_scheduled_tokens: int,
                   tokens: Sequence[int] | None = None) -> RequestOps | None:
@@ -200,18 +211,25 @@ class ChunkPlanner:
                        parents=tuple(k[j - 1] if j else ROOT_KEY for k in keys),
                        tokens=st.tokens[j * c:(j + 1) * c], block_ids=blocks, first_block=first_block)
 
+    def _loads(self, req_id: str, st: _Req) -> tuple[ChunkOp, ...]:
+        """The request's pending load as chunk ops (none pending: none)."""
+        if st.pending_load is None:
+            return ()
+        c = self.chunk_tokens
+        start, end = st.pending_load
+        st.pending_load = None
+        st.loaded_blocks.clear()
+        loads = []
+        for j in range(start // c, end // c):
+            op = self._chunk(req_id, st, j, max(0, start - j * c) // self.block_size)
+            loads.append(op)
+            st.loaded_blocks.update((b, j) for b in op.block_ids[op.first_block:])
+        self.num_hit_tokens += end - start
+        return tuple(loads)
+
     def _ops(self, req_id: str, st: _Req, computed: int, scheduled: int) -> RequestOps | None:
         c = self.chunk_tokens
-        loads: list[ChunkOp] = []
-        if st.pending_load is not None:
-            start, end = st.pending_load
-            st.pending_load = None
-            st.loaded_blocks.clear()
-            for j in range(start // c, end // c):
-                op = self._chunk(req_id, st, j, max(0, start - j * c) // self.block_size)
-                loads.append(op)
-                st.loaded_blocks.update((b, j) for b in op.block_ids[op.first_block:])
-            self.num_hit_tokens += end - start
+        loads = self._loads(req_id, st)
         saves: list[ChunkOp] = []
         if self.save and st.eligible:
             # (a chunk whose tokens were not all known when its end was computed, under vLLM's async
@@ -232,4 +250,4 @@ class ChunkPlanner:
             st.planned = max(st.planned, last)
         if not loads and not saves:
             return None
-        return RequestOps(req_id, st.scope, tuple(loads), tuple(saves))
+        return RequestOps(req_id, st.scope, loads, tuple(saves))

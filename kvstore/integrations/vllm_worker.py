@@ -1,11 +1,14 @@
 """Worker side of the vLLM connector: store chunks <-> vLLM's paged KV cache.
 
-Loads are synchronous and verified whole before any block is written: every
-chunk of a step's loads is fetched and checked (namespace, parent, tokens,
-shape, dtype, checksums) in ``start_load``, then scattered into the blocks of
-every layer. A chunk that is missing or fails verification is not written;
-its blocks, and those of the request's later chunks, are reported back to
-vLLM as load errors, and vLLM recomputes them.
+Every chunk of a load is fetched and checked (namespace, parent, tokens,
+shape, dtype, checksums) before it is scattered into the blocks of every
+layer. A chunk that is missing or fails verification is not written; its
+blocks, and those of the request's later chunks, are reported back to vLLM as
+load errors, and vLLM recomputes them. Loads are synchronous (done in
+``start_load_kv``, before the step's forward) unless the scheduler side made
+them asynchronous (``load_async``): those run on a loader thread beside the
+steps, into blocks of requests vLLM holds back until ``get_finished`` reports
+them, their load errors reported no later than that.
 
 Saves gather a chunk's blocks layer by layer as vLLM finishes each layer
 (``save_layer``), then ``end_step`` encodes the chunks and hands them to a
@@ -74,9 +77,12 @@ class WorkerSide:
     """
 
     def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[Scope], Namespace], tp_rank: int,
-                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4) -> None:
+                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4,
+                 load_link: StoreLink | None = None) -> None:
         self.link = link
         self.save_link = save_link
+        self.load_link = load_link
+        """The store, for the loader thread (asynchronous loads); None: made on the first."""
         self.namespace_for = namespace_for
         self.tp_rank = tp_rank
         self.chunk_tokens = chunk_tokens
@@ -93,6 +99,12 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, save_queue_steps))
         self._saver: threading.Thread | None = None
+        self._lock = threading.Lock()
+        """Guards the counters, ``_invalid_blocks`` and ``_recv_done`` (the loader thread writes them)."""
+        self._loads: queue.Queue = queue.Queue()
+        self._loader: threading.Thread | None = None
+        self._recv_done: dict[str, set[int]] = {}
+        """Asynchronous loads done and not yet reported: request -> its blocks that failed."""
 
     # ---- setup ---------------------------------------------------------------
 
@@ -127,40 +139,85 @@ class WorkerSide:
         self._failed_reqs = set()
 
     def load(self, requests: Sequence[RequestOps]) -> None:
-        """Loads this step's chunks, synchronously, into every layer."""
+        """Loads this step's synchronous chunks into every layer; queues the asynchronous ones
+        for the loader thread."""
         for r in requests:
-            if r.loads:
-                self._load(r)
+            if not r.loads:
+                continue
+            if r.async_load:
+                self._ensure_loader()
+                self._loads.put(r)
+                continue
+            failed = self._load(r, self.link)
+            if failed:
+                self._failed_reqs.add(r.req_id)
+                with self._lock:
+                    self._invalid_blocks |= failed
 
-    def _load(self, r: RequestOps) -> None:
+    def _load(self, r: RequestOps, link: StoreLink) -> set[int]:
+        """Fetches, verifies and scatters one request's loads; returns the blocks that failed."""
         ns = self.namespace_for(r.scope)
         rank = self.tp_rank
         refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32))
                 for op in r.loads]
-        payloads = self.link.fetch_prefix(refs, ns, self.dtype, self._shape)
+        payloads = link.fetch_prefix(refs, ns, self.dtype, self._shape)
         for op, payload in zip(r.loads, payloads):
             ids = torch.tensor(op.block_ids, dtype=torch.long)
             for layer, (cache, layout) in enumerate(self._kv):
                 scatter_layer(payload[layer], cache, layout, ids, op.first_block)
-            self.stats.num_loaded_chunks += 1
-            self.stats.num_loaded_tokens += (len(op.block_ids) - op.first_block) * self.block_size
-        failed = r.loads[len(payloads):]
+        blocks = [(len(op.block_ids) - op.first_block) for op in r.loads]
+        n = len(payloads)
+        failed = {b for op in r.loads[n:] for b in op.block_ids[op.first_block:]}
+        with self._lock:
+            self.stats.num_loaded_chunks += n
+            self.stats.num_loaded_tokens += sum(blocks[:n]) * self.block_size
+            self.stats.num_failed_chunks += len(r.loads) - n
+            self.stats.num_failed_tokens += sum(blocks[n:]) * self.block_size
         if failed:
-            self._failed_reqs.add(r.req_id)
-            for op in failed:
-                self._invalid_blocks.update(op.block_ids[op.first_block:])
-                self.stats.num_failed_chunks += 1
-                self.stats.num_failed_tokens += (len(op.block_ids) - op.first_block) * self.block_size
             log.warning("crescent: request %s: %d of %d chunks could not be loaded; vLLM recomputes them",
-                        r.req_id, len(failed), len(r.loads))
+                        r.req_id, len(r.loads) - n, len(r.loads))
         if payloads:
-            log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store", r.req_id,
-                     sum((len(op.block_ids) - op.first_block) * self.block_size for op in r.loads[:len(payloads)]),
-                     len(payloads))
+            log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store%s", r.req_id,
+                     sum(blocks[:n]) * self.block_size, n, " beside the steps" if r.async_load else "")
+        return failed
+
+    def _ensure_loader(self) -> None:
+        if self._loader is None:
+            if self.load_link is None:
+                self.load_link = StoreLink(self.link.config)
+            self._loader = threading.Thread(target=self._load_loop, name="crescent-loader", daemon=True)
+            self._loader.start()
+
+    def _load_loop(self) -> None:
+        while True:
+            r = self._loads.get()
+            try:
+                if r is None:
+                    return
+                try:
+                    failed = self._load(r, self.load_link)
+                except Exception:  # noqa: BLE001
+                    # NOTE: a load that broke is a load that failed, never a request left waiting.
+                    log.exception("crescent: request %s: loading failed", r.req_id)
+                    failed = {b for op in r.loads for b in op.block_ids[op.first_block:]}
+                with self._lock:
+                    self._recv_done[r.req_id] = failed
+            finally:
+                self._loads.task_done()
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call; their failed blocks join
+        ``take_invalid_blocks`` (vLLM asks for both in the same pass, that one second)."""
+        with self._lock:
+            done, self._recv_done = self._recv_done, {}
+            for failed in done.values():
+                self._invalid_blocks |= failed
+        return set(done)
 
     def take_invalid_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
-        out, self._invalid_blocks = self._invalid_blocks, set()
+        with self._lock:
+            out, self._invalid_blocks = self._invalid_blocks, set()
         return out
 
     # ---- saves ---------------------------------------------------------------
@@ -230,8 +287,9 @@ class WorkerSide:
                 if batch is None:
                     return
                 stored = self.save_link.save(batch)
-                self.stats.num_saved_chunks += stored
-                self.stats.num_dropped_chunks += len(batch) - stored
+                with self._lock:
+                    self.stats.num_saved_chunks += stored
+                    self.stats.num_dropped_chunks += len(batch) - stored
             finally:
                 self._queue.task_done()
 
@@ -244,5 +302,11 @@ class WorkerSide:
             self._queue.put(None)
             self._saver.join()
             self._saver = None
+        if self._loader is not None:
+            self._loads.put(None)
+            self._loader.join()
+            self._loader = None
         self.link.close()
         self.save_link.close()
+        if self.load_link is not None:
+            self.load_link.close()

@@ -54,14 +54,15 @@ def _requests() -> list[dict]:
 
 
 def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lora: str | None = None,
-         kv_cache_dtype: str = "auto") -> dict:
+         kv_cache_dtype: str = "auto", load_async: bool = False) -> dict:
     req_file, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("requests.json", "out.json", "log"))
     with open(req_file, "w") as f:
         json.dump(requests, f)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else []) + \
-        (["--lora", lora] if lora else []) + ["--kv-cache-dtype", kv_cache_dtype]
+        (["--lora", lora] if lora else []) + ["--kv-cache-dtype", kv_cache_dtype] + \
+        (["--load-async"] if load_async else [])
     with open(log, "w") as logf:
         rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
                             timeout=540).returncode
@@ -96,6 +97,10 @@ def runs(tmp_path_factory):
         res["p2"] = _run(tmp, "process2", model, reqs, store.address)
         with StoreClient(store.address) as c:
             res["healed"] = c.get(keys[1])
+            raw = bytearray(res["healed"])
+            raw[-1] ^= 0xFF  # (corrupt again, for the asynchronous loader)
+            c.put(keys[1], raw)
+        res["p2async"] = _run(tmp, "process2-async", model, reqs, store.address, load_async=True)
         res["corrupt_ids"], res["corrupt_key"], res["corrupt_parent"] = ids, keys[1], keys[0]
         res["turn2"] = turn2 = _second_turn(res["baseline"], reqs)
         res["baseline2"] = _run(tmp, "baseline2", model, turn2, None)
@@ -154,6 +159,22 @@ def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(run
     assert stats["num_saved_chunks"] == 5
     decode_chunk(runs["healed"], key=runs["corrupt_key"], namespace=NAMESPACE, parent=runs["corrupt_parent"],
                  tokens=runs["corrupt_ids"][CHUNK:2 * CHUNK])
+
+
+def test_asynchronous_loads_give_the_same_tokens_and_recover_from_a_corrupt_chunk(runs):
+    """``load_async``: vLLM holds each request with a hit while the connector's loader thread
+    writes its chunks beside the steps; a fresh vLLM loads what process 2 did, the chunk corrupted
+    again is reported with the request's end of load and recomputed, and the tokens are the baseline's."""
+    pa, outs = runs["p2async"], runs["p2async"]["outputs"]
+    assert _tokens(pa) == _tokens(runs["baseline"])
+    for i, o in enumerate(outs):
+        if i != CORRUPT:
+            assert o["num_cached_tokens"] == _loadable(len(o["prompt_token_ids"])), f"request {i}"
+    good = sum(_loadable(len(o["prompt_token_ids"])) for i, o in enumerate(outs) if i != CORRUPT)
+    stats = pa["stats"]
+    assert stats["num_loaded_tokens"] == good + CHUNK
+    assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK
+    assert stats["num_saved_chunks"] == 2  # the corrupt request's recomputed chunks 1 and 2
 
 
 def test_process3_recomputes_when_the_store_is_gone(runs):

@@ -145,3 +145,29 @@ def test_under_async_scheduling_a_chunk_is_saved_once_its_tokens_are_known():
         saves += [(s.index, s.tokens, s.block_ids) for s in (op.saves if op else ())]
         tokens.append(tok)
     assert saves == _expected(prompt + outputs, blocks, [0, 1, 2])
+
+
+def test_an_asynchronous_load_is_planned_alone_then_the_request_saves_past_it():
+    """``load_kv_async``: the hit's chunks are planned as an async load into the blocks vLLM
+    allocated (the local hit's blocks left alone); when vLLM schedules the request afterwards,
+    with the loaded tokens computed, it loads nothing more and saves from the hit's end on."""
+    r = random.Random(5)
+    prompt = [r.randrange(1000) for _ in range(300)]
+    planner = ChunkPlanner(C, BLOCK, keys_for)
+    # local prefix-cache hit: the first 32 tokens (one block); the store: chunks 0-2 (192 tokens)
+    assert planner.matched_tokens("r", 32, 3) == 160
+    planner.on_alloc("r", prompt, None, True, 160)
+    blocks = list(range(10, 16))  # 6 blocks of 32: tokens 0-191
+    op = planner.on_async_load("r", blocks)
+    assert op.async_load and not op.saves
+    assert [(o.index, o.block_ids, o.first_block) for o in op.loads] == [
+        (0, (10, 11), 1), (1, (12, 13), 0), (2, (14, 15), 0)]
+    assert [o.tokens for o in op.loads] == [tuple(prompt[j * C:(j + 1) * C]) for j in range(3)]
+    assert planner.num_hit_tokens == 160
+    assert planner.on_async_load("r", blocks) is None  # planned once
+    # done: vLLM allocates the rest and schedules the prompt's remaining 108 tokens as a new request
+    planner.on_alloc("r", prompt, None, True, 0)
+    blocks += list(range(16, 20))
+    op = planner.on_new("r", blocks, 192, 108)
+    assert not op.loads and [s.index for s in op.saves] == [3]
+    assert op.saves[0].block_ids == (16, 17)

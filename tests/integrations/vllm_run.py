@@ -1,7 +1,7 @@
 """One vLLM run for tests/integrations/test_vllm.py (run with the vLLM venv's python).
 
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT] [--lora ADAPTER_DIR]
-        [--kv-cache-dtype auto|fp8|fp8_e5m2|...] [--dtype float32|bfloat16]
+        [--kv-cache-dtype auto|fp8|fp8_e5m2|...] [--dtype float32|bfloat16] [--load-async]
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
 ``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter)
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--lora")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-async", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
 
@@ -44,7 +45,8 @@ def main() -> None:
             kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS,
-                                       "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0})
+                                       "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0,
+                                       "load_async": args.load_async})
     if args.lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,

@@ -1,0 +1,154 @@
+"""The vLLM connector's worker side (kvstore/integrations/vllm_worker.py) without vLLM: paged caches
+of the backend written in test_paged.py, a real store node on loopback. Chunks saved from one
+worker's cache are loaded into another's, synchronously and by the loader thread (``load_async``),
+whose end of load is reported with, never before, the blocks that failed."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
+from kvstore.integrations.vllm_plan import ChunkOp, RequestOps
+from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_keys, make_namespace
+from kvstore.server import StoreNode
+from tests.integrations.test_paged import BS, D, H, Backend
+
+LAYERS, C = 2, 2 * BS
+NS = make_namespace(ModelFingerprint("worker-test", "float32", num_layers=LAYERS, num_kv_heads=H, head_dim=D,
+                                     chunk_tokens=C, tp_rank=0, tp_size=1))
+TOKENS = list(range(100, 100 + 3 * C))
+KEYS = chunk_keys(TOKENS, NS, C)
+
+
+@pytest.fixture
+def store():
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 << 20)).start()
+    yield node
+    node.stop(grace=0)
+
+
+def _worker(address: str, blocks: int = 8) -> tuple[WorkerSide, list[Backend]]:
+    config = StoreLinkConfig(address, 10.0, cooldown_s=0.0)
+    w = WorkerSide(StoreLink(config), StoreLink(config), lambda scope: NS, 0, C, BS, torch.float32)
+    backends = [Backend(blocks, torch.float32) for _ in range(LAYERS)]
+    w.register([(f"layer.{i}", be.cache, be.layout()) for i, be in enumerate(backends)])
+    return w, backends
+
+
+def _ops(block_ids: list[int], chunks=range(3)) -> tuple[ChunkOp, ...]:
+    per = C // BS
+    return tuple(ChunkOp(j, (KEYS[j],), (KEYS[j - 1] if j else ROOT_KEY,), tuple(TOKENS[j * C:(j + 1) * C]),
+                         tuple(block_ids[j * per:(j + 1) * per])) for j in chunks)
+
+
+def _fill_and_save(address: str) -> list[Backend]:
+    """A worker whose caches hold the request's KV in blocks 0-5 (written by the backend itself),
+    saving its three chunks."""
+    w, backends = _worker(address)
+    g = torch.Generator().manual_seed(0)
+    for be in backends:
+        k, v = torch.randn(2, 3 * C, H, D, generator=g)
+        be.write(k, v, be.cache, torch.arange(3 * C))
+    req = RequestOps("r", None, saves=_ops(list(range(6))))
+    w.begin_step([req])
+    w.end_step()  # (no layer was handed over during the step: every one is gathered here)
+    w.flush()
+    assert w.stats.num_saved_chunks == 3
+    w.close()
+    return backends
+
+
+def _wait_finished(w: WorkerSide, timeout_s: float = 60.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = w.take_finished_loads()
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("the asynchronous load never finished")
+
+
+def _blocks_equal(a: Backend, b: Backend, src: list[int], dst: list[int]) -> bool:
+    return torch.equal(a.cache[src], b.cache[dst])
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, load_async):
+    src = _fill_and_save(store.address)
+    w, backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst), async_load=load_async)])
+    if load_async:
+        assert _wait_finished(w) == {"r"}
+    else:
+        assert w.take_finished_loads() == set()
+    assert w.take_invalid_blocks() == set()
+    for a, b in zip(src, backends):
+        assert _blocks_equal(a, b, list(range(6)), dst)
+    assert w.stats.num_loaded_chunks == 3 and w.stats.num_loaded_tokens == 3 * C
+    w.close()
+
+
+def test_an_asynchronous_load_reports_its_failed_blocks_with_its_end(store):
+    """Chunk 1 corrupt: chunk 0 is written, chunks 1-2 are not; their blocks come out of
+    take_invalid_blocks only once the request was reported finished (vLLM reads both in one pass)."""
+    src = _fill_and_save(store.address)
+    link = StoreLink(StoreLinkConfig(store.address, 10.0))
+    raw = bytearray(link._client_or_none().get(KEYS[1]))
+    raw[-1] ^= 0xFF
+    link._client_or_none().put(KEYS[1], raw)
+    link.close()
+    w, backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    before = [be.cache.clone() for be in backends]
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst), async_load=True)])
+    assert _wait_finished(w) == {"r"}
+    assert w.take_invalid_blocks() == {5, 1, 3, 6}
+    assert w.take_invalid_blocks() == set()
+    for a, b, old in zip(src, backends, before):
+        assert _blocks_equal(a, b, [0, 1], [7, 2])
+        assert torch.equal(b.cache[[5, 1, 3, 6]], old[[5, 1, 3, 6]])
+    assert w.stats.num_failed_chunks == 2 and w.stats.num_loaded_chunks == 1
+    w.close()
+
+
+def test_an_asynchronous_load_from_a_stopped_store_still_ends(store):
+    """The node is gone: the request is reported finished with every block invalid (vLLM
+    recomputes it), not left waiting; many such loads leave no thread or queue behind."""
+    _fill_and_save(store.address)
+    w, _ = _worker(store.address)
+    store.stop(grace=0)
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    reqs = [RequestOps(f"r{i}", None, loads=_ops(dst, [0]), async_load=True) for i in range(50)]
+    w.load(reqs)
+    done, invalid = set(), set()
+    deadline = time.monotonic() + 120
+    while len(done) < 50 and time.monotonic() < deadline:
+        done |= w.take_finished_loads()
+        invalid |= w.take_invalid_blocks()
+        time.sleep(0.01)
+    assert done == {r.req_id for r in reqs} and invalid == {7, 2}
+    assert w.stats.num_failed_chunks == 50
+    loader = w._loader
+    w.close()
+    assert not loader.is_alive() and w._loads.unfinished_tasks == 0
+
+
+def test_tokens_of_a_load_are_those_the_chunk_was_saved_under(store):
+    """A chunk is verified against the tokens the plan names: other tokens under the same key read
+    as a miss (as a collision would), asynchronously as synchronously."""
+    _fill_and_save(store.address)
+    w, _ = _worker(store.address)
+    op = _ops([7, 2])[0]
+    wrong = ChunkOp(op.index, op.keys, op.parents, tuple(np.asarray(op.tokens) + 1), op.block_ids)
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=(wrong,), async_load=True)])
+    assert _wait_finished(w) == {"r"} and w.take_invalid_blocks() == {7, 2}
+    w.close()
