@@ -22,28 +22,24 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHUNK_TOKENS = 64
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.vllm_common import CHUNK_TOKENS, build_model, run_child, word_prompts  # noqa: E402
 
 
 def child(args) -> None:
     """One vLLM process (run with the vLLM venv's python)."""
-    sys.path.insert(0, ROOT)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+
+    from kvstore.integrations.vllm import kv_transfer_config
 
     kw = {}
     if args.store:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS, "timeout_s": 60.0,
-                                       "load_async": args.load_async == "1"})
+        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS, timeout_s=60.0,
+                                                      load_async=args.load_async == "1")
     llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
               max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192, seed=0, **kw)
     with open(args.requests) as f:
@@ -90,23 +86,14 @@ def child(args) -> None:
 
 def run_vllm(tmp: str, name: str, model: str, requests: dict, args, store: str | None, load_async: bool = False,
              fill: bool = False) -> dict:
-    from tests.helpers import venv_python
-
     req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
     with open(req, "w") as f:
         json.dump(requests, f)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    cmd = [venv_python("vllm"), os.path.abspath(__file__), "--child", "--model", model, "--requests", req,
-           "--out", out, "--load-async", "1" if load_async else "0", "--decode-tokens", str(args.decode_tokens),
-           "--arrive-after", str(args.arrive_after)] + (["--store", store] if store else []) + (["--fill"] if fill else [])
-    print(f"  {name} ...", end="", flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as logf:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=1800).returncode
-    if rc != 0:
-        sys.exit(f"vLLM {name} exited with {rc}; see {log}")
-    print(f" {time.perf_counter() - t0:.1f} s", flush=True)
+    seconds = run_child(__file__, name, log, [
+        "--model", model, "--requests", req, "--out", out, "--load-async", "1" if load_async else "0",
+        "--decode-tokens", str(args.decode_tokens), "--arrive-after", str(args.arrive_after)]
+        + (["--store", store] if store else []) + (["--fill"] if fill else []))
+    print(f" {seconds:.1f} s", flush=True)
     with open(out) as f:
         return json.load(f)
 
@@ -150,23 +137,15 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    sys.path.insert(0, ROOT)
     from bench.common import publish, table
     from tests.helpers import StoreProcess, require_venv
-    from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama
 
     require_venv("vllm")
     tmp = tempfile.mkdtemp(prefix="crescent-async-load-")
-    model = build_tiny_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers,
-                             heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256),
-                             intermediate=args.hidden * 11 // 4, max_positions=8192)
+    model = build_model(tmp, args.hidden, args.layers, max_positions=8192)
     rng = random.Random(0)
-
-    def words(n):
-        return [rng.randrange(len(SPECIALS), len(SPECIALS) + NUM_WORDS) for _ in range(n)]
-
-    requests = {"decoders": [words(64) for _ in range(args.decoders)],
-                "arrivals": [words(args.prompt_tokens) for _ in range(args.arrivals)]}
+    requests = {"decoders": word_prompts(rng, args.decoders, 64),
+                "arrivals": word_prompts(rng, args.arrivals, args.prompt_tokens)}
     kv_bytes = args.layers * 2 * max(1, args.hidden // 256) * 64 * 4  # per token: layers x K,V x heads x dim x f32
     loadable = sum((len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS for p in requests["arrivals"])
     runs = {}

@@ -23,28 +23,24 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHUNK_TOKENS = 64
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.vllm_common import CHUNK_TOKENS, build_model, run_child, word_prompts  # noqa: E402
 
 
 def child(args) -> None:
     """One vLLM process (run with the vLLM venv's python): generates for every request, timed."""
-    sys.path.insert(0, ROOT)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+
+    from kvstore.integrations.vllm import kv_transfer_config
 
     kw = {}
     if args.store:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS, "timeout_s": 60.0,
-                                       "save_decode": args.save_decode == "1"})
+        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS, timeout_s=60.0,
+                                                      save_decode=args.save_decode == "1")
     llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
               max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192, seed=0,
               kv_cache_dtype=args.kv_cache_dtype, **kw)
@@ -69,23 +65,12 @@ def child(args) -> None:
 
 def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_tokens: int, store: str | None,
              save_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
-    from tests.helpers import venv_python
-
     req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
     with open(req, "w") as f:
         json.dump(prompts, f)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    cmd = [venv_python("vllm"), os.path.abspath(__file__), "--child", "--model", model, "--requests", req,
-           "--out", out, "--max-tokens", str(max_tokens), "--save-decode", "1" if save_decode else "0",
-           "--kv-cache-dtype", kv_cache_dtype]
-    if store:
-        cmd += ["--store", store]
-    print(f"  {name} ...", end="", flush=True)
-    with open(log, "w") as logf:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=1800).returncode
-    if rc != 0:
-        sys.exit(f"vLLM {name} exited with {rc}; see {log}")
+    run_child(__file__, name, log, ["--model", model, "--requests", req, "--out", out, "--max-tokens", str(max_tokens),
+                                    "--save-decode", "1" if save_decode else "0", "--kv-cache-dtype", kv_cache_dtype]
+              + (["--store", store] if store else []))
     with open(out) as f:
         result = json.load(f)
     print(f" {result['seconds']:.2f} s", flush=True)
@@ -113,24 +98,16 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    sys.path.insert(0, ROOT)
     from bench.common import publish, table
     from kvstore.client import StoreClient
     from tests.helpers import StoreProcess, require_venv
-    from tests.integrations.tiny_llama import NUM_WORDS, SPECIALS, build_tiny_llama
 
     require_venv("vllm")
     tmp = tempfile.mkdtemp(prefix="crescent-multiturn-")
-    model = build_tiny_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers,
-                             heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256),
-                             intermediate=args.hidden * 11 // 4, max_positions=4096)
+    model = build_model(tmp, args.hidden, args.layers, max_positions=4096)
     rng = random.Random(0)
-
-    def words(n):
-        return [rng.randrange(len(SPECIALS), len(SPECIALS) + NUM_WORDS) for _ in range(n)]
-
-    first = [words(args.prompt_tokens) for _ in range(args.conversations)]
-    followups = [words(args.followup_tokens) for _ in range(args.conversations)]
+    first = word_prompts(rng, args.conversations, args.prompt_tokens)
+    followups = word_prompts(rng, args.conversations, args.followup_tokens)
     runs, second, stored = {}, None, {}
     dt = args.kv_cache_dtype
     for mode, save_decode in (("prompt chunks only", False), ("prompt + answer chunks", True)):

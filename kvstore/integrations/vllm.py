@@ -421,4 +421,22 @@ class CrescentConnector(KVConnectorBase_V1):
             self._link.close()
 
 
-__all__ = ["CrescentConnector", "CrescentConnectorConfig", "CrescentConnectorMetadata"]
+def kv_transfer_config(store: str, *, kv_role: str = "kv_both", **extra: Any):
+    """vLLM's ``KVTransferConfig`` for this connector, a chunk that cannot be loaded recomputed::
+
+        LLM(model, kv_transfer_config=kv_transfer_config("127.0.0.1:7400", load_async=True))
+
+    Args:
+        store: ``host:port`` of a Crescent store node.
+        kv_role: ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only).
+        extra: more ``kv_connector_extra_config`` keys (``CrescentConnectorConfig``), checked here.
+    """
+    from vllm.config import KVTransferConfig
+
+    config = {"store": store, **extra}
+    CrescentConnectorConfig.from_extra_config(config)
+    return KVTransferConfig(kv_connector="CrescentConnector", kv_connector_module_path=__name__, kv_role=kv_role,
+                            kv_load_failure_policy="recompute", kv_connector_extra_config=config)
+
+
+__all__ = ["CrescentConnector", "CrescentConnectorConfig", "CrescentConnectorMetadata", "kv_transfer_config"]

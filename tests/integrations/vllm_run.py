@@ -37,16 +37,13 @@ def main() -> None:
     sys.path.insert(0, ROOT)
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+
+    from kvstore.integrations.vllm import kv_transfer_config
 
     kw = {}
     if args.store:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CrescentConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": args.store, "chunk_tokens": CHUNK_TOKENS,
-                                       "model_id": MODEL_ID, "timeout_s": 30.0, "cooldown_s": 30.0,
-                                       "load_async": args.load_async})
+        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS, model_id=MODEL_ID,
+                                                      timeout_s=30.0, cooldown_s=30.0, load_async=args.load_async)
     if args.lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
