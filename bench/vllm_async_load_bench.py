@@ -27,21 +27,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, run_child, word_prompts  # noqa: E402
+from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_child, word_prompts  # noqa: E402
 
 
 def child(args) -> None:
     """One vLLM process (run with the vLLM venv's python)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from kvstore.integrations.vllm import kv_transfer_config
-
-    kw = {}
-    if args.store:
-        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS, timeout_s=60.0,
-                                                      load_async=args.load_async == "1")
-    llm = LLM(model=args.model, tokenizer=args.model, dtype="float32", block_size=32, enforce_eager=True,
-              max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192, seed=0, **kw)
+    llm = make_llm(args.model, args.store, 8192, load_async=args.load_async == "1")
     with open(args.requests) as f:
         req = json.load(f)
     greedy = dict(temperature=0.0, ignore_eos=True)
