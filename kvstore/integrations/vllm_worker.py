@@ -303,6 +303,14 @@ class WorkerSide:
             self._saver.join()
             self._saver = None
         if self._loader is not None:
+            # NOTE: loads not yet begun are dropped (their requests end with the engine), so that a
+            # store that stopped answering delays shutdown by one call at most, not one per request.
+            while True:
+                try:
+                    self._loads.get_nowait()
+                except queue.Empty:
+                    break
+                self._loads.task_done()
             self._loads.put(None)
             self._loader.join()
             self._loader = None

@@ -3,6 +3,7 @@ of the backend written in test_paged.py, a real store node on loopback. Chunks s
 worker's cache are loaded into another's, synchronously and by the loader thread (``load_async``),
 whose end of load is reported with, never before, the blocks that failed."""
 
+import threading
 import time
 
 import numpy as np
@@ -152,3 +153,33 @@ def test_tokens_of_a_load_are_those_the_chunk_was_saved_under(store):
     w.load([RequestOps("r", None, loads=(wrong,), async_load=True)])
     assert _wait_finished(w) == {"r"} and w.take_invalid_blocks() == {7, 2}
     w.close()
+
+
+def test_closing_drops_the_loads_not_yet_begun(store):
+    """A worker closed while its loader is busy with one request drops the 199 queued behind it
+    (a stalled store costs shutdown one call, not one per request) and still joins the loader."""
+    _fill_and_save(store.address)
+    w, _ = _worker(store.address)
+    busy, release = threading.Event(), threading.Event()
+
+    def namespace_for(scope):
+        if scope == "first":  # (the loader thread, in the first request's load)
+            busy.set()
+            assert release.wait(120)
+        return NS
+
+    w.namespace_for = namespace_for
+    w.begin_step([])
+    w.load([RequestOps(f"r{i}", "first" if i == 0 else None, loads=_ops([7, 2, 5, 1, 3, 6]), async_load=True)
+            for i in range(200)])
+    assert busy.wait(60)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    deadline = time.monotonic() + 60
+    while w._loads.qsize() > 1 and time.monotonic() < deadline:  # (drained: only the stop sentinel left)
+        time.sleep(0.01)
+    release.set()
+    closer.join(120)
+    assert not closer.is_alive()
+    assert w.stats.num_loaded_chunks == 3 and w.stats.num_failed_chunks == 0
+    assert w._loads.unfinished_tasks == 0
