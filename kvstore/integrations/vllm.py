@@ -357,10 +357,10 @@ class CrescentConnector(KVConnectorBase_V1):
                 attn.impl.do_kv_cache_update(attn, key, value, page, slots)
 
             storage = kv_caches[name]
-            if storage.dtype != self.dtype and storage.dtype == torch.uint8 and self.dtype in FP8_DTYPES:
+            cache = self._as_cache_dtype(storage)
+            if cache is not storage:
                 # NOTE: vLLM keeps FP8 caches in uint8 storage; the probe and the kernel see the same bytes.
                 write = (lambda key, value, page, slots, w=write: w(key, value, page.view(torch.uint8), slots))
-            cache = self._as_cache_dtype(storage)
             scales = (float(getattr(attn, "_k_scale_float", 1.0)), float(getattr(attn, "_v_scale_float", 1.0)))
             layout = learn_block_layout(write, cache[:1], heads, head_dim, self.model_dtype, scales)
             layers.append((name, cache, layout))

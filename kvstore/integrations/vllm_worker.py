@@ -51,6 +51,11 @@ class WorkerStats:
     """Chunks that could not be stored (store away or full) or were skipped after a failed load."""
 
 
+def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
+    """The blocks loads write (those before each one's ``first_block`` hold the engine's own KV)."""
+    return {b for op in ops for b in op.block_ids[op.first_block:]}
+
+
 @dataclass
 class _Staged:
     op: ChunkOp
@@ -77,12 +82,11 @@ class WorkerSide:
     """
 
     def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[Scope], Namespace], tp_rank: int,
-                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4,
-                 load_link: StoreLink | None = None) -> None:
+                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4) -> None:
         self.link = link
         self.save_link = save_link
-        self.load_link = load_link
-        """The store, for the loader thread (asynchronous loads); None: made on the first."""
+        self.load_link: StoreLink | None = None
+        """The store, for the loader thread (asynchronous loads), made with it."""
         self.namespace_for = namespace_for
         self.tp_rank = tp_rank
         self.chunk_tokens = chunk_tokens
@@ -165,20 +169,20 @@ class WorkerSide:
             ids = torch.tensor(op.block_ids, dtype=torch.long)
             for layer, (cache, layout) in enumerate(self._kv):
                 scatter_layer(payload[layer], cache, layout, ids, op.first_block)
-        blocks = [(len(op.block_ids) - op.first_block) for op in r.loads]
         n = len(payloads)
-        failed = {b for op in r.loads[n:] for b in op.block_ids[op.first_block:]}
+        failed = _written_blocks(r.loads[n:])
+        loaded_tokens = sum(len(op.block_ids) - op.first_block for op in r.loads[:n]) * self.block_size
         with self._lock:
             self.stats.num_loaded_chunks += n
-            self.stats.num_loaded_tokens += sum(blocks[:n]) * self.block_size
+            self.stats.num_loaded_tokens += loaded_tokens
             self.stats.num_failed_chunks += len(r.loads) - n
-            self.stats.num_failed_tokens += sum(blocks[n:]) * self.block_size
+            self.stats.num_failed_tokens += len(failed) * self.block_size
         if failed:
             log.warning("crescent: request %s: %d of %d chunks could not be loaded; vLLM recomputes them",
                         r.req_id, len(r.loads) - n, len(r.loads))
         if payloads:
             log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store%s", r.req_id,
-                     sum(blocks[:n]) * self.block_size, n, " beside the steps" if r.async_load else "")
+                     loaded_tokens, n, " beside the steps" if r.async_load else "")
         return failed
 
     def _ensure_loader(self) -> None:
@@ -199,7 +203,7 @@ class WorkerSide:
                 except Exception:  # noqa: BLE001
                     # NOTE: a load that broke is a load that failed, never a request left waiting.
                     log.exception("crescent: request %s: loading failed", r.req_id)
-                    failed = {b for op in r.loads for b in op.block_ids[op.first_block:]}
+                    failed = _written_blocks(r.loads)
                 with self._lock:
                     self._recv_done[r.req_id] = failed
             finally:
