@@ -1,7 +1,11 @@
 """Chunk identity: chained content hashes over token blocks.
 
-    key_i = xxh3_128(key_{i-1} ‖ namespace ‖ tokens_i as little-endian int32)
+    key_i = xxh3_128(key_{i-1} ‖ namespace_i ‖ tokens_i as little-endian int32)
     key_{-1} = 16 zero bytes
+
+``namespace_i`` is the sequence's namespace, or, for a chunk whose KV depends on
+more than its token ids (an image's placeholder tokens stand for the image), that
+namespace refined by what they stand for (``chunk_namespace``).
 
 Every digest is xxh3-128 with seed 0, in its canonical 16-byte big-endian form
 (``XXH128_canonicalFromHash``). Nothing here depends on the process, the host or
@@ -29,6 +33,7 @@ Namespace = NewType("Namespace", bytes)
 KEY_BYTES = 16
 ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 _NS_DOMAIN = b"crescent/namespace/v1\x00"
+_EXTRA_DOMAIN = b"crescent/chunk-extra/v1\x00"
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -115,7 +120,8 @@ def chunk_key(parent: bytes, namespace: Namespace, tokens: Sequence[int] | np.nd
 
 
 def chunk_keys(
-    tokens: Sequence[int] | np.ndarray, namespace: Namespace, chunk_tokens: int
+    tokens: Sequence[int] | np.ndarray, namespace: Namespace, chunk_tokens: int,
+    extras: Sequence[bytes | None] | None = None,
 ) -> list[ChunkKey]:
     """Keys of every full chunk of ``tokens``; a partial tail chunk has no key.
 
@@ -123,6 +129,9 @@ def chunk_keys(
         tokens: ``[num_tokens]`` token ids.
         namespace: from ``make_namespace``.
         chunk_tokens: tokens per chunk.
+        extras: per chunk, what its KV depends on beyond its tokens (``placeholder_extras``), or
+            None; chunk ``i`` is keyed under ``chunk_namespace(namespace, extras[i])``. Chunks past
+            the end of ``extras`` have none.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -131,7 +140,60 @@ def chunk_keys(
     keys: list[ChunkKey] = []
     parent = bytes(ROOT_KEY)
     ns = bytes(namespace)
-    for off in range(0, len(raw) - step + 1, step):
-        parent = xxhash.xxh3_128_digest(parent + ns + raw[off : off + step])
+    for i, off in enumerate(range(0, len(raw) - step + 1, step)):
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        cns = ns if extra is None else bytes(chunk_namespace(namespace, extra))
+        parent = xxhash.xxh3_128_digest(parent + cns + raw[off : off + step])
         keys.append(ChunkKey(parent))
     return keys
+
+
+def chunk_namespace(namespace: Namespace, extra: bytes | None) -> Namespace:
+    """The namespace of one chunk whose KV depends on ``extra`` beyond its tokens (None or empty:
+    ``namespace`` itself).
+
+    Encoding: ``xxh3_128("crescent/chunk-extra/v1\\0" ‖ namespace ‖ u32le(len(extra)) ‖ extra)``.
+    The chunk's header carries this namespace, so a reader verifies it as any other.
+    """
+    if len(namespace) != KEY_BYTES:
+        raise ValueError("namespace must be 16 bytes")
+    if not extra:
+        return namespace
+    return Namespace(xxhash.xxh3_128_digest(_EXTRA_DOMAIN + bytes(namespace) + struct.pack("<I", len(extra)) + extra))
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """A run of prompt tokens that stand for something else (an image, an audio clip): the KV of
+    the chunks it overlaps depends on what it stands for, named by ``identity`` (a content hash,
+    e.g. vLLM's ``MultiModalFeatureSpec.identifier``)."""
+
+    identity: str
+    offset: int
+    """Index of its first token in the sequence."""
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"placeholder offset must be >= 0 and length > 0, got {self.offset}, {self.length}")
+
+
+def placeholder_extras(placeholders: Sequence[Placeholder], chunk_tokens: int,
+                       num_chunks: int) -> list[bytes | None]:
+    """Per chunk ``i`` (tokens ``[i*C, (i+1)*C)``), the bytes that name the placeholders it
+    overlaps, or None where it overlaps none.
+
+    Encoding, for each overlapping placeholder in order of offset:
+    ``u32le(len(identity)) ‖ identity (UTF-8) ‖ i32le(offset - i*C) ‖ u32le(length)``: the same
+    item at another place in the chunk, or a longer one, names another chunk.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    out: list[bytes | None] = [None] * num_chunks
+    for p in sorted(placeholders, key=lambda p: p.offset):
+        ident = p.identity.encode()
+        first, last = p.offset // chunk_tokens, (p.offset + p.length - 1) // chunk_tokens
+        for i in range(first, min(last, num_chunks - 1) + 1):
+            part = struct.pack("<I", len(ident)) + ident + struct.pack("<iI", p.offset - i * chunk_tokens, p.length)
+            out[i] = (out[i] or b"") + part
+    return out

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, chunk_keys, make_namespace
+from kvstore.keys import (ROOT_KEY, ModelFingerprint, Placeholder, chunk_key, chunk_keys, chunk_namespace,
+                          make_namespace, placeholder_extras)
 
 LLAMA = ModelFingerprint("llama-3-8b", "bfloat16", 32, 8, 128, 256)
 TINY = ModelFingerprint("tiny", "float32", 2, 2, 64, 4)
@@ -17,6 +18,9 @@ GOLDEN_NS = {None: "490e85c2e7f0e95eadd3249536e38969", "tenant-a": "71c987b9f7a2
 GOLDEN_TINY_NS = "4ab3f94c133bbfdaca18399c1625af71"
 GOLDEN_TINY_KEYS = ["599d769cc899dbbd07d7efc95870ded0", "788fbf481e0d06320351a17b6596eb41"]
 GOLDEN_EXTREMES = "585571c016c84d0a4a7a73ca16eec8ee"
+# tokens 1..12, 4-token chunks, an item "img-a" over tokens 2..6: chunks 0 and 1 refined, chunk 2 plain
+GOLDEN_PLACEHOLDER_KEYS = ["6595e142c21adcae926f7f87bf6f00ca", "378c3dac57a5a59f2a92acb374722ad1",
+                           "c0a5c5f38012e84564285b8289cedc67"]
 
 
 def test_fingerprint_encoding():
@@ -49,6 +53,48 @@ def test_encoding_matches_the_documented_bytes():
         parent = xxhash.xxh3_128(parent + ns + toks, seed=0).digest()
         expected.append(parent)
     assert chunk_keys(list(range(1, 11)), make_namespace(TINY), 4) == expected
+
+
+def test_golden_placeholder_keys_and_their_documented_bytes():
+    ns = make_namespace(TINY)
+    extras = placeholder_extras([Placeholder("img-a", 2, 5)], 4, 3)
+    keys = chunk_keys(list(range(1, 13)), ns, 4, extras)
+    assert [k.hex() for k in keys] == GOLDEN_PLACEHOLDER_KEYS
+    # from docs/keys.md with struct and xxhash only
+    item = lambda rel: struct.pack("<I", 5) + b"img-a" + struct.pack("<iI", rel, 5)  # noqa: E731
+    assert extras == [item(2), item(-2), None]
+    parent, expected = bytes(16), []
+    for i in range(3):
+        cns = ns if extras[i] is None else xxhash.xxh3_128(
+            b"crescent/chunk-extra/v1\x00" + ns + struct.pack("<I", len(extras[i])) + extras[i]).digest()
+        parent = xxhash.xxh3_128(parent + cns + struct.pack("<4i", *range(1 + 4 * i, 5 + 4 * i))).digest()
+        expected.append(parent)
+    assert keys == expected
+    # a chunk the item does not overlap keeps its namespace, but its key differs through the chain
+    assert chunk_namespace(ns, extras[2]) == ns and keys[2] != chunk_keys(list(range(1, 13)), ns, 4)[2]
+    assert chunk_key(keys[0], chunk_namespace(ns, extras[1]), [5, 6, 7, 8]) == keys[1]
+
+
+def test_placeholders_name_content_place_and_length():
+    ns, toks = make_namespace(TINY), list(range(1, 17))
+
+    def keys(*items):
+        return chunk_keys(toks, ns, 4, placeholder_extras([Placeholder(*i) for i in items], 4, 4))
+
+    plain = chunk_keys(toks, ns, 4)
+    a = keys(("img-a", 5, 6))  # tokens 5..10: chunks 1 and 2
+    assert a[0] == plain[0] and a[1] != plain[1]
+    assert keys(("img-b", 5, 6))[1] != a[1]  # other content
+    assert keys(("img-a", 6, 5))[1] != a[1]  # same content, another place
+    assert keys(("img-a", 5, 7))[1] != a[1]  # longer
+    assert keys(("img-a", 5, 6), ("img-b", 12, 4))[:3] == a[:3]  # a later item changes later chunks only
+    assert keys(("img-b", 12, 4), ("img-a", 5, 6)) == keys(("img-a", 5, 6), ("img-b", 12, 4))  # offset order
+    two = placeholder_extras([Placeholder("x", 1, 1), Placeholder("y", 3, 1)], 4, 1)[0]
+    assert two == struct.pack("<I", 1) + b"x" + struct.pack("<iI", 1, 1) + struct.pack("<I", 1) + b"y" + \
+        struct.pack("<iI", 3, 1)
+    assert placeholder_extras([Placeholder("x", 30, 10)], 4, 2) == [None, None]  # past the chunks asked for
+    with pytest.raises(ValueError, match="placeholder"):
+        Placeholder("x", 0, 0)
 
 
 def test_deterministic_across_processes():

@@ -63,6 +63,9 @@ class ChunkRef:
     parent: ChunkKey
     tokens: np.ndarray
     """``[chunk_tokens]`` int32 token ids."""
+    namespace: Namespace | None = None
+    """The namespace this chunk must carry, where it is its own (``keys.chunk_namespace``);
+    None: the one ``fetch_prefix`` is given."""
 
 
 class StoreLink:
@@ -133,13 +136,13 @@ class StoreLink:
             self._fault("lookup", exc)
             return 0
 
-    def fetch_prefix(self, refs: Sequence[ChunkRef], namespace: Namespace, dtype: torch.dtype,
+    def fetch_prefix(self, refs: Sequence[ChunkRef], namespace: Namespace | None, dtype: torch.dtype,
                      shape: Sequence[int]) -> list[torch.Tensor]:
         """Fetches and verifies chunks; returns the leading run that verified.
 
         Args:
             refs: the chunks, in sequence order.
-            namespace: the namespace every chunk must carry.
+            namespace: the namespace every chunk must carry (but those whose ref names its own).
             dtype: the KV dtype every chunk must have.
             shape: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` of every chunk.
 
@@ -150,6 +153,8 @@ class StoreLink:
         """
         if not refs:
             return []
+        if namespace is None and any(r.namespace is None for r in refs):
+            raise ValueError("fetch_prefix: every chunk needs a namespace to be verified against")
         client = self._client_or_none()
         if client is None:
             return []
@@ -165,7 +170,7 @@ class StoreLink:
             if n is None:
                 break
             try:
-                out.append(decode_chunk(memoryview(buf)[:n], key=ref.key, namespace=namespace,
+                out.append(decode_chunk(memoryview(buf)[:n], key=ref.key, namespace=ref.namespace or namespace,
                                         parent=ref.parent, tokens=ref.tokens, dtype=dtype,
                                         shape=shape))
             except ChunkVerificationError as exc:

@@ -10,7 +10,8 @@ Load it with::
 Scheduler side (``ChunkPlanner``): ``get_num_new_matched_tokens`` computes the
 prompt's chunk keys (Crescent's chained scheme, docs/keys.md; namespace from
 vLLM's model config and the TP rank, a LoRA request's adapter as part of the model,
-``cache_salt`` as the tenant salt) and asks
+``cache_salt`` as the tenant salt; a chunk that holds an image's placeholder tokens
+is keyed by the image's content hash as well) and asks
 the store for the hit prefix; ``update_state_after_alloc`` and
 ``build_connector_meta`` turn hits and scheduled tokens into per-step load and
 save plans; ``request_finished`` drops a request's state.
@@ -38,9 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.integrations.paged import FP8_DTYPES, learn_block_layout
 from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
-from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps, Scope
+from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps
 from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
-from kvstore.keys import ChunkKey, ModelFingerprint, Namespace, chunk_keys, make_namespace
+from kvstore.keys import (ChunkKey, ModelFingerprint, Namespace, Placeholder, chunk_keys, chunk_namespace,
+                          make_namespace, placeholder_extras)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -145,20 +147,32 @@ def _log_through_vllm() -> None:
 
 
 def _eligible(request: Request) -> bool:
-    """Requests whose KV follows from their tokens (and adapter): multimodal inputs and prompt
-    embeddings change it beyond them."""
-    return (request.prompt_token_ids is not None and not request.mm_features
-            and getattr(request, "prompt_embeds", None) is None)
+    """Requests whose KV follows from their tokens, adapter and multimodal items' content hashes
+    (prompt embeddings change it beyond what a key can name)."""
+    return (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            and all(f.identifier and f.mm_position is not None for f in request.mm_features or ()))
 
 
-def _scope(request: Request) -> Scope:
-    """What a request's chunk keys are namespaced by: its ``cache_salt``, and for a LoRA request
-    also its adapter (name and path, as vLLM's own prefix cache tells adapters apart), which makes
-    another model of it: ``(cache_salt, "name@path")``."""
+@dataclass(frozen=True, slots=True)
+class RequestScope:
+    """What a request's chunk keys depend on beyond its token ids."""
+
+    salt: str | None = None
+    """vLLM's ``cache_salt``: the tenant salt."""
+    adapter: str | None = None
+    """A LoRA request's adapter, ``"name@path"`` (as vLLM's own prefix cache tells adapters
+    apart): another model."""
+    placeholders: tuple[Placeholder, ...] = ()
+    """The request's multimodal items (vLLM's ``mm_features``): each one's content hash
+    (``identifier``, which vLLM's prefix cache uses too) and its placeholder tokens. The chunks
+    they overlap are keyed under ``keys.chunk_namespace`` of that (docs/keys.md)."""
+
+
+def _scope(request: Request) -> RequestScope:
     lora = request.lora_request
-    if lora is None:
-        return request.cache_salt
-    return request.cache_salt, f"{lora.lora_name}@{lora.lora_path}"
+    return RequestScope(request.cache_salt, None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
+                        tuple(Placeholder(f.identifier, f.mm_position.offset, f.mm_position.length)
+                              for f in request.mm_features or ()))
 
 
 class CrescentConnector(KVConnectorBase_V1):
@@ -208,7 +222,7 @@ class CrescentConnector(KVConnectorBase_V1):
         self._fp = {"model_id": model_id, "dtype": str(self.dtype).removeprefix("torch."),
                     "num_layers": mc.get_num_layers(pc), "num_kv_heads": mc.get_num_kv_heads(pc),
                     "head_dim": mc.get_head_size(), "chunk_tokens": c, "tp_size": self.tp_size}
-        self._namespaces: dict[tuple[int, Scope], Namespace] = {}
+        self._namespaces: dict[tuple[int, str | None, str | None], Namespace] = {}
         link_config = StoreLinkConfig(self.config.store, self.config.timeout_s, cooldown_s=self.config.cooldown_s)
         self._link = StoreLink(link_config)
         self._planner: ChunkPlanner | None = None
@@ -229,7 +243,8 @@ class CrescentConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-            self._worker = WorkerSide(self._link, StoreLink(link_config), lambda salt: self.namespace(rank, salt),
+            self._worker = WorkerSide(self._link, StoreLink(link_config),
+                                      lambda scope, index: self.chunk_namespace(rank, scope, index),
                                       rank, c, self.block_size, self.dtype, self.config.save_queue_steps)
         log.info("crescent: %s connector, store %s, chunk_tokens %d, model_id %s", role.name.lower(),
                  self.config.store, c, model_id)
@@ -241,21 +256,31 @@ class CrescentConnector(KVConnectorBase_V1):
 
     # ---- keys ----------------------------------------------------------------
 
-    def namespace(self, tp_rank: int, scope: Scope) -> Namespace:
-        """The namespace of one TP rank's chunks for a request's scope (``_scope``): the model's
-        fingerprint (a LoRA adapter's as another model: ``model_id+lora:name@path``) under the
-        tenant salt (``cache_salt``)."""
-        ns = self._namespaces.get((tp_rank, scope))
+    def namespace(self, tp_rank: int, scope: RequestScope) -> Namespace:
+        """The namespace of one TP rank's chunks for a request's scope: the model's fingerprint (a
+        LoRA adapter's as another model: ``model_id+lora:name@path``) under the tenant salt
+        (``cache_salt``)."""
+        ident = (tp_rank, scope.salt, scope.adapter)
+        ns = self._namespaces.get(ident)
         if ns is None:
-            salt, adapter = scope if isinstance(scope, tuple) else (scope, None)
             fp = dict(self._fp)
-            if adapter is not None:
-                fp["model_id"] += f"+lora:{adapter}"
-            ns = self._namespaces[(tp_rank, scope)] = make_namespace(ModelFingerprint(tp_rank=tp_rank, **fp), salt)
+            if scope.adapter is not None:
+                fp["model_id"] += f"+lora:{scope.adapter}"
+            ns = self._namespaces[ident] = make_namespace(ModelFingerprint(tp_rank=tp_rank, **fp), scope.salt)
         return ns
 
-    def _keys_for(self, tokens, scope: Scope) -> list[list[ChunkKey]]:
-        return [chunk_keys(tokens, self.namespace(r, scope), self.chunk_tokens)
+    def chunk_namespace(self, tp_rank: int, scope: RequestScope, index: int) -> Namespace:
+        """The namespace chunk ``index`` is keyed under: the request's, refined by the multimodal
+        items whose placeholder tokens it holds."""
+        ns = self.namespace(tp_rank, scope)
+        if not scope.placeholders:
+            return ns
+        return chunk_namespace(ns, placeholder_extras(scope.placeholders, self.chunk_tokens, index + 1)[index])
+
+    def _keys_for(self, tokens, scope: RequestScope) -> list[list[ChunkKey]]:
+        extras = (placeholder_extras(scope.placeholders, self.chunk_tokens, len(tokens) // self.chunk_tokens)
+                  if scope.placeholders else None)
+        return [chunk_keys(tokens, self.namespace(r, scope), self.chunk_tokens, extras)
                 for r in range(self.tp_size)]
 
     # ==== scheduler side ======================================================

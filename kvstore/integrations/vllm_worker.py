@@ -73,7 +73,8 @@ class WorkerSide:
     Args:
         link: the store, for loads (on vLLM's thread).
         save_link: the store, for the saver thread (its own client: no client is shared by threads).
-        namespace_for: a request's scope (``vllm_plan.Scope``) -> this rank's namespace.
+        namespace_for: a request's scope (``vllm_plan.Scope``) and a chunk index -> that chunk's
+            namespace on this rank.
         tp_rank: this worker's tensor-parallel rank (selects keys in ``ChunkOp``).
         chunk_tokens: tokens per chunk.
         block_size: vLLM's KV block size.
@@ -81,8 +82,9 @@ class WorkerSide:
         save_queue_steps: steps of encoded chunks that may wait for the saver thread.
     """
 
-    def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[Scope], Namespace], tp_rank: int,
-                 chunk_tokens: int, block_size: int, dtype: torch.dtype, save_queue_steps: int = 4) -> None:
+    def __init__(self, link: StoreLink, save_link: StoreLink, namespace_for: Callable[[Scope, int], Namespace],
+                 tp_rank: int, chunk_tokens: int, block_size: int, dtype: torch.dtype,
+                 save_queue_steps: int = 4) -> None:
         self.link = link
         self.save_link = save_link
         self.load_link: StoreLink | None = None
@@ -160,11 +162,10 @@ class WorkerSide:
 
     def _load(self, r: RequestOps, link: StoreLink) -> set[int]:
         """Fetches, verifies and scatters one request's loads; returns the blocks that failed."""
-        ns = self.namespace_for(r.scope)
         rank = self.tp_rank
-        refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32))
-                for op in r.loads]
-        payloads = link.fetch_prefix(refs, ns, self.dtype, self._shape)
+        refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
+                         self.namespace_for(r.scope, op.index)) for op in r.loads]
+        payloads = link.fetch_prefix(refs, None, self.dtype, self._shape)
         for op, payload in zip(r.loads, payloads):
             ids = torch.tensor(op.block_ids, dtype=torch.long)
             for layer, (cache, layout) in enumerate(self._kv):
@@ -230,7 +231,7 @@ class WorkerSide:
         st = self._staged.get((req_id, op.index))
         if st is None:
             rank = self.tp_rank
-            ns = self.namespace_for(self._scopes.get(req_id))
+            ns = self.namespace_for(self._scopes.get(req_id), op.index)
             key, parent = op.keys[rank], op.parents[rank]
             if chunk_key(parent, ns, op.tokens) != key:
                 log.error("crescent: chunk %d of request %s: scheduler and worker namespaces differ; "

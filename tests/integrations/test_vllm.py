@@ -54,7 +54,7 @@ def _requests() -> list[dict]:
 
 
 def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lora: str | None = None,
-         kv_cache_dtype: str = "auto", load_async: bool = False) -> dict:
+         kv_cache_dtype: str = "auto", load_async: bool = False, extra_args: tuple[str, ...] = ()) -> dict:
     req_file, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("requests.json", "out.json", "log"))
     with open(req_file, "w") as f:
         json.dump(requests, f)
@@ -62,7 +62,7 @@ def _run(tmp, name: str, model: str, requests: list[dict], store: str | None, lo
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [VLLM_PY, SCRIPT, model, req_file, out] + (["--store", store] if store else []) + \
         (["--lora", lora] if lora else []) + ["--kv-cache-dtype", kv_cache_dtype] + \
-        (["--load-async"] if load_async else [])
+        (["--load-async"] if load_async else []) + list(extra_args)
     with open(log, "w") as logf:
         rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
                             timeout=540).returncode

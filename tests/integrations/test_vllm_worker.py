@@ -34,7 +34,7 @@ def store():
 
 def _worker(address: str, blocks: int = 8) -> tuple[WorkerSide, list[Backend]]:
     config = StoreLinkConfig(address, 10.0, cooldown_s=0.0)
-    w = WorkerSide(StoreLink(config), StoreLink(config), lambda scope: NS, 0, C, BS, torch.float32)
+    w = WorkerSide(StoreLink(config), StoreLink(config), lambda scope, index: NS, 0, C, BS, torch.float32)
     backends = [Backend(blocks, torch.float32) for _ in range(LAYERS)]
     w.register([(f"layer.{i}", be.cache, be.layout()) for i, be in enumerate(backends)])
     return w, backends
@@ -162,8 +162,8 @@ def test_closing_drops_the_loads_not_yet_begun(store):
     w, _ = _worker(store.address)
     busy, release = threading.Event(), threading.Event()
 
-    def namespace_for(scope):
-        if scope == "first":  # (the loader thread, in the first request's load)
+    def namespace_for(scope, index):
+        if scope == "first" and index == 0:  # (the loader thread, in the first request's load)
             busy.set()
             assert release.wait(120)
         return NS

@@ -74,3 +74,66 @@ def build_lora_adapter(folder: str, base: str, rank: int = 8, seed: int = 1) -> 
             weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
     save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
     return folder
+
+
+IMAGE_SIZE = 112
+IMAGE_TOKENS = 16
+"""Image tokens per image of ``build_tiny_idefics3``'s model: (112 / 14)^2 patches / 2^2 (pixel shuffle)."""
+IMAGE_PLACEHOLDER = IMAGE_TOKENS + 3
+"""Prompt tokens one ``<image>`` becomes: ``<fake_token_around_image><global-img>``, the image
+tokens, ``<fake_token_around_image>``."""
+IMAGE_SPECIALS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+
+
+def build_tiny_idefics3(folder: str, seed: int = 0, hidden: int = 256, layers: int = 2,
+                        vision_hidden: int = 64, vision_layers: int = 2, image_size: int = IMAGE_SIZE,
+                        patch_size: int = 14) -> str:
+    """A tiny random Idefics3 (SmolVLM's architecture: a SigLIP vision tower, pixel shuffle by 2, a
+    Llama with heads of 64, a KV head per 2) and its processor, without image splitting: each
+    ``<image>`` of a prompt stands for ``(image_size / patch_size / 2)^2 + 3`` tokens
+    (``IMAGE_PLACEHOLDER`` with the defaults). Words map as in ``build_tiny_llama``; the image
+    tokens come after them. Saved into ``folder``; larger shapes for benchmarks."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig,
+                              PreTrainedTokenizerFast)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(NUM_WORDS)})
+    vocab.update({t: len(vocab) for t in IMAGE_SPECIALS})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        additional_special_tokens=IMAGE_SPECIALS)
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": image_size},
+                                       max_image_size={"longest_edge": image_size})
+    image_tokens = (image_size // patch_size // 2) ** 2
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=image_tokens).save_pretrained(folder)
+    torch.manual_seed(seed)
+    text = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                       num_key_value_heads=max(1, hidden // 128), head_dim=64,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       tie_word_embeddings=False)
+    vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+                  num_attention_heads=max(2, vision_hidden // 64),
+                  image_size=image_size, patch_size=patch_size)
+    cfg = Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=vocab["<image>"],
+                         scale_factor=2, pad_token_id=0, vocab_size=len(vocab), dtype="float32")
+    model = Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # NOTE: as build_tiny_llama's: peaked logits, no near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def random_image(seed: int, size: int = IMAGE_SIZE):
+    """A ``size`` square RGB image of seeded random pixels (PIL)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))

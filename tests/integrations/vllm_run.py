@@ -2,9 +2,11 @@
 
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT] [--lora ADAPTER_DIR]
         [--kv-cache-dtype auto|fp8|fp8_e5m2|...] [--dtype float32|bfloat16] [--load-async]
+        [--no-prefix-caching] [--model-id ID]
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
-``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter)
+``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter;
+``"images": [seed, ...]``: ``tiny_llama.random_image(seed)`` for each ``<image>`` of the prompt)
 in one batch, with the Crescent connector when ``--store`` is given, and writes
 per request the prompt and output token ids and vLLM's cached-token count, plus
 the connector's counters. Single-process vLLM on CPU (the caller sets the env).
@@ -33,25 +35,36 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-async", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--model-id", default=MODEL_ID)
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
 
     from vllm import LLM, SamplingParams
 
     from kvstore.integrations.vllm import kv_transfer_config
+    from tests.integrations.tiny_llama import random_image
 
     kw = {}
     if args.store:
-        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS, model_id=MODEL_ID,
-                                                      timeout_s=30.0, cooldown_s=30.0, load_async=args.load_async)
+        kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS,
+                                                      model_id=args.model_id, timeout_s=30.0, cooldown_s=30.0,
+                                                      load_async=args.load_async)
     if args.lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
-    llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
-              max_model_len=512, max_num_seqs=16, seed=0, kv_cache_dtype=args.kv_cache_dtype, **kw)
     with open(args.requests) as f:
         requests = json.load(f)
+    if any(r.get("images") for r in requests):
+        kw.update(limit_mm_per_prompt={"image": max(len(r.get("images", ())) for r in requests)},
+                  mm_processor_kwargs={"do_image_splitting": False})
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
+              max_model_len=512, max_num_seqs=16, seed=0, kv_cache_dtype=args.kv_cache_dtype, **kw)
     prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else {"prompt_token_ids": r["prompt_token_ids"]}),
-                **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})} for r in requests]
+                **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}),
+                **({"multi_modal_data": {"image": [random_image(s) for s in r["images"]]}} if r.get("images") else {})}
+               for r in requests]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     if args.lora:
         from vllm.lora.request import LoRARequest
