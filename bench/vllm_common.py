@@ -51,9 +51,11 @@ def run_child(script: str, name: str, log: str, args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: str = "auto", **extra):
+def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: str = "auto",
+             engine: dict | None = None, **extra):
     """A child's vLLM (float32, blocks of 32, eager), with the Crescent connector when ``store`` is
-    given (chunks of ``CHUNK_TOKENS``; ``extra``: more of its ``kv_connector_extra_config``)."""
+    given (chunks of ``CHUNK_TOKENS``; ``extra``: more of its ``kv_connector_extra_config``;
+    ``engine``: more of vLLM's engine arguments)."""
     from vllm import LLM
 
     from kvstore.integrations.vllm import kv_transfer_config
@@ -62,4 +64,4 @@ def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: 
         if store else {}
     return LLM(model=model, tokenizer=model, dtype="float32", block_size=32, enforce_eager=True,
                max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=8192, seed=0,
-               kv_cache_dtype=kv_cache_dtype, **kw)
+               kv_cache_dtype=kv_cache_dtype, **kw, **(engine or {}))
