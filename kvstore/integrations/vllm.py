@@ -175,6 +175,28 @@ def _scope(request: Request) -> RequestScope:
                               for f in request.mm_features or ()))
 
 
+def _sliding_window(kv_cache_config: KVCacheConfig | None) -> int | None:
+    """The window of a model whose one KV cache group frees the blocks behind a sliding window
+    (every layer sliding-window: vLLM's ``SlidingWindowSpec``), None for full attention; refuses
+    anything else. A mix of sliding-window and full-attention layers reaches a connector as one
+    full-attention group: vLLM turns its hybrid cache manager off for connectors without
+    ``SupportsHMA``, and so keeps every block."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"CrescentConnector supports models with one KV cache group, this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, SlidingWindowSpec):
+        return spec.sliding_window
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, RSWASpec):
+        raise ValueError(f"CrescentConnector supports full-attention and sliding-window KV caches, "
+                         f"not {type(spec).__name__}")
+    return None
+
+
 class CrescentConnector(KVConnectorBase_V1):
     """KV connector backed by a Crescent store node (scheduler or worker role)."""
 
@@ -188,9 +210,7 @@ class CrescentConnector(KVConnectorBase_V1):
         if pc.pipeline_parallel_size != 1:
             raise ValueError("CrescentConnector does not support pipeline parallelism yet "
                              "(set pipeline_parallel_size=1)")
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("CrescentConnector supports models with one KV cache group "
-                             f"(full attention everywhere), this one has {len(kv_cache_config.kv_cache_groups)}")
+        window = _sliding_window(kv_cache_config)
         if cc.cache_dtype not in _CACHE_DTYPES:
             raise ValueError(f"CrescentConnector supports cache_dtype {', '.join(map(repr, _CACHE_DTYPES))}; "
                              f"got {cc.cache_dtype!r}")
@@ -238,7 +258,8 @@ class CrescentConnector(KVConnectorBase_V1):
             self._planner = ChunkPlanner(c, self.block_size, self._keys_for,
                                          load=self.config.load and tc.is_kv_consumer,
                                          save=self.config.save and tc.is_kv_producer,
-                                         save_decode=self.config.save_decode, lookup=self._link.lookup)
+                                         save_decode=self.config.save_decode, lookup=self._link.lookup,
+                                         window=window)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

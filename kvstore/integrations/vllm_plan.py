@@ -17,6 +17,11 @@ Rules:
   and fails is rerun by vLLM from the first failed block, and the chunks that
   step would have saved are planned again by the rerun (their ends fall in its
   range once more), so nothing computed on top of a failed load is ever saved.
+- A sliding-window model whose cache group frees the blocks behind the window
+  (vLLM's ``SlidingWindowSpec``; ``window``): a load writes only the blocks
+  vLLM holds for it (the last window before its end; chunks wholly behind it
+  are not fetched), and a chunk is saved only if none of its blocks has been
+  freed by the step that completes it.
 """
 
 from __future__ import annotations
@@ -96,10 +101,14 @@ class ChunkPlanner:
             request's tokens).
         lookup: asks the store which leading keys it holds (a chunk past the prompt that it
             holds is not saved again); None: never asked.
+        window: the sliding window (tokens) of a model whose cache group frees the blocks behind
+            it, as vLLM's ``SlidingWindowManager`` does; None: every block is held until the
+            request ends.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int, keys_for: KeyFn, *, load: bool = True,
-                 save: bool = True, save_decode: bool = False, lookup: LookupFn | None = None) -> None:
+                 save: bool = True, save_decode: bool = False, lookup: LookupFn | None = None,
+                 window: int | None = None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}")
         self.chunk_tokens = chunk_tokens
@@ -110,6 +119,9 @@ class ChunkPlanner:
         self.save = save
         self.save_decode = save_decode
         self._lookup = lookup
+        self.window = window
+        self.num_unsaved_chunks = 0
+        """Chunks not saved because the window had freed some of their blocks."""
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}
         self._keys: dict[str, list[list[ChunkKey]]] = {}
@@ -211,6 +223,14 @@ class ChunkPlanner:
                        parents=tuple(k[j - 1] if j else ROOT_KEY for k in keys),
                        tokens=st.tokens[j * c:(j + 1) * c], block_ids=blocks, first_block=first_block)
 
+    def freed_blocks(self, computed: int) -> int:
+        """Leading blocks of a request a sliding-window cache group has freed (handed back, in
+        its block table a null block) once ``computed`` tokens are computed: vLLM's
+        ``SlidingWindowManager.get_num_skipped_tokens`` in blocks."""
+        if self.window is None:
+            return 0
+        return max(0, computed - self.window + 1) // self.block_size
+
     def _loads(self, req_id: str, st: _Req) -> tuple[ChunkOp, ...]:
         """The request's pending load as chunk ops (none pending: none)."""
         if st.pending_load is None:
@@ -220,8 +240,12 @@ class ChunkPlanner:
         st.pending_load = None
         st.loaded_blocks.clear()
         loads = []
+        freed = self.freed_blocks(end)
         for j in range(start // c, end // c):
-            op = self._chunk(req_id, st, j, max(0, start - j * c) // self.block_size)
+            first = max(max(0, start - j * c) // self.block_size, freed - j * self.blocks_per_chunk)
+            if first >= self.blocks_per_chunk:
+                continue  # (wholly behind the window: vLLM holds no block for it)
+            op = self._chunk(req_id, st, j, first)
             loads.append(op)
             st.loaded_blocks.update((b, j) for b in op.block_ids[op.first_block:])
         self.num_hit_tokens += end - start
@@ -245,6 +269,10 @@ class ChunkPlanner:
                 held = min(self._lookup(k[:last]) for k in keys)
                 st.num_stored_chunks = max(st.num_stored_chunks, held)
                 first = max(first, held)
+            intact = -(-self.freed_blocks(computed) // self.blocks_per_chunk)  # (first chunk with every block)
+            if intact > first:
+                self.num_unsaved_chunks += max(0, min(intact, last) - first)
+                first = intact
             for j in range(first, last):
                 saves.append(self._chunk(req_id, st, j))
             st.planned = max(st.planned, last)

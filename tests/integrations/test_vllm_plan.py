@@ -171,3 +171,40 @@ def test_an_asynchronous_load_is_planned_alone_then_the_request_saves_past_it():
     op = planner.on_new("r", blocks, 192, 108)
     assert not op.loads and [s.index for s in op.saves] == [3]
     assert op.saves[0].block_ids == (16, 17)
+
+
+def test_a_sliding_window_load_writes_only_the_blocks_vllm_holds():
+    """A sliding-window group (vLLM's SlidingWindowManager) holds, after a load of 256 tokens with a
+    window of 72, only the blocks of tokens 185 on (blocks 5, 6, 7): chunk 2 is loaded from its
+    second block, chunk 3 whole, chunks 0 and 1 not at all."""
+    p = ChunkPlanner(C, BLOCK, keys_for, window=72)
+    prompt = list(range(300))
+    assert p.matched_tokens("r", 0, 4) == 256
+    p.on_alloc("r", prompt, None, True, 256)
+    op = p.on_new("r", list(range(10, 20)), 256, 300 - 256)
+    assert [(o.index, o.first_block, o.block_ids[o.first_block:]) for o in op.loads] == \
+        [(2, 1, (15,)), (3, 0, (16, 17))]
+    full = ChunkPlanner(C, BLOCK, keys_for)  # (the same without a window: every chunk)
+    full.matched_tokens("r", 0, 4)
+    full.on_alloc("r", prompt, None, True, 256)
+    assert [o.index for o in full.on_new("r", list(range(10, 20)), 256, 44).loads] == [0, 1, 2, 3]
+
+
+def test_a_sliding_window_chunk_whose_blocks_were_freed_is_not_saved():
+    """Chunked prefill, chunks of 128 tokens, a window of 64: chunk 0 is completed by the step from
+    96 to 200, when vLLM has freed its first block (tokens before 33 are out of the window): not
+    saved. Chunk 1 is completed by the next step, its blocks all held: saved."""
+    c = 128
+    keys = lambda tokens, salt: [chunk_keys(tokens, NS, c)]  # noqa: E731
+    prompt = list(range(300))
+    saved = {}
+    for window in (64, None):
+        p = ChunkPlanner(c, BLOCK, keys, window=window)
+        p.on_alloc("r", prompt, None, True, 0)
+        blocks = list(range(10))
+        ops = [p.on_new("r", blocks[:3], 0, 96), p.on_cached("r", blocks[3:7], False, 96, 104),
+               p.on_cached("r", blocks[7:], False, 200, 100)]
+        saved[window] = [s.index for op in ops if op for s in op.saves]
+        if window:
+            assert p.num_unsaved_chunks == 1
+    assert saved == {64: [1], None: [0, 1]}

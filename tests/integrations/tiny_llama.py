@@ -137,3 +137,39 @@ def random_image(seed: int, size: int = IMAGE_SIZE):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def build_tiny_sliding(folder: str, kind: str, window: int = 64, seed: int = 0) -> str:
+    """A tiny random sliding-window model with ``build_tiny_llama``'s tokenizer: ``"mistral"``,
+    every layer (2) attending to the last ``window`` tokens, or ``"gemma3"``, sliding-window and
+    full-attention layers in turn (4), as Gemma 3 and gpt-oss mix them. Saved into ``folder``."""
+    import glob
+    import os
+
+    import torch
+
+    build_tiny_llama(folder)  # (its tokenizer; its model is replaced)
+    for f in glob.glob(os.path.join(folder, "*.safetensors")) + [os.path.join(folder, "config.json")]:
+        os.remove(f)
+    vocab = len(SPECIALS) + NUM_WORDS
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, sliding_window=window,
+                  bos_token_id=1, eos_token_id=2, dtype="float32")
+    torch.manual_seed(seed)
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, tie_word_embeddings=False, **common))
+    elif kind == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=4, pad_token_id=0,
+                                                   layer_types=["sliding_attention", "full_attention"] * 2, **common))
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    with torch.no_grad():  # NOTE: as build_tiny_llama's: peaked logits, no near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    return folder
