@@ -3,7 +3,8 @@
 A chunk payload is ``[layers, 2 (K,V), kv_heads, chunk_tokens, head_dim]``
 (docs/keys.md); a paged cache holds, per layer, blocks of ``block_size``
 tokens, and a chunk spans ``chunk_tokens // block_size`` of them, listed in
-token order. The functions here copy one layer of one chunk at a time.
+token order. The functions here copy one layer of one chunk at a time, or, to
+write a load, one layer of several chunks (``scatter_chunks``).
 
 Where an element sits inside a block is the attention backend's business: vLLM
 0.32 hands a connector each layer as a logical ``[num_blocks, kv_heads,
@@ -22,6 +23,7 @@ codes themselves, byte for byte what the backend wrote.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +56,28 @@ class BlockLayout:
     @property
     def covers_page(self) -> bool:
         return self.index.numel() == self.page_numel
+
+    @functools.cached_property
+    def strided(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None:
+        """Per K and V, ``(offset, head stride, token stride, dim stride)`` when each sits in the page
+        as a strided view (every backend seen so far: vLLM CPU's K transposed and V row-major, GPU
+        backends' ``[block, heads, dim]`` or split K/V planes); None for any other permutation.
+        Copies through strided views run at memory speed; an element index does not."""
+        idx = self.index.view(2, self.heads, self.block_size, self.head_dim).cpu()
+        out = []
+        for kv in (0, 1):
+            a = idx[kv]
+            base = int(a[0, 0, 0])
+            st = [int(a[1, 0, 0]) - base if self.heads > 1 else 0,
+                  int(a[0, 1, 0]) - base if self.block_size > 1 else 0,
+                  int(a[0, 0, 1]) - base if self.head_dim > 1 else 0]
+            if min(st) < 0:
+                return None
+            grid = torch.meshgrid(*(torch.arange(n) for n in a.shape), indexing="ij")
+            if not torch.equal(a, base + sum(g * s for g, s in zip(grid, st))):
+                return None
+            out.append((base, *st))
+        return out[0], out[1]
 
 
 def learn_block_layout(write: CacheWrite, page_like: torch.Tensor, heads: int, head_dim: int,
@@ -148,3 +172,83 @@ def scatter_layer(src: torch.Tensor, cache: torch.Tensor, layout: BlockLayout, b
         pages = cache[dst].reshape(k, -1)
     pages[:, layout.index] = canon.to(device=cache.device, dtype=cache.dtype)
     cache[dst] = pages.view(k, *cache.shape[1:])
+
+
+def scatter_chunks(src: torch.Tensor, cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor,
+                   rows: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+    """Writes one layer of several chunks into the paged cache at once (``scatter_layer`` for each
+    chunk, in one gather and one indexed write).
+
+    Args:
+        src: ``[n, 2, heads, m * block_size, head_dim]``, each chunk's K then V (a view across
+            chunks whose strides differ from a contiguous tensor's is fine).
+        cache: the layer's cache, ``[num_blocks, ...]``, written in place.
+        layout: from ``learn_block_layout`` for this layer.
+        block_ids: ``[k]`` int64, the blocks written, in the order of ``rows``.
+        rows: ``[k]`` int64, for each block written its row among the ``n * m`` blocks of ``src``
+            (chunk ``i``'s block ``b`` is row ``i * m + b``); None: every block, ``k = n * m``.
+        scratch: a 1-D buffer of the cache's dtype and device, at least ``k`` pages, reused
+            from call to call (a fresh one per call costs page faults); None: allocated here.
+    """
+    h, bs, d = layout.heads, layout.block_size, layout.head_dim
+    n, m = src.shape[0], src.shape[3] // bs
+    assert src.shape == (n, 2, h, m * bs, d), (tuple(src.shape), n, m)
+    k = block_ids.numel()
+    if k == 0:
+        return
+    blocks = src.reshape(n, 2, h, m, bs, d).permute(0, 3, 1, 2, 4, 5)  # [n, m, 2, h, bs, d]
+    pages = _pages(cache, k, layout.page_numel, scratch)
+    if not layout.covers_page:
+        torch.index_select(cache.reshape(cache.shape[0], -1), 0, block_ids, out=pages)
+    strided = layout.strided
+    if strided is not None:
+        blocks = blocks.reshape(n * m, 2, h, bs, d)
+        if rows is not None:
+            blocks = blocks.index_select(0, rows.to(blocks.device))
+        for kv, (off, sh, st, sd) in enumerate(strided):
+            pages.as_strided((k, h, bs, d), (layout.page_numel, sh, st, sd), pages.storage_offset() + off) \
+                .copy_(blocks[:, kv])
+    else:
+        canon = blocks.reshape(n * m, -1)
+        if rows is not None:
+            canon = canon.index_select(0, rows.to(canon.device))
+        pages[:, layout.index] = canon.to(device=cache.device, dtype=cache.dtype)
+    cache[block_ids] = pages.view(k, *cache.shape[1:])
+
+
+def _pages(cache: torch.Tensor, k: int, page_numel: int, scratch: torch.Tensor | None) -> torch.Tensor:
+    if (scratch is None or scratch.numel() < k * page_numel or scratch.dtype != cache.dtype
+            or scratch.device != cache.device):
+        return torch.empty((k, page_numel), dtype=cache.dtype, device=cache.device)
+    return scratch[:k * page_numel].view(k, page_numel)
+
+
+def gather_chunks(cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor, out: torch.Tensor,
+                  scratch: torch.Tensor | None = None) -> None:
+    """Copies one layer of several chunks out of the paged cache at once (``gather_layer`` for each
+    chunk, in one indexed read).
+
+    Args:
+        cache: the layer's cache, ``[num_blocks, ...]``.
+        layout: from ``learn_block_layout`` for this layer.
+        block_ids: ``[n * m]`` int64, the chunks' blocks, chunk after chunk, each in token order.
+        out: ``[n, 2, heads, m * block_size, head_dim]`` on the cache's device, each chunk's rows
+            contiguous (e.g. one layer of ``[n, layers, 2, heads, tokens, head_dim]``); receives K
+            then V.
+        scratch: as ``scatter_chunks``'s, at least ``n * m`` pages.
+    """
+    h, bs, d = layout.heads, layout.block_size, layout.head_dim
+    n, m = out.shape[0], out.shape[3] // bs
+    assert out.shape == (n, 2, h, m * bs, d) and block_ids.numel() == n * m, (tuple(out.shape), block_ids.numel())
+    if n == 0:
+        return
+    pages = _pages(cache, n * m, layout.page_numel, scratch)
+    torch.index_select(cache.reshape(cache.shape[0], -1), 0, block_ids, out=pages)
+    dst = out.view(n, 2, h, m, bs, d).permute(0, 3, 1, 2, 4, 5)  # [n, m, 2, h, bs, d]
+    strided = layout.strided
+    if strided is None:
+        dst.copy_(pages.index_select(1, layout.index).view(n, m, 2, h, bs, d))
+        return
+    for kv, (off, sh, st, sd) in enumerate(strided):
+        view = pages.as_strided((n * m, h, bs, d), (layout.page_numel, sh, st, sd), pages.storage_offset() + off)
+        dst[:, :, kv].copy_(view.view(n, m, h, bs, d))

@@ -137,7 +137,7 @@ class StoreLink:
             return 0
 
     def fetch_prefix(self, refs: Sequence[ChunkRef], namespace: Namespace | None, dtype: torch.dtype,
-                     shape: Sequence[int]) -> list[torch.Tensor]:
+                     shape: Sequence[int], into: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Fetches and verifies chunks; returns the leading run that verified.
 
         Args:
@@ -145,11 +145,15 @@ class StoreLink:
             namespace: the namespace every chunk must carry (but those whose ref names its own).
             dtype: the KV dtype every chunk must have.
             shape: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` of every chunk.
+            into: a contiguous ``uint8`` host buffer of at least ``len(refs) *
+                encoded_size(...)`` bytes (see ``staging_bytes``) that chunk ``i`` is read into
+                at ``i * encoded_size``: no allocation per chunk. None: a buffer per chunk.
 
         Returns:
             Payload tensors of ``refs[:n]`` (each of ``shape``), where chunk ``n``
             is the first that is missing, failed verification or could not be
-            read. The tensors own their memory.
+            read. They view ``into`` when given (valid until it is reused), else own
+            their memory.
         """
         if not refs:
             return []
@@ -159,7 +163,12 @@ class StoreLink:
         if client is None:
             return []
         size = encoded_size(shape, dtype, len(refs[0].tokens))
-        buffers = [bytearray(size) for _ in refs]
+        if into is None:
+            buffers = [bytearray(size) for _ in refs]
+        else:
+            if into.dtype != torch.uint8 or not into.is_contiguous() or into.numel() < size * len(refs):
+                raise ValueError(f"fetch_prefix: into must be contiguous uint8 of at least {size * len(refs)} bytes")
+            buffers = [into[i * size:(i + 1) * size] for i in range(len(refs))]
         try:
             sizes = client.batch_get_into([r.key for r in refs], buffers)
         except Exception as exc:  # noqa: BLE001
@@ -170,7 +179,8 @@ class StoreLink:
             if n is None:
                 break
             try:
-                out.append(decode_chunk(memoryview(buf)[:n], key=ref.key, namespace=ref.namespace or namespace,
+                view = memoryview(buf)[:n] if into is None else memoryview(buf.numpy())[:n]
+                out.append(decode_chunk(view, key=ref.key, namespace=ref.namespace or namespace,
                                         parent=ref.parent, tokens=ref.tokens, dtype=dtype,
                                         shape=shape))
             except ChunkVerificationError as exc:
@@ -178,6 +188,11 @@ class StoreLink:
                 log.warning("crescent chunk %s rejected: %s", bytes(ref.key).hex(), exc)
                 break
         return out
+
+    @staticmethod
+    def staging_bytes(num_chunks: int, dtype: torch.dtype, shape: Sequence[int]) -> int:
+        """Bytes ``fetch_prefix`` needs in ``into`` for ``num_chunks`` chunks of this kind."""
+        return num_chunks * encoded_size(shape, dtype, shape[3])
 
     def save(self, items: Sequence[tuple[ChunkKey, list]]) -> int:
         """Stores encoded chunks (``(key, [header, payload])``); returns how many were stored."""

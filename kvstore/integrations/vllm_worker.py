@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvstore.chunk import encode_chunk
-from kvstore.integrations.paged import BlockLayout, gather_layer, scatter_layer
+from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunks
 from kvstore.integrations.storelink import ChunkRef, StoreLink
 from kvstore.integrations.vllm_plan import ChunkOp, RequestOps, Scope
 from kvstore.keys import ChunkKey, Namespace, chunk_key
@@ -57,13 +57,17 @@ def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
 
 
 @dataclass
-class _Staged:
-    op: ChunkOp
-    key: ChunkKey
-    parent: ChunkKey
-    namespace: Namespace
-    payload: torch.Tensor
-    """``[layers, 2, kv_heads, chunk_tokens, head_dim]``"""
+class _StepSaves:
+    chunks: list[tuple[ChunkOp, ChunkKey, ChunkKey, Namespace]]
+    """(op, key, parent, namespace) of each chunk this step saves."""
+    host: torch.Tensor
+    """``[n, layers, 2, kv_heads, chunk_tokens, head_dim]``: what the saver thread encodes (pinned
+    when the caches are on a GPU)."""
+    device: torch.Tensor
+    """Where the layers are gathered: ``host`` itself, or on the caches' GPU (copied to ``host`` in
+    one DMA at the end of the step)."""
+    ids: torch.Tensor
+    """Every chunk's blocks, in order (on the caches' device)."""
     layers_done: set[int] = field(default_factory=set)
 
 
@@ -98,7 +102,7 @@ class WorkerSide:
         self._layers: dict[str, int] = {}
         self._kv: list[tuple[torch.Tensor, BlockLayout]] = []
         self._shape: tuple[int, ...] = ()
-        self._staged: dict[tuple[str, int], _Staged] = {}
+        self._step: _StepSaves | None = None
         self._saves: list[tuple[str, ChunkOp]] = []
         self._scopes: dict[str, Scope] = {}
         self._failed_reqs: set[str] = set()
@@ -111,6 +115,12 @@ class WorkerSide:
         self._loader: threading.Thread | None = None
         self._recv_done: dict[str, set[int]] = {}
         """Asynchronous loads done and not yet reported: request -> its blocks that failed."""
+        self._scratch: dict[int, torch.Tensor] = {}
+        """Per thread that moves pages, the pages ``scatter_chunks`` / ``gather_chunks`` assemble,
+        reused (grown as needed)."""
+        self._staging: dict[int, torch.Tensor] = {}
+        """Per link (one per thread that loads), the host buffer its loads are read into, grown as
+        loads need (pinned when the caches are on a GPU: one DMA per chunk, no pageable copy)."""
 
     # ---- setup ---------------------------------------------------------------
 
@@ -143,6 +153,7 @@ class WorkerSide:
         self._saves = [(r.req_id, op) for r in requests for op in r.saves]
         self._scopes = {r.req_id: r.scope for r in requests}
         self._failed_reqs = set()
+        self._step = None
 
     def load(self, requests: Sequence[RequestOps]) -> None:
         """Loads this step's synchronous chunks into every layer; queues the asynchronous ones
@@ -165,12 +176,11 @@ class WorkerSide:
         rank = self.tp_rank
         refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
                          self.namespace_for(r.scope, op.index)) for op in r.loads]
-        payloads = link.fetch_prefix(refs, None, self.dtype, self._shape)
-        for op, payload in zip(r.loads, payloads):
-            ids = torch.tensor(op.block_ids, dtype=torch.long)
-            for layer, (cache, layout) in enumerate(self._kv):
-                scatter_layer(payload[layer], cache, layout, ids, op.first_block)
+        staging = self._staging_for(link, len(refs))
+        payloads = link.fetch_prefix(refs, None, self.dtype, self._shape, into=staging)
         n = len(payloads)
+        if n:
+            self._scatter(staging, payloads, r.loads[:n])
         failed = _written_blocks(r.loads[n:])
         loaded_tokens = sum(len(op.block_ids) - op.first_block for op in r.loads[:n]) * self.block_size
         with self._lock:
@@ -185,6 +195,48 @@ class WorkerSide:
             log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store%s", r.req_id,
                      loaded_tokens, n, " beside the steps" if r.async_load else "")
         return failed
+
+    def _staging_for(self, link: StoreLink, num_chunks: int) -> torch.Tensor:
+        need = link.staging_bytes(num_chunks, self.dtype, self._shape)
+        buf = self._staging.get(id(link))
+        if buf is None or buf.numel() < need:
+            cuda = self._kv[0][0].is_cuda
+            size = max(need, 2 * buf.numel() if buf is not None else 0)
+            buf = self._staging[id(link)] = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        return buf
+
+    def _scratch_for(self, num_blocks: int) -> torch.Tensor:
+        cache = self._kv[0][0]
+        need = num_blocks * cache[0].numel()
+        buf = self._scratch.get(threading.get_ident())
+        if buf is None or buf.numel() < need:
+            size = max(need, 2 * buf.numel() if buf is not None else 0)
+            buf = self._scratch[threading.get_ident()] = torch.empty(size, dtype=cache.dtype, device=cache.device)
+        return buf
+
+    def _scatter(self, staging: torch.Tensor, payloads: Sequence[torch.Tensor], ops: Sequence[ChunkOp]) -> None:
+        """Writes verified payloads (views of ``staging``, one chunk every ``stride`` bytes) into
+        their blocks: per layer, every chunk at once."""
+        n, (cache0, _) = len(payloads), self._kv[0]
+        m = self.chunk_tokens // self.block_size
+        rows = [i * m + b for i, op in enumerate(ops) for b in range(op.first_block, m)]
+        ids = torch.tensor([op.block_ids[b] for op in ops for b in range(op.first_block, m)], dtype=torch.long,
+                           device=cache0.device)
+        rows_t = None if len(rows) == n * m else torch.tensor(rows, dtype=torch.long)
+        if cache0.is_cuda:
+            src = torch.empty((n, *self._shape), dtype=self.dtype, device=cache0.device)
+            for i, p in enumerate(payloads):  # (pinned: a DMA each, in the stream's order)
+                src[i].copy_(p, non_blocking=True)
+        else:
+            base = payloads[0].data_ptr() - staging.data_ptr()
+            stride = payloads[1].data_ptr() - payloads[0].data_ptr() if n > 1 else 0
+            nbytes = payloads[0].numel() * payloads[0].element_size()
+            src = staging.as_strided((n, nbytes), (stride, 1), base).view(self.dtype).view(n, *self._shape)
+        scratch = self._scratch_for(ids.numel())
+        for layer, (cache, layout) in enumerate(self._kv):
+            scatter_chunks(src[:, layer], cache, layout, ids, rows_t, scratch)
+        if cache0.is_cuda:
+            torch.cuda.current_stream(cache0.device).synchronize()  # (staging is reused by the next load)
 
     def _ensure_loader(self) -> None:
         if self._loader is None:
@@ -227,58 +279,64 @@ class WorkerSide:
 
     # ---- saves ---------------------------------------------------------------
 
-    def _stage(self, req_id: str, op: ChunkOp) -> _Staged | None:
-        st = self._staged.get((req_id, op.index))
-        if st is None:
-            rank = self.tp_rank
-            ns = self.namespace_for(self._scopes.get(req_id), op.index)
-            key, parent = op.keys[rank], op.parents[rank]
-            if chunk_key(parent, ns, op.tokens) != key:
-                log.error("crescent: chunk %d of request %s: scheduler and worker namespaces differ; "
-                          "not saving it", op.index, req_id)
-                return None
-            st = _Staged(op, key, parent, ns, torch.empty(self._shape, dtype=self.dtype))
-            self._staged[(req_id, op.index)] = st
-        return st
+    def _step_saves(self) -> _StepSaves:
+        """This step's chunks to save, staged once per step (after its loads: a request whose load
+        failed saves nothing): one buffer for all of them, filled a layer at a time."""
+        if self._step is None:
+            chunks: list[tuple[ChunkOp, ChunkKey, ChunkKey, Namespace]] = []
+            for req_id, op in self._saves:
+                if req_id in self._failed_reqs:
+                    # NOTE: this step's forward read blocks that failed to load; vLLM discards
+                    # its output and reruns, and the rerun saves these chunks.
+                    self.stats.num_dropped_chunks += 1
+                    continue
+                ns = self.namespace_for(self._scopes.get(req_id), op.index)
+                key, parent = op.keys[self.tp_rank], op.parents[self.tp_rank]
+                if chunk_key(parent, ns, op.tokens) != key:
+                    log.error("crescent: chunk %d of request %s: scheduler and worker namespaces differ; "
+                              "not saving it", op.index, req_id)
+                    self.stats.num_dropped_chunks += 1
+                    continue
+                chunks.append((op, key, parent, ns))
+            cache0 = self._kv[0][0]
+            n = len(chunks)
+            host = torch.empty((n, *self._shape), dtype=self.dtype, pin_memory=cache0.is_cuda)
+            device = torch.empty((n, *self._shape), dtype=self.dtype, device=cache0.device) if cache0.is_cuda else host
+            ids = torch.tensor([b for op, *_ in chunks for b in op.block_ids], dtype=torch.long, device=cache0.device)
+            self._step = _StepSaves(chunks, host, device, ids)
+        return self._step
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Gathers one layer of every chunk this step saves (called after the layer ran)."""
+        """Gathers one layer of every chunk this step saves (called after the layer ran): one gather
+        for all of them."""
         layer = self._layers.get(layer_name)
         if not self._saves or layer is None:
             return
-        layout = self._kv[layer][1]
-        for req_id, op in self._saves:
-            if req_id in self._failed_reqs:
-                continue
-            st = self._stage(req_id, op)
-            if st is None:
-                continue
-            gather_layer(kv_layer, layout, torch.tensor(op.block_ids, dtype=torch.long), st.payload[layer])
-            st.layers_done.add(layer)
+        step = self._step_saves()
+        if step.chunks:
+            gather_chunks(kv_layer, self._kv[layer][1], step.ids, step.device[:, layer],
+                          self._scratch_for(step.ids.numel()))
+            step.layers_done.add(layer)
 
     def end_step(self) -> None:
-        """Completes this step's chunks and queues them for the store."""
-        batch = []
-        for req_id, op in self._saves:
-            if req_id in self._failed_reqs:
-                # NOTE: this step's forward read blocks that failed to load; vLLM discards
-                # its output and reruns, and the rerun saves these chunks.
-                self.stats.num_dropped_chunks += 1
-                continue
-            st = self._stage(req_id, op)
-            if st is None:
-                self.stats.num_dropped_chunks += 1
-                continue
-            ids = torch.tensor(op.block_ids, dtype=torch.long)
-            for layer in range(len(self._kv)):
-                if layer not in st.layers_done:
-                    gather_layer(*self._kv[layer], ids, st.payload[layer])
-            batch.append((st.key, encode_chunk(st.payload, st.namespace, st.parent, op.tokens)))
-        self._staged.clear()
-        self._saves = []
-        if batch:
-            self._ensure_saver()
-            self._queue.put(batch)
+        """Completes this step's chunks (layers not handed over during the step are gathered now)
+        and queues them for the saver thread, which encodes (checksums) and stores them."""
+        if not self._saves:
+            return
+        step = self._step_saves()
+        self._step, self._saves = None, []
+        if not step.chunks:
+            return
+        scratch = self._scratch_for(step.ids.numel())
+        for layer, (cache, layout) in enumerate(self._kv):
+            if layer not in step.layers_done:
+                gather_chunks(cache, layout, step.ids, step.device[:, layer], scratch)
+        if step.device is not step.host:
+            step.host.copy_(step.device, non_blocking=True)  # (one DMA into pinned memory)
+            torch.cuda.current_stream(step.device.device).synchronize()
+        self._ensure_saver()
+        self._queue.put([(key, step.host[i], ns, parent, op.tokens)
+                         for i, (op, key, parent, ns) in enumerate(step.chunks)])
 
     def _ensure_saver(self) -> None:
         if self._saver is None:
@@ -291,7 +349,15 @@ class WorkerSide:
             try:
                 if batch is None:
                     return
-                stored = self.save_link.save(batch)
+                try:
+                    encoded = [(key, encode_chunk(payload, ns, parent, tokens))
+                               for key, payload, ns, parent, tokens in batch]
+                except Exception:  # noqa: BLE001
+                    # NOTE: a chunk that cannot be encoded is a lost save, never a dead saver thread
+                    # (the queue would fill and block the forward).
+                    log.exception("crescent: encoding %d chunks failed; not saving them", len(batch))
+                    encoded = []
+                stored = self.save_link.save(encoded)
                 with self._lock:
                     self.stats.num_saved_chunks += stored
                     self.stats.num_dropped_chunks += len(batch) - stored

@@ -4,10 +4,13 @@ row-major, in one ``[heads, block, 2 * head_dim]`` page), plain and FP8 (codes i
 ``x / scale`` rounded toward zero, as vLLM's CPU kernel does). tests/integrations/test_vllm.py
 runs the real backends."""
 
+import math
+
 import pytest
 import torch
 
-from kvstore.integrations.paged import gather_layer, learn_block_layout, scatter_layer
+from kvstore.integrations.paged import (gather_chunks, gather_layer, learn_block_layout, scatter_chunks,
+                                        scatter_layer)
 
 H, BS, D = 2, 8, 16
 
@@ -71,6 +74,67 @@ def test_a_learned_layout_reads_what_the_backend_wrote(cache, scales):
         want = torch.stack([_toward_zero(x.float() / s, fp8).transpose(0, 1) for x, s in ((k, be.scales[0]),
                                                                                         (v, be.scales[1]))])
     assert torch.equal(out.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def _layout(padded: bool):
+    """The test backend's layout and page shape; ``padded``: each row of 2*D elements gets one more,
+    unused (the page is then no strided view of K and V)."""
+    be = Backend(9, torch.float32)
+    layout = be.layout()
+    shape = be.element_view().shape
+    if padded:
+        row = shape[-1]
+        index = layout.index // row * (row + 1) + layout.index % row
+        shape = (*shape[:-1], row + 1)
+        layout = type(layout)(layout.heads, layout.block_size, layout.head_dim, index, math.prod(shape[1:]))
+        assert not layout.covers_page
+    assert (layout.strided is None) == padded  # (a strided page is copied through views, any other by index)
+    return layout, shape
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_scatter_chunks_writes_what_scatter_layer_writes_chunk_by_chunk(padded):
+    """Three chunks of two blocks at once, from a strided view across them (as the connector's
+    staging buffer holds them, headers in between), the first from its second block: the cache
+    equals that of ``scatter_layer`` called per chunk, untouched blocks included; with pages that
+    have elements no K or V uses (padded rows), those keep their values."""
+    layout, shape = _layout(padded)
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randn(3, 7 + 2 * H * 2 * BS * D, generator=g)  # (7 elements of "header" before each payload)
+    src = raw[:, 7:].view(3, 2, H, 2 * BS, D)
+    blocks = [(5, 2), (7, 0), (1, 8)]
+    firsts = [1, 0, 0]
+    want = torch.randn(shape, generator=g)
+    got = want.clone()
+    for i, (ids, first) in enumerate(zip(blocks, firsts)):
+        scatter_layer(src[i], want, layout, torch.tensor(ids), first)
+    assert not torch.equal(want, got)
+    rows = torch.tensor([i * 2 + b for i, f in enumerate(firsts) for b in range(f, 2)])
+    ids = torch.tensor([blocks[i][b] for i, f in enumerate(firsts) for b in range(f, 2)])
+    scatter_chunks(src, got, layout, ids, rows)
+    assert torch.equal(got, want)
+    every = torch.tensor([b for ids_ in blocks for b in ids_])
+    scatter_chunks(src, got, layout, every)  # rows=None: every block of every chunk
+    for i, ids_ in enumerate(blocks):
+        scatter_layer(src[i], want, layout, torch.tensor(ids_))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gather_chunks_reads_what_gather_layer_reads_chunk_by_chunk(padded):
+    """One layer of three chunks out of a cache at once, into one layer of a ``[n, layers, ...]``
+    buffer (strided per chunk), equals ``gather_layer`` per chunk; the other layer is untouched."""
+    layout, shape = _layout(padded)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(shape, generator=g)
+    blocks = [5, 2, 7, 0, 1, 8]
+    buf = torch.zeros(3, 2, 2, H, 2 * BS, D)  # [chunks, layers, K/V, heads, tokens, dim]
+    gather_chunks(cache, layout, torch.tensor(blocks), buf[:, 1])
+    for i in range(3):
+        want = torch.empty(2, H, 2 * BS, D)
+        gather_layer(cache, layout, torch.tensor(blocks[2 * i:2 * i + 2]), want)
+        assert torch.equal(buf[i, 1], want)
+    assert not buf[:, 0].any()
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -3,6 +3,7 @@ of the backend written in test_paged.py, a real store node on loopback. Chunks s
 worker's cache are loaded into another's, synchronously and by the loader thread (``load_async``),
 whose end of load is reported with, never before, the blocks that failed."""
 
+import dataclasses
 import threading
 import time
 
@@ -93,6 +94,76 @@ def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, lo
         assert _blocks_equal(a, b, list(range(6)), dst)
     assert w.stats.num_loaded_chunks == 3 and w.stats.num_loaded_tokens == 3 * C
     w.close()
+
+
+def test_a_load_from_inside_a_chunk_keeps_the_blocks_before_it_and_the_buffer_grows(store):
+    """A one-chunk load, then a three-chunk one whose first chunk starts at its second block (vLLM
+    computed the first): the worker's read buffer grows for the second, the block before the start
+    keeps what it held, every other block gets the saved KV."""
+    src = _fill_and_save(store.address)
+    w, backends = _worker(store.address)
+    w.begin_step([])
+    w.load([RequestOps("one", None, loads=_ops([4, 0], [0]))])
+    small = w._staging[id(w.link)].numel()
+    ops = list(_ops([7, 2, 5, 1, 3, 6]))
+    ops[0] = ChunkOp(ops[0].index, ops[0].keys, ops[0].parents, ops[0].tokens, ops[0].block_ids, first_block=1)
+    before = [be.cache[7].clone() for be in backends]
+    w.load([RequestOps("r", None, loads=tuple(ops))])
+    assert w._staging[id(w.link)].numel() > small
+    assert w.take_invalid_blocks() == set()
+    for a, b, old in zip(src, backends, before):
+        assert torch.equal(b.cache[7], old)
+        assert _blocks_equal(a, b, [1, 2, 3, 4, 5], [2, 5, 1, 3, 6])
+        assert _blocks_equal(a, b, [0, 1], [4, 0])
+    w.close()
+
+
+@pytest.mark.gpu
+def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
+    """Caches on a CUDA device: a worker saves three chunks from them (layer 0 handed over during
+    the step, layer 1 gathered at its end; one DMA into pinned memory), a CPU worker loads them and
+    reads what the device held, and another GPU worker loads them into other blocks (read into its
+    pinned buffer, a DMA per chunk, the pages written on the device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+    def gpu_worker():
+        config = StoreLinkConfig(store.address, 10.0, cooldown_s=0.0)
+        w = WorkerSide(StoreLink(config), StoreLink(config), lambda scope, index: NS, 0, C, BS, torch.float32)
+        backends = [Backend(8, torch.float32) for _ in range(LAYERS)]
+        caches = [be.cache.cuda() for be in backends]
+        w.register([(f"layer.{i}", cache, dataclasses.replace(be.layout(), index=be.layout().index.cuda()))
+                    for i, (be, cache) in enumerate(zip(backends, caches))])
+        return w, backends, caches
+
+    w, backends, caches = gpu_worker()
+    g = torch.Generator().manual_seed(0)
+    for be, cache in zip(backends, caches):
+        k, v = torch.randn(2, 3 * C, H, D, generator=g)
+        be.write(k, v, be.cache, torch.arange(3 * C))
+        cache.copy_(be.cache)
+    w.begin_step([RequestOps("r", None, saves=_ops(list(range(6))))])
+    w.save_layer("layer.0", caches[0])
+    w.end_step()
+    w.flush()
+    assert w.stats.num_saved_chunks == 3
+    w.close()
+    cpu, cpu_backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    cpu.begin_step([])
+    cpu.load([RequestOps("r", None, loads=_ops(dst))])
+    assert cpu.take_invalid_blocks() == set()
+    for cache, b in zip(caches, cpu_backends):
+        assert torch.equal(cache[:6].cpu(), b.cache[dst])
+    cpu.close()
+    w2, _, caches2 = gpu_worker()
+    w2.begin_step([])
+    w2.load([RequestOps("r", None, loads=_ops(dst))])
+    assert w2.take_invalid_blocks() == set()
+    assert w2._staging[id(w2.link)].is_pinned()
+    for cache, cache2 in zip(caches, caches2):
+        assert torch.equal(cache[:6], cache2[dst])
+    w2.close()
 
 
 def test_an_asynchronous_load_reports_its_failed_blocks_with_its_end(store):

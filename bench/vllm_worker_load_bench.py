@@ -1,0 +1,160 @@
+"""The vLLM connector's data path on this host: vLLM's paged cache <-> verified chunks <-> a store node.
+
+A request's prefix of ``--tokens`` tokens (``--chunk-tokens`` per chunk) is saved, again and again,
+by the connector's worker side (kvstore/integrations/vllm_worker.py) from one paged cache, and
+loaded, again and again, into another, through a real store node process on this host. A save
+gathers each layer of all chunks on vLLM's thread (what the forward waits for), then the saver
+thread checksums and stores them. Each load fetches the chunks into the
+worker's reusable host buffer, verifies every chunk (header, key, xxh3 of the payload) and writes
+each layer of all chunks into the blocks (a page layout like vLLM's CPU backend: K transposed per
+head, V row-major). Baselines in the same run: the store read alone (``batch_get_into`` of the
+same chunks into one buffer: what the transport costs) and a memcpy of the same bytes.
+
+    .venv/bin/python bench/vllm_worker_load_bench.py [--tokens 4096] [--layers 8] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from bench.common import publish, table
+    from kvstore.chunk import encoded_size
+    from kvstore.client import StoreClient
+    from kvstore.integrations.paged import BlockLayout
+    from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
+    from kvstore.integrations.vllm_plan import ChunkOp, RequestOps
+    from kvstore.integrations.vllm_worker import WorkerSide
+    from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_keys, make_namespace
+    from tests.helpers import StoreProcess
+
+    dtype = getattr(torch, args.dtype)
+    L, H, D, BS, C = args.layers, args.kv_heads, args.head_dim, args.block_size, args.chunk_tokens
+    n = args.tokens // C
+    m = C // BS
+    ns = make_namespace(ModelFingerprint("load-bench", args.dtype, L, H, D, C))
+    tokens = list(range(1000, 1000 + n * C))
+    keys = chunk_keys(tokens, ns, C)
+    ops = tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
+                        tuple(range(j * m, (j + 1) * m))) for j in range(n))
+    # vLLM CPU's page: [heads, block, 2 * head_dim], K transposed ([head_dim, block] per head), V row-major
+    kv, h, t, d = torch.meshgrid(torch.arange(2), torch.arange(H), torch.arange(BS), torch.arange(D), indexing="ij")
+    index = (h * BS * 2 * D + torch.where(kv == 0, d * BS + t, BS * D + t * D + d)).flatten()
+    layout = BlockLayout(H, BS, D, index, H * BS * 2 * D)
+
+    def caches():
+        return [torch.zeros(n * m + 8, H, BS, 2 * D, dtype=dtype) for _ in range(L)]
+
+    src = caches()
+    g = torch.Generator().manual_seed(0)
+    for c in src:
+        c[: n * m].copy_(torch.randn(c[: n * m].shape, generator=g).to(dtype))
+    payload_mib = n * L * 2 * H * C * D * dtype.itemsize / 2**20
+    print(f"{n} chunks of {C} tokens, {L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV",
+          flush=True)
+    store = StoreProcess("--dram", f"{int(payload_mib * 2 + 256)}MiB")
+    times = {"store read alone (batch_get_into)": [], "connector load (read, verify, write pages)": [],
+             "memcpy of the same bytes": [], "connector save: on vLLM's thread (gather pages)": [],
+             "connector save: saver thread (checksum, store)": []}
+    try:
+        config = StoreLinkConfig(store.address, 60.0)
+        saver = WorkerSide(StoreLink(config), StoreLink(config), lambda s, i: ns, 0, C, BS, dtype)
+        saver.register([(f"l{i}", c, layout) for i, c in enumerate(src)])
+        for i in range(args.repeats + 1):
+            saver.begin_step([RequestOps("r", None, saves=ops)])
+            t0 = time.perf_counter()
+            saver.end_step()
+            t1 = time.perf_counter()
+            saver.flush()
+            t2 = time.perf_counter()
+            if i:
+                times["connector save: on vLLM's thread (gather pages)"].append(t1 - t0)
+                times["connector save: saver thread (checksum, store)"].append(t2 - t1)
+            print(f"  save {i}/{args.repeats}: {(t1 - t0) * 1e3:.1f} + {(t2 - t1) * 1e3:.1f} ms", flush=True)
+        assert saver.stats.num_saved_chunks == n * (args.repeats + 1), saver.stats
+        saver.close()
+
+        dst = caches()
+        w = WorkerSide(StoreLink(config), StoreLink(config), lambda s, i: ns, 0, C, BS, dtype)
+        w.register([(f"l{i}", c, layout) for i, c in enumerate(dst)])
+        req = RequestOps("r", None, loads=ops)
+        nbytes = n * encoded_size(w.chunk_shape, dtype, C)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        size = nbytes // n
+        views = [buf[i * size:(i + 1) * size] for i in range(n)]
+        other = torch.empty_like(buf)
+        with StoreClient(store.address) as client:
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                got = client.batch_get_into(list(keys), views)
+                t1 = time.perf_counter()
+                assert all(s is not None for s in got)
+                w.begin_step([req])
+                w.load([req])
+                t2 = time.perf_counter()
+                other.copy_(buf)
+                t3 = time.perf_counter()
+                assert not w.take_invalid_blocks()
+                if i:  # (the first of each is a warm-up: buffers allocated, pages touched)
+                    for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                        times[name].append(dt)
+                print(f"  load {i}/{args.repeats}: {(t2 - t1) * 1e3:.1f} ms", flush=True)
+        for a, b in zip(src, dst):
+            assert torch.equal(a[: n * m], b[: n * m]), "the loaded pages differ from the saved ones"
+        w.close()
+    finally:
+        store.stop()
+
+    base = statistics.median(times["store read alone (batch_get_into)"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append([name, f"{med * 1e3:.1f}", f"{nbytes / med / 1e9:.2f}", f"{med / base:.2f}x"])
+    text = table(["step", "median ms", "GB/s", "time vs the store read"], rows)
+    print(text)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    names = list(times)[::-1]
+    ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
+            color=["#2ca02c", "#2ca02c", "#999999", "#1f77b4", "#ff7f0e"])
+    ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats}")
+    ax.set_title("vLLM connector data path (CPU, 2 cores)")
+    fig.tight_layout()
+    body = (f"The vLLM connector's worker side on this host (2 cores): {n} chunks of {C} tokens "
+            f"({L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV) saved {args.repeats} "
+            f"times from a paged cache (blocks of {BS}, vLLM CPU's page layout) into a store node process: each "
+            f"layer of all chunks gathered on vLLM's thread, then checksummed (xxh3) and stored by the saver "
+            f"thread; then loaded {args.repeats} times into another paged cache: read into the worker's reusable "
+            f"host buffer, every chunk verified (header, key, xxh3 of the payload), each layer of all chunks "
+            f"written at once; the loaded pages equal the saved ones. Baselines in the same run: the store read "
+            f"alone into one buffer and a memcpy of the same bytes. Command: `.venv/bin/python bench/vllm_worker_load_bench.py --write-docs`.\n\n{text}\n")
+    publish(fig, "vllm_worker_load", body, args.write_docs)
+
+
+if __name__ == "__main__":
+    main()
