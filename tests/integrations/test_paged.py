@@ -92,49 +92,52 @@ def _layout(padded: bool):
     return layout, shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("padded", [False, True])
-def test_scatter_chunks_writes_what_scatter_layer_writes_chunk_by_chunk(padded):
+def test_scatter_chunks_writes_what_scatter_layer_writes_chunk_by_chunk(padded, dtype):
     """Three chunks of two blocks at once, from a strided view across them (as the connector's
     staging buffer holds them, headers in between), the first from its second block: the cache
     equals that of ``scatter_layer`` called per chunk, untouched blocks included; with pages that
     have elements no K or V uses (padded rows), those keep their values."""
     layout, shape = _layout(padded)
     g = torch.Generator().manual_seed(3)
-    raw = torch.randn(3, 7 + 2 * H * 2 * BS * D, generator=g)  # (7 elements of "header" before each payload)
+    raw = torch.randn(3, 7 + 2 * H * 2 * BS * D, generator=g).to(dtype)  # (7 of "header" before each payload)
     src = raw[:, 7:].view(3, 2, H, 2 * BS, D)
     blocks = [(5, 2), (7, 0), (1, 8)]
     firsts = [1, 0, 0]
-    want = torch.randn(shape, generator=g)
+    want = torch.randn(shape, generator=g).to(dtype)
     got = want.clone()
     for i, (ids, first) in enumerate(zip(blocks, firsts)):
         scatter_layer(src[i], want, layout, torch.tensor(ids), first)
-    assert not torch.equal(want, got)
+    assert not torch.equal(want.view(torch.uint8), got.view(torch.uint8))
     rows = torch.tensor([i * 2 + b for i, f in enumerate(firsts) for b in range(f, 2)])
     ids = torch.tensor([blocks[i][b] for i, f in enumerate(firsts) for b in range(f, 2)])
-    scatter_chunks(src, got, layout, ids, rows)
-    assert torch.equal(got, want)
+    scratch = torch.full((9 * layout.page_numel,), 7.0).to(dtype)  # (reused pages: more than needed, not zero)
+    scatter_chunks(src, got, layout, ids, rows, scratch)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     every = torch.tensor([b for ids_ in blocks for b in ids_])
     scatter_chunks(src, got, layout, every)  # rows=None: every block of every chunk
     for i, ids_ in enumerate(blocks):
         scatter_layer(src[i], want, layout, torch.tensor(ids_))
-    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("padded", [False, True])
-def test_gather_chunks_reads_what_gather_layer_reads_chunk_by_chunk(padded):
+def test_gather_chunks_reads_what_gather_layer_reads_chunk_by_chunk(padded, dtype):
     """One layer of three chunks out of a cache at once, into one layer of a ``[n, layers, ...]``
     buffer (strided per chunk), equals ``gather_layer`` per chunk; the other layer is untouched."""
     layout, shape = _layout(padded)
     g = torch.Generator().manual_seed(5)
-    cache = torch.randn(shape, generator=g)
+    cache = torch.randn(shape, generator=g).to(dtype)
     blocks = [5, 2, 7, 0, 1, 8]
-    buf = torch.zeros(3, 2, 2, H, 2 * BS, D)  # [chunks, layers, K/V, heads, tokens, dim]
+    buf = torch.zeros(3, 2, 2, H, 2 * BS, D).to(dtype)  # [chunks, layers, K/V, heads, tokens, dim]
     gather_chunks(cache, layout, torch.tensor(blocks), buf[:, 1])
     for i in range(3):
-        want = torch.empty(2, H, 2 * BS, D)
+        want = torch.empty(2, H, 2 * BS, D, dtype=dtype)
         gather_layer(cache, layout, torch.tensor(blocks[2 * i:2 * i + 2]), want)
-        assert torch.equal(buf[i, 1], want)
-    assert not buf[:, 0].any()
+        assert torch.equal(buf[i, 1].view(torch.uint8), want.view(torch.uint8))
+    assert not buf[:, 0].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
