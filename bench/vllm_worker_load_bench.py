@@ -8,9 +8,10 @@ thread checksums and stores them. Each load fetches the chunks into the
 worker's reusable host buffer, verifies every chunk (header, key, xxh3 of the payload) and writes
 each layer of all chunks into the blocks (a page layout like vLLM's CPU backend: K transposed per
 head, V row-major). Baselines in the same run: the store read alone (``batch_get_into`` of the
-same chunks into one buffer: what the transport costs) and a memcpy of the same bytes.
+same chunks into one buffer: what the transport costs) and a memcpy of the same bytes (with
+``--device cuda``, caches on a GPU: a pinned host-to-device copy of them).
 
-    .venv/bin/python bench/vllm_worker_load_bench.py [--tokens 4096] [--layers 8] [--write-docs]
+    .venv/bin/python bench/vllm_worker_load_bench.py [--tokens 4096] [--layers 8] [--device cuda] [--write-docs]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="where the paged caches live (cuda: vLLM on a GPU)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
@@ -50,6 +52,8 @@ def main() -> None:
     from tests.helpers import StoreProcess
 
     dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     L, H, D, BS, C = args.layers, args.kv_heads, args.head_dim, args.block_size, args.chunk_tokens
     n = args.tokens // C
     m = C // BS
@@ -61,21 +65,27 @@ def main() -> None:
     # vLLM CPU's page: [heads, block, 2 * head_dim], K transposed ([head_dim, block] per head), V row-major
     kv, h, t, d = torch.meshgrid(torch.arange(2), torch.arange(H), torch.arange(BS), torch.arange(D), indexing="ij")
     index = (h * BS * 2 * D + torch.where(kv == 0, d * BS + t, BS * D + t * D + d)).flatten()
-    layout = BlockLayout(H, BS, D, index, H * BS * 2 * D)
+    layout = BlockLayout(H, BS, D, index.to(dev), H * BS * 2 * D)
 
     def caches():
-        return [torch.zeros(n * m + 8, H, BS, 2 * D, dtype=dtype) for _ in range(L)]
+        return [torch.zeros(n * m + 8, H, BS, 2 * D, dtype=dtype, device=dev) for _ in range(L)]
 
     src = caches()
     g = torch.Generator().manual_seed(0)
     for c in src:
         c[: n * m].copy_(torch.randn(c[: n * m].shape, generator=g).to(dtype))
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
     payload_mib = n * L * 2 * H * C * D * dtype.itemsize / 2**20
+    print(f"caches on {dev}: " + (torch.cuda.get_device_name(dev) if cuda else "the CPU"), flush=True)
     print(f"{n} chunks of {C} tokens, {L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV",
           flush=True)
     store = StoreProcess("--dram", f"{int(payload_mib * 2 + 256)}MiB")
     times = {"store read alone (batch_get_into)": [], "connector load (read, verify, write pages)": [],
-             "memcpy of the same bytes": [], "connector save: on vLLM's thread (gather pages)": [],
+             "pinned host->device copy of the same bytes" if cuda else "memcpy of the same bytes": [],
+             "connector save: on vLLM's thread (gather pages)": [],
              "connector save: saver thread (checksum, store)": []}
     try:
         config = StoreLinkConfig(store.address, 60.0)
@@ -83,8 +93,10 @@ def main() -> None:
         saver.register([(f"l{i}", c, layout) for i, c in enumerate(src)])
         for i in range(args.repeats + 1):
             saver.begin_step([RequestOps("r", None, saves=ops)])
+            sync()
             t0 = time.perf_counter()
             saver.end_step()
+            sync()
             t1 = time.perf_counter()
             saver.flush()
             t2 = time.perf_counter()
@@ -100,10 +112,10 @@ def main() -> None:
         w.register([(f"l{i}", c, layout) for i, c in enumerate(dst)])
         req = RequestOps("r", None, loads=ops)
         nbytes = n * encoded_size(w.chunk_shape, dtype, C)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
         size = nbytes // n
         views = [buf[i * size:(i + 1) * size] for i in range(n)]
-        other = torch.empty_like(buf)
+        other = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # (on a GPU: the pinned host->device copy)
         with StoreClient(store.address) as client:
             for i in range(args.repeats + 1):
                 t0 = time.perf_counter()
@@ -112,8 +124,10 @@ def main() -> None:
                 assert all(s is not None for s in got)
                 w.begin_step([req])
                 w.load([req])
+                sync()
                 t2 = time.perf_counter()
-                other.copy_(buf)
+                other.copy_(buf, non_blocking=True)
+                sync()
                 t3 = time.perf_counter()
                 assert not w.take_invalid_blocks()
                 if i:  # (the first of each is a warm-up: buffers allocated, pages touched)
@@ -143,17 +157,20 @@ def main() -> None:
     ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
             color=["#2ca02c", "#2ca02c", "#999999", "#1f77b4", "#ff7f0e"])
     ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats}")
-    ax.set_title("vLLM connector data path (CPU, 2 cores)")
+    ax.set_title(f"vLLM connector data path ({torch.cuda.get_device_name(dev) if cuda else 'CPU, 2 cores'})")
     fig.tight_layout()
-    body = (f"The vLLM connector's worker side on this host (2 cores): {n} chunks of {C} tokens "
+    where = f"caches on {torch.cuda.get_device_name(dev)}" if cuda else "this host (2 cores)"
+    body = (f"The vLLM connector's worker side, {where}: {n} chunks of {C} tokens "
             f"({L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV) saved {args.repeats} "
             f"times from a paged cache (blocks of {BS}, vLLM CPU's page layout) into a store node process: each "
             f"layer of all chunks gathered on vLLM's thread, then checksummed (xxh3) and stored by the saver "
             f"thread; then loaded {args.repeats} times into another paged cache: read into the worker's reusable "
             f"host buffer, every chunk verified (header, key, xxh3 of the payload), each layer of all chunks "
             f"written at once; the loaded pages equal the saved ones. Baselines in the same run: the store read "
-            f"alone into one buffer and a memcpy of the same bytes. Command: `.venv/bin/python bench/vllm_worker_load_bench.py --write-docs`.\n\n{text}\n")
-    publish(fig, "vllm_worker_load", body, args.write_docs)
+            f"alone into one buffer and {'a pinned host-to-device' if cuda else 'a memcpy'} copy of the same "
+            f"bytes. Command: `.venv/bin/python bench/vllm_worker_load_bench.py{' --device cuda' if cuda else ''} "
+            f"--write-docs`.\n\n{text}\n")
+    publish(fig, "vllm_worker_load" + ("_cuda" if cuda else ""), body, args.write_docs)
 
 
 if __name__ == "__main__":
