@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_child, word_prompts  # noqa: E402
+from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
 
 
 def child(args) -> None:
@@ -79,16 +79,11 @@ def child(args) -> None:
 
 def run_vllm(tmp: str, name: str, model: str, requests: dict, args, store: str | None, load_async: bool = False,
              fill: bool = False) -> dict:
-    req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
-    with open(req, "w") as f:
-        json.dump(requests, f)
-    seconds = run_child(__file__, name, log, [
-        "--model", model, "--requests", req, "--out", out, "--load-async", "1" if load_async else "0",
-        "--decode-tokens", str(args.decode_tokens), "--arrive-after", str(args.arrive_after)]
-        + (["--store", store] if store else []) + (["--fill"] if fill else []))
+    result, seconds = run_requests(__file__, tmp, name, requests, [
+        "--model", model, "--load-async", "1" if load_async else "0", "--decode-tokens", str(args.decode_tokens),
+        "--arrive-after", str(args.arrive_after)] + (["--fill"] if fill else []), store)
     print(f" {seconds:.1f} s", flush=True)
-    with open(out) as f:
-        return json.load(f)
+    return result
 
 
 def summarize(r: dict, num_arrivals: int) -> dict:

@@ -51,6 +51,21 @@ def run_child(script: str, name: str, log: str, args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def run_requests(script: str, tmp: str, name: str, requests, args: list[str],
+                 store: str | None) -> tuple[dict, float]:
+    """One child of ``script`` on ``requests`` (written to ``tmp/NAME.requests.json``): ``args`` plus
+    ``--requests``, ``--out`` and ``--store`` (when given). Returns its JSON result and wall seconds."""
+    import json
+
+    req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
+    with open(req, "w") as f:
+        json.dump(requests, f)
+    seconds = run_child(script, name, log, args + ["--requests", req, "--out", out]
+                        + (["--store", store] if store else []))
+    with open(out) as f:
+        return json.load(f), seconds
+
+
 def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: str = "auto",
              engine: dict | None = None, **extra):
     """A child's vLLM (float32, blocks of 32, eager), with the Crescent connector when ``store`` is

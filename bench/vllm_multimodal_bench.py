@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, make_llm, run_child  # noqa: E402
+from bench.vllm_common import CHUNK_TOKENS, make_llm, run_requests  # noqa: E402
 
 PATCH = 16
 
@@ -84,14 +84,8 @@ def child(args) -> None:
 
 
 def run_vllm(tmp: str, name: str, args, requests: list[dict], max_tokens: int, store: str | None) -> dict:
-    req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
-    with open(req, "w") as f:
-        json.dump(requests, f)
-    run_child(__file__, name, log, ["--model", args.model, "--requests", req, "--out", out,
-                                    "--max-tokens", str(max_tokens), "--image-size", str(args.image_size)]
-              + (["--store", store] if store else []))
-    with open(out) as f:
-        result = json.load(f)
+    result, _ = run_requests(__file__, tmp, name, requests, [
+        "--model", args.model, "--max-tokens", str(max_tokens), "--image-size", str(args.image_size)], store)
     print(f" {result['seconds']:.2f} s", flush=True)
     return result
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_child, word_prompts  # noqa: E402
+from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
 
 
 def child(args) -> None:
@@ -57,14 +57,9 @@ def child(args) -> None:
 
 def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_tokens: int, store: str | None,
              save_decode: bool = True, kv_cache_dtype: str = "auto") -> dict:
-    req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
-    with open(req, "w") as f:
-        json.dump(prompts, f)
-    run_child(__file__, name, log, ["--model", model, "--requests", req, "--out", out, "--max-tokens", str(max_tokens),
-                                    "--save-decode", "1" if save_decode else "0", "--kv-cache-dtype", kv_cache_dtype]
-              + (["--store", store] if store else []))
-    with open(out) as f:
-        result = json.load(f)
+    result, _ = run_requests(__file__, tmp, name, prompts, [
+        "--model", model, "--max-tokens", str(max_tokens), "--save-decode", "1" if save_decode else "0",
+        "--kv-cache-dtype", kv_cache_dtype], store)
     print(f" {result['seconds']:.2f} s", flush=True)
     return result
 
