@@ -60,9 +60,10 @@ class BlockLayout:
     @functools.cached_property
     def strided(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None:
         """Per K and V, ``(offset, head stride, token stride, dim stride)`` when each sits in the page
-        as a strided view (every backend seen so far: vLLM CPU's K transposed and V row-major, GPU
-        backends' ``[block, heads, dim]`` or split K/V planes); None for any other permutation.
-        Copies through strided views run at memory speed; an element index does not."""
+        as a strided view (vLLM 0.32 CPU's float32, bfloat16 and FP8 pages on this project's CPU
+        machine: K transposed, V row-major; GPU backends not yet seen); None for any other
+        permutation (e.g. a packed AMX layout). Copies through strided views run at memory speed; an
+        element index does not."""
         idx = self.index.view(2, self.heads, self.block_size, self.head_dim).cpu()
         out = []
         for kv in (0, 1):
