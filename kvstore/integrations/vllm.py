@@ -146,11 +146,17 @@ def _log_through_vllm() -> None:
         ours.propagate = False
 
 
+def _keyable(feature) -> bool:
+    """A multimodal item a key can name: a content hash and a placeholder run."""
+    pos = feature.mm_position
+    return bool(feature.identifier) and pos is not None and pos.offset >= 0 and pos.length > 0
+
+
 def _eligible(request: Request) -> bool:
     """Requests whose KV follows from their tokens, adapter and multimodal items' content hashes
     (prompt embeddings change it beyond what a key can name)."""
     return (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
-            and all(f.identifier and f.mm_position is not None for f in request.mm_features or ()))
+            and all(_keyable(f) for f in request.mm_features or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +178,7 @@ def _scope(request: Request) -> RequestScope:
     lora = request.lora_request
     return RequestScope(request.cache_salt, None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
                         tuple(Placeholder(f.identifier, f.mm_position.offset, f.mm_position.length)
-                              for f in request.mm_features or ()))
+                              for f in request.mm_features or () if _keyable(f)))
 
 
 def _sliding_window(kv_cache_config: KVCacheConfig | None) -> int | None:
