@@ -330,9 +330,12 @@ def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, tex
     if calls:
         assert not any("<" in p for p in pieces), pieces
         deltas = [t for ch in chunks for t in ch.delta.tool_calls or []]
-        # (each call's arguments in pieces, before the last chunk; the pythonic format's a keyword at a time)
+        # (each call's arguments in pieces, the pythonic format's a keyword at a time; every call begun
+        # before the last chunk, which may carry the final piece with the finish reason when the
+        # stream's consumer is slower than the engine on a loaded machine)
         assert len(deltas) > (1 if parser == "pythonic" else 2) * len(calls), deltas
-        assert not chunks[-1].delta.tool_calls, deltas
+        before = [t for ch in chunks[:-1] for t in ch.delta.tool_calls or []]
+        assert {t.index for t in before if t.id} == set(range(len(calls))), deltas
     if content is not None and content.startswith(("{", "[")) and parser != "hermes":
         assert pieces == [content]  # (it began as a call: held to the end, where it did not parse)
     else:
