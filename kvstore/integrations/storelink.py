@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.chunk import decode_chunk, encoded_size
+from kvstore.chunk import CHECK_WSUM, encoded_size, verify_chunk
 from kvstore.client import Retry, StoreClient
 from kvstore.errors import ChunkVerificationError, CrescentError, DataLossError, DeadlineExceededError, UnavailableError
 from kvstore.keys import ChunkKey, Namespace
@@ -137,7 +137,8 @@ class StoreLink:
             return 0
 
     def fetch_prefix(self, refs: Sequence[ChunkRef], namespace: Namespace | None, dtype: torch.dtype,
-                     shape: Sequence[int], into: torch.Tensor | None = None) -> list[torch.Tensor]:
+                     shape: Sequence[int], into: torch.Tensor | None = None,
+                     deferred: list[int | None] | None = None) -> list[torch.Tensor]:
         """Fetches and verifies chunks; returns the leading run that verified.
 
         Args:
@@ -148,6 +149,9 @@ class StoreLink:
             into: a contiguous ``uint8`` host buffer of at least ``len(refs) *
                 encoded_size(...)`` bytes (see ``staging_bytes``) that chunk ``i`` is read into
                 at ``i * encoded_size``: no allocation per chunk. None: a buffer per chunk.
+            deferred: a list to leave wsum64 payload checks to the caller (who sums the bytes
+                where they land, e.g. on a GPU): per returned chunk, the checksum its header
+                promises, or None where the payload was checked here (xxh3_64 is always).
 
         Returns:
             Payload tensors of ``refs[:n]`` (each of ``shape``), where chunk ``n``
@@ -180,9 +184,12 @@ class StoreLink:
                 break
             try:
                 view = memoryview(buf)[:n] if into is None else memoryview(buf.numpy())[:n]
-                out.append(decode_chunk(view, key=ref.key, namespace=ref.namespace or namespace,
-                                        parent=ref.parent, tokens=ref.tokens, dtype=dtype,
-                                        shape=shape))
+                hdr = verify_chunk(view, key=ref.key, namespace=ref.namespace or namespace, parent=ref.parent,
+                                   tokens=ref.tokens, dtype=dtype, shape=shape, payload=deferred is None)
+                payload = view[hdr.payload_offset:]
+                out.append(torch.frombuffer(payload, dtype=dtype).view(hdr.shape))
+                if deferred is not None:
+                    deferred.append(hdr.payload_hash if hdr.check == CHECK_WSUM else None)
             except ChunkVerificationError as exc:
                 self.num_rejected += 1
                 log.warning("crescent chunk %s rejected: %s", bytes(ref.key).hex(), exc)

@@ -17,9 +17,11 @@ the store for the hit prefix; ``update_state_after_alloc`` and
 save plans; ``request_finished`` drops a request's state.
 
 Worker side (``WorkerSide``): ``register_kv_caches`` adopts the paged caches;
-``start_load_kv`` fetches, verifies and scatters the planned chunks (with
-``load_async``, hands them to a loader thread, whose finished requests
-``get_finished`` reports);
+``start_load_kv`` fetches and verifies the planned chunks and starts writing
+them into the blocks, a layer at a time beside the forward
+(``wait_for_layer_load`` waits for one layer; with ``load_async``, a loader
+thread loads them beside the steps, whose finished requests ``get_finished``
+reports);
 ``save_kv_layer`` gathers each finished layer of the chunks to save;
 ``wait_for_save`` queues them for the store; ``get_block_ids_with_load_errors``
 reports chunks that could not be loaded, which vLLM recomputes.
@@ -39,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.integrations.paged import FP8_DTYPES, learn_block_layout
 from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
-from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps
+from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps, layerwise_step
 from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
 from kvstore.keys import (ChunkKey, ModelFingerprint, Namespace, Placeholder, chunk_keys, chunk_namespace,
                           make_namespace, placeholder_extras)
@@ -99,12 +101,22 @@ class CrescentConnectorConfig:
     written its chunks, and runs the other requests' steps meanwhile (vLLM's ``load_kv_async``).
     Off: a hit is loaded at the start of the step that computes the rest of the prompt, which
     waits for it."""
+    load_layerwise: str = "auto"
+    """``on``: a step's loads are written into vLLM's blocks a layer at a time, beside the forward,
+    layer ``l``'s attention waiting for layer ``l`` only (on a GPU: the copies on a transfer stream,
+    the compute stream waiting on an event per layer; on a CPU: a lander thread). ``off``: every
+    layer before the forward. ``auto``: on with the caches on a GPU (the copy engine and a side
+    stream cost the forward little), off on a CPU (the lander shares the forward's cores: measured
+    1% sooner to a first token after 256 new tokens, 12% later after 32; docs/benchmarks.md). Steps
+    vLLM may replay as a full CUDA graph (no per-layer hook runs there) always wait for every layer."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.save_queue_steps < 1:
             raise ValueError(f"save_queue_steps must be >= 1, got {self.save_queue_steps}")
+        if self.load_layerwise not in ("auto", "on", "off"):
+            raise ValueError(f"load_layerwise must be 'auto', 'on' or 'off', got {self.load_layerwise!r}")
         StoreLinkConfig(self.store, self.timeout_s, cooldown_s=self.cooldown_s)  # validates those
 
     @classmethod
@@ -134,6 +146,9 @@ class CrescentConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     requests: list[RequestOps]
+    layerwise: bool = False
+    """The workers write this step's loads layer by layer beside the forward (every attention
+    layer of the step calls ``wait_for_layer_load``)."""
 
 
 def _log_through_vllm() -> None:
@@ -241,6 +256,12 @@ class CrescentConnector(KVConnectorBase_V1):
                 raise ValueError(f"CrescentConnector: this platform's fp8 is {current_platform.fp8_dtype()}, "
                                  "which chunks cannot hold (float8_e4m3fn and float8_e5m2 only)")
         self.tp_size = pc.tensor_parallel_size
+        mode = vllm_config.compilation_config.cudagraph_mode
+        self._full_graphs = "none" if mode is None or not mode.has_full_cudagraphs() else \
+            "all" if mode.mixed_mode() == type(mode).FULL else "decode"
+        """Which steps vLLM may replay as a full CUDA graph (no per-layer hook runs in them)."""
+        spec = vllm_config.speculative_config
+        self._decode_query_len = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
         model_id = self.config.model_id or mc.model
         if not self.config.model_id:
             model_id += f"@{mc.revision}" if mc.revision else ""
@@ -363,7 +384,9 @@ class CrescentConnector(KVConnectorBase_V1):
                                    request.all_token_ids if request is not None else None)
             if op is not None:
                 ops.append(op)
-        return CrescentConnectorMetadata(ops)
+        layerwise = self.config.load_layerwise != "off" and \
+            layerwise_step(self._full_graphs, self._decode_query_len, num_scheduled)
+        return CrescentConnectorMetadata(ops, layerwise)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._planner is not None and connector_output.invalid_block_ids:
@@ -433,12 +456,14 @@ class CrescentConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CrescentConnectorMetadata) and self._worker is not None
-        self._worker.load(meta.requests)
+        worker = self._worker
+        layerwise = meta.layerwise and (self.config.load_layerwise == "on" or worker.on_gpu)
+        worker.load(meta.requests, layerwise=layerwise)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # NOTE: a step's synchronous loads were written, every layer, in start_load_kv; asynchronous
-        # ones go to requests this step does not run.
-        return
+        # NOTE: asynchronous loads go to requests this step does not run; only the step's own wait.
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ROOT_KEY, ChunkKey
@@ -60,6 +60,23 @@ class RequestOps:
     saves: tuple[ChunkOp, ...] = ()
     async_load: bool = False
     """The loads run beside the steps (vLLM holds the request until the worker reports them done)."""
+
+
+def layerwise_step(full_graphs: str, decode_query_len: int, num_scheduled: Mapping[str, int]) -> bool:
+    """Whether a step may load layer by layer: every attention layer's hook
+    (``wait_for_layer_load``) runs unless vLLM replays the step as a full CUDA graph.
+
+    Args:
+        full_graphs: which batches vLLM replays as full graphs: ``none``, ``decode`` (uniform
+            decode batches: FULL_DECODE_ONLY, FULL_AND_PIECEWISE) or ``all`` (FULL).
+        decode_query_len: tokens per request of a uniform decode batch (1 + speculative tokens).
+        num_scheduled: the step's tokens per request.
+    """
+    if full_graphs == "none":
+        return True
+    if full_graphs == "all":
+        return False
+    return any(n != decode_query_len for n in num_scheduled.values())
 
 
 @dataclass

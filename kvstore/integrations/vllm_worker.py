@@ -1,14 +1,18 @@
 """Worker side of the vLLM connector: store chunks <-> vLLM's paged KV cache.
 
 Every chunk of a load is fetched and checked (namespace, parent, tokens,
-shape, dtype, checksums) before it is scattered into the blocks of every
-layer. A chunk that is missing or fails verification is not written; its
-blocks, and those of the request's later chunks, are reported back to vLLM as
-load errors, and vLLM recomputes them. Loads are synchronous (done in
-``start_load_kv``, before the step's forward) unless the scheduler side made
-them asynchronous (``load_async``): those run on a loader thread beside the
-steps, into blocks of requests vLLM holds back until ``get_finished`` reports
-them, their load errors reported no later than that.
+shape, dtype, checksums) before it is written into the blocks of every
+layer; a chunk that is missing or fails verification is not written, and its
+blocks, with those of the request's later chunks, are reported back to vLLM
+as load errors, which vLLM recomputes. A step's synchronous loads are written
+a layer at a time beside its forward (``load(layerwise=True)``, then
+``wait_layer`` before each layer's attention; ``_Landing``), or every layer
+before it; on a GPU the copies run on a transfer stream, the compute stream
+waits on an event per layer, and a wsum64 payload is summed on the device as
+it lands (checked by ``finish_loads`` at the step's end). Asynchronous loads
+(``load_async``) run on a loader thread beside the steps, into blocks of
+requests vLLM holds back until ``get_finished`` reports them, their load
+errors reported no later than that.
 
 Saves gather a chunk's blocks layer by layer as vLLM finishes each layer
 (``save_layer``), then ``end_step`` encodes the chunks and hands them to a
@@ -22,12 +26,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kvstore.chunk import encode_chunk
+from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, encode_chunk, wsum64_rows
 from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunks
 from kvstore.integrations.storelink import ChunkRef, StoreLink
 from kvstore.integrations.vllm_plan import ChunkOp, RequestOps, Scope
@@ -49,6 +54,9 @@ class WorkerStats:
     num_saved_chunks: int = 0
     num_dropped_chunks: int = 0
     """Chunks that could not be stored (store away or full) or were skipped after a failed load."""
+    num_layerwise_loads: int = 0
+    """Steps whose loads were written a layer at a time beside the forward, every layer's attention
+    waiting for its own layer only."""
 
 
 def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
@@ -56,10 +64,192 @@ def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
     return {b for op in ops for b in op.block_ids[op.first_block:]}
 
 
+class _Landing:
+    """One load's verified chunks (slots of a host buffer) on their way into vLLM's blocks, a
+    layer of every chunk at a time.
+
+    With the caches on a GPU the moves are queued on a transfer stream (per layer: each chunk's
+    layer DMA'd from the pinned buffer into a device stage, its wsum64 share summed there when the
+    payload check was left to the device, one scatter into the pages, an event); ``wait(l)`` queues
+    up to ``AHEAD`` layers past ``l`` and makes the compute stream wait for layer ``l``'s event (the
+    host never waits). On the CPU the worker's lander thread writes the layers in order (``start``)
+    and ``wait(l)`` waits for layer ``l``, or the caller writes them all (``land_all``).
+    ``finish`` returns once every layer is written and every check known (the buffer may then be
+    reused), with each request's failed blocks: those of its first chunk that was missing or bad
+    and of every chunk after it.
+    """
+
+    AHEAD = 2
+    """Layers queued on the transfer stream ahead of the one the forward is at."""
+
+    def __init__(self, w: WorkerSide, staging: torch.Tensor, slot_bytes: int,
+                 fetched: list[tuple[RequestOps, list[int], list[int | None]]], who: str) -> None:
+        self.w, self.fetched, self.who = w, fetched, who
+        cache0 = w._kv[0][0]
+        self.cuda = cache0.is_cuda
+        self.num_layers = len(w._kv)
+        m = w.chunk_tokens // w.block_size
+        offsets = [o for _, offs, _ in fetched for o in offs]
+        ops = [op for r, offs, _ in fetched for op in r.loads[:len(offs)]]
+        self.n = n = len(offsets)
+        nbytes = int(np.prod(w.chunk_shape)) * w.dtype.itemsize
+        # chunk j's rows in the source: its slot in the host buffer (CPU: the pages are written
+        # straight from it), or its place in the device stage (GPU)
+        slots = list(range(n)) if self.cuda else [o // slot_bytes for o in offsets]
+        rows = [s * m + b for s, op in zip(slots, ops) for b in range(op.first_block, m)]
+        dev = cache0.device
+        self.ids = torch.tensor([op.block_ids[b] for op in ops for b in range(op.first_block, m)],
+                                dtype=torch.long, device=dev)
+        num_rows = (n if self.cuda else (slots[-1] + 1 if n else 0)) * m
+        self.rows = None if rows == list(range(num_rows)) else torch.tensor(rows, dtype=torch.long, device=dev)
+        self.scratch = w._scratch_for(self.ids.numel(), who) if n else None
+        self.expect = [e for _, _, es in fetched for e in es]
+        self.sums: torch.Tensor | None = None
+        if self.cuda:
+            # (views of the pinned buffer itself, so that each copy is an asynchronous DMA)
+            self.payloads = [staging[o:o + nbytes].view(w.dtype).view(w.chunk_shape) for o in offsets]
+            self.stage = w._stage_for(n, who) if n else None
+            self.stream = w._stream_for(who)
+            self.layer_words = nbytes // self.num_layers // 8
+            if any(e is not None for e in self.expect):
+                self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
+            self.events: list = []
+        else:
+            count = slots[-1] + 1 if n else 0
+            base = offsets[0] - slots[0] * slot_bytes if n else 0
+            self.src = staging.as_strided((count, nbytes), (slot_bytes, 1), base).view(w.dtype).view(
+                count, *w.chunk_shape)
+            self.events = [threading.Event() for _ in range(self.num_layers)]
+        self.queued = 0
+        """Layers written (CPU) or queued on the transfer stream (GPU)."""
+        self.error: BaseException | None = None
+        self.layerwise = False
+        self.waited: set[int] = set()
+        """Layers the forward waited for (``layerwise``)."""
+        self._future = None
+        self._result: list[tuple[RequestOps, set[int]]] | None = None
+
+    @torch.inference_mode()  # (vLLM's caches are inference tensors; the lander is another thread)
+    def _move(self, layer: int) -> None:
+        cache, layout = self.w._kv[layer]
+        if not self.cuda:
+            scatter_chunks(self.src[:, layer], cache, layout, self.ids, self.rows, self.scratch)
+            return
+        for j, p in enumerate(self.payloads):
+            self.stage[j].copy_(p[layer], non_blocking=True)
+        if self.sums is not None:
+            self.sums += wsum64_rows(self.stage, layer * self.layer_words, self.layer_words * self.num_layers)
+        scatter_chunks(self.stage, cache, layout, self.ids, self.rows, self.scratch)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            log.error("crescent: writing loaded KV into vLLM's blocks failed (%s: %s); vLLM recomputes it",
+                      type(exc).__name__, exc)
+
+    def _queue(self, upto: int) -> None:
+        """GPU: queues every layer up to ``upto`` not queued yet."""
+        upto = min(upto, self.num_layers - 1)
+        if self.error is not None or self.queued > upto or not self.n:
+            return
+        try:
+            with torch.cuda.stream(self.stream):
+                for layer in range(self.queued, upto + 1):
+                    self._move(layer)
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    self.events.append(ev)
+                    self.queued = layer + 1
+        except Exception as exc:  # noqa: BLE001 - the step goes on; its blocks are reported failed
+            self._fail(exc)
+
+    def _run(self) -> None:
+        """CPU: writes every layer in order, each one's event set once it is in place."""
+        for layer in range(self.num_layers):
+            if self.error is None and self.n:
+                try:
+                    self._move(layer)
+                except Exception as exc:  # noqa: BLE001 - the step goes on; its blocks are reported failed
+                    self._fail(exc)
+            self.queued = layer + 1
+            self.events[layer].set()
+
+    def start(self) -> None:
+        """Begins writing beside the forward."""
+        self.layerwise = True
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # (blocks it may still read)
+            self._queue(self.AHEAD - 1)
+        else:
+            self._future = self.w._lander_pool().submit(self._run)
+
+    def land_all(self) -> None:
+        """Writes every layer now (GPU: queues them; the compute stream waits for the last)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._queue(self.num_layers - 1)
+            if self.events:
+                torch.cuda.current_stream(self.stream.device).wait_event(self.events[-1])
+        else:
+            self._run()
+
+    def wait(self, layer: int) -> None:
+        self.waited.add(layer)
+        if self.cuda:
+            self._queue(layer + self.AHEAD)
+            if layer < len(self.events):
+                torch.cuda.current_stream(self.stream.device).wait_event(self.events[layer])
+        else:
+            self.events[layer].wait()
+
+    def finish(self) -> list[tuple[RequestOps, set[int]]]:
+        if self._result is not None:
+            return self._result
+        sums = None
+        if self.cuda:
+            self._queue(self.num_layers - 1)  # (the forward did not reach them all)
+            try:
+                if self.events:
+                    self.events[-1].synchronize()
+                sums = self.sums.tolist() if self.sums is not None else None
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc)
+        else:
+            if self._future is not None:
+                self._future.result()
+            elif self.queued < self.num_layers:
+                self._run()
+        if self.layerwise and self.error is None and len(self.waited) == self.num_layers:
+            with self.w._lock:
+                self.w.stats.num_layerwise_loads += 1
+        out, j = [], 0
+        for r, offs, _ in self.fetched:
+            good = len(offs)
+            if self.error is not None:
+                good = 0
+            elif self.cuda and sums is not None:
+                for i in range(len(offs)):
+                    want = self.expect[j + i]
+                    if want is not None and sums[j + i] & _U64 != want:
+                        log.warning("crescent: chunk %s rejected: payload checksum mismatch (on the device)",
+                                    bytes(r.loads[i].keys[self.w.tp_rank]).hex())
+                        good = i
+                        break
+            j += len(offs)
+            failed = _written_blocks(r.loads[good:])
+            self.w._account(r, good, failed)
+            out.append((r, failed))
+        self._result = out
+        return out
+
+
+_U64 = (1 << 64) - 1
+
+
 @dataclass
 class _StepSaves:
-    chunks: list[tuple[ChunkOp, ChunkKey, ChunkKey, Namespace]]
-    """(op, key, parent, namespace) of each chunk this step saves."""
+    chunks: list[tuple[str, ChunkOp, ChunkKey, ChunkKey, Namespace]]
+    """(request, op, key, parent, namespace) of each chunk this step saves."""
     host: torch.Tensor
     """``[n, layers, 2, kv_heads, chunk_tokens, head_dim]``: what the saver thread encodes (pinned
     when the caches are on a GPU)."""
@@ -115,12 +305,20 @@ class WorkerSide:
         self._loader: threading.Thread | None = None
         self._recv_done: dict[str, set[int]] = {}
         """Asynchronous loads done and not yet reported: request -> its blocks that failed."""
-        self._scratch: dict[int, torch.Tensor] = {}
-        """Per thread that moves pages, the pages ``scatter_chunks`` / ``gather_chunks`` assemble,
-        reused (grown as needed)."""
+        self._scratch: dict[str, torch.Tensor] = {}
+        """Per mover (``step`` loads, ``async`` loads, ``save``), the pages ``scatter_chunks`` /
+        ``gather_chunks`` assemble, reused (grown as needed)."""
         self._staging: dict[int, torch.Tensor] = {}
         """Per link (one per thread that loads), the host buffer its loads are read into, grown as
         loads need (pinned when the caches are on a GPU: one DMA per chunk, no pageable copy)."""
+        self._stages: dict[str, torch.Tensor] = {}
+        """GPU: per loader (``step``, ``async``), where a layer of its chunks lands before the scatter."""
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        """GPU: per loader, the transfer stream its copies run on."""
+        self._landing: _Landing | None = None
+        """This step's synchronous loads, until ``finish_loads``."""
+        self._lander: ThreadPoolExecutor | None = None
+        """CPU: writes a layer-wise load's pages beside the forward."""
 
     # ---- setup ---------------------------------------------------------------
 
@@ -142,6 +340,11 @@ class WorkerSide:
         self._shape = (len(self._kv), 2, lay.heads, self.chunk_tokens, lay.head_dim)
 
     @property
+    def on_gpu(self) -> bool:
+        """The registered caches are on a CUDA device."""
+        return bool(self._kv) and self._kv[0][0].is_cuda
+
+    @property
     def chunk_shape(self) -> tuple[int, ...]:
         """``[layers, 2, kv_heads, chunk_tokens, head_dim]``"""
         return self._shape
@@ -150,51 +353,95 @@ class WorkerSide:
 
     def begin_step(self, requests: Sequence[RequestOps]) -> None:
         """Records this step's saves (before the forward, whether or not it loads)."""
+        self.finish_loads()  # (a step whose forward ended early: its loads complete before the next)
         self._saves = [(r.req_id, op) for r in requests for op in r.saves]
         self._scopes = {r.req_id: r.scope for r in requests}
         self._failed_reqs = set()
         self._step = None
 
-    def load(self, requests: Sequence[RequestOps]) -> None:
-        """Loads this step's synchronous chunks into every layer; queues the asynchronous ones
-        for the loader thread."""
+    def load(self, requests: Sequence[RequestOps], layerwise: bool = False) -> None:
+        """Starts this step's synchronous loads; queues the asynchronous ones for the loader thread.
+
+        The synchronous chunks are read into one host buffer and verified (headers and keys, and
+        xxh3 payloads; a wsum64 payload, with the caches on a GPU, is summed there as it lands and
+        checked by ``finish_loads``). With ``layerwise`` their pages are written a layer at a time
+        beside the forward (``wait_layer`` before each layer's attention), else every layer before
+        this returns (on a GPU: the compute stream waits for the copies, the host does not).
+        """
+        self.finish_loads()
+        sync = []
         for r in requests:
             if not r.loads:
                 continue
             if r.async_load:
                 self._ensure_loader()
                 self._loads.put(r)
-                continue
-            failed = self._load(r, self.link)
-            if failed:
-                self._failed_reqs.add(r.req_id)
-                with self._lock:
-                    self._invalid_blocks |= failed
+            else:
+                sync.append(r)
+        if not sync:
+            return
+        landing = self._fetch(sync, self.link, "step")
+        # NOTE: a request with a chunk already known bad saves nothing this step (its forward reads
+        # blocks vLLM will recompute); one whose GPU-side check fails is dropped in end_step.
+        self._failed_reqs |= {r.req_id for r, offsets, _ in landing.fetched if len(offsets) < len(r.loads)}
+        self._landing = landing
+        if layerwise:
+            landing.start()
+        else:
+            landing.land_all()
 
-    def _load(self, r: RequestOps, link: StoreLink) -> set[int]:
-        """Fetches, verifies and scatters one request's loads; returns the blocks that failed."""
+    def wait_layer(self, layer_name: str) -> None:
+        """Before a layer's attention computes: its loaded KV is in its blocks (on a GPU, the
+        compute stream waits for it)."""
+        layer = self._layers.get(layer_name)
+        if self._landing is not None and layer is not None:
+            self._landing.wait(layer)
+
+    def finish_loads(self) -> None:
+        """Completes this step's synchronous loads (every layer written, every check known): the
+        requests with a chunk that failed join ``_failed_reqs``, their blocks ``take_invalid_blocks``."""
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            for r, failed in landing.finish():
+                if failed:
+                    self._failed_reqs.add(r.req_id)
+                    with self._lock:
+                        self._invalid_blocks |= failed
+
+    def _fetch(self, requests: Sequence[RequestOps], link: StoreLink, who: str) -> _Landing:
+        """Reads and verifies the requests' loads (each its leading run of good chunks) into the
+        link's host buffer, one slot per chunk."""
         rank = self.tp_rank
-        refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
-                         self.namespace_for(r.scope, op.index)) for op in r.loads]
-        staging = self._staging_for(link, len(refs))
-        payloads = link.fetch_prefix(refs, None, self.dtype, self._shape, into=staging)
-        n = len(payloads)
-        if n:
-            self._scatter(staging, payloads, r.loads[:n])
-        failed = _written_blocks(r.loads[n:])
-        loaded_tokens = sum(len(op.block_ids) - op.first_block for op in r.loads[:n]) * self.block_size
+        staging = self._staging_for(link, sum(len(r.loads) for r in requests))
+        slot_bytes = link.staging_bytes(1, self.dtype, self._shape)
+        cuda = self._kv[0][0].is_cuda
+        fetched, slot = [], 0
+        for r in requests:
+            refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
+                             self.namespace_for(r.scope, op.index)) for op in r.loads]
+            deferred: list[int | None] | None = [] if cuda else None
+            payloads = link.fetch_prefix(refs, None, self.dtype, self._shape,
+                                         into=staging[slot * slot_bytes:(slot + len(refs)) * slot_bytes],
+                                         deferred=deferred)
+            offsets = [p.data_ptr() - staging.data_ptr() for p in payloads]
+            fetched.append((r, offsets, deferred or [None] * len(payloads)))
+            slot += len(refs)
+        return _Landing(self, staging, slot_bytes, fetched, who)
+
+    def _account(self, r: RequestOps, num_good: int, failed: set[int]) -> None:
+        good = r.loads[:num_good]
+        loaded_tokens = sum(len(op.block_ids) - op.first_block for op in good) * self.block_size
         with self._lock:
-            self.stats.num_loaded_chunks += n
+            self.stats.num_loaded_chunks += num_good
             self.stats.num_loaded_tokens += loaded_tokens
-            self.stats.num_failed_chunks += len(r.loads) - n
+            self.stats.num_failed_chunks += len(r.loads) - num_good
             self.stats.num_failed_tokens += len(failed) * self.block_size
         if failed:
             log.warning("crescent: request %s: %d of %d chunks could not be loaded; vLLM recomputes them",
-                        r.req_id, len(r.loads) - n, len(r.loads))
-        if payloads:
+                        r.req_id, len(r.loads) - num_good, len(r.loads))
+        if good:
             log.info("crescent: request %s: loaded %d tokens (%d chunks) from the store%s", r.req_id,
-                     loaded_tokens, n, " beside the steps" if r.async_load else "")
-        return failed
+                     loaded_tokens, num_good, " beside the steps" if r.async_load else "")
 
     def _staging_for(self, link: StoreLink, num_chunks: int) -> torch.Tensor:
         need = link.staging_bytes(num_chunks, self.dtype, self._shape)
@@ -205,38 +452,39 @@ class WorkerSide:
             buf = self._staging[id(link)] = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
         return buf
 
-    def _scratch_for(self, num_blocks: int) -> torch.Tensor:
+    def _scratch_for(self, num_blocks: int, who: str) -> torch.Tensor:
         cache = self._kv[0][0]
         need = num_blocks * cache[0].numel()
-        buf = self._scratch.get(threading.get_ident())
+        buf = self._scratch.get(who)
         if buf is None or buf.numel() < need:
             size = max(need, 2 * buf.numel() if buf is not None else 0)
-            buf = self._scratch[threading.get_ident()] = torch.empty(size, dtype=cache.dtype, device=cache.device)
+            buf = self._scratch[who] = torch.empty(size, dtype=cache.dtype, device=cache.device)
         return buf
 
-    def _scatter(self, staging: torch.Tensor, payloads: Sequence[torch.Tensor], ops: Sequence[ChunkOp]) -> None:
-        """Writes verified payloads (views of ``staging``, one chunk every ``stride`` bytes) into
-        their blocks: per layer, every chunk at once."""
-        n, (cache0, _) = len(payloads), self._kv[0]
-        m = self.chunk_tokens // self.block_size
-        rows = [i * m + b for i, op in enumerate(ops) for b in range(op.first_block, m)]
-        ids = torch.tensor([op.block_ids[b] for op in ops for b in range(op.first_block, m)], dtype=torch.long,
-                           device=cache0.device)
-        rows_t = None if len(rows) == n * m else torch.tensor(rows, dtype=torch.long)
-        if cache0.is_cuda:
-            src = torch.empty((n, *self._shape), dtype=self.dtype, device=cache0.device)
-            for i, p in enumerate(payloads):  # (pinned: a DMA each, in the stream's order)
-                src[i].copy_(p, non_blocking=True)
-        else:
-            base = payloads[0].data_ptr() - staging.data_ptr()
-            stride = payloads[1].data_ptr() - payloads[0].data_ptr() if n > 1 else 0
-            nbytes = payloads[0].numel() * payloads[0].element_size()
-            src = staging.as_strided((n, nbytes), (stride, 1), base).view(self.dtype).view(n, *self._shape)
-        scratch = self._scratch_for(ids.numel())
-        for layer, (cache, layout) in enumerate(self._kv):
-            scatter_chunks(src[:, layer], cache, layout, ids, rows_t, scratch)
-        if cache0.is_cuda:
-            torch.cuda.current_stream(cache0.device).synchronize()  # (staging is reused by the next load)
+    def _stage_for(self, num_chunks: int, who: str) -> torch.Tensor:
+        """``[num_chunks, 2, kv_heads, chunk_tokens, head_dim]`` on the caches' GPU: one layer of
+        every chunk of a load, DMA'd in before it is scattered into the pages (reused, grown)."""
+        buf = self._stages.get(who)
+        if buf is None or buf.shape[0] < num_chunks:
+            n = max(num_chunks, 2 * buf.shape[0] if buf is not None else 0)
+            buf = self._stages[who] = torch.empty((n, *self._shape[1:]), dtype=self.dtype,
+                                                  device=self._kv[0][0].device)
+        return buf[:num_chunks]
+
+    def _stream_for(self, who: str):
+        stream = self._streams.get(who)
+        if stream is None:
+            stream = self._streams[who] = torch.cuda.Stream(self._kv[0][0].device)
+        return stream
+
+    def _lander_pool(self) -> ThreadPoolExecutor:
+        if self._lander is None:
+            # NOTE: one intra-op thread (torch's count is per thread): the lander's page copies run
+            # beside the forward, whose own thread pool has the cores; a second pool of as many
+            # threads would spin on them after every layer and slow the forward down.
+            self._lander = ThreadPoolExecutor(1, thread_name_prefix="crescent-lander",
+                                              initializer=torch.set_num_threads, initargs=(1,))
+        return self._lander
 
     def _ensure_loader(self) -> None:
         if self._loader is None:
@@ -252,7 +500,9 @@ class WorkerSide:
                 if r is None:
                     return
                 try:
-                    failed = self._load(r, self.load_link)
+                    landing = self._fetch([r], self.load_link, "async")
+                    landing.land_all()
+                    ((_, failed),) = landing.finish()
                 except Exception:  # noqa: BLE001
                     # NOTE: a load that broke is a load that failed, never a request left waiting.
                     log.exception("crescent: request %s: loading failed", r.req_id)
@@ -273,6 +523,7 @@ class WorkerSide:
 
     def take_invalid_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        self.finish_loads()
         with self._lock:
             out, self._invalid_blocks = self._invalid_blocks, set()
         return out
@@ -283,7 +534,7 @@ class WorkerSide:
         """This step's chunks to save, staged once per step (after its loads: a request whose load
         failed saves nothing): one buffer for all of them, filled a layer at a time."""
         if self._step is None:
-            chunks: list[tuple[ChunkOp, ChunkKey, ChunkKey, Namespace]] = []
+            chunks: list[tuple[str, ChunkOp, ChunkKey, ChunkKey, Namespace]] = []
             for req_id, op in self._saves:
                 if req_id in self._failed_reqs:
                     # NOTE: this step's forward read blocks that failed to load; vLLM discards
@@ -297,12 +548,13 @@ class WorkerSide:
                               "not saving it", op.index, req_id)
                     self.stats.num_dropped_chunks += 1
                     continue
-                chunks.append((op, key, parent, ns))
+                chunks.append((req_id, op, key, parent, ns))
             cache0 = self._kv[0][0]
             n = len(chunks)
             host = torch.empty((n, *self._shape), dtype=self.dtype, pin_memory=cache0.is_cuda)
             device = torch.empty((n, *self._shape), dtype=self.dtype, device=cache0.device) if cache0.is_cuda else host
-            ids = torch.tensor([b for op, *_ in chunks for b in op.block_ids], dtype=torch.long, device=cache0.device)
+            ids = torch.tensor([b for _, op, *_ in chunks for b in op.block_ids], dtype=torch.long,
+                               device=cache0.device)
             self._step = _StepSaves(chunks, host, device, ids)
         return self._step
 
@@ -315,28 +567,43 @@ class WorkerSide:
         step = self._step_saves()
         if step.chunks:
             gather_chunks(kv_layer, self._kv[layer][1], step.ids, step.device[:, layer],
-                          self._scratch_for(step.ids.numel()))
+                          self._scratch_for(step.ids.numel(), "save"))
             step.layers_done.add(layer)
 
     def end_step(self) -> None:
-        """Completes this step's chunks (layers not handed over during the step are gathered now)
-        and queues them for the saver thread, which encodes (checksums) and stores them."""
+        """Completes this step's loads, then its chunks to save (layers not handed over during the
+        step are gathered now), and queues them for the saver thread, which encodes and stores
+        them. On a GPU each chunk's wsum64 is summed there before the one DMA to the host, and
+        the chunk is written with that check (the saver thread hashes nothing)."""
+        self.finish_loads()
         if not self._saves:
             return
         step = self._step_saves()
         self._step, self._saves = None, []
         if not step.chunks:
             return
-        scratch = self._scratch_for(step.ids.numel())
+        scratch = self._scratch_for(step.ids.numel(), "save")
         for layer, (cache, layout) in enumerate(self._kv):
             if layer not in step.layers_done:
                 gather_chunks(cache, layout, step.ids, step.device[:, layer], scratch)
+        n = len(step.chunks)
+        hashes: list[int | None] = [None] * n
         if step.device is not step.host:
+            words = step.device[0].numel() * step.device.element_size() // 8
+            sums = wsum64_rows(step.device, 0, words)
             step.host.copy_(step.device, non_blocking=True)  # (one DMA into pinned memory)
-            torch.cuda.current_stream(step.device.device).synchronize()
+            hashes = [h & _U64 for h in sums.tolist()]  # (waits for the step, the gathers and the DMA)
+        keep = [i for i, (req_id, *_) in enumerate(step.chunks) if req_id not in self._failed_reqs]
+        if len(keep) < n:
+            # NOTE: a load this step's forward read failed its check on the device (or could not be
+            # written): vLLM discards the output and reruns, and the rerun saves these chunks.
+            with self._lock:
+                self.stats.num_dropped_chunks += n - len(keep)
+        if not keep:
+            return
         self._ensure_saver()
-        self._queue.put([(key, step.host[i], ns, parent, op.tokens)
-                         for i, (op, key, parent, ns) in enumerate(step.chunks)])
+        self._queue.put([(key, step.host[i], ns, parent, op.tokens, hashes[i])
+                         for i in keep for _, op, key, parent, ns in (step.chunks[i],)])
 
     def _ensure_saver(self) -> None:
         if self._saver is None:
@@ -350,8 +617,9 @@ class WorkerSide:
                 if batch is None:
                     return
                 try:
-                    encoded = [(key, encode_chunk(payload, ns, parent, tokens))
-                               for key, payload, ns, parent, tokens in batch]
+                    encoded = [(key, encode_chunk(payload, ns, parent, tokens,
+                                                  CHECK_XXH3 if h is None else CHECK_WSUM, h))
+                               for key, payload, ns, parent, tokens, h in batch]
                 except Exception:  # noqa: BLE001
                     # NOTE: a chunk that cannot be encoded is a lost save, never a dead saver thread
                     # (the queue would fill and block the forward).
@@ -369,6 +637,10 @@ class WorkerSide:
         self._queue.join()
 
     def close(self) -> None:
+        self.finish_loads()
+        if self._lander is not None:
+            self._lander.shutdown()
+            self._lander = None
         if self._saver is not None:
             self._queue.put(None)
             self._saver.join()

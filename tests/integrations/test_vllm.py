@@ -94,7 +94,8 @@ def runs(tmp_path_factory):
             raw = bytearray(c.get(keys[1]))
             raw[-1] ^= 0xFF  # a payload byte: the header still parses, the checksum does not match
             c.put(keys[1], raw)
-        res["p2"] = _run(tmp, "process2", model, reqs, store.address)
+        # (layer by layer, which a CPU does not do by default: the path a GPU takes, under vLLM's hooks)
+        res["p2"] = _run(tmp, "process2", model, reqs, store.address, extra_args=("--load-layerwise", "on"))
         with StoreClient(store.address) as c:
             res["healed"] = c.get(keys[1])
             raw = bytearray(res["healed"])
@@ -154,6 +155,8 @@ def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(run
     good = sum(_loadable(len(o["prompt_token_ids"])) for i, o in enumerate(outs) if i not in (CORRUPT, NEW_TENANT))
     assert stats["num_loaded_tokens"] == good + CHUNK  # the corrupt request still loads its chunk 0
     assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK  # its chunks 1 and 2
+    # its loads were written layer by layer beside the forward, each attention layer waiting for its own
+    assert stats["num_layerwise_loads"] >= 1
     # Recomputed chunks 1-2 of the corrupt request and the new tenant's three (two of its prompt, one its
     # answer completes) were saved; the other answers' chunks were looked up and found (process 1's)
     assert stats["num_saved_chunks"] == 5
@@ -175,6 +178,7 @@ def test_asynchronous_loads_give_the_same_tokens_and_recover_from_a_corrupt_chun
     assert stats["num_loaded_tokens"] == good + CHUNK
     assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK
     assert stats["num_saved_chunks"] == 2  # the corrupt request's recomputed chunks 1 and 2
+    assert stats["num_layerwise_loads"] == 0  # (the loader thread writes beside the steps instead)
 
 
 def test_process3_recomputes_when_the_store_is_gone(runs):
@@ -194,6 +198,7 @@ def test_a_second_turn_loads_the_first_turns_answer_from_the_store(runs):
     assert [o["num_cached_tokens"] for o in runs["p4"]["outputs"]] == want
     assert sum(want) > sum(n // CHUNK * CHUNK for n in first)  # more than the first turn's prompts alone
     assert runs["p4"]["stats"]["num_loaded_tokens"] == sum(want)
+    assert runs["p4"]["stats"]["num_layerwise_loads"] == 0  # (auto: every layer before the forward on a CPU)
 
 
 def test_stored_chunk_holds_the_models_keys_and_values(runs):

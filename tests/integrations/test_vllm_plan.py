@@ -208,3 +208,17 @@ def test_a_sliding_window_chunk_whose_blocks_were_freed_is_not_saved():
         if window:
             assert p.num_unsaved_chunks == 1
     assert saved == {64: [1], None: [0, 1]}
+
+
+def test_a_step_loads_layer_by_layer_only_where_vllm_runs_every_layers_hook():
+    """vLLM replays some steps as full CUDA graphs, in which no ``wait_for_layer_load`` runs: under
+    FULL every step, under FULL_DECODE_ONLY / FULL_AND_PIECEWISE a uniform decode batch (every
+    request its decode query length: 1, or 1 + the speculative tokens)."""
+    from kvstore.integrations.vllm_plan import layerwise_step
+
+    prefill = {"a": 1, "b": 200}
+    assert layerwise_step("none", 1, {"a": 1, "b": 1}) and layerwise_step("none", 1, prefill)
+    assert not layerwise_step("all", 1, prefill)
+    assert layerwise_step("decode", 1, prefill)
+    assert not layerwise_step("decode", 1, {"a": 1, "b": 1})
+    assert not layerwise_step("decode", 4, {"a": 4}) and layerwise_step("decode", 4, {"a": 1})

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.chunk import CHECK_WSUM, parse_header
 from kvstore.config import StoreConfig
 from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
 from kvstore.integrations.vllm_plan import ChunkOp, RequestOps
@@ -62,6 +63,14 @@ def _fill_and_save(address: str) -> list[Backend]:
     assert w.stats.num_saved_chunks == 3
     w.close()
     return backends
+
+
+def _corrupt(address: str, key: bytes) -> None:
+    link = StoreLink(StoreLinkConfig(address, 10.0))
+    raw = bytearray(link._client_or_none().get(key))
+    raw[-1] ^= 0xFF
+    link._client_or_none().put(key, raw)
+    link.close()
 
 
 def _wait_finished(w: WorkerSide, timeout_s: float = 60.0) -> set[str]:
@@ -121,9 +130,11 @@ def test_a_load_from_inside_a_chunk_keeps_the_blocks_before_it_and_the_buffer_gr
 @pytest.mark.gpu
 def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     """Caches on a CUDA device: a worker saves three chunks from them (layer 0 handed over during
-    the step, layer 1 gathered at its end; one DMA into pinned memory), a CPU worker loads them and
-    reads what the device held, and another GPU worker loads them into other blocks (read into its
-    pinned buffer, a DMA per chunk, the pages written on the device)."""
+    the step, layer 1 gathered at its end; wsum64 summed on the device, one DMA into pinned
+    memory), a CPU worker loads them and reads what the device held, and another GPU worker loads
+    them into other blocks, every layer before the forward and layer by layer (read into its pinned
+    buffer, each layer DMA'd and scattered on a transfer stream, its wsum64 summed there); a chunk
+    corrupted in the store is caught by that device sum and its blocks reported."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
 
@@ -156,13 +167,29 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     for cache, b in zip(caches, cpu_backends):
         assert torch.equal(cache[:6].cpu(), b.cache[dst])
     cpu.close()
+    link = StoreLink(StoreLinkConfig(store.address, 10.0))
+    assert parse_header(link._client_or_none().get(KEYS[0])).check == CHECK_WSUM  # (summed on the device)
+    link.close()
     w2, _, caches2 = gpu_worker()
-    w2.begin_step([])
-    w2.load([RequestOps("r", None, loads=_ops(dst))])
-    assert w2.take_invalid_blocks() == set()
+    for layerwise in (False, True):
+        for cache2 in caches2:
+            cache2.zero_()
+        w2.begin_step([])
+        w2.load([RequestOps("r", None, loads=_ops(dst))], layerwise=layerwise)
+        for i in range(LAYERS):
+            w2.wait_layer(f"layer.{i}")  # (the compute stream waits for the layer's copies)
+        torch.cuda.current_stream().synchronize()
+        for cache, cache2 in zip(caches, caches2):
+            assert torch.equal(cache[:6], cache2[dst])
+        w2.end_step()
+        assert w2.take_invalid_blocks() == set()
     assert w2._staging[id(w2.link)].is_pinned()
-    for cache, cache2 in zip(caches, caches2):
-        assert torch.equal(cache[:6], cache2[dst])
+    assert w2.stats.num_layerwise_loads == 1 and w2.stats.num_loaded_chunks == 6
+    _corrupt(store.address, KEYS[2])  # (its header is good: the payload's wsum64 is checked on the device)
+    w2.begin_step([])
+    w2.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+    assert w2.take_invalid_blocks() == {3, 6}
+    assert w2.stats.num_failed_chunks == 1
     w2.close()
 
 
@@ -170,11 +197,7 @@ def test_an_asynchronous_load_reports_its_failed_blocks_with_its_end(store):
     """Chunk 1 corrupt: chunk 0 is written, chunks 1-2 are not; their blocks come out of
     take_invalid_blocks only once the request was reported finished (vLLM reads both in one pass)."""
     src = _fill_and_save(store.address)
-    link = StoreLink(StoreLinkConfig(store.address, 10.0))
-    raw = bytearray(link._client_or_none().get(KEYS[1]))
-    raw[-1] ^= 0xFF
-    link._client_or_none().put(KEYS[1], raw)
-    link.close()
+    _corrupt(store.address, KEYS[1])
     w, backends = _worker(store.address)
     dst = [7, 2, 5, 1, 3, 6]
     before = [be.cache.clone() for be in backends]
@@ -254,3 +277,103 @@ def test_closing_drops_the_loads_not_yet_begun(store):
     assert not closer.is_alive()
     assert w.stats.num_loaded_chunks == 3 and w.stats.num_failed_chunks == 0
     assert w._loads.unfinished_tasks == 0
+
+
+def test_a_layerwise_load_writes_each_layer_before_the_forward_reaches_it(store):
+    """``layerwise``: the lander thread writes the pages a layer at a time; once ``wait_layer``
+    returns for a layer its blocks hold the saved KV (what that layer's attention reads), and the
+    step's end counts a load every layer of which the forward waited for."""
+    src = _fill_and_save(store.address)
+    w, backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([RequestOps("r", None, loads=_ops(dst))])
+    w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+    for i, (a, b) in enumerate(zip(src, backends)):
+        w.wait_layer(f"layer.{i}")
+        assert _blocks_equal(a, b, list(range(6)), dst), f"layer {i}"
+    w.end_step()
+    assert w.take_invalid_blocks() == set()
+    assert w.stats.num_layerwise_loads == 1 and w.stats.num_loaded_chunks == 3
+    # a step whose forward skipped the hooks still ends with every layer written (not counted)
+    again = [be.cache.clone() for be in backends]
+    for be in backends:
+        be.cache.zero_()
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+    assert w.take_invalid_blocks() == set()
+    for old, b in zip(again, backends):
+        assert torch.equal(old[dst], b.cache[dst])
+    assert w.stats.num_layerwise_loads == 1 and w.stats.num_loaded_chunks == 6
+    w.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_two_requests_in_one_step_each_get_their_own_chunks_around_a_bad_one(store, layerwise):
+    """One step loads two requests into one host buffer: the first's chunk 1 is corrupt (its
+    chunks 1-2 are neither written nor kept: their slots stay empty), the second's one chunk lands
+    after them. The first's failed blocks are reported and its saves this step dropped; the
+    second's blocks and the first's chunk 0 hold the saved KV."""
+    src = _fill_and_save(store.address)
+    _corrupt(store.address, KEYS[1])
+    w, backends = _worker(store.address, blocks=10)
+    a_blocks, b_blocks = [7, 2, 5, 1, 3, 6], [9, 4]
+    reqs = [RequestOps("a", None, loads=_ops(a_blocks), saves=_ops([0, 8], [0])),
+            RequestOps("b", None, loads=_ops(b_blocks, [0]))]
+    before = [be.cache.clone() for be in backends]
+    w.begin_step(reqs)
+    w.load(reqs, layerwise=layerwise)
+    for i in range(LAYERS):
+        w.wait_layer(f"layer.{i}")
+    w.end_step()
+    w.flush()
+    assert w.take_invalid_blocks() == {5, 1, 3, 6}
+    for a, b, old in zip(src, backends, before):
+        assert _blocks_equal(a, b, [0, 1], [7, 2]) and _blocks_equal(a, b, [0, 1], [9, 4])
+        assert torch.equal(b.cache[[5, 1, 3, 6]], old[[5, 1, 3, 6]])
+    assert w.stats.num_loaded_chunks == 2 and w.stats.num_failed_chunks == 2
+    assert w.stats.num_saved_chunks == 0 and w.stats.num_dropped_chunks == 1
+    w.close()
+
+
+def test_a_load_whose_pages_cannot_be_written_fails_its_blocks_instead_of_the_step(store):
+    """A block id past the end of the cache (a plan that disagrees with vLLM's cache): writing the
+    pages fails on the lander thread; the forward's waits still return, and every block of the
+    step's loads is reported failed (vLLM recomputes them), none left half-trusted."""
+    _fill_and_save(store.address)
+    w, _ = _worker(store.address)
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops([7, 2, 5, 1, 3, 999]))], layerwise=True)
+    for i in range(LAYERS):
+        w.wait_layer(f"layer.{i}")
+    w.end_step()
+    assert w.take_invalid_blocks() == {7, 2, 5, 1, 3, 999}
+    assert w.stats.num_loaded_chunks == 0 and w.stats.num_layerwise_loads == 0
+    w.close()
+
+
+def test_chunks_written_with_the_device_check_load_on_the_cpu(store):
+    """A GPU worker writes wsum64 (summed on the device); a CPU worker reading them checks that sum
+    on the host: good chunks load, a corrupt one is rejected from where it is."""
+    from kvstore.chunk import encode_chunk
+
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(3, LAYERS, 2, H, C, D, generator=g)
+    link = StoreLink(StoreLinkConfig(store.address, 10.0))
+    assert link.save([(KEYS[j], encode_chunk(kv[j], NS, KEYS[j - 1] if j else ROOT_KEY, TOKENS[j * C:(j + 1) * C],
+                                             CHECK_WSUM)) for j in range(3)]) == 3
+    link.close()
+    w, backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+    assert w.take_invalid_blocks() == set()
+    for layer, be in enumerate(backends):
+        want = Backend(8, torch.float32)  # (the backend itself writes the same KV in token order)
+        k, v = (kv[:, layer, i].permute(0, 2, 1, 3).reshape(3 * C, H, D) for i in (0, 1))
+        want.write(k, v, want.cache, torch.arange(3 * C))
+        assert _blocks_equal(want, be, list(range(6)), dst), f"layer {layer}"
+    _corrupt(store.address, KEYS[2])
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))])
+    assert w.take_invalid_blocks() == {3, 6}
+    w.close()

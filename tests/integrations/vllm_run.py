@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-async", action="store_true")
+    ap.add_argument("--load-layerwise", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--model-id", default=MODEL_ID)
     args = ap.parse_args()
@@ -49,7 +50,8 @@ def main() -> None:
     if args.store:
         kw["kv_transfer_config"] = kv_transfer_config(args.store, chunk_tokens=CHUNK_TOKENS,
                                                       model_id=args.model_id, timeout_s=30.0, cooldown_s=30.0,
-                                                      load_async=args.load_async)
+                                                      load_async=args.load_async,
+                                                      load_layerwise=args.load_layerwise)
     if args.lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     with open(args.requests) as f:
