@@ -5,11 +5,14 @@ by the connector's worker side (kvstore/integrations/vllm_worker.py) from one pa
 loaded, again and again, into another, through a real store node process on this host. A save
 gathers each layer of all chunks on vLLM's thread (what the forward waits for), then the saver
 thread checksums and stores them. Each load fetches the chunks into the
-worker's reusable host buffer, verifies every chunk (header, key, xxh3 of the payload) and writes
-each layer of all chunks into the blocks (a page layout like vLLM's CPU backend: K transposed per
-head, V row-major). Baselines in the same run: the store read alone (``batch_get_into`` of the
-same chunks into one buffer: what the transport costs) and a memcpy of the same bytes (with
-``--device cuda``, caches on a GPU: a pinned host-to-device copy of them).
+worker's reusable host buffer, verifies every chunk (header, key, xxh3 of the payload; wsum64 on
+the device with ``--device cuda``) and writes each layer of all chunks into the blocks (a page
+layout like vLLM's CPU backend: K transposed per head, V row-major), every layer before the load
+returns, then again layer by layer as a forward would wait for them (``layerwise``: timed to layer
+0, when the forward may start, and to the last). Baselines in the same run: the store read
+alone (``batch_get_into`` of the same chunks into one buffer: what the transport costs) and a
+memcpy of the same bytes (with ``--device cuda``, caches on a GPU: a pinned host-to-device copy
+of them).
 
     .venv/bin/python bench/vllm_worker_load_bench.py [--tokens 4096] [--layers 8] [--device cuda] [--write-docs]
 """
@@ -84,6 +87,8 @@ def main() -> None:
           flush=True)
     store = StoreProcess("--dram", f"{int(payload_mib * 2 + 256)}MiB")
     times = {"store read alone (batch_get_into)": [], "connector load (read, verify, write pages)": [],
+             "layer-wise load: until layer 0 is written (the forward may start)": [],
+             "layer-wise load: until every layer is written": [],
              "pinned host->device copy of the same bytes" if cuda else "memcpy of the same bytes": [],
              "connector save: on vLLM's thread (gather pages)": [],
              "connector save: saver thread (checksum, store)": []}
@@ -126,14 +131,25 @@ def main() -> None:
                 w.load([req])
                 sync()
                 t2 = time.perf_counter()
+                assert not w.take_invalid_blocks()
+                w.begin_step([req])
+                w.load([req], layerwise=True)
+                w.wait_layer("l0")
+                sync()  # (GPU: the compute stream has waited for layer 0)
+                t3 = time.perf_counter()
+                for layer in range(1, L):
+                    w.wait_layer(f"l{layer}")
+                w.end_step()
+                t4 = time.perf_counter()
+                assert not w.take_invalid_blocks()
                 other.copy_(buf, non_blocking=True)
                 sync()
-                t3 = time.perf_counter()
-                assert not w.take_invalid_blocks()
+                t5 = time.perf_counter()
                 if i:  # (the first of each is a warm-up: buffers allocated, pages touched)
-                    for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                    for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t2, t5 - t4)):
                         times[name].append(dt)
-                print(f"  load {i}/{args.repeats}: {(t2 - t1) * 1e3:.1f} ms", flush=True)
+                print(f"  load {i}/{args.repeats}: {(t2 - t1) * 1e3:.1f} ms, layer-wise {(t3 - t2) * 1e3:.1f} "
+                      f"to layer 0, {(t4 - t2) * 1e3:.1f} ms to all", flush=True)
         for a, b in zip(src, dst):
             assert torch.equal(a[: n * m], b[: n * m]), "the loaded pages differ from the saved ones"
         w.close()
@@ -155,18 +171,22 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 3.2))
     names = list(times)[::-1]
     ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
-            color=["#2ca02c", "#2ca02c", "#999999", "#1f77b4", "#ff7f0e"])
+            color=["#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#ff7f0e"])
     ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats}")
     ax.set_title(f"vLLM connector data path ({torch.cuda.get_device_name(dev) if cuda else 'CPU, 2 cores'})")
     fig.tight_layout()
     where = f"caches on {torch.cuda.get_device_name(dev)}" if cuda else "this host (2 cores)"
+    check = "wsum64, on the device" if cuda else "xxh3"
     body = (f"The vLLM connector's worker side, {where}: {n} chunks of {C} tokens "
             f"({L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV) saved {args.repeats} "
             f"times from a paged cache (blocks of {BS}, vLLM CPU's page layout) into a store node process: each "
-            f"layer of all chunks gathered on vLLM's thread, then checksummed (xxh3) and stored by the saver "
+            f"layer of all chunks gathered on vLLM's thread, then checksummed ({check}) and stored by the saver "
             f"thread; then loaded {args.repeats} times into another paged cache: read into the worker's reusable "
-            f"host buffer, every chunk verified (header, key, xxh3 of the payload), each layer of all chunks "
-            f"written at once; the loaded pages equal the saved ones. Baselines in the same run: the store read "
+            f"host buffer, every chunk verified (header, key, the payload's {check}), each layer of all chunks "
+            f"written at once, every layer before the call returns; then again layer by layer (`layerwise`: "
+            f"{'a transfer stream, the compute stream waiting on each layer' if cuda else 'the lander thread'}), "
+            f"timed until layer 0 is written (when a forward may start) and until every layer is. The loaded "
+            f"pages equal the saved ones. Baselines in the same run: the store read "
             f"alone into one buffer and {'a pinned host-to-device' if cuda else 'a memcpy'} copy of the same "
             f"bytes. Command: `.venv/bin/python bench/vllm_worker_load_bench.py{' --device cuda' if cuda else ''} "
             f"--write-docs`.\n\n{text}\n")
