@@ -5,11 +5,12 @@ by the connector's worker side (kvstore/integrations/vllm_worker.py) from one pa
 loaded, again and again, into another, through a real store node process on this host. A save
 gathers each layer of all chunks on vLLM's thread (what the forward waits for), then the saver
 thread checksums and stores them. Each load fetches the chunks into the
-worker's reusable host buffer, verifies every chunk (header, key, xxh3 of the payload; wsum64 on
-the device with ``--device cuda``) and writes each layer of all chunks into the blocks (a page
-layout like vLLM's CPU backend: K transposed per head, V row-major), every layer before the load
-returns, then again layer by layer as a forward would wait for them (``layerwise``: timed to layer
-0, when the forward may start, and to the last). Baselines in the same run: the store read
+worker's reusable host buffer (copied), or leases them and reads them where the node keeps them
+(in place: its arena is mapped here), verifies every chunk (header, key, xxh3 of the payload;
+wsum64 on the device with ``--device cuda``) and writes each layer of all chunks into the blocks
+(a page layout like vLLM's CPU backend: K transposed per head, V row-major), every layer before
+the load returns, then again in place layer by layer as a forward would wait for them
+(``layerwise``: timed to layer 0, when the forward may start, and to the last). Baselines in the same run: the store read
 alone (``batch_get_into`` of the same chunks into one buffer: what the transport costs) and a
 memcpy of the same bytes (with ``--device cuda``, caches on a GPU: a pinned host-to-device copy
 of them).
@@ -86,7 +87,9 @@ def main() -> None:
     print(f"{n} chunks of {C} tokens, {L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV",
           flush=True)
     store = StoreProcess("--dram", f"{int(payload_mib * 2 + 256)}MiB")
-    times = {"store read alone (batch_get_into)": [], "connector load (read, verify, write pages)": [],
+    times = {"store read alone (batch_get_into)": [],
+             "connector load, copied (read into its buffer, verify, write pages)": [],
+             "connector load, in place (leased in the node's arena, verify, write pages)": [],
              "layer-wise load: until layer 0 is written (the forward may start)": [],
              "layer-wise load: until every layer is written": [],
              "pinned host->device copy of the same bytes" if cuda else "memcpy of the same bytes": [],
@@ -127,29 +130,36 @@ def main() -> None:
                 got = client.batch_get_into(list(keys), views)
                 t1 = time.perf_counter()
                 assert all(s is not None for s in got)
-                w.begin_step([req])
-                w.load([req])
-                sync()
-                t2 = time.perf_counter()
-                assert not w.take_invalid_blocks()
+                marks = [t0, t1]
+                for in_place in (False, True):
+                    w.in_place = in_place
+                    w.begin_step([req])
+                    w.load([req])
+                    w.finish_loads()  # (in place: the lease ends once the copies have completed)
+                    sync()
+                    marks.append(time.perf_counter())
+                    assert not w.take_invalid_blocks()
                 w.begin_step([req])
                 w.load([req], layerwise=True)
                 w.wait_layer("l0")
                 sync()  # (GPU: the compute stream has waited for layer 0)
-                t3 = time.perf_counter()
+                marks.append(time.perf_counter())
                 for layer in range(1, L):
                     w.wait_layer(f"l{layer}")
                 w.end_step()
-                t4 = time.perf_counter()
+                marks.append(time.perf_counter())
                 assert not w.take_invalid_blocks()
                 other.copy_(buf, non_blocking=True)
                 sync()
-                t5 = time.perf_counter()
+                marks.append(time.perf_counter())
+                t = marks
                 if i:  # (the first of each is a warm-up: buffers allocated, pages touched)
-                    for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t2, t5 - t4)):
+                    for name, dt in zip(times, (t[1] - t[0], t[2] - t[1], t[3] - t[2], t[4] - t[3], t[5] - t[3],
+                                                t[6] - t[5])):
                         times[name].append(dt)
-                print(f"  load {i}/{args.repeats}: {(t2 - t1) * 1e3:.1f} ms, layer-wise {(t3 - t2) * 1e3:.1f} "
-                      f"to layer 0, {(t4 - t2) * 1e3:.1f} ms to all", flush=True)
+                print(f"  load {i}/{args.repeats}: copied {(t[2] - t[1]) * 1e3:.1f} ms, in place "
+                      f"{(t[3] - t[2]) * 1e3:.1f}, layer-wise {(t[4] - t[3]) * 1e3:.1f} to layer 0 and "
+                      f"{(t[5] - t[3]) * 1e3:.1f} to all", flush=True)
         for a, b in zip(src, dst):
             assert torch.equal(a[: n * m], b[: n * m]), "the loaded pages differ from the saved ones"
         w.close()
@@ -171,7 +181,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 3.2))
     names = list(times)[::-1]
     ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
-            color=["#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#ff7f0e"])
+            color=["#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#1f77b4", "#ff7f0e"])
     ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats}")
     ax.set_title(f"vLLM connector data path ({torch.cuda.get_device_name(dev) if cuda else 'CPU, 2 cores'})")
     fig.tight_layout()
@@ -181,9 +191,12 @@ def main() -> None:
             f"({L} layers x {H} KV heads x {D}, {args.dtype}: {payload_mib:.0f} MiB of KV) saved {args.repeats} "
             f"times from a paged cache (blocks of {BS}, vLLM CPU's page layout) into a store node process: each "
             f"layer of all chunks gathered on vLLM's thread, then checksummed ({check}) and stored by the saver "
-            f"thread; then loaded {args.repeats} times into another paged cache: read into the worker's reusable "
-            f"host buffer, every chunk verified (header, key, the payload's {check}), each layer of all chunks "
-            f"written at once, every layer before the call returns; then again layer by layer (`layerwise`: "
+            f"thread; then loaded {args.repeats} times into another paged cache, three ways: copied (read into the "
+            f"worker's reusable host buffer, every chunk verified: header, key, the payload's {check}; each layer "
+            f"of all chunks written at once, every layer before the call returns), in place (the same, the "
+            f"chunks leased and read where the node keeps them, its arena mapped here: no copy before the "
+            f"pages{', the mapping registered with CUDA' if cuda else ''}), and in place layer by layer "
+            f"(`layerwise`: "
             f"{'a transfer stream, the compute stream waiting on each layer' if cuda else 'the lander thread'}), "
             f"timed until layer 0 is written (when a forward may start) and until every layer is. The loaded "
             f"pages equal the saved ones. Baselines in the same run: the store read "

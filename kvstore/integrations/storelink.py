@@ -23,6 +23,7 @@ from kvstore.chunk import CHECK_WSUM, encoded_size, verify_chunk
 from kvstore.client import Retry, StoreClient
 from kvstore.errors import ChunkVerificationError, CrescentError, DataLossError, DeadlineExceededError, UnavailableError
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.transport.descriptors import Mover
 
 log = logging.getLogger("crescent.integrations")
 
@@ -84,6 +85,8 @@ class StoreLink:
         """Calls that failed (connection faults, refused values, unexpected errors)."""
         self.num_rejected = 0
         """Chunks that arrived but failed verification (read as misses)."""
+        self._no_shm = False
+        """The node's arena cannot serve in-place reads here (CUDA could not register it)."""
 
     # ---- breaker -------------------------------------------------------------
 
@@ -101,6 +104,29 @@ class StoreLink:
                 self._client = StoreClient(self.config.address, timeout_s=self.config.timeout_s,
                                            retry=retry)
             return self._client
+
+    def shm_session(self, register_cuda: bool = False):
+        """The client's shm ``DescriptorSession`` with the node (it runs on this host: chunks can
+        be leased and read where it keeps them), or None: another host, the store away, or, with
+        ``register_cuda``, a mapping CUDA could not page-lock (a copy from it would not be DMA)."""
+        client = self._client_or_none()
+        if client is None or self._no_shm:
+            return None
+        try:
+            session = client.descriptor_session()
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never a failed request
+            self._fault("session", exc)
+            return None
+        if session is None or session.mover is not Mover.SHM:
+            return None
+        if register_cuda:
+            why = session.register_cuda()  # (once: later calls find it done)
+            if why is not None:
+                log.warning("crescent: the node's arena could not be registered with CUDA (%s); "
+                            "loads copy into a pinned buffer instead", why)
+                self._no_shm = True
+                return None
+        return session
 
     def _fault(self, what: str, exc: BaseException) -> None:
         self.num_faults += 1

@@ -25,18 +25,24 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, encode_chunk, wsum64_rows
+from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, verify_header, wsum64_rows
+from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunks
 from kvstore.integrations.storelink import ChunkRef, StoreLink
 from kvstore.integrations.vllm_plan import ChunkOp, RequestOps, Scope
 from kvstore.keys import ChunkKey, Namespace, chunk_key
+from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
+from kvstore.transport.memcopy import local_buffer, plan, slice_extents
+from kvstore.transport.session import safe_end
 
 log = logging.getLogger("crescent.integrations")
 
@@ -64,61 +70,96 @@ def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
     return {b for op in ops for b in op.block_ids[op.first_block:]}
 
 
+@dataclass
+class _Lease:
+    """A read lease a load holds on chunks the node keeps in its arena (mapped here): their
+    payloads are read where they are, until the landing's copies have completed."""
+
+    session: Any
+    grant: Any
+    ctx: Any
+    """``session.in_place(grant)``, entered: the mapping stays open until the lease ends."""
+    request: int
+    """Index of the request (in the load) whose chunks it holds, from its first."""
+
+
+def _strided_runs(payloads: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``(first index, view [k, *shape])`` for each run of consecutive payloads one strided view
+    covers: in the same memory, each the same distance after the one before (a host buffer's
+    slots; chunks the node stored side by side in its arena)."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    i = 0
+    while i < len(payloads):
+        p, j, step = payloads[i], i + 1, None
+        base = p.untyped_storage().data_ptr()
+        while j < len(payloads):
+            q = payloads[j]
+            d = q.data_ptr() - payloads[j - 1].data_ptr()
+            if q.untyped_storage().data_ptr() != base or d < p.nbytes or d % p.element_size() \
+                    or (step is not None and d != step):
+                break
+            step, j = d, j + 1
+        stride = (step or p.nbytes) // p.element_size()
+        runs.append((i, p.as_strided((j - i, *p.shape), (stride, *p.stride()), p.storage_offset())))
+        i = j
+    return runs
+
+
 class _Landing:
-    """One load's verified chunks (slots of a host buffer) on their way into vLLM's blocks, a
-    layer of every chunk at a time.
+    """One load's verified chunks on their way into vLLM's blocks, a layer of every chunk at a
+    time. A chunk's payload is where it was read: a slot of the worker's host buffer, or the
+    node's arena itself, mapped here under a read lease (one host: no copy before the pages).
 
     With the caches on a GPU the moves are queued on a transfer stream (per layer: each chunk's
-    layer DMA'd from the pinned buffer into a device stage, its wsum64 share summed there when the
-    payload check was left to the device, one scatter into the pages, an event); ``wait(l)`` queues
-    up to ``AHEAD`` layers past ``l`` and makes the compute stream wait for layer ``l``'s event (the
-    host never waits). On the CPU the worker's lander thread writes the layers in order (``start``)
-    and ``wait(l)`` waits for layer ``l``, or the caller writes them all (``land_all``).
-    ``finish`` returns once every layer is written and every check known (the buffer may then be
-    reused), with each request's failed blocks: those of its first chunk that was missing or bad
-    and of every chunk after it.
+    layer DMA'd into a device stage, from pinned or registered memory; its wsum64 share summed
+    there when the payload check was left to the device; one scatter into the pages; an event);
+    ``wait(l)`` queues up to ``AHEAD`` layers past ``l`` and makes the compute stream wait for
+    layer ``l``'s event (the host never waits). On the CPU the worker's lander thread writes the
+    layers in order (``start``) and ``wait(l)`` waits for layer ``l``, or the caller writes them
+    all (``land_all``). ``finish`` returns once every layer is written and every check known,
+    then ends the leases (a lease that ran out fails its request's chunks: the node may have
+    reused them under the copies), with each request's failed blocks: those of its first chunk
+    that was missing or bad and of every chunk after it.
     """
 
     AHEAD = 2
     """Layers queued on the transfer stream ahead of the one the forward is at."""
 
-    def __init__(self, w: WorkerSide, staging: torch.Tensor, slot_bytes: int,
-                 fetched: list[tuple[RequestOps, list[int], list[int | None]]], who: str) -> None:
-        self.w, self.fetched, self.who = w, fetched, who
+    def __init__(self, w: WorkerSide, fetched: list[tuple[RequestOps, list[torch.Tensor], list[int | None]]],
+                 leases: list[_Lease], who: str) -> None:
+        self.w, self.fetched, self.leases, self.who = w, fetched, leases, who
         cache0 = w._kv[0][0]
         self.cuda = cache0.is_cuda
         self.num_layers = len(w._kv)
         m = w.chunk_tokens // w.block_size
-        offsets = [o for _, offs, _ in fetched for o in offs]
-        ops = [op for r, offs, _ in fetched for op in r.loads[:len(offs)]]
-        self.n = n = len(offsets)
-        nbytes = int(np.prod(w.chunk_shape)) * w.dtype.itemsize
-        # chunk j's rows in the source: its slot in the host buffer (CPU: the pages are written
-        # straight from it), or its place in the device stage (GPU)
-        slots = list(range(n)) if self.cuda else [o // slot_bytes for o in offsets]
-        rows = [s * m + b for s, op in zip(slots, ops) for b in range(op.first_block, m)]
+        payloads = [p for _, ps, _ in fetched for p in ps]
+        ops = [op for r, ps, _ in fetched for op in r.loads[:len(ps)]]
+        self.n = n = len(payloads)
         dev = cache0.device
-        self.ids = torch.tensor([op.block_ids[b] for op in ops for b in range(op.first_block, m)],
-                                dtype=torch.long, device=dev)
-        num_rows = (n if self.cuda else (slots[-1] + 1 if n else 0)) * m
-        self.rows = None if rows == list(range(num_rows)) else torch.tensor(rows, dtype=torch.long, device=dev)
-        self.scratch = w._scratch_for(self.ids.numel(), who) if n else None
+
+        def index(chunks: Sequence[ChunkOp]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """Blocks written and, unless every block of every chunk, their rows in the source."""
+            rows = [i * m + b for i, op in enumerate(chunks) for b in range(op.first_block, m)]
+            ids = torch.tensor([op.block_ids[b] for op in chunks for b in range(op.first_block, m)],
+                               dtype=torch.long, device=dev)
+            full = len(rows) == len(chunks) * m
+            return ids, None if full else torch.tensor(rows, dtype=torch.long, device=dev)
+
+        self.scratch = w._scratch_for(sum(len(op.block_ids) for op in ops), who) if n else None
         self.expect = [e for _, _, es in fetched for e in es]
         self.sums: torch.Tensor | None = None
         if self.cuda:
-            # (views of the pinned buffer itself, so that each copy is an asynchronous DMA)
-            self.payloads = [staging[o:o + nbytes].view(w.dtype).view(w.chunk_shape) for o in offsets]
+            self.payloads = payloads
+            self.ids, self.rows = index(ops)
             self.stage = w._stage_for(n, who) if n else None
             self.stream = w._stream_for(who)
-            self.layer_words = nbytes // self.num_layers // 8
+            self.layer_words = payloads[0].nbytes // self.num_layers // 8 if n else 0
             if any(e is not None for e in self.expect):
                 self.sums = torch.zeros(n, dtype=torch.int64, device=dev)
             self.events: list = []
         else:
-            count = slots[-1] + 1 if n else 0
-            base = offsets[0] - slots[0] * slot_bytes if n else 0
-            self.src = staging.as_strided((count, nbytes), (slot_bytes, 1), base).view(w.dtype).view(
-                count, *w.chunk_shape)
+            # the pages are written straight from where the chunks are, a strided view per run
+            self.runs = [(view, *index(ops[i:i + view.shape[0]])) for i, view in _strided_runs(payloads)]
             self.events = [threading.Event() for _ in range(self.num_layers)]
         self.queued = 0
         """Layers written (CPU) or queued on the transfer stream (GPU)."""
@@ -133,7 +174,8 @@ class _Landing:
     def _move(self, layer: int) -> None:
         cache, layout = self.w._kv[layer]
         if not self.cuda:
-            scatter_chunks(self.src[:, layer], cache, layout, self.ids, self.rows, self.scratch)
+            for view, ids, rows in self.runs:
+                scatter_chunks(view[:, layer], cache, layout, ids, rows, self.scratch)
             return
         for j, p in enumerate(self.payloads):
             self.stage[j].copy_(p[layer], non_blocking=True)
@@ -222,28 +264,47 @@ class _Landing:
         if self.layerwise and self.error is None and len(self.waited) == self.num_layers:
             with self.w._lock:
                 self.w.stats.num_layerwise_loads += 1
+        expired = release_leases(self.leases)  # (every copy that read them has completed, or failed)
         out, j = [], 0
-        for r, offs, _ in self.fetched:
-            good = len(offs)
-            if self.error is not None:
+        for i, (r, ps, _) in enumerate(self.fetched):
+            good = len(ps)
+            if self.error is not None or i in expired:
                 good = 0
-            elif self.cuda and sums is not None:
-                for i in range(len(offs)):
-                    want = self.expect[j + i]
-                    if want is not None and sums[j + i] & _U64 != want:
+            elif sums is not None:
+                for k in range(len(ps)):
+                    want = self.expect[j + k]
+                    if want is not None and sums[j + k] & _U64 != want:
                         log.warning("crescent: chunk %s rejected: payload checksum mismatch (on the device)",
-                                    bytes(r.loads[i].keys[self.w.tp_rank]).hex())
-                        good = i
+                                    bytes(r.loads[k].keys[self.w.tp_rank]).hex())
+                        good = k
                         break
-            j += len(offs)
+            j += len(ps)
             failed = _written_blocks(r.loads[good:])
             self.w._account(r, good, failed)
             out.append((r, failed))
+        self.payloads = self.runs = None  # (they may view the node's arena, whose leases ended)
         self._result = out
         return out
 
 
 _U64 = (1 << 64) - 1
+
+
+def release_leases(leases: Sequence[_Lease]) -> set[int]:
+    """Ends read leases (their copies have completed); returns the requests of those that had
+    run out first (their chunks may have been rewritten under the copies), or could not be ended."""
+    expired = set()
+    for lease in leases:
+        in_time = time.monotonic() < safe_end(lease.grant)
+        try:
+            lease.ctx.__exit__(None, None, None)
+            lease.session.release(lease.grant.lease_id)
+        except Exception as exc:  # noqa: BLE001 - an expired lease, a node gone: its chunks are not trusted
+            log.warning("crescent: a read lease could not be ended in time (%s): its chunks are recomputed", exc)
+            in_time = False
+        if not in_time:
+            expired.add(lease.request)
+    return expired
 
 
 @dataclass
@@ -317,6 +378,9 @@ class WorkerSide:
         """GPU: per loader, the transfer stream its copies run on."""
         self._landing: _Landing | None = None
         """This step's synchronous loads, until ``finish_loads``."""
+        self.in_place = True
+        """Read chunks a node on this host keeps in its arena where they are, under a lease (no
+        copy into the host buffer first); False: always copy."""
         self._lander: ThreadPoolExecutor | None = None
         """CPU: writes a layer-wise load's pages beside the forward."""
 
@@ -383,7 +447,7 @@ class WorkerSide:
         landing = self._fetch(sync, self.link, "step")
         # NOTE: a request with a chunk already known bad saves nothing this step (its forward reads
         # blocks vLLM will recompute); one whose GPU-side check fails is dropped in end_step.
-        self._failed_reqs |= {r.req_id for r, offsets, _ in landing.fetched if len(offsets) < len(r.loads)}
+        self._failed_reqs |= {r.req_id for r, payloads, _ in landing.fetched if len(payloads) < len(r.loads)}
         self._landing = landing
         if layerwise:
             landing.start()
@@ -409,24 +473,97 @@ class WorkerSide:
                         self._invalid_blocks |= failed
 
     def _fetch(self, requests: Sequence[RequestOps], link: StoreLink, who: str) -> _Landing:
-        """Reads and verifies the requests' loads (each its leading run of good chunks) into the
-        link's host buffer, one slot per chunk."""
-        rank = self.tp_rank
-        staging = self._staging_for(link, sum(len(r.loads) for r in requests))
+        """Reads and verifies the requests' loads, each its leading run of good chunks. With the
+        node on this host (shm), the chunks it keeps in its arena are leased and read where they
+        are (on a GPU: when CUDA could page-lock the mapping, so that the copies are DMA); the
+        others (on its disk, or every chunk with another node) are read into the link's host
+        buffer, one slot per chunk."""
+        rank, cuda = self.tp_rank, self.on_gpu
+        session = link.shm_session(register_cuda=cuda) if self.in_place else None
         slot_bytes = link.staging_bytes(1, self.dtype, self._shape)
-        cuda = self._kv[0][0].is_cuda
-        fetched, slot = [], 0
-        for r in requests:
-            refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
-                             self.namespace_for(r.scope, op.index)) for op in r.loads]
-            deferred: list[int | None] | None = [] if cuda else None
-            payloads = link.fetch_prefix(refs, None, self.dtype, self._shape,
-                                         into=staging[slot * slot_bytes:(slot + len(refs)) * slot_bytes],
-                                         deferred=deferred)
-            offsets = [p.data_ptr() - staging.data_ptr() for p in payloads]
-            fetched.append((r, offsets, deferred or [None] * len(payloads)))
-            slot += len(refs)
-        return _Landing(self, staging, slot_bytes, fetched, who)
+        total = sum(len(r.loads) for r in requests)
+        staging: torch.Tensor | None = None
+        fetched: list[tuple[RequestOps, list[torch.Tensor], list[int | None]]] = []
+        leases: list[_Lease] = []
+        slot = 0
+        try:
+            for r in requests:
+                refs = [ChunkRef(op.keys[rank], op.parents[rank], np.asarray(op.tokens, dtype=np.int32),
+                                 self.namespace_for(r.scope, op.index)) for op in r.loads]
+                payloads: list[torch.Tensor] = []
+                expect: list[int | None] = []
+                rest = session is None or self._lease_prefix(session, link, refs, len(fetched), payloads, expect,
+                                                             leases)
+                if rest and len(payloads) < len(refs):
+                    rest_refs = refs[len(payloads):]
+                    staging = staging if staging is not None else self._staging_for(link, total)
+                    deferred: list[int | None] | None = [] if cuda else None
+                    got = link.fetch_prefix(rest_refs, None, self.dtype, self._shape,
+                                            into=staging[slot * slot_bytes:(slot + len(rest_refs)) * slot_bytes],
+                                            deferred=deferred)
+                    payloads += got
+                    expect += deferred if deferred is not None else [None] * len(got)
+                    slot += len(rest_refs)
+                fetched.append((r, payloads, expect))
+        except BaseException:
+            release_leases(leases)
+            raise
+        return _Landing(self, fetched, leases, who)
+
+    def _lease_prefix(self, session, link: StoreLink, refs: Sequence[ChunkRef], request: int,
+                      payloads: list[torch.Tensor], expect: list[int | None], leases: list[_Lease]) -> bool:
+        """Leases ``refs`` where the node keeps them and appends the leading run of good ones
+        (each header copied out and checked now, the payload a view of the node's arena; an
+        xxh3 payload, or any on a CPU, checked now too; a wsum64 one on a GPU left to the device:
+        its hash to ``expect``). Returns whether the chunks after that run may still be read
+        another way (the node holds the next one outside its arena, e.g. on its disk, or the
+        lease could not be made); False after a miss or a bad chunk."""
+        try:
+            g = session.acquire([ref.key for ref in refs], Mover.SHM)
+        except CrescentError as exc:
+            log.debug("crescent: could not lease chunks in place (%s); reading them", exc)
+            return True
+        view = None
+        if g.lease_id:
+            ctx = session.in_place(g)
+            view = ctx.__enter__()
+            leases.append(_Lease(session, g, ctx, request))  # ended by the landing's finish, whatever happens
+            if view is None:  # (the node restarted between the grant and now)
+                return True
+        chunk_bytes = link.staging_bytes(1, self.dtype, self._shape)
+        payload_bytes = int(np.prod(self._shape)) * self.dtype.itemsize
+        head_bytes = chunk_bytes - payload_bytes
+        for ref, d in zip(refs, g.items):
+            if d.status is not ItemStatus.OK:
+                return d.status is ItemStatus.ELSEWHERE
+            if d.size != chunk_bytes:
+                return False  # (a value no chunk of this model)
+            if view is None:
+                return True
+            ext = value_extents(d.slots, d.size, view.slot_bytes)
+            head = bytearray(head_bytes)
+            addr, _, keep = local_buffer(head)
+            view.read(plan([(addr, head_bytes)], slice_extents(ext, 0, head_bytes)))
+            del keep
+            try:
+                hdr = verify_header(head, d.size, key=ref.key, namespace=ref.namespace, parent=ref.parent,
+                                    tokens=ref.tokens, dtype=self.dtype, shape=self._shape)
+                pext = slice_extents(ext, hdr.payload_offset, hdr.payload_bytes)
+                if len(pext) == 1:
+                    payload = view.tensor(*pext[0])
+                else:  # (slots not in one run, rare: one copy, where a DMA can read it)
+                    payload = torch.cat([view.tensor(o, n) for o, n in pext])
+                    payload = payload.pin_memory() if self.on_gpu else payload
+                deferred = self.on_gpu and hdr.check == CHECK_WSUM
+                if not deferred:
+                    check_payload(hdr, payload)
+            except ChunkVerificationError as exc:
+                link.num_rejected += 1
+                log.warning("crescent chunk %s rejected: %s", bytes(ref.key).hex(), exc)
+                return False
+            payloads.append(payload.view(self.dtype).view(self._shape))
+            expect.append(hdr.payload_hash if deferred else None)
+        return False
 
     def _account(self, r: RequestOps, num_good: int, failed: set[int]) -> None:
         good = r.loads[:num_good]

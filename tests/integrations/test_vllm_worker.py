@@ -34,9 +34,10 @@ def store():
     node.stop(grace=0)
 
 
-def _worker(address: str, blocks: int = 8) -> tuple[WorkerSide, list[Backend]]:
+def _worker(address: str, blocks: int = 8, in_place: bool = True) -> tuple[WorkerSide, list[Backend]]:
     config = StoreLinkConfig(address, 10.0, cooldown_s=0.0)
     w = WorkerSide(StoreLink(config), StoreLink(config), lambda scope, index: NS, 0, C, BS, torch.float32)
+    w.in_place = in_place
     backends = [Backend(blocks, torch.float32) for _ in range(LAYERS)]
     w.register([(f"layer.{i}", be.cache, be.layout()) for i, be in enumerate(backends)])
     return w, backends
@@ -87,10 +88,26 @@ def _blocks_equal(a: Backend, b: Backend, src: list[int], dst: list[int]) -> boo
     return torch.equal(a.cache[src], b.cache[dst])
 
 
+def _leases(node: StoreNode) -> int:
+    return node.transport.leases.stats()["num_remote_leases"]
+
+
+def _no_leases_left(node: StoreNode) -> bool:
+    """Every read lease ended (a copied load's client ends its leases without waiting for the
+    node's answer: given a while to arrive)."""
+    deadline = time.monotonic() + 30
+    while _leases(node) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _leases(node) == 0
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 @pytest.mark.parametrize("load_async", [False, True])
-def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, load_async):
+def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, load_async, in_place):
+    """Loads read the node's arena where it keeps the chunks (a node on this host: under a read
+    lease, ended with the load), or copy them into the worker's buffer first."""
     src = _fill_and_save(store.address)
-    w, backends = _worker(store.address)
+    w, backends = _worker(store.address, in_place=in_place)
     dst = [7, 2, 5, 1, 3, 6]
     w.begin_step([])
     w.load([RequestOps("r", None, loads=_ops(dst), async_load=load_async)])
@@ -102,6 +119,8 @@ def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, lo
     for a, b in zip(src, backends):
         assert _blocks_equal(a, b, list(range(6)), dst)
     assert w.stats.num_loaded_chunks == 3 and w.stats.num_loaded_tokens == 3 * C
+    assert (id(w.link) in w._staging or id(w.load_link) in w._staging) != in_place
+    assert _no_leases_left(store)
     w.close()
 
 
@@ -110,7 +129,7 @@ def test_a_load_from_inside_a_chunk_keeps_the_blocks_before_it_and_the_buffer_gr
     computed the first): the worker's read buffer grows for the second, the block before the start
     keeps what it held, every other block gets the saved KV."""
     src = _fill_and_save(store.address)
-    w, backends = _worker(store.address)
+    w, backends = _worker(store.address, in_place=False)
     w.begin_step([])
     w.load([RequestOps("one", None, loads=_ops([4, 0], [0]))])
     small = w._staging[id(w.link)].numel()
@@ -133,8 +152,9 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     the step, layer 1 gathered at its end; wsum64 summed on the device, one DMA into pinned
     memory), a CPU worker loads them and reads what the device held, and another GPU worker loads
     them into other blocks, every layer before the forward and layer by layer (read into its pinned
-    buffer, each layer DMA'd and scattered on a transfer stream, its wsum64 summed there); a chunk
-    corrupted in the store is caught by that device sum and its blocks reported."""
+    buffer, or DMA'd straight from the node's registered arena under a lease; each layer scattered
+    on a transfer stream, its wsum64 summed there); a chunk corrupted in the store is caught by that
+    device sum and its blocks reported."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
 
@@ -171,7 +191,8 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     assert parse_header(link._client_or_none().get(KEYS[0])).check == CHECK_WSUM  # (summed on the device)
     link.close()
     w2, _, caches2 = gpu_worker()
-    for layerwise in (False, True):
+    for in_place, layerwise in ((False, False), (True, False), (True, True)):
+        w2.in_place = in_place
         for cache2 in caches2:
             cache2.zero_()
         w2.begin_step([])
@@ -183,8 +204,9 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
             assert torch.equal(cache[:6], cache2[dst])
         w2.end_step()
         assert w2.take_invalid_blocks() == set()
-    assert w2._staging[id(w2.link)].is_pinned()
-    assert w2.stats.num_layerwise_loads == 1 and w2.stats.num_loaded_chunks == 6
+    assert w2._staging[id(w2.link)].is_pinned()  # (the copied load's)
+    assert w2.link.shm_session(register_cuda=True) is not None  # (the arena registered: in place is DMA)
+    assert w2.stats.num_layerwise_loads == 1 and w2.stats.num_loaded_chunks == 9
     _corrupt(store.address, KEYS[2])  # (its header is good: the payload's wsum64 is checked on the device)
     w2.begin_step([])
     w2.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
@@ -307,15 +329,16 @@ def test_a_layerwise_load_writes_each_layer_before_the_forward_reaches_it(store)
     w.close()
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_two_requests_in_one_step_each_get_their_own_chunks_around_a_bad_one(store, layerwise):
+def test_two_requests_in_one_step_each_get_their_own_chunks_around_a_bad_one(store, layerwise, in_place):
     """One step loads two requests into one host buffer: the first's chunk 1 is corrupt (its
     chunks 1-2 are neither written nor kept: their slots stay empty), the second's one chunk lands
     after them. The first's failed blocks are reported and its saves this step dropped; the
     second's blocks and the first's chunk 0 hold the saved KV."""
     src = _fill_and_save(store.address)
     _corrupt(store.address, KEYS[1])
-    w, backends = _worker(store.address, blocks=10)
+    w, backends = _worker(store.address, blocks=10, in_place=in_place)
     a_blocks, b_blocks = [7, 2, 5, 1, 3, 6], [9, 4]
     reqs = [RequestOps("a", None, loads=_ops(a_blocks), saves=_ops([0, 8], [0])),
             RequestOps("b", None, loads=_ops(b_blocks, [0]))]
@@ -332,6 +355,7 @@ def test_two_requests_in_one_step_each_get_their_own_chunks_around_a_bad_one(sto
         assert torch.equal(b.cache[[5, 1, 3, 6]], old[[5, 1, 3, 6]])
     assert w.stats.num_loaded_chunks == 2 and w.stats.num_failed_chunks == 2
     assert w.stats.num_saved_chunks == 0 and w.stats.num_dropped_chunks == 1
+    assert _no_leases_left(store)
     w.close()
 
 
@@ -377,3 +401,86 @@ def test_chunks_written_with_the_device_check_load_on_the_cpu(store):
     w.load([RequestOps("r", None, loads=_ops(dst))])
     assert w.take_invalid_blocks() == {3, 6}
     w.close()
+
+
+def test_an_in_place_load_holds_its_lease_until_its_pages_are_written(store):
+    """The layer-wise landing reads the node's arena while the forward runs: the read lease is
+    held until every layer is written (the step's end), then ended."""
+    src = _fill_and_save(store.address)
+    w, backends = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+    assert _leases(store) == 1
+    w.wait_layer("layer.0")
+    assert _leases(store) == 1
+    w.wait_layer("layer.1")
+    w.end_step()
+    assert _leases(store) == 0 and w.take_invalid_blocks() == set()
+    for a, b in zip(src, backends):
+        assert _blocks_equal(a, b, list(range(6)), dst)
+    assert w._staging == {}  # (nothing was copied into the worker's buffer)
+    w.close()
+
+
+def test_a_lease_that_runs_out_before_its_pages_are_written_fails_the_load(tmp_path):
+    """A node whose read leases last 0.3 s and a landing that ends later (a forward that took
+    longer than the lease): the node may have reused the slots under the copies, so every block
+    of the request is reported failed (vLLM recomputes them), not trusted."""
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 << 20, lease_ttl_s=0.3)).start()
+    try:
+        _fill_and_save(node.address)
+        w, _ = _worker(node.address)
+        dst = [7, 2, 5, 1, 3, 6]
+        w.begin_step([])
+        w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+        time.sleep(1.0)
+        w.end_step()
+        assert w.take_invalid_blocks() == set(dst)
+        assert w.stats.num_loaded_chunks == 0
+        w.close()
+    finally:
+        node.stop(grace=0)
+
+
+def test_a_thousand_loads_leave_no_lease_buffer_or_thread_behind(store):
+    """Every load ends its leases and reuses its buffers, whichever way it went: in place and
+    copied, layer by layer and not, a chunk missing, a step whose forward never waited."""
+    _fill_and_save(store.address)
+    w, _ = _worker(store.address)
+    dst = [7, 2, 5, 1, 3, 6]
+    missing = ChunkOp(2, (b"\x01" * 16,), (KEYS[1],), tuple(TOKENS[2 * C:3 * C]), tuple(dst[4:]))
+    threads = threading.active_count()
+    for i in range(1000):
+        w.in_place = i % 4 != 3
+        ops = _ops(dst) if i % 5 else (*_ops(dst, range(2)), missing)
+        w.begin_step([])
+        w.load([RequestOps("r", None, loads=ops)], layerwise=i % 2 == 0)
+        if i % 3:
+            for layer in range(LAYERS):
+                w.wait_layer(f"layer.{layer}")
+        w.end_step()
+        assert w.take_invalid_blocks() == (set() if i % 5 else {3, 6}), i
+    assert _no_leases_left(store)
+    assert w.stats.num_loaded_chunks == 800 * 3 + 200 * 2 and w.stats.num_failed_chunks == 200
+    assert [b.numel() for b in w._staging.values()] == [w.link.staging_bytes(3, torch.float32, w.chunk_shape)]
+    assert threading.active_count() <= threads + 1  # (the lander, made once)
+    w.close()
+
+
+def test_chunks_side_by_side_are_written_from_one_strided_view():
+    """The CPU landing writes each run of chunks that sit at one distance from each other (a host
+    buffer's slots, chunks the node stored side by side) from one strided view; a chunk elsewhere
+    starts a new run. Every view reads back its chunks."""
+    from kvstore.integrations.vllm_worker import _strided_runs
+
+    buf = torch.arange(40, dtype=torch.float32)
+    other = torch.arange(100, 104, dtype=torch.float32)
+    payloads = [buf[0:4].view(2, 2), buf[6:10].view(2, 2), buf[12:16].view(2, 2),  # every 6 elements
+                buf[20:24].view(2, 2), buf[28:32].view(2, 2),  # every 8 from the last
+                other.view(2, 2)]  # another buffer
+    runs = _strided_runs(payloads)
+    assert [(i, v.shape[0]) for i, v in runs] == [(0, 3), (3, 2), (5, 1)]
+    for i, view in runs:
+        for k in range(view.shape[0]):
+            assert torch.equal(view[k], payloads[i + k])
