@@ -450,8 +450,10 @@ def test_a_thousand_loads_leave_no_lease_buffer_or_thread_behind(store):
     w, _ = _worker(store.address)
     dst = [7, 2, 5, 1, 3, 6]
     missing = ChunkOp(2, (b"\x01" * 16,), (KEYS[1],), tuple(TOKENS[2 * C:3 * C]), tuple(dst[4:]))
-    threads = threading.active_count()
+    threads = 0
     for i in range(1000):
+        if i == 20:  # (every kind of load made once: the lander, the client's channels are there)
+            threads = threading.active_count()
         w.in_place = i % 4 != 3
         ops = _ops(dst) if i % 5 else (*_ops(dst, range(2)), missing)
         w.begin_step([])
@@ -464,7 +466,7 @@ def test_a_thousand_loads_leave_no_lease_buffer_or_thread_behind(store):
     assert _no_leases_left(store)
     assert w.stats.num_loaded_chunks == 800 * 3 + 200 * 2 and w.stats.num_failed_chunks == 200
     assert [b.numel() for b in w._staging.values()] == [w.link.staging_bytes(3, torch.float32, w.chunk_shape)]
-    assert threading.active_count() <= threads + 1  # (the lander, made once)
+    assert threading.active_count() <= threads
     w.close()
 
 
