@@ -308,6 +308,18 @@ def release_leases(leases: Sequence[_Lease]) -> set[int]:
 
 
 @dataclass
+class _SaveBatch:
+    """One step's chunks, for the saver thread."""
+
+    items: list
+    """``(index in the step, key, payload, namespace, parent, tokens)`` per chunk."""
+    ready: Any = None
+    """GPU: recorded behind the step's DMA to ``payload``'s host memory (None: already there)."""
+    hashes: torch.Tensor | None = None
+    """GPU: ``[step's chunks]`` wsum64 of each, in pinned memory, valid once ``ready``."""
+
+
+@dataclass
 class _StepSaves:
     chunks: list[tuple[str, ChunkOp, ChunkKey, ChunkKey, Namespace]]
     """(request, op, key, parent, namespace) of each chunk this step saves."""
@@ -710,8 +722,10 @@ class WorkerSide:
     def end_step(self) -> None:
         """Completes this step's loads, then its chunks to save (layers not handed over during the
         step are gathered now), and queues them for the saver thread, which encodes and stores
-        them. On a GPU each chunk's wsum64 is summed there before the one DMA to the host, and
-        the chunk is written with that check (the saver thread hashes nothing)."""
+        them. On a GPU each chunk's wsum64 is summed there and the chunks reach pinned host memory
+        in one DMA, both queued on the compute stream behind the step: the saver thread waits for
+        them (an event), vLLM's thread does not, and the chunk is written with that check (the
+        saver thread hashes nothing)."""
         self.finish_loads()
         if not self._saves:
             return
@@ -724,12 +738,14 @@ class WorkerSide:
             if layer not in step.layers_done:
                 gather_chunks(cache, layout, step.ids, step.device[:, layer], scratch)
         n = len(step.chunks)
-        hashes: list[int | None] = [None] * n
+        batch = _SaveBatch([])
         if step.device is not step.host:
             words = step.device[0].numel() * step.device.element_size() // 8
-            sums = wsum64_rows(step.device, 0, words)
+            batch.hashes = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            batch.hashes.copy_(wsum64_rows(step.device, 0, words), non_blocking=True)
             step.host.copy_(step.device, non_blocking=True)  # (one DMA into pinned memory)
-            hashes = [h & _U64 for h in sums.tolist()]  # (waits for the step, the gathers and the DMA)
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
         keep = [i for i, (req_id, *_) in enumerate(step.chunks) if req_id not in self._failed_reqs]
         if len(keep) < n:
             # NOTE: a load this step's forward read failed its check on the device (or could not be
@@ -738,9 +754,10 @@ class WorkerSide:
                 self.stats.num_dropped_chunks += n - len(keep)
         if not keep:
             return
+        batch.items = [(i, key, step.host[i], ns, parent, op.tokens)
+                       for i in keep for _, op, key, parent, ns in (step.chunks[i],)]
         self._ensure_saver()
-        self._queue.put([(key, step.host[i], ns, parent, op.tokens, hashes[i])
-                         for i in keep for _, op, key, parent, ns in (step.chunks[i],)])
+        self._queue.put(batch)
 
     def _ensure_saver(self) -> None:
         if self._saver is None:
@@ -754,18 +771,22 @@ class WorkerSide:
                 if batch is None:
                     return
                 try:
-                    encoded = [(key, encode_chunk(payload, ns, parent, tokens,
-                                                  CHECK_XXH3 if h is None else CHECK_WSUM, h))
-                               for key, payload, ns, parent, tokens, h in batch]
+                    hashes = None
+                    if batch.ready is not None:
+                        batch.ready.synchronize()  # (the step's gathers, sums and DMA have completed)
+                        hashes = [h & _U64 for h in batch.hashes.tolist()]
+                    encoded = [(key, encode_chunk(payload, ns, parent, tokens, CHECK_XXH3, None) if hashes is None
+                                else encode_chunk(payload, ns, parent, tokens, CHECK_WSUM, hashes[i]))
+                               for i, key, payload, ns, parent, tokens in batch.items]
                 except Exception:  # noqa: BLE001
                     # NOTE: a chunk that cannot be encoded is a lost save, never a dead saver thread
                     # (the queue would fill and block the forward).
-                    log.exception("crescent: encoding %d chunks failed; not saving them", len(batch))
+                    log.exception("crescent: encoding %d chunks failed; not saving them", len(batch.items))
                     encoded = []
                 stored = self.save_link.save(encoded)
                 with self._lock:
                     self.stats.num_saved_chunks += stored
-                    self.stats.num_dropped_chunks += len(batch) - stored
+                    self.stats.num_dropped_chunks += len(batch.items) - stored
             finally:
                 self._queue.task_done()
 
