@@ -60,6 +60,8 @@ class WorkerStats:
     num_saved_chunks: int = 0
     num_dropped_chunks: int = 0
     """Chunks that could not be stored (store away or full) or were skipped after a failed load."""
+    num_in_place_chunks: int = 0
+    """Loaded chunks read where a node on this host keeps them, under a lease (not copied first)."""
     num_layerwise_loads: int = 0
     """Steps whose loads were written a layer at a time beside the forward, every layer's attention
     waiting for its own layer only."""
@@ -575,6 +577,8 @@ class WorkerSide:
                 return False
             payloads.append(payload.view(self.dtype).view(self._shape))
             expect.append(hdr.payload_hash if deferred else None)
+            with self._lock:
+                self.stats.num_in_place_chunks += 1
         return False
 
     def _account(self, r: RequestOps, num_good: int, failed: set[int]) -> None:

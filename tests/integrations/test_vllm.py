@@ -155,8 +155,10 @@ def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(run
     good = sum(_loadable(len(o["prompt_token_ids"])) for i, o in enumerate(outs) if i not in (CORRUPT, NEW_TENANT))
     assert stats["num_loaded_tokens"] == good + CHUNK  # the corrupt request still loads its chunk 0
     assert stats["num_failed_chunks"] == 2 and stats["num_failed_tokens"] == 2 * CHUNK  # its chunks 1 and 2
-    # its loads were written layer by layer beside the forward, each attention layer waiting for its own
+    # its loads were written layer by layer beside the forward, each attention layer waiting for its own,
+    # from the node's arena (a node on this host: leased and read in place, not copied first)
     assert stats["num_layerwise_loads"] >= 1
+    assert stats["num_in_place_chunks"] == stats["num_loaded_chunks"]
     # Recomputed chunks 1-2 of the corrupt request and the new tenant's three (two of its prompt, one its
     # answer completes) were saved; the other answers' chunks were looked up and found (process 1's)
     assert stats["num_saved_chunks"] == 5

@@ -120,6 +120,7 @@ def test_chunks_saved_from_one_worker_load_into_another_workers_blocks(store, lo
         assert _blocks_equal(a, b, list(range(6)), dst)
     assert w.stats.num_loaded_chunks == 3 and w.stats.num_loaded_tokens == 3 * C
     assert (id(w.link) in w._staging or id(w.load_link) in w._staging) != in_place
+    assert w.stats.num_in_place_chunks == (3 if in_place else 0)
     assert _no_leases_left(store)
     w.close()
 
