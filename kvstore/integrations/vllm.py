@@ -107,7 +107,7 @@ class CrescentConnectorConfig:
     the compute stream waiting on an event per layer; on a CPU: a lander thread). ``off``: every
     layer before the forward. ``auto``: on with the caches on a GPU (the copy engine and a side
     stream cost the forward little), off on a CPU (the lander shares the forward's cores: measured
-    1% sooner to a first token after 256 new tokens, 12% later after 32; docs/benchmarks.md). Steps
+    from 1% sooner to 6% later to a first token after 256 new tokens, 12% later after 32). Steps
     vLLM may replay as a full CUDA graph (no per-layer hook runs there) always wait for every layer."""
 
     def __post_init__(self) -> None:
