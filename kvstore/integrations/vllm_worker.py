@@ -458,7 +458,18 @@ class WorkerSide:
                 sync.append(r)
         if not sync:
             return
-        landing = self._fetch(sync, self.link, "step")
+        try:
+            landing = self._fetch(sync, self.link, "step")
+        except Exception:  # noqa: BLE001
+            # NOTE: a load that broke is a load that failed (vLLM recomputes it), never a failed step.
+            log.exception("crescent: loading %d requests failed", len(sync))
+            for r in sync:
+                failed = _written_blocks(r.loads)
+                self._account(r, 0, failed)
+                self._failed_reqs.add(r.req_id)
+                with self._lock:
+                    self._invalid_blocks |= failed
+            return
         # NOTE: a request with a chunk already known bad saves nothing this step (its forward reads
         # blocks vLLM will recompute); one whose GPU-side check fails is dropped in end_step.
         self._failed_reqs |= {r.req_id for r, payloads, _ in landing.fetched if len(payloads) < len(r.loads)}

@@ -487,3 +487,32 @@ def test_chunks_side_by_side_are_written_from_one_strided_view():
     for i, view in runs:
         for k in range(view.shape[0]):
             assert torch.equal(view[k], payloads[i + k])
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_a_load_that_breaks_before_it_lands_fails_its_requests_not_the_step(store, in_place):
+    """The namespace callback raises for one request's second chunk (a scope the connector cannot
+    key): the step's load reports every block of the step's requests failed, ends the leases it
+    took, and returns; the next step loads as usual."""
+    src = _fill_and_save(store.address)
+    w, backends = _worker(store.address, blocks=10, in_place=in_place)
+
+    def namespace_for(scope, index):
+        if scope == "bad" and index == 1:
+            raise ValueError("no namespace for this scope")
+        return NS
+
+    w.namespace_for = namespace_for
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    w.load([RequestOps("good", None, loads=_ops(dst, [0])),
+            RequestOps("bad", "bad", loads=_ops([0, 4, 8, 9], [0, 1]))])
+    w.end_step()
+    assert w.take_invalid_blocks() == {7, 2, 0, 4, 8, 9}
+    assert _no_leases_left(store)
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))])
+    assert w.take_invalid_blocks() == set()
+    for a, b in zip(src, backends):
+        assert _blocks_equal(a, b, list(range(6)), dst)
+    w.close()
