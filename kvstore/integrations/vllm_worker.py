@@ -440,9 +440,9 @@ class WorkerSide:
     def load(self, requests: Sequence[RequestOps], layerwise: bool = False) -> None:
         """Starts this step's synchronous loads; queues the asynchronous ones for the loader thread.
 
-        The synchronous chunks are read into one host buffer and verified (headers and keys, and
-        xxh3 payloads; a wsum64 payload, with the caches on a GPU, is summed there as it lands and
-        checked by ``finish_loads``). With ``layerwise`` their pages are written a layer at a time
+        The synchronous chunks are leased where a same-host node keeps them, or read into one host
+        buffer, and verified (headers and keys, and xxh3 payloads; a wsum64 payload, with the
+        caches on a GPU, is summed there as it lands and checked by ``finish_loads``). With ``layerwise`` their pages are written a layer at a time
         beside the forward (``wait_layer`` before each layer's attention), else every layer before
         this returns (on a GPU: the compute stream waits for the copies, the host does not).
         """
