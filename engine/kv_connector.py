@@ -36,9 +36,9 @@ from kvstore.chunk import (CHECK_WSUM, CHECK_XXH3, WSUM_K, check_payload, encode
 from kvstore.client import StoreClient
 from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, make_namespace
-from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
-from kvstore.transport.memcopy import buffer_address, local_buffer, plan, slice_extents
-from kvstore.transport.session import LAYERED_AHEAD, safe_end
+from kvstore.transport.descriptors import ItemStatus, Mover
+from kvstore.transport.memcopy import buffer_address
+from kvstore.transport.session import LAYERED_AHEAD, leased_head, safe_end
 
 log = logging.getLogger(__name__)
 
@@ -647,7 +647,7 @@ class StoreConnector:
                 if view is None:  # the node restarted between grant and read
                     return False
                 stop = False
-                for step in self._leased_chunks(view, g, start, view.slot_bytes):
+                for step in self._leased_chunks(view, g, start):
                     hdr = None if step is None else verify(*step)
                     if hdr is None:
                         stop = True
@@ -664,7 +664,7 @@ class StoreConnector:
             which, switched_at = 1 - which, len(p.held)  # held by the other tier: ask it from here on
         return False
 
-    def _leased_chunks(self, mover, g, start: int, slot_bytes: int):
+    def _leased_chunks(self, mover, g, start: int):
         """``(chunk index, header, payload, size)`` of each chunk ``g`` leased, in order: the
         header copied out, the payload a view of the leased slots; None at the first miss (or
         a value no chunk of ours)."""
@@ -673,12 +673,7 @@ class StoreConnector:
             if d.status is not ItemStatus.OK or d.size != self.chunk_bytes:
                 yield None
                 return
-            ext = value_extents(d.slots, d.size, slot_bytes)
-            head = bytearray(H)
-            addr, _, ka = local_buffer(head)
-            mover.read(plan([(addr, H)], slice_extents(ext, 0, H)))
-            del ka
-            pext = slice_extents(ext, H, self.payload_bytes)
+            head, pext = leased_head(mover, d, H)
             payload = mover.tensor(*pext[0]) if len(pext) == 1 else self._gather_extents(mover, pext)
             yield start + j, memoryview(head), payload, d.size
 

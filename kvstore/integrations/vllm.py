@@ -147,8 +147,8 @@ class CrescentConnectorMetadata(KVConnectorMetadata):
 
     requests: list[RequestOps]
     layerwise: bool = False
-    """The workers write this step's loads layer by layer beside the forward (every attention
-    layer of the step calls ``wait_for_layer_load``)."""
+    """The workers may write this step's loads layer by layer beside the forward (every attention
+    layer of the step calls ``wait_for_layer_load``); ``load_layerwise`` says whether they do."""
 
 
 def _log_through_vllm() -> None:
@@ -384,9 +384,8 @@ class CrescentConnector(KVConnectorBase_V1):
                                    request.all_token_ids if request is not None else None)
             if op is not None:
                 ops.append(op)
-        layerwise = self.config.load_layerwise != "off" and \
-            layerwise_step(self._full_graphs, self._decode_query_len, num_scheduled)
-        return CrescentConnectorMetadata(ops, layerwise)
+        return CrescentConnectorMetadata(ops, layerwise_step(self._full_graphs, self._decode_query_len,
+                                                             num_scheduled))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._planner is not None and connector_output.invalid_block_ids:
@@ -456,9 +455,8 @@ class CrescentConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CrescentConnectorMetadata) and self._worker is not None
-        worker = self._worker
-        layerwise = meta.layerwise and (self.config.load_layerwise == "on" or worker.on_gpu)
-        worker.load(meta.requests, layerwise=layerwise)
+        mode, worker = self.config.load_layerwise, self._worker
+        worker.load(meta.requests, layerwise=meta.layerwise and (mode == "on" or mode == "auto" and worker.on_gpu))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # NOTE: asynchronous loads go to requests this step does not run; only the step's own wait.

@@ -40,9 +40,8 @@ from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunk
 from kvstore.integrations.storelink import ChunkRef, StoreLink
 from kvstore.integrations.vllm_plan import ChunkOp, RequestOps, Scope
 from kvstore.keys import ChunkKey, Namespace, chunk_key
-from kvstore.transport.descriptors import ItemStatus, Mover, value_extents
-from kvstore.transport.memcopy import local_buffer, plan, slice_extents
-from kvstore.transport.session import safe_end
+from kvstore.transport.descriptors import ItemStatus, Mover
+from kvstore.transport.session import leased_head, safe_end
 
 log = logging.getLogger("crescent.integrations")
 
@@ -129,7 +128,7 @@ class _Landing:
 
     def __init__(self, w: WorkerSide, fetched: list[tuple[RequestOps, list[torch.Tensor], list[int | None]]],
                  leases: list[_Lease], who: str) -> None:
-        self.w, self.fetched, self.leases, self.who = w, fetched, leases, who
+        self.w, self.fetched, self.leases = w, fetched, leases
         cache0 = w._kv[0][0]
         self.cuda = cache0.is_cuda
         self.num_layers = len(w._kv)
@@ -258,11 +257,8 @@ class _Landing:
                 sums = self.sums.tolist() if self.sums is not None else None
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
-        else:
-            if self._future is not None:
-                self._future.result()
-            elif self.queued < self.num_layers:
-                self._run()
+        elif self._future is not None:  # (land_all wrote them on the caller's thread)
+            self._future.result()
         if self.layerwise and self.error is None and len(self.waited) == self.num_layers:
             with self.w._lock:
                 self.w.stats.num_layerwise_loads += 1
@@ -442,9 +438,10 @@ class WorkerSide:
 
         The synchronous chunks are leased where a same-host node keeps them, or read into one host
         buffer, and verified (headers and keys, and xxh3 payloads; a wsum64 payload, with the
-        caches on a GPU, is summed there as it lands and checked by ``finish_loads``). With ``layerwise`` their pages are written a layer at a time
-        beside the forward (``wait_layer`` before each layer's attention), else every layer before
-        this returns (on a GPU: the compute stream waits for the copies, the host does not).
+        caches on a GPU, is summed there as it lands and checked by ``finish_loads``). With
+        ``layerwise`` their pages are written a layer at a time beside the forward (``wait_layer``
+        before each layer's attention), else every layer before this returns (on a GPU: the
+        compute stream waits for the copies, the host does not).
         """
         self.finish_loads()
         sync = []
@@ -565,15 +562,11 @@ class WorkerSide:
                 return False  # (a value no chunk of this model)
             if view is None:
                 return True
-            ext = value_extents(d.slots, d.size, view.slot_bytes)
-            head = bytearray(head_bytes)
-            addr, _, keep = local_buffer(head)
-            view.read(plan([(addr, head_bytes)], slice_extents(ext, 0, head_bytes)))
-            del keep
+            head, pext = leased_head(view, d, head_bytes)
             try:
+                # (the header's checks make the rest exactly the payload)
                 hdr = verify_header(head, d.size, key=ref.key, namespace=ref.namespace, parent=ref.parent,
                                     tokens=ref.tokens, dtype=self.dtype, shape=self._shape)
-                pext = slice_extents(ext, hdr.payload_offset, hdr.payload_bytes)
                 if len(pext) == 1:
                     payload = view.tensor(*pext[0])
                 else:  # (slots not in one run, rare: one copy, where a DMA can read it)

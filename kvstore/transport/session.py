@@ -999,6 +999,18 @@ def _filler(mover, ext, read: bool):
     return fill
 
 
+def leased_head(view, desc: SlotDescriptor, head_bytes: int) -> tuple[bytearray, list[tuple[int, int]]]:
+    """A value leased in place (``in_place``'s ``view``): its first ``head_bytes`` copied out of
+    the arena, and the arena runs ``(offset, length)`` of the rest (read where they are, e.g.
+    ``view.tensor(*runs[0])`` when they are one run)."""
+    ext = value_extents(desc.slots, desc.size, view.slot_bytes)
+    head = bytearray(head_bytes)
+    addr, _, keep = local_buffer(head)
+    view.read(plan([(addr, head_bytes)], slice_extents(ext, 0, head_bytes)))
+    del keep
+    return head, slice_extents(ext, head_bytes, desc.size - head_bytes)
+
+
 LEASE_MARGIN = 0.01
 """Share of a lease's TTL that a reader leaves unused (clock-rate drift between hosts)."""
 
