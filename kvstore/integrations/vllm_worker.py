@@ -15,9 +15,12 @@ requests vLLM holds back until ``get_finished`` reports them, their load
 errors reported no later than that.
 
 Saves gather a chunk's blocks layer by layer as vLLM finishes each layer
-(``save_layer``), then ``end_step`` encodes the chunks and hands them to a
-background thread that puts them. The gathered copies no longer reference
-vLLM's blocks, so vLLM may free or reuse the blocks as soon as the step ends.
+(``save_layer``) into a buffer of the step's (a reused host buffer on a CPU,
+device memory on a GPU), then ``end_step`` hands them to a background thread
+that encodes and puts them (from a GPU: a DMA straight into the slots it
+reserved in a same-host node's registered arena). The gathered copies no
+longer reference vLLM's blocks, so vLLM may free or reuse the blocks as soon
+as the step ends.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class WorkerStats:
     num_layerwise_loads: int = 0
     """Steps whose loads were written a layer at a time beside the forward, every layer's attention
     waiting for its own layer only."""
+    num_device_saved_chunks: int = 0
+    """Saved chunks a GPU worker wrote from device memory straight into the registered arena of a
+    node on this host (one DMA each, no host copy: a zero-copy put)."""
 
 
 def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
@@ -305,30 +311,66 @@ def release_leases(leases: Sequence[_Lease]) -> set[int]:
     return expired
 
 
+class _HostBuffers:
+    """Host buffers a CPU worker gathers a step's saves into, reused from step to step (given back
+    by the saver thread once their chunks are stored): a fresh buffer costs vLLM's thread a page
+    fault per 4 KiB on first touch (128 MiB here: 36 ms to fill fresh, 8 ms warm)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        """Free buffers kept (the largest); any more are freed."""
+        self._lock = threading.Lock()
+        self.num_allocated = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements (the smallest free one that fits)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            self.num_allocated += 1
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
 @dataclass
 class _SaveBatch:
     """One step's chunks, for the saver thread."""
 
     items: list
-    """``(index in the step, key, payload, namespace, parent, tokens)`` per chunk."""
+    """``(index in the step, key, namespace, parent, tokens)`` per chunk."""
+    gathered: torch.Tensor
+    """``[step's chunks, layers, 2, kv_heads, chunk_tokens, head_dim]``: their payloads, on the
+    caches' device."""
     ready: Any = None
-    """GPU: recorded behind the step's DMA to ``payload``'s host memory (None: already there)."""
+    """GPU: recorded behind the step's gathers and sums (None: the payloads are on the host)."""
     hashes: torch.Tensor | None = None
     """GPU: ``[step's chunks]`` wsum64 of each, in pinned memory, valid once ``ready``."""
+    buffer: torch.Tensor | None = None
+    """CPU: the pooled buffer ``gathered`` views, given back once the chunks are stored."""
 
 
 @dataclass
 class _StepSaves:
     chunks: list[tuple[str, ChunkOp, ChunkKey, ChunkKey, Namespace]]
     """(request, op, key, parent, namespace) of each chunk this step saves."""
-    host: torch.Tensor
-    """``[n, layers, 2, kv_heads, chunk_tokens, head_dim]``: what the saver thread encodes (pinned
-    when the caches are on a GPU)."""
-    device: torch.Tensor
-    """Where the layers are gathered: ``host`` itself, or on the caches' GPU (copied to ``host`` in
-    one DMA at the end of the step)."""
+    gathered: torch.Tensor
+    """``[n, layers, 2, kv_heads, chunk_tokens, head_dim]`` on the caches' device, where the layers
+    are gathered: a pooled host buffer (CPU) or device memory the saver thread writes from."""
     ids: torch.Tensor
     """Every chunk's blocks, in order (on the caches' device)."""
+    buffer: torch.Tensor | None = None
+    """CPU: the pooled buffer ``gathered`` views."""
     layers_done: set[int] = field(default_factory=set)
 
 
@@ -393,6 +435,11 @@ class WorkerSide:
         copy into the host buffer first); False: always copy."""
         self._lander: ThreadPoolExecutor | None = None
         """CPU: writes a layer-wise load's pages beside the forward."""
+        self._save_buffers = _HostBuffers()
+        """CPU: what a step's saves are gathered into."""
+        self._save_stream = None
+        """GPU: the saver thread's stream, for a step's copy into pinned memory when the node's
+        arena is not registered here (another host, no room, CUDA could not register it)."""
 
     # ---- setup ---------------------------------------------------------------
 
@@ -412,6 +459,8 @@ class WorkerSide:
             self._kv.append((t, layout))
         lay = self._kv[0][1]
         self._shape = (len(self._kv), 2, lay.heads, self.chunk_tokens, lay.head_dim)
+        if self.on_gpu:
+            self._ensure_saver()  # (it registers the node's arena with CUDA now, not on the first save)
 
     @property
     def on_gpu(self) -> bool:
@@ -707,12 +756,16 @@ class WorkerSide:
                     continue
                 chunks.append((req_id, op, key, parent, ns))
             cache0 = self._kv[0][0]
-            n = len(chunks)
-            host = torch.empty((n, *self._shape), dtype=self.dtype, pin_memory=cache0.is_cuda)
-            device = torch.empty((n, *self._shape), dtype=self.dtype, device=cache0.device) if cache0.is_cuda else host
+            shape = (len(chunks), *self._shape)
             ids = torch.tensor([b for _, op, *_ in chunks for b in op.block_ids], dtype=torch.long,
                                device=cache0.device)
-            self._step = _StepSaves(chunks, host, device, ids)
+            if cache0.is_cuda or not chunks:
+                # NOTE: device memory (the caching allocator's), held until the saver thread wrote
+                # it: at most ``save_queue_steps`` steps wait (a GiB moves in ~20 ms at 55 GB/s).
+                self._step = _StepSaves(chunks, torch.empty(shape, dtype=self.dtype, device=cache0.device), ids)
+            else:
+                buf = self._save_buffers.take(int(np.prod(shape)), self.dtype)
+                self._step = _StepSaves(chunks, buf[:int(np.prod(shape))].view(shape), ids, buf)
         return self._step
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -723,17 +776,18 @@ class WorkerSide:
             return
         step = self._step_saves()
         if step.chunks:
-            gather_chunks(kv_layer, self._kv[layer][1], step.ids, step.device[:, layer],
+            gather_chunks(kv_layer, self._kv[layer][1], step.ids, step.gathered[:, layer],
                           self._scratch_for(step.ids.numel(), "save"))
             step.layers_done.add(layer)
 
     def end_step(self) -> None:
         """Completes this step's loads, then its chunks to save (layers not handed over during the
         step are gathered now), and queues them for the saver thread, which encodes and stores
-        them. On a GPU each chunk's wsum64 is summed there and the chunks reach pinned host memory
-        in one DMA, both queued on the compute stream behind the step: the saver thread waits for
-        them (an event), vLLM's thread does not, and the chunk is written with that check (the
-        saver thread hashes nothing)."""
+        them. On a GPU each chunk's wsum64 is summed there, queued on the compute stream behind
+        the step: the saver thread waits for it (an event), vLLM's thread does not, and writes the
+        chunks from device memory with that check (it hashes nothing): one DMA each straight into
+        the slots it reserved in a same-host node's arena (registered with CUDA: a zero-copy put),
+        else one DMA into pinned memory first."""
         self.finish_loads()
         if not self._saves:
             return
@@ -741,19 +795,7 @@ class WorkerSide:
         self._step, self._saves = None, []
         if not step.chunks:
             return
-        scratch = self._scratch_for(step.ids.numel(), "save")
-        for layer, (cache, layout) in enumerate(self._kv):
-            if layer not in step.layers_done:
-                gather_chunks(cache, layout, step.ids, step.device[:, layer], scratch)
         n = len(step.chunks)
-        batch = _SaveBatch([])
-        if step.device is not step.host:
-            words = step.device[0].numel() * step.device.element_size() // 8
-            batch.hashes = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            batch.hashes.copy_(wsum64_rows(step.device, 0, words), non_blocking=True)
-            step.host.copy_(step.device, non_blocking=True)  # (one DMA into pinned memory)
-            batch.ready = torch.cuda.Event()
-            batch.ready.record()
         keep = [i for i, (req_id, *_) in enumerate(step.chunks) if req_id not in self._failed_reqs]
         if len(keep) < n:
             # NOTE: a load this step's forward read failed its check on the device (or could not be
@@ -761,9 +803,21 @@ class WorkerSide:
             with self._lock:
                 self.stats.num_dropped_chunks += n - len(keep)
         if not keep:
+            if step.buffer is not None:
+                self._save_buffers.give(step.buffer)
             return
-        batch.items = [(i, key, step.host[i], ns, parent, op.tokens)
-                       for i in keep for _, op, key, parent, ns in (step.chunks[i],)]
+        scratch = self._scratch_for(step.ids.numel(), "save")
+        for layer, (cache, layout) in enumerate(self._kv):
+            if layer not in step.layers_done:
+                gather_chunks(cache, layout, step.ids, step.gathered[:, layer], scratch)
+        items = [(i, key, ns, parent, op.tokens) for i in keep for _, op, key, parent, ns in (step.chunks[i],)]
+        batch = _SaveBatch(items, step.gathered, buffer=step.buffer)
+        if step.gathered.is_cuda:
+            words = step.gathered[0].numel() * step.gathered.element_size() // 8
+            batch.hashes = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            batch.hashes.copy_(wsum64_rows(step.gathered, 0, words), non_blocking=True)
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
         self._ensure_saver()
         self._queue.put(batch)
 
@@ -773,19 +827,25 @@ class WorkerSide:
             self._saver.start()
 
     def _save_loop(self) -> None:
+        if self.on_gpu:
+            self.save_link.shm_session(register_cuda=True)  # (None where the node is elsewhere or away)
         while True:
             batch = self._queue.get()
             try:
                 if batch is None:
                     return
+                direct = False
                 try:
-                    hashes = None
+                    hashes, payloads = None, batch.gathered
                     if batch.ready is not None:
-                        batch.ready.synchronize()  # (the step's gathers, sums and DMA have completed)
+                        batch.ready.synchronize()  # (the step's gathers and sums have completed)
                         hashes = [h & _U64 for h in batch.hashes.tolist()]
-                    encoded = [(key, encode_chunk(payload, ns, parent, tokens, CHECK_XXH3, None) if hashes is None
-                                else encode_chunk(payload, ns, parent, tokens, CHECK_WSUM, hashes[i]))
-                               for i, key, payload, ns, parent, tokens in batch.items]
+                        direct = self.save_link.shm_session(register_cuda=True) is not None
+                        if not direct:
+                            payloads = self._to_pinned(payloads)
+                    encoded = [(key, encode_chunk(payloads[i], ns, parent, tokens, CHECK_XXH3, None) if hashes is None
+                                else encode_chunk(payloads[i], ns, parent, tokens, CHECK_WSUM, hashes[i]))
+                               for i, key, ns, parent, tokens in batch.items]
                 except Exception:  # noqa: BLE001
                     # NOTE: a chunk that cannot be encoded is a lost save, never a dead saver thread
                     # (the queue would fill and block the forward).
@@ -795,8 +855,23 @@ class WorkerSide:
                 with self._lock:
                     self.stats.num_saved_chunks += stored
                     self.stats.num_dropped_chunks += len(batch.items) - stored
+                    if direct:
+                        self.stats.num_device_saved_chunks += stored
             finally:
+                if batch is not None and batch.buffer is not None:
+                    self._save_buffers.give(batch.buffer)
                 self._queue.task_done()
+
+    def _to_pinned(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A step's chunks copied from the device into pinned memory (one DMA, on the saver's own
+        stream), for a node whose arena is not registered here."""
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(gathered.device)
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        with torch.cuda.stream(self._save_stream):
+            host.copy_(gathered, non_blocking=True)
+        self._save_stream.synchronize()
+        return host
 
     def flush(self) -> None:
         """Blocks until every queued chunk was stored or dropped."""

@@ -150,8 +150,9 @@ def test_a_load_from_inside_a_chunk_keeps_the_blocks_before_it_and_the_buffer_gr
 @pytest.mark.gpu
 def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     """Caches on a CUDA device: a worker saves three chunks from them (layer 0 handed over during
-    the step, layer 1 gathered at its end; wsum64 summed on the device, one DMA into pinned
-    memory), a CPU worker loads them and reads what the device held, and another GPU worker loads
+    the step, layer 1 gathered at its end; wsum64 summed on the device; the saver thread DMAs them
+    into the slots it reserved in the node's registered arena, then again through pinned memory as
+    for a node elsewhere), a CPU worker loads them and reads what the device held, and another GPU worker loads
     them into other blocks, every layer before the forward and layer by layer (read into its pinned
     buffer, or DMA'd straight from the node's registered arena under a lease; each layer scattered
     on a transfer stream, its wsum64 summed there); a chunk corrupted in the store is caught by that
@@ -179,6 +180,12 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
     w.end_step()
     w.flush()
     assert w.stats.num_saved_chunks == 3
+    assert w.stats.num_device_saved_chunks == 3  # (DMA'd from the device into the registered arena)
+    w.save_link._no_shm = True  # (as for a node on another host: one DMA into pinned memory first)
+    w.begin_step([RequestOps("r", None, saves=_ops(list(range(6))))])
+    w.end_step()
+    w.flush()
+    assert w.stats.num_saved_chunks == 6 and w.stats.num_device_saved_chunks == 3
     w.close()
     cpu, cpu_backends = _worker(store.address)
     dst = [7, 2, 5, 1, 3, 6]
@@ -515,4 +522,67 @@ def test_a_load_that_breaks_before_it_lands_fails_its_requests_not_the_step(stor
     assert w.take_invalid_blocks() == set()
     for a, b in zip(src, backends):
         assert _blocks_equal(a, b, list(range(6)), dst)
+    w.close()
+
+
+class _GatedLink(StoreLink):
+    """A real link whose saves wait until the test opens the gate (a saver thread running behind)."""
+
+    def __init__(self, config: StoreLinkConfig) -> None:
+        super().__init__(config)
+        self.gate = threading.Event()
+
+    def save(self, items):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().save(items)
+
+
+def test_save_buffers_are_reused_and_never_written_while_the_saver_still_holds_them(store):
+    """A CPU worker gathers each step's chunks into a pooled host buffer the saver thread gives back
+    once they are stored. Three steps queued behind a held-back saver get three buffers (none is
+    reused before its chunks are stored), each with what the cache held in its step; once stored,
+    later steps reuse the pool's buffers (one more for a larger step, then none)."""
+    config = StoreLinkConfig(store.address, 10.0, cooldown_s=0.0)
+    gated = _GatedLink(config)
+    w = WorkerSide(StoreLink(config), gated, lambda scope, index: NS, 0, C, BS, torch.float32)
+    backends = [Backend(8, torch.float32) for _ in range(LAYERS)]
+    w.register([(f"layer.{i}", be.cache, be.layout()) for i, be in enumerate(backends)])
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for s in range(3):
+        tokens = [1000 * (s + 1) + t for t in range(2 * C)]
+        keys = chunk_keys(tokens, NS, C)
+        for be in backends:  # (this step's KV: written into blocks 0-3, rewritten by the next step)
+            k, v = torch.randn(2, 2 * C, H, D, generator=g)
+            be.write(k, v, be.cache, torch.arange(2 * C))
+        steps.append((tokens, keys, [be.cache[:4].clone() for be in backends]))
+        per = C // BS
+        ops = tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
+                            tuple(range(j * per, (j + 1) * per))) for j in range(2))
+        w.begin_step([RequestOps(f"r{s}", None, saves=ops)])
+        if s == 0:
+            w.save_layer("layer.0", backends[0].cache)  # (layer 0 handed over during the step)
+        w.end_step()
+    assert w._save_buffers.num_allocated == 3 and w._save_buffers.num_free == 0
+    gated.gate.set()
+    w.flush()
+    assert w.stats.num_saved_chunks == 6 and w._save_buffers.num_free == 2  # (the largest kept)
+    reader, rb = _worker(store.address)
+    for s, (tokens, keys, pages) in enumerate(steps):
+        per = C // BS
+        ops = tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
+                            tuple(range(4 + j * per, 4 + (j + 1) * per))) for j in range(2))
+        reader.begin_step([])
+        reader.load([RequestOps("r", None, loads=ops)])
+        assert reader.take_invalid_blocks() == set(), s
+        for want, be in zip(pages, rb):
+            assert torch.equal(be.cache[4:8], want), f"step {s}"
+    reader.close()
+    for s in range(20):
+        ops = _ops(list(range(6)), range(2 if s % 2 else 3))
+        w.begin_step([RequestOps("again", None, saves=ops)])
+        w.end_step()
+        w.flush()
+    # (one buffer more, for the first three-chunk step: then the largest two serve every step)
+    assert w._save_buffers.num_allocated == 4 and w.stats.num_saved_chunks == 6 + 50
     w.close()
