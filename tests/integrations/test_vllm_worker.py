@@ -586,3 +586,47 @@ def test_save_buffers_are_reused_and_never_written_while_the_saver_still_holds_t
     # (one buffer more, for the first three-chunk step: then the largest two serve every step)
     assert w._save_buffers.num_allocated == 4 and w.stats.num_saved_chunks == 6 + 50
     w.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_a_node_killed_in_the_middle_of_a_layerwise_load(in_place):
+    """A store node process killed (SIGKILL) once the forward has its first layer: the step ends (no
+    hang, no exception), and every block it does not report failed holds the saved KV. So does the
+    next step's load, promptly: a lease the dead node cannot grant fails its blocks, and a copy read
+    where this client remembers the chunks (the killed node's arena file is still mapped here, its
+    generations unchanged: a one-sided read needs no call) lands the chunks it verifies."""
+    from tests.helpers import StoreProcess
+
+    proc = StoreProcess("--dram", "64MiB")
+    try:
+        src = _fill_and_save(proc.address)
+        w, backends = _worker(proc.address, in_place=in_place)
+        dst = [7, 2, 5, 1, 3, 6]
+        w.begin_step([])
+        w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+        w.wait_layer("layer.0")
+        proc.kill9()
+        for i in range(1, LAYERS):
+            w.wait_layer(f"layer.{i}")
+        w.end_step()
+
+        def only_good_blocks_kept() -> None:
+            failed = w.take_invalid_blocks()
+            assert failed <= set(dst)
+            good = [(s, d) for s, d in zip(range(6), dst) if d not in failed]
+            for a, b in zip(src, backends):
+                assert torch.equal(a.cache[[s for s, _ in good]], b.cache[[d for _, d in good]])
+
+        only_good_blocks_kept()
+        assert w.stats.num_in_place_chunks == (3 if in_place else 0)
+        for be in backends:
+            be.cache.zero_()
+        t0 = time.monotonic()
+        w.begin_step([])
+        w.load([RequestOps("r", None, loads=_ops(dst))], layerwise=True)
+        w.end_step()
+        only_good_blocks_kept()
+        assert time.monotonic() - t0 < 60  # (a dead node is a miss, never a wait for the call's deadline)
+        w.close()
+    finally:
+        proc.stop()
