@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--first-repeats", type=int, default=5, help="fresh workers timed on their first load, each way")
     ap.add_argument("--device", default="cpu", help="where the paged caches live (cuda: vLLM on a GPU)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
@@ -163,6 +164,26 @@ def main() -> None:
         for a, b in zip(src, dst):
             assert torch.equal(a[: n * m], b[: n * m]), "the loaded pages differ from the saved ones"
         w.close()
+        first = {}  # a fresh worker's first load (in place), with and without what warm_up makes at start
+        for i in range(2 * args.first_repeats):
+            warm = i % 2 == 1
+            fresh = WorkerSide(StoreLink(config), StoreLink(config), lambda s, i: ns, 0, C, BS, dtype)
+            fresh.register([(f"l{i}", c, layout) for i, c in enumerate(dst)])
+            if warm:
+                fresh.warm_up(args.tokens)
+            sync()
+            t0 = time.perf_counter()
+            fresh.begin_step([req])
+            fresh.load([req])
+            fresh.finish_loads()
+            sync()
+            first.setdefault(warm, []).append(time.perf_counter() - t0)
+            assert not fresh.take_invalid_blocks()
+            fresh.close()
+            print(f"  a fresh worker's first load ({'warm_up at start' if warm else 'nothing made at start'}): "
+                  f"{first[warm][-1] * 1e3:.1f} ms", flush=True)
+        times["a fresh worker's first load, in place: nothing made at start"] = first[False]
+        times["a fresh worker's first load, in place: after warm_up"] = first[True]
     finally:
         store.stop()
 
@@ -178,11 +199,12 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = plt.subplots(figsize=(11, 4))
     names = list(times)[::-1]
     ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
-            color=["#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#1f77b4", "#ff7f0e"])
-    ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats}")
+            color=["#8c564b", "#8c564b", "#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#1f77b4", "#ff7f0e"])
+    ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats} "
+                  f"(fresh workers: of {args.first_repeats})")
     ax.set_title(f"vLLM connector data path ({torch.cuda.get_device_name(dev) if cuda else 'CPU, 2 cores'})")
     fig.tight_layout()
     where = f"caches on {torch.cuda.get_device_name(dev)}" if cuda else "this host (2 cores)"
@@ -198,7 +220,10 @@ def main() -> None:
             f"pages{', the mapping registered with CUDA' if cuda else ''}), and in place layer by layer "
             f"(`layerwise`: "
             f"{'a transfer stream, the compute stream waiting on each layer' if cuda else 'the lander thread'}), "
-            f"timed until layer 0 is written (when a forward may start) and until every layer is. The loaded "
+            f"timed until layer 0 is written (when a forward may start) and until every layer is; last, "
+            f"{args.first_repeats} fresh workers' first loads (in place) each way: with nothing made at start, "
+            f"and after `warm_up` (the session open, the arena mapped"
+            f"{' and registered' if cuda else ''}, buffers made). The loaded "
             f"pages equal the saved ones. Baselines in the same run: the store read "
             f"alone into one buffer and {'a pinned host-to-device' if cuda else 'a memcpy'} copy of the same "
             f"bytes. Command: `.venv/bin/python bench/vllm_worker_load_bench.py{' --device cuda' if cuda else ''} "

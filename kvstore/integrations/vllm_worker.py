@@ -462,6 +462,26 @@ class WorkerSide:
         if self.on_gpu:
             self._ensure_saver()  # (it registers the node's arena with CUDA now, not on the first save)
 
+    def warm_up(self, step_tokens: int) -> None:
+        """Makes now, at start, what the first load and save would otherwise make on vLLM's thread:
+        the loads' store session (connected; a same-host node's arena mapped, and on a GPU
+        registered with CUDA), the lander thread (CPU) or transfer stream (GPU), and buffers for a
+        step of ``step_tokens`` tokens, their pages touched: a save's host buffer (CPU), the
+        device stage of a layer-wise load (GPU), and the read buffer of copied loads when the node
+        is not on this host. Larger steps grow them. A store that is down now is found by the first
+        load (a miss until it is back)."""
+        chunks = max(1, -(-step_tokens // self.chunk_tokens))
+        session = self.link.shm_session(register_cuda=self.on_gpu)  # (connects: also for copied loads)
+        if session is None or not self.in_place:  # (every load is read into this buffer)
+            self._staging_for(self.link, chunks).fill_(0)
+        if self.on_gpu:
+            self._stream_for("step")
+            self._stage_for(chunks, "step")
+            return
+        self._lander_pool().submit(torch.zeros(1 << 16).add_, 1).result()  # (its thread's first op)
+        numel = chunks * int(np.prod(self._shape))
+        self._save_buffers.give(self._save_buffers.take(numel, self.dtype).fill_(0))
+
     @property
     def on_gpu(self) -> bool:
         """The registered caches are on a CUDA device."""

@@ -167,6 +167,7 @@ def test_chunks_save_from_and_load_into_caches_on_the_gpu(store):
         caches = [be.cache.cuda() for be in backends]
         w.register([(f"layer.{i}", cache, dataclasses.replace(be.layout(), index=be.layout().index.cuda()))
                     for i, (be, cache) in enumerate(zip(backends, caches))])
+        w.warm_up(3 * C)  # (the arena registered, the transfer stream and device stage made now)
         return w, backends, caches
 
     w, backends, caches = gpu_worker()
@@ -630,3 +631,35 @@ def test_a_node_killed_in_the_middle_of_a_layerwise_load(in_place):
         w.close()
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_warm_up_makes_at_start_what_the_first_load_and_save_would(store, in_place):
+    """``warm_up`` (called by the connector once vLLM registered its caches): the store session is
+    open, the lander thread started, a save buffer for a step's tokens made (the first save
+    allocates nothing) and, where loads are copied, their read buffer (the first load grows
+    nothing). Against a stopped store it returns (the first load finds it)."""
+    _fill_and_save(store.address)
+    w, backends = _worker(store.address, in_place=in_place)
+    w.warm_up(3 * C)
+    assert w._lander is not None and w.link._client is not None
+    assert w._save_buffers.num_allocated == 1 and w._save_buffers.num_free == 1
+    staged = {k: v.data_ptr() for k, v in w._staging.items()}
+    assert bool(staged) != in_place
+    w.begin_step([RequestOps("r", None, saves=_ops(list(range(6))))])
+    w.end_step()
+    w.flush()
+    assert w.stats.num_saved_chunks == 3 and w._save_buffers.num_allocated == 1
+    dst = [7, 2, 5, 1, 3, 6]
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))])
+    assert w.take_invalid_blocks() == set()
+    assert {k: v.data_ptr() for k, v in w._staging.items()} == staged
+    w.close()
+    store.stop(grace=0)
+    w, _ = _worker(store.address, in_place=in_place)
+    w.warm_up(3 * C)
+    w.begin_step([])
+    w.load([RequestOps("r", None, loads=_ops(dst))])
+    assert w.take_invalid_blocks() == set(dst)
+    w.close()
