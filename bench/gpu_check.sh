@@ -64,8 +64,8 @@ step "pytest -m gpu (engine data path, CUDA graphs, CUDA movers, device tier, co
 TRITON_INTERPRET=0 timeout -s INT -k 15 $(lim 90) python3 -m pytest -q -p no:cacheprovider -m gpu tests \
   --continue-on-collection-errors -rfE --durations=10 --junitxml "$FIG/pytest_gpu.xml" 2>&1 | tail -40
 
-step "vLLM connector's worker path with its caches on this GPU: pinned read buffer, wsum64 on the device, every layer vs layer by layer on a transfer stream"
-timeout $(lim 30) python3 bench/vllm_worker_load_bench.py --device cuda --repeats 3 2>&1 | grep -v Warning | tail -11
+step "vLLM connector's worker path with its caches on this GPU: pinned read buffer, wsum64 on the device, every layer vs layer by layer on a transfer stream, saves DMA'd into the registered arena, a fresh worker's first load with and without warm_up"
+timeout $(lim 30) python3 bench/vllm_worker_load_bench.py --device cuda --repeats 3 --first-repeats 2 2>&1 | grep -v Warning | tail -18
 
 step "DRAM -> GPU with --land-direct: the landing kernel reads the registered arena in place (no DMA into a stage)"
 timeout $(lim 40) python3 bench/prefix_reuse_bench.py "${LLAMA8[@]}" --reps 1 --dram 4GiB --land-direct \
