@@ -178,6 +178,42 @@ class Placeholder:
             raise ValueError(f"placeholder offset must be >= 0 and length > 0, got {self.offset}, {self.length}")
 
 
+def embedding_placeholders(rows: np.ndarray, dtype: str, chunk_tokens: int,
+                           is_token: Sequence[bool] | None = None) -> tuple[Placeholder, ...]:
+    """A prompt given (wholly or in part) as embeddings, as placeholders a key can name: one per
+    chunk-sized piece of the prompt, whose identity is ``"prompt-embeds:"`` and the hex
+    ``xxh3_128(dtype ‖ ":" ‖ row bytes ‖ ":" ‖ the piece's rows' bytes [‖ one byte per position: 1
+    for a token id, 0 for an embedding])``, the last part only for a prompt that mixes token ids
+    and embeddings (some flag set). So a chunk's key names the rows its positions were given, as an image's names
+    its content hash: prompts whose embeddings share a prefix share its chunks, any other row (or
+    dtype) makes other keys.
+
+    Args:
+        rows: ``[positions, row bytes]`` uint8, the embeddings' bytes, one row per position.
+        dtype: their element type's name (e.g. ``bfloat16``).
+        chunk_tokens: positions per chunk.
+        is_token: per position, whether it is given as a token id (a mixed prompt), or None.
+    """
+    if rows.ndim != 2 or rows.dtype != np.uint8:
+        raise ValueError(f"rows must be [positions, row bytes] uint8, got {rows.dtype} {rows.shape}")
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if is_token is not None and len(is_token) != rows.shape[0]:
+        raise ValueError(f"{len(is_token)} is_token flags for {rows.shape[0]} positions")
+    if is_token is not None and not any(is_token):
+        is_token = None  # (every position an embedding: the same prompt as without flags)
+    rows = np.ascontiguousarray(rows)
+    out = []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        piece = rows[start:start + chunk_tokens]
+        h = xxhash.xxh3_128(f"{dtype}:{rows.shape[1]}:".encode())
+        h.update(piece.data)
+        if is_token is not None:
+            h.update(bytes(bool(t) for t in is_token[start:start + piece.shape[0]]))
+        out.append(Placeholder(f"prompt-embeds:{h.hexdigest()}", start, piece.shape[0]))
+    return tuple(out)
+
+
 def placeholder_extras(placeholders: Sequence[Placeholder], chunk_tokens: int,
                        num_chunks: int) -> list[bytes | None]:
     """Per chunk ``i`` (tokens ``[i*C, (i+1)*C)``), the bytes that name the placeholders it

@@ -9,7 +9,7 @@ import pytest
 import xxhash
 
 from kvstore.keys import (ROOT_KEY, ModelFingerprint, Placeholder, chunk_key, chunk_keys, chunk_namespace,
-                          make_namespace, placeholder_extras)
+                          embedding_placeholders, make_namespace, placeholder_extras)
 
 LLAMA = ModelFingerprint("llama-3-8b", "bfloat16", 32, 8, 128, 256)
 TINY = ModelFingerprint("tiny", "float32", 2, 2, 64, 4)
@@ -95,6 +95,37 @@ def test_placeholders_name_content_place_and_length():
     assert placeholder_extras([Placeholder("x", 30, 10)], 4, 2) == [None, None]  # past the chunks asked for
     with pytest.raises(ValueError, match="placeholder"):
         Placeholder("x", 0, 0)
+
+
+def test_prompt_embeddings_name_each_chunks_rows():
+    """A prompt given as embeddings (its token ids all 0): each chunk-sized piece is a placeholder
+    named by its rows' bytes, dtype and width (docs/keys.md), so prompts whose rows share a prefix
+    share those chunks' keys and nothing else does."""
+    ns, zeros = make_namespace(TINY), [0] * 10
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (10, 8), dtype=np.uint8)
+
+    def keys(rows, dtype="bfloat16", is_token=None):
+        marks = embedding_placeholders(rows, dtype, 4, is_token)
+        return chunk_keys(zeros, ns, 4, placeholder_extras(marks, 4, 2))
+
+    marks = embedding_placeholders(a, "bfloat16", 4)
+    assert [(p.offset, p.length) for p in marks] == [(0, 4), (4, 4), (8, 2)]
+    digest = xxhash.xxh3_128(b"bfloat16:8:" + a[4:8].tobytes()).hexdigest()  # (from docs/keys.md)
+    assert marks[1].identity == f"prompt-embeds:{digest}"
+    b = a.copy()
+    b[5, 3] ^= 1  # one byte of chunk 1
+    assert keys(b)[0] == keys(a)[0] and keys(b)[1] != keys(a)[1]
+    assert keys(a) != chunk_keys(zeros, ns, 4)  # (the ids alone name no rows)
+    assert keys(a, "float16") != keys(a)  # the same bytes as another dtype
+    assert keys(a.reshape(10, 2, 4)[:, 0].copy()) != keys(a)  # (narrower rows: other bytes)
+    mixed = [True] * 2 + [False] * 8
+    assert keys(a, is_token=mixed)[0] != keys(a)[0] and keys(a, is_token=mixed)[1] != keys(a)[1]
+    assert keys(a, is_token=[False] * 10) == keys(a)  # (no position given as a token: no flags)
+    with pytest.raises(ValueError, match="rows must be"):
+        embedding_placeholders(a.astype(np.int16), "bfloat16", 4)
+    with pytest.raises(ValueError, match="is_token"):
+        embedding_placeholders(a, "bfloat16", 4, [True])
 
 
 def test_deterministic_across_processes():

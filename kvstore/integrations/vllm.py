@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from kvstore.integrations.storelink import StoreLink, StoreLinkConfig
 from kvstore.integrations.vllm_plan import ChunkPlanner, RequestOps, layerwise_step
 from kvstore.integrations.vllm_worker import WorkerSide, WorkerStats
 from kvstore.keys import (ChunkKey, ModelFingerprint, Namespace, Placeholder, chunk_keys, chunk_namespace,
-                          make_namespace, placeholder_extras)
+                          embedding_placeholders, make_namespace, placeholder_extras)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -168,10 +169,18 @@ def _keyable(feature) -> bool:
 
 
 def _eligible(request: Request) -> bool:
-    """Requests whose KV follows from their tokens, adapter and multimodal items' content hashes
-    (prompt embeddings change it beyond what a key can name)."""
-    return (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+    """Requests whose KV follows from their tokens, adapter, multimodal items' content hashes and
+    prompt embeddings (all of which their keys name)."""
+    return ((request.prompt_token_ids is not None or getattr(request, "prompt_embeds", None) is not None)
             and all(_keyable(f) for f in request.mm_features or ()))
+
+
+def _prompt_ids(request: Request) -> Sequence[int]:
+    """The prompt's token ids as the request's token list holds them (``all_token_ids``, which the
+    saves of generated chunks extend): a position given as an embedding holds 0."""
+    if getattr(request, "prompt_embeds", None) is None:
+        return request.prompt_token_ids or ()
+    return request.all_token_ids[:request.num_prompt_tokens]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,15 +194,24 @@ class RequestScope:
     apart): another model."""
     placeholders: tuple[Placeholder, ...] = ()
     """The request's multimodal items (vLLM's ``mm_features``): each one's content hash
-    (``identifier``, which vLLM's prefix cache uses too) and its placeholder tokens. The chunks
-    they overlap are keyed under ``keys.chunk_namespace`` of that (docs/keys.md)."""
+    (``identifier``, which vLLM's prefix cache uses too) and its placeholder tokens; and the
+    chunk-sized pieces of a prompt given as embeddings, each named by its rows
+    (``keys.embedding_placeholders``). The chunks they overlap are keyed under
+    ``keys.chunk_namespace`` of that (docs/keys.md)."""
 
 
-def _scope(request: Request) -> RequestScope:
+def _request_scope(request: Request, chunk_tokens: int) -> RequestScope:
     lora = request.lora_request
+    placeholders = tuple(Placeholder(f.identifier, f.mm_position.offset, f.mm_position.length)
+                         for f in request.mm_features or () if _keyable(f))
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        rows = embeds.detach().to("cpu").contiguous()
+        dtype = str(rows.dtype).removeprefix("torch.")
+        placeholders += embedding_placeholders(rows.view(torch.uint8).numpy(), dtype, chunk_tokens,
+                                               getattr(request, "prompt_is_token_ids", None))
     return RequestScope(request.cache_salt, None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
-                        tuple(Placeholder(f.identifier, f.mm_position.offset, f.mm_position.length)
-                              for f in request.mm_features or () if _keyable(f)))
+                        placeholders)
 
 
 def _sliding_window(kv_cache_config: KVCacheConfig | None) -> int | None:
@@ -280,6 +298,8 @@ class CrescentConnector(KVConnectorBase_V1):
         """Scheduler side: requests given an asynchronous load, not yet sent to the workers -> blocks."""
         self._async_inflight: set[str] = set()
         """Scheduler side: requests whose asynchronous load the workers have not reported done."""
+        self._embeds_scopes: dict[str, RequestScope] = {}
+        """Scheduler side: the scopes of requests with prompt embeddings (their rows hashed once)."""
         if role == KVConnectorRole.SCHEDULER:
             # NOTE: kv_role narrows the config: a kv_producer only saves, a kv_consumer only loads.
             self._planner = ChunkPlanner(c, self.block_size, self._keys_for,
@@ -338,12 +358,12 @@ class CrescentConnector(KVConnectorBase_V1):
         assert planner is not None
         if not planner.load or not _eligible(request):
             return 0, False
-        tokens = request.prompt_token_ids
+        tokens = _prompt_ids(request)
         n = planner.num_loadable_chunks(len(tokens))
         if n * self.chunk_tokens <= num_computed_tokens:
             return 0, False
         num_hit = n
-        for rank_keys in planner.keys(request.request_id, tokens, _scope(request)):
+        for rank_keys in planner.keys(request.request_id, tokens, self._scope(request)):
             num_hit = min(num_hit, self._link.lookup(rank_keys[:num_hit]))
             if num_hit == 0:
                 break
@@ -352,12 +372,20 @@ class CrescentConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.on_alloc(request.request_id, request.prompt_token_ids or (), _scope(request),
+        self._planner.on_alloc(request.request_id, _prompt_ids(request), self._scope(request),
                                _eligible(request), num_external_tokens)
         if self.config.load_async and num_external_tokens > 0:
             self._async_new[request.request_id] = list(blocks.get_block_ids()[0])
         if self._planner.save_decode:
             self._requests[request.request_id] = request
+
+    def _scope(self, request: Request) -> RequestScope:
+        if getattr(request, "prompt_embeds", None) is None:
+            return _request_scope(request, self.chunk_tokens)
+        scope = self._embeds_scopes.get(request.request_id)
+        if scope is None:
+            scope = self._embeds_scopes[request.request_id] = _request_scope(request, self.chunk_tokens)
+        return scope
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         planner = self._planner
@@ -399,6 +427,7 @@ class CrescentConnector(KVConnectorBase_V1):
             self._planner.on_finished(request.request_id)
             self._requests.pop(request.request_id, None)
             self._async_new.pop(request.request_id, None)
+            self._embeds_scopes.pop(request.request_id, None)
         return request.request_id in self._async_inflight, None
 
     @property

@@ -255,6 +255,45 @@ def test_lora_requests_reuse_their_adapters_chunks_and_the_base_model_never_does
                                                       _loadable(len(outs[2]["prompt_token_ids"]))]
 
 
+# ---- prompt embeddings: keys name the rows ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def embeds_runs(tmp_path_factory):
+    """Requests given as prompt embeddings (their token ids all 0): 0 and 1 of 200 rows each,
+    different; 2 shares request 0's first 130 rows. baseline: no connector; process 1: request 0
+    alone, saving; process 2: requests 1 and 2, a fresh vLLM loading; process 3: request 0, another
+    (apart, so that vLLM's own prefix cache cannot give request 2 what request 0 loaded)."""
+    require_venv("vllm")
+    tmp = str(tmp_path_factory.mktemp("vllm-embeds"))
+    model = build_tiny_llama(os.path.join(tmp, "model"))
+    reqs = [{"embeds": [[1, 200]]}, {"embeds": [[2, 200]]}, {"embeds": [[1, 130], [3, 70]]}]
+    res = {"baseline": _run(tmp, "embeds-baseline", model, reqs, None)}
+    store = StoreProcess("--dram", "64MiB")
+    try:
+        res["p1"] = _run(tmp, "embeds-process1", model, reqs[:1], store.address)
+        res["p2"] = _run(tmp, "embeds-process2", model, reqs[1:], store.address)
+        res["p3"] = _run(tmp, "embeds-process3", model, reqs[:1], store.address)
+    finally:
+        store.stop()
+    return res
+
+
+def test_prompt_embedding_requests_reuse_only_chunks_of_the_same_rows(embeds_runs):
+    """Every key names the rows its chunk's positions were given (their token ids are all 0): a
+    fresh vLLM loads request 0's prefix, request 2's first two chunks (the rows it shares), and
+    nothing for request 1 (other rows, the same token ids); every answer is the baseline's."""
+    base = _tokens(embeds_runs["baseline"])
+    assert base[0] != base[1] and base[0] != base[2]  # (the rows, not the ids, make the answer)
+    assert _tokens(embeds_runs["p1"]) == base[:1]
+    assert embeds_runs["p1"]["stats"]["num_saved_chunks"] == (200 + 15) // CHUNK
+    assert _tokens(embeds_runs["p2"]) == base[1:] and _tokens(embeds_runs["p3"]) == base[:1]
+    outs = embeds_runs["p2"]["outputs"] + embeds_runs["p3"]["outputs"]
+    assert all(set(o["prompt_token_ids"]) == {0} for o in outs)
+    assert [o["num_cached_tokens"] for o in outs] == [0, 2 * CHUNK, _loadable(200)]
+    assert embeds_runs["p2"]["stats"]["num_loaded_chunks"] == 2
+    assert embeds_runs["p3"]["stats"]["num_loaded_chunks"] == _loadable(200) // CHUNK
+
+
 # ---- FP8 KV caches: chunks hold the FP8 codes ------------------------------------------------------
 
 FP8_NAMESPACE = {dt: make_namespace(ModelFingerprint("crescent-tests/tiny-llama", dt, num_layers=2, num_kv_heads=2,

@@ -6,7 +6,9 @@
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
 ``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter;
-``"images": [seed, ...]``: ``tiny_llama.random_image(seed)`` for each ``<image>`` of the prompt)
+``"images": [seed, ...]``: ``tiny_llama.random_image(seed)`` for each ``<image>`` of the prompt;
+``"embeds": [[seed, rows], ...]`` instead of a prompt: prompt embeddings, each part ``rows`` random
+rows drawn from ``seed``, the parts one after another)
 in one batch, with the Crescent connector when ``--store`` is given, and writes
 per request the prompt and output token ids and vLLM's cached-token count, plus
 the connector's counters. Single-process vLLM on CPU (the caller sets the env).
@@ -61,9 +63,21 @@ def main() -> None:
                   mm_processor_kwargs={"do_image_splitting": False})
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
+    if any(r.get("embeds") for r in requests):
+        kw["enable_prompt_embeds"] = True
     llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
               max_model_len=512, max_num_seqs=16, seed=0, kv_cache_dtype=args.kv_cache_dtype, **kw)
-    prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else {"prompt_token_ids": r["prompt_token_ids"]}),
+    def embeds(parts):
+        import torch
+
+        with open(os.path.join(args.model, "config.json")) as f:
+            hidden = json.load(f)["hidden_size"]
+        return torch.cat([torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed))
+                          for seed, rows in parts])
+
+    prompts = [{**({"prompt": r["prompt"]} if "prompt" in r else
+                   {"prompt_embeds": embeds(r["embeds"])} if "embeds" in r else
+                   {"prompt_token_ids": r["prompt_token_ids"]}),
                 **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}),
                 **({"multi_modal_data": {"image": [random_image(s) for s in r["images"]]}} if r.get("images") else {})}
                for r in requests]
