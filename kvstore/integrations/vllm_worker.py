@@ -68,8 +68,9 @@ class WorkerStats:
     """Steps whose loads were written a layer at a time beside the forward, every layer's attention
     waiting for its own layer only."""
     num_device_saved_chunks: int = 0
-    """Saved chunks a GPU worker wrote from device memory straight into the registered arena of a
-    node on this host (one DMA each, no host copy: a zero-copy put)."""
+    """Saved chunks a GPU worker handed to a node on this host from device memory, the node's arena
+    registered with CUDA: each DMA'd into the slots reserved for it, no host copy (a zero-copy
+    put; one the arena has no room for now is copied to the host on its way to the node's disk)."""
 
 
 def _written_blocks(ops: Sequence[ChunkOp]) -> set[int]:
