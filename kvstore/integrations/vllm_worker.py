@@ -721,6 +721,8 @@ class WorkerSide:
             self._loader.start()
 
     def _load_loop(self) -> None:
+        if self.on_gpu:
+            torch.cuda.set_device(self._kv[0][0].device)  # (this thread's copies: the caches' GPU)
         while True:
             r = self._loads.get()
             try:
@@ -849,6 +851,7 @@ class WorkerSide:
 
     def _save_loop(self) -> None:
         if self.on_gpu:
+            torch.cuda.set_device(self._kv[0][0].device)  # (this thread's streams and copies: the caches' GPU)
             self.save_link.shm_session(register_cuda=True)  # (None where the node is elsewhere or away)
         while True:
             batch = self._queue.get()

@@ -137,7 +137,9 @@ class ShmMover:
 
             if not torch.cuda.is_available():
                 return "torch sees no CUDA device"
-            err = torch.cuda.cudart().cudaHostRegister(self.base, self.arena.size, 0)
+            # NOTE: portable (cudaHostRegisterPortable = 1): pinned for every device's context, not
+            # only that of the thread's current device (a TP worker's GPU is often not device 0).
+            err = torch.cuda.cudart().cudaHostRegister(self.base, self.arena.size, 1)
             if int(err) != 0:
                 return f"cudaHostRegister failed: {err}"
         except Exception as exc:  # noqa: BLE001 - an old torch, a driver without it: stage instead
