@@ -468,7 +468,7 @@ class CrescentConnector(KVConnectorBase_V1):
             layout = learn_block_layout(write, cache[:1], heads, head_dim, self.model_dtype, scales)
             layers.append((name, cache, layout))
         worker.register(layers)
-        worker.warm_up(self._vllm_config.scheduler_config.max_num_batched_tokens)
+        worker.warm_up(self._vllm_config.scheduler_config.max_num_batched_tokens, self.config.load_async)
         log.info("crescent: learned the KV block layout of %d layers (%s, %s cache)", len(layers),
                  ctx[names[0]].attn_backend.get_name(), str(self.dtype).removeprefix("torch."))
 

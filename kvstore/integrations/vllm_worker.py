@@ -463,18 +463,23 @@ class WorkerSide:
         if self.on_gpu:
             self._ensure_saver()  # (it registers the node's arena with CUDA now, not on the first save)
 
-    def warm_up(self, step_tokens: int) -> None:
+    def warm_up(self, step_tokens: int, load_async: bool = False) -> None:
         """Makes now, at start, what the first load and save would otherwise make on vLLM's thread:
         the loads' store session (connected; a same-host node's arena mapped, and on a GPU
         registered with CUDA), the lander thread (CPU) or transfer stream (GPU), and buffers for a
         step of ``step_tokens`` tokens, their pages touched: a save's host buffer (CPU), the
         device stage of a layer-wise load (GPU), and the read buffer of copied loads when the node
-        is not on this host. Larger steps grow them. A store that is down now is found by the first
-        load (a miss until it is back)."""
+        is not on this host. Larger steps grow them. With ``load_async``, the loader thread and its
+        own session too. A store that is down now is found by the first load (a miss until it is
+        back)."""
         chunks = max(1, -(-step_tokens // self.chunk_tokens))
         session = self.link.shm_session(register_cuda=self.on_gpu)  # (connects: also for copied loads)
         if session is None or not self.in_place:  # (every load is read into this buffer)
             self._staging_for(self.link, chunks).fill_(0)
+        if load_async and self.load_link is None:
+            self.load_link = StoreLink(self.link.config)
+            self.load_link.shm_session(register_cuda=self.on_gpu)  # (before its thread starts: not shared)
+            self._ensure_loader()
         if self.on_gpu:
             self._stream_for("step")
             self._stage_for(chunks, "step")

@@ -636,13 +636,14 @@ def test_a_node_killed_in_the_middle_of_a_layerwise_load(in_place):
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 def test_warm_up_makes_at_start_what_the_first_load_and_save_would(store, in_place):
     """``warm_up`` (called by the connector once vLLM registered its caches): the store session is
-    open, the lander thread started, a save buffer for a step's tokens made (the first save
+    open (the loader thread's too, with ``load_async``), the lander thread started, a save buffer for a step's tokens made (the first save
     allocates nothing) and, where loads are copied, their read buffer (the first load grows
     nothing). Against a stopped store it returns (the first load finds it)."""
     _fill_and_save(store.address)
     w, backends = _worker(store.address, in_place=in_place)
-    w.warm_up(3 * C)
+    w.warm_up(3 * C, load_async=True)
     assert w._lander is not None and w.link._client is not None
+    assert w._loader is not None and w.load_link._client is not None  # (load_async: its thread and session)
     assert w._save_buffers.num_allocated == 1 and w._save_buffers.num_free == 1
     staged = {k: v.data_ptr() for k, v in w._staging.items()}
     assert bool(staged) != in_place
@@ -655,6 +656,9 @@ def test_warm_up_makes_at_start_what_the_first_load_and_save_would(store, in_pla
     w.load([RequestOps("r", None, loads=_ops(dst))])
     assert w.take_invalid_blocks() == set()
     assert {k: v.data_ptr() for k, v in w._staging.items()} == staged
+    w.begin_step([])
+    w.load([RequestOps("r2", None, loads=_ops(dst), async_load=True)])
+    assert _wait_finished(w) == {"r2"} and w.take_invalid_blocks() == set()
     w.close()
     store.stop(grace=0)
     w, _ = _worker(store.address, in_place=in_place)
