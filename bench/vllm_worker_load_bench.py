@@ -206,7 +206,8 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(11, 4))
     names = list(times)[::-1]
     ax.barh(names, [statistics.median(times[k]) * 1e3 for k in names],
-            color=["#8c564b", "#8c564b", "#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4", "#1f77b4", "#ff7f0e"])
+            color=["#8c564b", "#8c564b", "#2ca02c", "#2ca02c", "#999999", "#9467bd", "#9467bd", "#1f77b4",
+                   "#1f77b4", "#ff7f0e"])
     ax.set_xlabel(f"ms per {n} chunks ({payload_mib:.0f} MiB), median of {args.repeats} "
                   f"(fresh workers: of {args.first_repeats})")
     ax.set_title(f"vLLM connector data path ({torch.cuda.get_device_name(dev) if cuda else 'CPU, 2 cores'})")

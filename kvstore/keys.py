@@ -184,9 +184,9 @@ def embedding_placeholders(rows: np.ndarray, dtype: str, chunk_tokens: int,
     chunk-sized piece of the prompt, whose identity is ``"prompt-embeds:"`` and the hex
     ``xxh3_128(dtype ‖ ":" ‖ row bytes ‖ ":" ‖ the piece's rows' bytes [‖ one byte per position: 1
     for a token id, 0 for an embedding])``, the last part only for a prompt that mixes token ids
-    and embeddings (some flag set). So a chunk's key names the rows its positions were given, as an image's names
-    its content hash: prompts whose embeddings share a prefix share its chunks, any other row (or
-    dtype) makes other keys.
+    and embeddings (some flag set). So a chunk's key names the rows its positions were given, as
+    an image's names its content hash: prompts whose embeddings share a prefix share its chunks,
+    any other row (or dtype) makes other keys.
 
     Args:
         rows: ``[positions, row bytes]`` uint8, the embeddings' bytes, one row per position.

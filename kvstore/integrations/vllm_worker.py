@@ -785,6 +785,7 @@ class WorkerSide:
                 chunks.append((req_id, op, key, parent, ns))
             cache0 = self._kv[0][0]
             shape = (len(chunks), *self._shape)
+            numel = int(np.prod(shape))
             ids = torch.tensor([b for _, op, *_ in chunks for b in op.block_ids], dtype=torch.long,
                                device=cache0.device)
             if cache0.is_cuda or not chunks:
@@ -792,8 +793,8 @@ class WorkerSide:
                 # it: at most ``save_queue_steps`` steps wait (a GiB moves in ~20 ms at 55 GB/s).
                 self._step = _StepSaves(chunks, torch.empty(shape, dtype=self.dtype, device=cache0.device), ids)
             else:
-                buf = self._save_buffers.take(int(np.prod(shape)), self.dtype)
-                self._step = _StepSaves(chunks, buf[:int(np.prod(shape))].view(shape), ids, buf)
+                buf = self._save_buffers.take(numel, self.dtype)
+                self._step = _StepSaves(chunks, buf[:numel].view(shape), ids, buf)
         return self._step
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:

@@ -43,9 +43,9 @@ def _worker(address: str, blocks: int = 8, in_place: bool = True) -> tuple[Worke
     return w, backends
 
 
-def _ops(block_ids: list[int], chunks=range(3)) -> tuple[ChunkOp, ...]:
+def _ops(block_ids: list[int], chunks=range(3), tokens=TOKENS, keys=KEYS) -> tuple[ChunkOp, ...]:
     per = C // BS
-    return tuple(ChunkOp(j, (KEYS[j],), (KEYS[j - 1] if j else ROOT_KEY,), tuple(TOKENS[j * C:(j + 1) * C]),
+    return tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
                          tuple(block_ids[j * per:(j + 1) * per])) for j in chunks)
 
 
@@ -557,10 +557,7 @@ def test_save_buffers_are_reused_and_never_written_while_the_saver_still_holds_t
             k, v = torch.randn(2, 2 * C, H, D, generator=g)
             be.write(k, v, be.cache, torch.arange(2 * C))
         steps.append((tokens, keys, [be.cache[:4].clone() for be in backends]))
-        per = C // BS
-        ops = tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
-                            tuple(range(j * per, (j + 1) * per))) for j in range(2))
-        w.begin_step([RequestOps(f"r{s}", None, saves=ops)])
+        w.begin_step([RequestOps(f"r{s}", None, saves=_ops(list(range(4)), range(2), tokens, keys))])
         if s == 0:
             w.save_layer("layer.0", backends[0].cache)  # (layer 0 handed over during the step)
         w.end_step()
@@ -570,11 +567,8 @@ def test_save_buffers_are_reused_and_never_written_while_the_saver_still_holds_t
     assert w.stats.num_saved_chunks == 6 and w._save_buffers.num_free == 2  # (the largest kept)
     reader, rb = _worker(store.address)
     for s, (tokens, keys, pages) in enumerate(steps):
-        per = C // BS
-        ops = tuple(ChunkOp(j, (keys[j],), (keys[j - 1] if j else ROOT_KEY,), tuple(tokens[j * C:(j + 1) * C]),
-                            tuple(range(4 + j * per, 4 + (j + 1) * per))) for j in range(2))
         reader.begin_step([])
-        reader.load([RequestOps("r", None, loads=ops)])
+        reader.load([RequestOps("r", None, loads=_ops(list(range(4, 8)), range(2), tokens, keys))])
         assert reader.take_invalid_blocks() == set(), s
         for want, be in zip(pages, rb):
             assert torch.equal(be.cache[4:8], want), f"step {s}"
@@ -636,9 +630,9 @@ def test_a_node_killed_in_the_middle_of_a_layerwise_load(in_place):
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
 def test_warm_up_makes_at_start_what_the_first_load_and_save_would(store, in_place):
     """``warm_up`` (called by the connector once vLLM registered its caches): the store session is
-    open (the loader thread's too, with ``load_async``), the lander thread started, a save buffer for a step's tokens made (the first save
-    allocates nothing) and, where loads are copied, their read buffer (the first load grows
-    nothing). Against a stopped store it returns (the first load finds it)."""
+    open (the loader thread's too, with ``load_async``), the lander thread started, a save buffer
+    for a step's tokens made (the first save allocates nothing) and, where loads are copied, their
+    read buffer (the first load grows nothing). Against a stopped store it returns (the first load finds it)."""
     _fill_and_save(store.address)
     w, backends = _worker(store.address, in_place=in_place)
     w.warm_up(3 * C, load_async=True)
