@@ -183,6 +183,15 @@ def _prompt_ids(request: Request) -> Sequence[int]:
     return request.all_token_ids[:request.num_prompt_tokens]
 
 
+def _known_ids(request: Request, save_decode: bool) -> Sequence[int]:
+    """The tokens whose chunks the store may hold for ``request``: its prompt, and for a request
+    resumed after a preemption, with ``save_decode``, the tokens it generated before (their chunks
+    were saved as they were completed, so the resume loads them rather than recomputing them)."""
+    if save_decode and request.num_output_tokens > 0:
+        return tuple(request.all_token_ids)
+    return _prompt_ids(request)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestScope:
     """What a request's chunk keys depend on beyond its token ids."""
@@ -358,7 +367,7 @@ class CrescentConnector(KVConnectorBase_V1):
         assert planner is not None
         if not planner.load or not _eligible(request):
             return 0, False
-        tokens = _prompt_ids(request)
+        tokens = _known_ids(request, planner.save_decode)
         n = planner.num_loadable_chunks(len(tokens))
         if n * self.chunk_tokens <= num_computed_tokens:
             return 0, False
@@ -372,7 +381,7 @@ class CrescentConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.on_alloc(request.request_id, _prompt_ids(request), self._scope(request),
+        self._planner.on_alloc(request.request_id, _known_ids(request, self._planner.save_decode), self._scope(request),
                                _eligible(request), num_external_tokens)
         if self.config.load_async and num_external_tokens > 0:
             self._async_new[request.request_id] = list(blocks.get_block_ids()[0])
@@ -434,6 +443,16 @@ class CrescentConnector(KVConnectorBase_V1):
     def num_matched_tokens(self) -> int:
         """Scheduler side: tokens vLLM was told it can load from the store."""
         return self._planner.num_hit_tokens if self._planner is not None else 0
+
+    @property
+    def scheduler_stats(self) -> dict[str, int]:
+        """Scheduler side: tokens vLLM was told it can load from the store; of them, those of
+        requests resumed after a preemption, and of those, the ones past the prompt."""
+        p = self._planner
+        if p is None:
+            return {}
+        return {"num_matched_tokens": p.num_hit_tokens, "num_resumed_matched_tokens": p.num_resumed_hit_tokens,
+                "num_resumed_output_matched_tokens": p.num_resumed_output_hit_tokens}
 
     # ==== worker side =========================================================
 

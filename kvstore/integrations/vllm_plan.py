@@ -10,7 +10,9 @@ Rules:
   that generated tokens complete are stored too (the request's tokens are fed
   in as they come): a later turn whose prompt repeats this answer loads them.
 - A load never covers the prompt's last token: vLLM needs to compute at least
-  one token to sample from.
+  one token to sample from. A request resumed after a preemption (vLLM frees its
+  blocks and recomputes it) looks up every token it has, and with
+  ``save_decode`` loads the chunks it generated before too.
 - Chunk ``j`` is saved in the step whose computed range first reaches its end,
   unless the store already held it when the request arrived (a chunk past the
   prompt: when it became due, one lookup). A step that loads
@@ -144,11 +146,16 @@ class ChunkPlanner:
         self._keys: dict[str, list[list[ChunkKey]]] = {}
         self.num_hit_tokens = 0
         """Tokens promised to vLLM as loadable from the store (sum over requests)."""
+        self.num_resumed_hit_tokens = 0
+        """Of them, tokens of requests resumed after a preemption (which vLLM would recompute)."""
+        self.num_resumed_output_hit_tokens = 0
+        """Of those, tokens past the prompt: what the request had generated before its preemption."""
 
     # ---- matching ------------------------------------------------------------
 
     def num_loadable_chunks(self, num_prompt_tokens: int) -> int:
-        """Full chunks that may be loaded: never the prompt's last token."""
+        """Full chunks of a request's first ``num_prompt_tokens`` tokens that may be loaded: never
+        the last one (vLLM computes at least one token to sample from)."""
         return max(0, num_prompt_tokens - 1) // self.chunk_tokens
 
     def keys(self, req_id: str, tokens: Sequence[int], scope: Scope) -> list[list[ChunkKey]]:
@@ -166,10 +173,15 @@ class ChunkPlanner:
 
     def on_alloc(self, req_id: str, tokens: Sequence[int], scope: Scope, eligible: bool,
                  num_external_tokens: int) -> None:
-        """vLLM allocated blocks for a request leaving the waiting queue (new or resumed)."""
+        """vLLM allocated blocks for a request leaving the waiting queue: new (``tokens``: its
+        prompt), or resumed after a preemption (its tokens so far: with ``save_decode`` the chunks
+        it completed before it may be loaded rather than recomputed)."""
         st = self._reqs.get(req_id)
+        resumed = st is not None
         if st is None:
             st = self._reqs[req_id] = _Req(tuple(tokens), scope, eligible, len(tokens))
+        elif len(tokens) > len(st.tokens) and tuple(tokens[:len(st.tokens)]) == st.tokens:
+            st.tokens = tuple(tokens)
         num_hit = self._hits.pop(req_id, 0)
         st.num_stored_chunks = max(st.num_stored_chunks, num_hit) if st.eligible else 0
         if num_external_tokens > 0:
@@ -177,6 +189,10 @@ class ChunkPlanner:
             assert 0 < num_external_tokens <= end, (num_external_tokens, end)
             assert (end - num_external_tokens) % self.block_size == 0
             st.pending_load = (end - num_external_tokens, end)
+            if resumed:
+                self.num_resumed_hit_tokens += num_external_tokens
+                self.num_resumed_output_hit_tokens += max(0, end - max(end - num_external_tokens,
+                                                                       st.num_prompt_tokens))
 
     # ---- per step ------------------------------------------------------------
 

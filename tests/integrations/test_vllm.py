@@ -220,6 +220,55 @@ def test_stored_chunk_holds_the_models_keys_and_values(runs):
 # ---- LoRA: an adapter's chunks are its own -----------------------------------------------------
 
 
+PREEMPT_LENGTHS = [150, 200, 257, 300, 180, 230, 270, 210]
+PREEMPT_ARGS = ("--max-tokens", "200", "--num-blocks", "17", "--no-prefix-caching")
+"""17 blocks of 32 tokens hold one request whole (300 + 200 tokens): the batch's requests are preempted
+as they grow; vLLM's own prefix cache off, so what a resumed request does not recompute came from the store."""
+
+
+@pytest.fixture(scope="module")
+def preempt_runs(tmp_path_factory):
+    require_venv("vllm")
+    tmp = str(tmp_path_factory.mktemp("vllm-preempt"))
+    model = build_tiny_llama(os.path.join(tmp, "model"))
+    rng = random.Random(3)
+    reqs = [{"prompt": random_prompt(rng, n), "cache_salt": None} for n in PREEMPT_LENGTHS]
+    res = {"baseline": _run(tmp, "preempt-baseline", model, reqs, None, extra_args=("--max-tokens", "200"))}
+    store = StoreProcess("--dram", "64MiB")
+    try:
+        res["p1"] = _run(tmp, "preempt-process1", model, reqs, store.address, extra_args=PREEMPT_ARGS)
+        res["p2"] = _run(tmp, "preempt-process2", model, reqs, store.address, load_async=True,
+                         extra_args=PREEMPT_ARGS)
+    finally:
+        store.stop()
+    return res
+
+
+def test_preempted_requests_resume_from_the_store_with_what_they_generated(preempt_runs):
+    """vLLM preempts running requests when its KV cache runs short and recomputes them when they
+    resume. With the connector the resume loads instead: the prompt's chunks and those the request's
+    generated tokens completed before the preemption (saved as they were completed). A fresh process
+    then loads every prompt from the store, and its resumed requests load again. Every run gives the
+    tokens of a run with room for all."""
+    base, p1, p2 = preempt_runs["baseline"], preempt_runs["p1"], preempt_runs["p2"]
+    for run in (p1, p2):
+        assert run["num_preemptions"] >= 1, "no preemption: the test needs fewer vLLM blocks"
+        assert _tokens(run) == _tokens(base)
+        sched, stats = run["scheduler_stats"], run["stats"]
+        assert sched["num_resumed_matched_tokens"] > 0
+        assert sched["num_resumed_output_matched_tokens"] > 0  # (past the prompt: generated before)
+        assert stats["num_loaded_tokens"] == sched["num_matched_tokens"]  # every promised token loaded
+        assert stats["num_failed_chunks"] == 0
+    # process 1 saved each chunk once, from whichever blocks held it when it was computed: the KV of
+    # the prompt and the first 199 generated tokens
+    lengths = [len(o["prompt_token_ids"]) for o in p1["outputs"]]
+    assert p1["stats"]["num_saved_chunks"] == sum((n + 199) // CHUNK for n in lengths)
+    assert p1["scheduler_stats"]["num_matched_tokens"] == p1["scheduler_stats"]["num_resumed_matched_tokens"]
+    # process 2 (loader thread) loaded every prompt's loadable prefix, saved nothing new
+    assert [o["num_cached_tokens"] for o in p2["outputs"]] == [_loadable(n) for n in lengths]
+    assert p2["stats"]["num_saved_chunks"] == 0
+
+
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory):
     """Three vLLM runs with LoRA enabled: requests through the adapter and the same prompt without it.

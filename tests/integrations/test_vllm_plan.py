@@ -114,6 +114,31 @@ def test_a_preempted_request_saves_its_later_chunks_from_its_new_blocks():
     assert saves[1:] == _expected(tokens, blocks, [0, 1, 2])
 
 
+def test_a_resumed_request_loads_the_chunks_it_generated_before_its_preemption():
+    """vLLM frees a preempted request's blocks and recomputes it when it resumes: with the
+    chunks it saved as it generated, the resume's lookup covers its tokens so far and the load
+    writes them into the new blocks, past the prompt; nothing loaded is saved again."""
+    r = random.Random(5)
+    prompt = [r.randrange(1000) for _ in range(70)]
+    tokens = prompt + [r.randrange(1000) for _ in range(150)]  # 220 known: chunks 0-2 computed and saved
+    planner = ChunkPlanner(C, BLOCK, keys_for, save_decode=True)
+    planner.on_alloc("r", prompt, None, True, 0)
+    planner.on_new("r", list(range(3)), 0, 70)
+    assert planner.num_loadable_chunks(len(tokens)) == 3
+    planner.matched_tokens("r", 0, 3)  # (the resume's lookup: all three held)
+    planner.on_alloc("r", tokens, None, True, 3 * C)
+    blocks = list(range(100, 107))
+    op = planner.on_cached("r", blocks, True, 3 * C, len(tokens) - 3 * C, tokens)
+    assert [(j.index, j.tokens, j.block_ids) for j in op.loads] == _expected(tokens, blocks, [0, 1, 2])
+    assert op.saves == ()
+    assert planner.num_resumed_hit_tokens == 3 * C
+    assert planner.num_resumed_output_hit_tokens == 3 * C - 70
+    # the next chunk is saved from the new blocks once computed
+    tokens = tokens + [r.randrange(1000) for _ in range(40)]
+    op = planner.on_cached("r", [107], False, 259, 1, tokens)
+    assert [(j.index, j.tokens, j.block_ids) for j in op.saves] == _expected(tokens, blocks + [107], [3])
+
+
 def test_tokens_that_do_not_extend_the_request_are_ignored():
     """A token list that is not the request's own continuation (never from vLLM) is not saved."""
     planner = ChunkPlanner(C, BLOCK, keys_for, save_decode=True)

@@ -2,7 +2,7 @@
 
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--store HOST:PORT] [--lora ADAPTER_DIR]
         [--kv-cache-dtype auto|fp8|fp8_e5m2|...] [--dtype float32|bfloat16] [--load-async]
-        [--no-prefix-caching] [--model-id ID]
+        [--no-prefix-caching] [--model-id ID] [--num-blocks N] [--max-tokens N]
 
 Generates greedily for every request (``{"prompt": str, "cache_salt": str|null}``, or
 ``prompt_token_ids`` instead of ``prompt``; ``"lora": true`` with ``--lora``: through that adapter;
@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--load-layerwise", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--model-id", default=MODEL_ID)
+    ap.add_argument("--num-blocks", type=int, help="vLLM's KV cache in blocks (num_gpu_blocks_override): few "
+                    "enough, and running requests are preempted")
+    ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
 
@@ -65,6 +68,8 @@ def main() -> None:
         kw["enable_prefix_caching"] = False
     if any(r.get("embeds") for r in requests):
         kw["enable_prompt_embeds"] = True
+    if args.num_blocks:
+        kw.update(num_gpu_blocks_override=args.num_blocks, disable_log_stats=False)
     llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, block_size=32, enforce_eager=True,
               max_model_len=512, max_num_seqs=16, seed=0, kv_cache_dtype=args.kv_cache_dtype, **kw)
     def embeds(parts):
@@ -81,7 +86,7 @@ def main() -> None:
                 **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}),
                 **({"multi_modal_data": {"image": [random_image(s) for s in r["images"]]}} if r.get("images") else {})}
                for r in requests]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if args.lora:
         from vllm.lora.request import LoRARequest
 
@@ -100,12 +105,18 @@ def main() -> None:
     result = {"outputs": [{"prompt_token_ids": list(o.prompt_token_ids),
                            "token_ids": list(o.outputs[0].token_ids),
                            "num_cached_tokens": o.num_cached_tokens} for o in outs]}
+    if args.num_blocks:
+        result["num_preemptions"] = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     if args.store:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         conn = get_kv_transfer_group()
         conn.flush()
         result["stats"] = dataclasses.asdict(conn.worker_stats)
+        # (the scheduler's own connector, in this single-process engine)
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        if core is not None and getattr(core.scheduler, "connector", None) is not None:
+            result["scheduler_stats"] = core.scheduler.connector.scheduler_stats
         print("crescent worker stats:", json.dumps(result["stats"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f)
