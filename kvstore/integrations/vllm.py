@@ -102,6 +102,11 @@ class CrescentConnectorConfig:
     written its chunks, and runs the other requests' steps meanwhile (vLLM's ``load_kv_async``).
     Off: a hit is loaded at the start of the step that computes the rest of the prompt, which
     waits for it."""
+    lookup_ttl_s: float = 1.0
+    """A waiting request's store lookup is reused for this long: vLLM asks again at every step a
+    request waits for blocks (under memory pressure, hundreds of times), and each ask is a round
+    trip to the node. A chunk evicted in that time fails its load and is recomputed. 0: ask every
+    time."""
     load_layerwise: str = "auto"
     """``on``: a step's loads are written into vLLM's blocks a layer at a time, beside the forward,
     layer ``l``'s attention waiting for layer ``l`` only (on a GPU: the copies on a transfer stream,
@@ -116,6 +121,8 @@ class CrescentConnectorConfig:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.save_queue_steps < 1:
             raise ValueError(f"save_queue_steps must be >= 1, got {self.save_queue_steps}")
+        if self.lookup_ttl_s < 0:
+            raise ValueError(f"lookup_ttl_s must be >= 0, got {self.lookup_ttl_s}")
         if self.load_layerwise not in ("auto", "on", "off"):
             raise ValueError(f"load_layerwise must be 'auto', 'on' or 'off', got {self.load_layerwise!r}")
         StoreLinkConfig(self.store, self.timeout_s, cooldown_s=self.cooldown_s)  # validates those
@@ -315,7 +322,7 @@ class CrescentConnector(KVConnectorBase_V1):
                                          load=self.config.load and tc.is_kv_consumer,
                                          save=self.config.save and tc.is_kv_producer,
                                          save_decode=self.config.save_decode, lookup=self._link.lookup,
-                                         window=window)
+                                         window=window, lookup_ttl_s=self.config.lookup_ttl_s)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -371,11 +378,7 @@ class CrescentConnector(KVConnectorBase_V1):
         n = planner.num_loadable_chunks(len(tokens))
         if n * self.chunk_tokens <= num_computed_tokens:
             return 0, False
-        num_hit = n
-        for rank_keys in planner.keys(request.request_id, tokens, self._scope(request)):
-            num_hit = min(num_hit, self._link.lookup(rank_keys[:num_hit]))
-            if num_hit == 0:
-                break
+        num_hit = planner.hit_chunks(request.request_id, tokens, self._scope(request))
         matched = planner.matched_tokens(request.request_id, num_computed_tokens, num_hit)
         return matched, self.config.load_async and matched > 0
 

@@ -28,6 +28,7 @@ Rules:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -123,11 +124,12 @@ class ChunkPlanner:
         window: the sliding window (tokens) of a model whose cache group frees the blocks behind
             it, as vLLM's ``SlidingWindowManager`` does; None: every block is held until the
             request ends.
+        lookup_ttl_s: how long a waiting request's lookup (``hit_chunks``) is reused.
     """
 
     def __init__(self, chunk_tokens: int, block_size: int, keys_for: KeyFn, *, load: bool = True,
                  save: bool = True, save_decode: bool = False, lookup: LookupFn | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, lookup_ttl_s: float = 0.0) -> None:
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}")
         self.chunk_tokens = chunk_tokens
@@ -144,6 +146,9 @@ class ChunkPlanner:
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}
         self._keys: dict[str, list[list[ChunkKey]]] = {}
+        self.lookup_ttl_s = lookup_ttl_s
+        self._asked: dict[str, tuple[int, int, float]] = {}
+        """A waiting request's last lookup: (tokens looked up, chunks held, when)."""
         self.num_hit_tokens = 0
         """Tokens promised to vLLM as loadable from the store (sum over requests)."""
         self.num_resumed_hit_tokens = 0
@@ -166,6 +171,24 @@ class ChunkPlanner:
             keys = self._keys[req_id] = self._keys_for(tokens, scope)
         return keys
 
+    def hit_chunks(self, req_id: str, tokens: Sequence[int], scope: Scope, now: float | None = None) -> int:
+        """How many of the loadable chunks of ``tokens``, from the first, the store holds under every
+        rank's keys. vLLM asks at every step a request waits for blocks (under memory pressure,
+        hundreds of times): an answer for the same tokens is reused for ``lookup_ttl_s`` (a chunk
+        evicted meanwhile fails its load and is recomputed)."""
+        now = time.monotonic() if now is None else now
+        n = self.num_loadable_chunks(len(tokens))
+        last = self._asked.get(req_id)
+        if last is not None and last[0] == len(tokens) and now - last[2] < self.lookup_ttl_s:
+            return last[1]
+        num_hit = n if self._lookup is not None else 0
+        for rank_keys in self.keys(req_id, tokens, scope):
+            if num_hit == 0:
+                break
+            num_hit = min(num_hit, self._lookup(rank_keys[:num_hit]))
+        self._asked[req_id] = (len(tokens), num_hit, now)
+        return num_hit
+
     def matched_tokens(self, req_id: str, num_computed_tokens: int, num_hit_chunks: int) -> int:
         """Records a lookup's hit and returns the tokens to load beyond the local hit."""
         self._hits[req_id] = num_hit_chunks
@@ -176,6 +199,7 @@ class ChunkPlanner:
         """vLLM allocated blocks for a request leaving the waiting queue: new (``tokens``: its
         prompt), or resumed after a preemption (its tokens so far: with ``save_decode`` the chunks
         it completed before it may be loaded rather than recomputed)."""
+        self._asked.pop(req_id, None)
         st = self._reqs.get(req_id)
         resumed = st is not None
         if st is None:
@@ -243,6 +267,7 @@ class ChunkPlanner:
                 st.planned = None  # (the rerun plans the chunks from the failed one on again)
 
     def on_finished(self, req_id: str) -> None:
+        self._asked.pop(req_id, None)
         self._reqs.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._keys.pop(req_id, None)

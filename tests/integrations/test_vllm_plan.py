@@ -139,6 +139,32 @@ def test_a_resumed_request_loads_the_chunks_it_generated_before_its_preemption()
     assert [(j.index, j.tokens, j.block_ids) for j in op.saves] == _expected(tokens, blocks + [107], [3])
 
 
+def test_a_waiting_requests_lookup_is_reused_for_lookup_ttl_s(store):
+    """vLLM asks for a waiting request's hit at every step it cannot be given blocks: the store is
+    asked once per ``lookup_ttl_s`` for the same tokens, again when they change, when the time is
+    up, and after the request was admitted (a resume after a preemption asks afresh)."""
+    r = random.Random(6)
+    tokens = [r.randrange(1000) for _ in range(200)]
+    with StoreClient(store.address) as c:
+        for k in chunk_keys(tokens, NS, C)[:2]:
+            c.put(k, b"x" * 64)
+    lookups = Lookups(store.address)
+    planner = ChunkPlanner(C, BLOCK, keys_for, lookup=lookups, lookup_ttl_s=1.0)
+    assert [planner.hit_chunks("w", tokens, None, now=t) for t in (10.0, 10.2, 10.9)] == [2, 2, 2]
+    assert lookups.calls == 1
+    assert planner.hit_chunks("w", tokens, None, now=11.0) == 2 and lookups.calls == 2  # (expired)
+    assert planner.hit_chunks("w", tokens[:150], None, now=11.1) == 2 and lookups.calls == 3  # other tokens
+    assert planner.hit_chunks("v", tokens, None, now=11.1) == 2 and lookups.calls == 4  # another request
+    planner.matched_tokens("w", 0, 2)
+    planner.on_alloc("w", tokens, None, True, 2 * C)
+    assert planner.hit_chunks("w", tokens, None, now=11.2) == 2 and lookups.calls == 5  # admitted since
+    planner.on_finished("v")
+    assert planner.hit_chunks("v", tokens, None, now=11.2) == 2 and lookups.calls == 6
+    never = ChunkPlanner(C, BLOCK, keys_for, lookup=lookups)  # (lookup_ttl_s 0: every time)
+    assert [never.hit_chunks("w", tokens, None, now=20.0) for _ in range(3)] == [2, 2, 2]
+    assert lookups.calls == 9
+
+
 def test_tokens_that_do_not_extend_the_request_are_ignored():
     """A token list that is not the request's own continuation (never from vLLM) is not saved."""
     planner = ChunkPlanner(C, BLOCK, keys_for, save_decode=True)
