@@ -148,7 +148,8 @@ def main() -> None:
             f"and recomputed when they resume; vLLM's own prefix cache on (its default). Each run a fresh vLLM "
             f"process, the connector's with a fresh store node on this host. A random Llama of {args.layers} "
             f"layers, hidden {args.hidden} (float32, CPU: 2 cores), chunks of {CHUNK_TOKENS} tokens. The three "
-            f"runs gave the same tokens; each run {args.repeats} times, the three alternating, medians. Command: `.venv/bin/python bench/vllm_preempt_bench.py --write-docs`."
+            f"runs gave the same tokens; each run {args.repeats} times, the three alternating, medians. "
+            f"Command: `.venv/bin/python bench/vllm_preempt_bench.py --write-docs`."
             f"\n\n{text}\n")
     publish(fig, "vllm_preempt", body, args.write_docs)
 
