@@ -443,11 +443,6 @@ class CrescentConnector(KVConnectorBase_V1):
         return request.request_id in self._async_inflight, None
 
     @property
-    def num_matched_tokens(self) -> int:
-        """Scheduler side: tokens vLLM was told it can load from the store."""
-        return self._planner.num_hit_tokens if self._planner is not None else 0
-
-    @property
     def scheduler_stats(self) -> dict[str, int]:
         """Scheduler side: tokens vLLM was told it can load from the store; of them, those of
         requests resumed after a preemption, and of those, the ones past the prompt."""
