@@ -216,9 +216,9 @@ def bench_redis(size: int, batch_bytes: int, reps: int) -> dict | None:
         return None
     if exe is None:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvstore.procs import port_for_child
+
+    port = port_for_child("127.0.0.1")  # redis-server cannot bind port 0 and say which it got
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -300,42 +300,52 @@ class LocalEtcd:
     def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
         import os
         import shutil
-        import socket
         import subprocess
         import urllib.request
+
+        from kvstore.procs import port_for_child
 
         exe = shutil.which("etcd")
         if exe is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind((host, 0))
-                ports.append(s.getsockname()[1])
-        self.endpoint = f"{host}:{ports[0]}"
-        peer = f"http://{host}:{ports[1]}"
         os.makedirs(data_dir, exist_ok=True)
         self.log = os.path.join(data_dir, "etcd.log")
-        cmd = [exe, "--name", "crescent", "--data-dir", os.path.join(data_dir, "data"),
-               "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"crescent={peer}"]
-        with open(self.log, "w") as log:  # etcd logs a lot: a pipe nobody reads would stall it
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        self.pid = self.proc.pid
+        member_dir = os.path.join(data_dir, "data")
+        fresh = not os.path.exists(member_dir)
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                with open(self.log) as f:
-                    raise RuntimeError(f"etcd exited with status {self.proc.returncode}: {f.read()[-1500:]}")
-            try:
-                urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=5).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"etcd did not serve on {self.endpoint} within {timeout_s:g} s") from None
-                time.sleep(0.1)
+        for attempt in range(3):
+            # NOTE: etcd cannot bind port 0 and say which it got: it gets ports below the ephemeral range,
+            # and should another process bind one first, etcd exits and gets new ones
+            ports = [port_for_child(host), port_for_child(host)]
+            while ports[1] == ports[0]:
+                ports[1] = port_for_child(host)
+            self.endpoint = f"{host}:{ports[0]}"
+            peer = f"http://{host}:{ports[1]}"
+            cmd = [exe, "--name", "crescent", "--data-dir", member_dir,
+                   "--listen-client-urls", f"http://{self.endpoint}",
+                   "--advertise-client-urls", f"http://{self.endpoint}",
+                   "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                   "--initial-cluster", f"crescent={peer}"]
+            with open(self.log, "w") as log:  # etcd logs a lot: a pipe nobody reads would stall it
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+            self.pid = self.proc.pid
+            while True:
+                if self.proc.poll() is not None:
+                    with open(self.log) as f:
+                        text = f.read()
+                    if "address already in use" in text and attempt < 2:
+                        if fresh:  # a member it began with the taken ports would not start on others
+                            shutil.rmtree(member_dir, ignore_errors=True)
+                        break
+                    raise RuntimeError(f"etcd exited with status {self.proc.returncode}: {text[-1500:]}")
+                try:
+                    urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=5).read()
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"etcd did not serve on {self.endpoint} within {timeout_s:g} s") from None
+                    time.sleep(0.1)
 
     def stop(self) -> None:
         from kvstore.procs import stop_process

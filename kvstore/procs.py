@@ -84,3 +84,30 @@ class StopSignals:
 
     def wait(self) -> None:
         wait_in_slices(self.event)
+
+
+def port_for_child(host: str = "127.0.0.1") -> int:
+    """A free port for a child process that cannot bind port 0 and say which it got (etcd, vLLM's
+    ZeroMQ endpoints): one below the kernel's ephemeral range, so no outgoing connection and no
+    port-0 bind on the machine can take it before the child binds it. Only an explicit bind of the
+    same number can; a caller that sees its child fail to bind picks again."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    candidates = random.Random().sample(range(10000, max(low, 10001)), k=min(200, max(low - 10000, 1)))
+    for port in candidates:
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(family) as s:  # everything below the range busy: any free port
+        s.bind((host, 0))
+        return s.getsockname()[1]

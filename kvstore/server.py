@@ -297,6 +297,11 @@ class StoreNode:
                 raise OSError(f"cannot listen on --data-port {config.data_port}: {exc.strerror or exc}") from None
         self._metrics_server = None
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The /metrics port once started (with ``metrics_port=0``: the one it got); None without one."""
+        return self._metrics_server.server_port if self._metrics_server is not None else None
+
     def _on_tcp_op(self, op: str, seconds: float, path: str) -> None:
         if op in ("get", "get_layered", "put"):  # (a layered get is a get: its bytes come in another order)
             self.metrics.observe("put" if op == "put" else "get", seconds, path)
@@ -356,7 +361,7 @@ def serve(config: StoreConfig) -> None:
     dc = f", data channel :{node.data_server.port}" if node.data_server else ""
     tiers = ", ".join(t.name.lower() for t in node.store.stats()["tiers"])
     ev = f", KV events {node.kv_events.endpoint}" if node.kv_events else ""
-    m = f", metrics :{node._metrics_server.server_port}" if node._metrics_server is not None else ""
+    m = f", metrics :{node.metrics_port}" if node.metrics_port is not None else ""
     say(f"crescent store {node.node_id} listening on {node.address}{dc}{m} (tiers: {tiers}){ev}")
     stop.wait()
     say("crescent store: stopping")

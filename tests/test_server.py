@@ -389,10 +389,8 @@ def test_unreachable_node_is_unavailable_after_retries():
 
 
 def test_metrics_endpoint(make_node):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    node = make_node(metrics_port=port)
+    node = make_node(metrics_port=0)
+    port = node.metrics_port
     c = StoreClient(node.address, transport="tcp")
     c.put(b"k", b"v")
     c.get(b"k")
@@ -410,10 +408,8 @@ def test_a_restarted_node_serves_metrics_on_the_port_it_had(make_node):
     same port (a restart with its config) binds it at once and serves its own counters."""
     from kvstore.server import StoreNode
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    first = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 * MiB, metrics_port=port)).start()
+    first = StoreNode(StoreConfig(listen="127.0.0.1:0", dram=16 * MiB, metrics_port=0)).start()
+    port = first.metrics_port
     try:
         c = StoreClient(first.address, transport="tcp")
         c.put(b"k", b"v")
@@ -429,11 +425,9 @@ def test_a_restarted_node_serves_metrics_on_the_port_it_had(make_node):
 def test_disk_traffic_metrics(make_node):
     """Bytes written to and read from the disk tier, and deferred promotions, as a scan of
     the disk-resident values causes them: reads, no writes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    node = make_node(metrics_port=port, dram=4 * MiB, slot_size=MiB, high_watermark=1.0, low_watermark=1.0,
+    node = make_node(metrics_port=0, dram=4 * MiB, slot_size=MiB, high_watermark=1.0, low_watermark=1.0,
                      write_behind=False)  # exact counts: only the demotions write
+    port = node.metrics_port
     c = StoreClient(node.address, transport="tcp")
     for i in range(6):
         c.put(b"k%d" % i, bytes([i]) * MiB)  # 4 fit in DRAM: k0 and k1 go to disk

@@ -244,6 +244,11 @@ class EngineNode:
                            store_node=store_node, kv_bytes_per_token=runner.page_bytes // cfg.page_size,
                            namespace=bytes(conn.namespace(None)) if conn else b"", chunk_tokens=cfg.chunk_tokens)
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The /metrics port once started (with ``metrics_port=0``: the one it got); None without one."""
+        return self._metrics_server.server_port if self._metrics_server is not None else None
+
     def start(self) -> EngineNode:
         self.loop.start()
         self.server.start()
@@ -269,7 +274,8 @@ def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, f
     node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s, advertise_host).start()
     stop = StopSignals()
     store = f", store {cfg.store}" if cfg.store else ""
-    say(f"crescent engine {role} ({cfg.model}) listening on {node.address}{store}")
+    m = f", metrics :{node.metrics_port}" if node.metrics_port is not None else ""
+    say(f"crescent engine {role} ({cfg.model}) listening on {node.address}{m}{store}")
     stop.wait()
     say(f"crescent engine {role}: stopping")
     node.stop()

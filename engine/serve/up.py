@@ -116,13 +116,6 @@ def _subnet_in_use() -> bool:
                                capture_output=True, text=True).stdout.strip())
 
 
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now (the part binds it a moment later; another process could take it first)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _port_free(host: str, port: int) -> bool:
     if port == 0:
         return True
@@ -144,6 +137,8 @@ class Part:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.address: str | None = None
+        self.metrics_port: int | None = None
+        """The /metrics port its banner names (it binds port 0 and says which it got)."""
         self.restarts: list[float] = []
         """When it was restarted (``--restart``)."""
 
@@ -153,6 +148,8 @@ class Part:
         cmd = list(self.cmd)
         if self.address and "--listen" in cmd and not self.address.startswith("http"):
             cmd[cmd.index("--listen") + 1] = self.address
+        if self.metrics_port is not None and "--metrics-port" in cmd:
+            cmd[cmd.index("--metrics-port") + 1] = str(self.metrics_port)
         self.log.write(f"\n--- crescent up: {self.name} exited ({self.proc.returncode}); restarting ---\n")
         self.log.flush()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -162,9 +159,14 @@ class Part:
         rx = re.compile(pattern)
         while time.monotonic() < deadline:
             with open(self.log_path) as f:
-                m = rx.search(f.read())
+                text = f.read()
+            m = rx.search(text)
             if m:
                 self.address = m.group(1)
+                line_end = text.find("\n", m.end())
+                metrics = re.search(r"metrics :(\d+)", text[m.start():line_end if line_end >= 0 else None])
+                if metrics:
+                    self.metrics_port = int(metrics.group(1))
                 return self.address
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}:\n{self.tail()}")
@@ -331,13 +333,17 @@ def run_up(ns: argparse.Namespace) -> int:
             return f"{hosts.addr(i)}:{port or default}"
         return f"{ns.host}:{port if first else 0}"
 
-    def metrics_port(name: str, i: int, port: int) -> str:
-        if hosts is not None:
-            metrics_at[name] = f"{hosts.addr(i)}:{port}"
-            return str(port)
-        p = _free_port(ns.host)  # NOTE: just before the part starts, to keep the race short
-        metrics_at[name] = f"[{ns.host}]:{p}" if ":" in ns.host else f"{ns.host}:{p}"
-        return str(p)
+    def metrics_port(i: int, port: int) -> str:
+        """With --netns each host has its own address, so the part takes its kind's port; else port 0: the
+        part binds a free one and names it in its banner (picking one here for it to bind later raced with
+        every other socket on the machine: "Address already in use")."""
+        return str(port) if hosts is not None else "0"
+
+    def metrics_of(name: str, i: int, part: Part) -> None:
+        host = hosts.addr(i) if hosts is not None else ns.host
+        if part.metrics_port is None:
+            raise RuntimeError(f"{name} did not say its metrics port:\n{part.tail()}")
+        metrics_at[name] = f"[{host}]:{part.metrics_port}" if ":" in host else f"{host}:{part.metrics_port}"
 
     def numbered(kind: str, k: int) -> str:
         return kind if k == 0 else f"{kind}-{k + 1}"
@@ -374,9 +380,10 @@ def run_up(ns: argparse.Namespace) -> int:
                 name, i = numbered("conductor", k), k % ns.nodes  # replicas spread over the hosts
                 p = Part(name, on_host(i) + ["conductor", "--listen", listen(i, ns.conductor_port, 7300, k == 0),
                                              "--chunk-tokens", str(ns.chunk_tokens),
-                                             "--metrics-port", metrics_port(name, i, 9300), *extra], logs)
+                                             "--metrics-port", metrics_port(i, 9300), *extra], logs)
                 parts.append(p)
                 replicas.append(p.wait_banner(r"listening on ([^\s,]+)", deadline))
+                metrics_of(name, i, p)
             conductor = ",".join(replicas)  # members, the gateway and ctl follow the leader among them
         join = ["--conductor", conductor] if conductor else []
         stores: list[str | None] = [None] * ns.nodes
@@ -386,9 +393,10 @@ def run_up(ns: argparse.Namespace) -> int:
                 p = Part(name, on_host(i) + ["store", "--listen", listen(i, ns.store_port, 7400, i == 0),
                                              "--dram", ns.dram, "--disk", os.path.join(data, f"store-{i}" if i else "store"),
                                              "--disk-size", ns.disk_size, "--node-id", f"store-{i}",
-                                             "--metrics-port", metrics_port(name, i, 9400), *join], logs)
+                                             "--metrics-port", metrics_port(i, 9400), *join], logs)
                 parts.append(p)
                 stores[i] = p.wait_banner(r"listening on ([^\s,]+)", deadline)
+                metrics_of(name, i, p)
         store_addr = stores[0]
         common = ["--model", ns.model, "--chunk-size", str(ns.chunk_size), "--chunk-tokens", str(ns.chunk_tokens),
                   "--kv-cache-memory", ns.kv_cache_memory,
@@ -410,10 +418,12 @@ def run_up(ns: argparse.Namespace) -> int:
             port, default = (ns.prefill_port, 7500) if role == "prefill" else (ns.decode_port, 7501)
             parts.append(Part(name, on_host(i) + ["engine", role,
                                                   "--listen", listen(i, port, default, name in ("prefill", "decode")),
-                                                  "--metrics-port", metrics_port(name, i, default + 2000)]
+                                                  "--metrics-port", metrics_port(i, default + 2000)]
                               + store + common, logs))
         addrs = {name: part.wait_banner(r"listening on ([^\s,]+)", deadline)
                  for (name, _, _), part in zip(engines, parts[-len(engines):])}
+        for (name, _, i), part in zip(engines, parts[-len(engines):]):
+            metrics_of(name, i, part)
         prefills = [addrs[name] for name, role, _ in engines if role == "prefill"]
         decodes = [addrs[name] for name, role, _ in engines if role != "prefill"]
         gw_cmd = py + ["gateway", "--listen", f"{ns.host}:{ns.gateway_port}", "--model", ns.model,

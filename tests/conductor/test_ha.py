@@ -104,6 +104,45 @@ def test_election_needs_a_reachable_etcd_and_sane_settings(tmp_path):
         e.close()
 
 
+def test_ports_for_children_lie_below_the_ephemeral_range_and_are_free():
+    import socket
+
+    from kvstore.procs import port_for_child
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(20):
+        port = port_for_child("127.0.0.1")
+        assert 10000 <= port < low  # no connect() and no bind to port 0 hands it out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_local_etcd_takes_other_ports_when_its_port_was_taken_first(tmp_path, monkeypatch):
+    import socket
+
+    import kvstore.procs
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    real, picks = kvstore.procs.port_for_child, [busy]  # the first pick: a port another process holds
+    monkeypatch.setattr(kvstore.procs, "port_for_child", lambda host="127.0.0.1": picks.pop() if picks else real(host))
+    try:
+        e = EtcdProcess(str(tmp_path / "etcd"))
+    finally:
+        taken.close()
+    try:
+        assert not picks and e.endpoint != f"127.0.0.1:{busy}"
+        client = Etcd(e.endpoint, timeout_s=30)
+        client.call(client.client.put, "/crescent/test", "v")
+        assert client.get("/crescent/test") == b"v"
+        client.close()
+    finally:
+        e.stop()
+
+
 def test_kill9_of_the_leader_loses_no_member_and_no_cache_hit(etcd, tmp_path):
     """Real processes: two `crescent conductor --etcd` replicas, a store node holding a prefix and a
     prefill engine, both given both conductor addresses. Schedule's reuse before the kill -9 of

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 
 from kvstore.conductor.client import ConductorClient
@@ -16,6 +15,7 @@ from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
 from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE
 from kvstore.keys import chunk_keys
+from kvstore.procs import port_for_child
 from kvstore.store import Tier
 from tests.conductor.test_vllm_events import schedule_when_idle
 from tests.helpers import ROOT, require_venv, venv_python, wait_for
@@ -26,9 +26,8 @@ CHUNK = 64
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # NOTE: vLLM binds these a while after: ports below the ephemeral range, out of reach of other sockets
+    return port_for_child("127.0.0.1")
 
 
 class Instance:

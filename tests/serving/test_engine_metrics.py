@@ -1,6 +1,5 @@
 """An engine's Prometheus endpoint: TTFT/ITL histograms, queue depth and KV pages, by role."""
 
-import socket
 import urllib.request
 
 import grpc
@@ -12,11 +11,9 @@ from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
 
 
 def test_engine_metrics_split_by_role():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    node = EngineNode("decode", EngineConfig(model="random:tiny", kv_cache_memory=16 << 20), metrics_port=port)
+    node = EngineNode("decode", EngineConfig(model="random:tiny", kv_cache_memory=16 << 20), metrics_port=0)
     node.start()
+    port = node.metrics_port
     try:
         with grpc.insecure_channel(node.address) as ch:
             req = pb.GenerateRequest(prompt_token_ids=list(range(3, 40)),

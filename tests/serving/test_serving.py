@@ -166,6 +166,45 @@ def test_killing_the_store_mid_run_still_completes_requests(tmp_path, storeless)
         assert cl.stop() == 0, cl.output()
 
 
+def test_up_restart_brings_a_killed_engine_back_on_its_grpc_and_metrics_ports(tmp_path, storeless):
+    import urllib.request
+
+    cl = Cluster(str(tmp_path), "--restart")
+    try:
+        # every part bound its own /metrics port (port 0) and up.json names the ones they got
+        for name, url in cl.state["metrics"].items():
+            assert urllib.request.urlopen(url, timeout=30).status == 200, name
+        decode, metrics_url = cl.state["decode_engine"], cl.state["metrics"]["decode"]
+        os.kill(cl.state["pids"]["decode"], signal.SIGKILL)
+
+        def restarted():
+            with open(os.path.join(cl.data, "up.json")) as f:
+                state = json.load(f)
+            return state.get("restarts", {}).get("decode") == 1 and state
+
+        state = wait_for(restarted, timeout_s=120, what="crescent up to restart the decode engine")
+        assert state["pids"]["decode"] != cl.state["pids"]["decode"]
+        assert state["decode_engine"] == decode and state["metrics"]["decode"] == metrics_url
+        def answers(call):
+            try:
+                return call()
+            except (grpc.RpcError, OSError):  # not listening yet
+                return None
+
+        wait_for(lambda: answers(lambda: engine_stats(decode).num_pages > 0), timeout_s=300, interval_s=0.5,
+                 what="the decode engine back on its port")
+        text = wait_for(lambda: answers(lambda: urllib.request.urlopen(metrics_url, timeout=30).read().decode()),
+                        timeout_s=60, interval_s=0.5, what="the restarted engine's /metrics on its old port")
+        assert "crescent_engine" in text
+        prompt = _ids(7, 150)
+        out = client(cl).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        ref = storeless.generate([prompt], max_tokens=6, ignore_eos=True)
+        assert out.choices[0].text == storeless.tokenizer.decode(ref[0].token_ids)
+    finally:
+        assert cl.stop() == 0, cl.output()
+
+
 def test_second_up_on_the_same_data_is_a_clear_error(cluster):
     import subprocess
     import sys

@@ -1,7 +1,6 @@
 """One-sided movers end to end on a real node: round trips, fallbacks, the choice and its visibility."""
 
 import os
-import socket
 import threading
 import time
 import urllib.request
@@ -211,10 +210,8 @@ def test_shm_refuses_a_file_that_is_not_the_nodes(node):
 
 
 def test_metrics_show_the_movers(make_node):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    node = make_node(metrics_port=port)
+    node = make_node(metrics_port=0)
+    port = node.metrics_port
     with StoreClient(node.address, local_reads=False) as c:
         c.put(b"k", b"v" * 1000)
         assert c.get(b"k") == b"v" * 1000
