@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from engine.model import AttnMetadata, CausalLM

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from engine.beam_search import Beam, BeamSearch, BeamSearchParams
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams, TokenLogprobs

@@ -741,7 +741,7 @@ class TieredStore:
         most 4 MiB. Values with a disk copy move down now (nothing to write); values over their
         namespace's disk bound are evicted; the rest are held and their disk blocks are taken now,
         in LRU order (so the values of runs written at once still lie on disk in that order)."""
-        arena, cfg = self.dram, self.config
+        arena = self.dram
         # NOTE: at most half the room above the high watermark, so that puts go on while two runs are written
         need = min(arena.num_slots - arena.num_free - self._demoting - self._demote_to(),
                    max(1, min(_RUN_BYTES // arena.slot_bytes, (arena.num_slots - self._demote_from()) // 2)))

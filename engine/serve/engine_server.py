@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from concurrent import futures
 

@@ -850,8 +850,8 @@ def test_values_beyond_what_the_engines_take_are_400_naming_the_field(disagg, fi
 def test_malformed_http_gets_an_openai_error_and_never_desyncs_the_connection(disagg):
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    for extra, payload, why in ((f"Content-Length: abc\r\n", body, "Content-Length"),
-                                (f"Content-Length: -5\r\n", body, "Content-Length"),
+    for extra, payload, why in (("Content-Length: abc\r\n", body, "Content-Length"),
+                                ("Content-Length: -5\r\n", body, "Content-Length"),
                                 ("Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
                                  "chunked")):
         status, headers, data = raw_exchange(disagg.url, (head + extra + "\r\n").encode() + payload)
