@@ -485,7 +485,8 @@ class CrescentConnector(KVConnectorBase_V1):
             layout = learn_block_layout(write, cache[:1], heads, head_dim, self.model_dtype, scales)
             layers.append((name, cache, layout))
         worker.register(layers)
-        worker.warm_up(self._vllm_config.scheduler_config.max_num_batched_tokens, self.config.load_async)
+        worker.warm_up(self._vllm_config.scheduler_config.max_num_batched_tokens, self.config.load_async,
+                       layerwise=self._layerwise_loads())
         log.info("crescent: learned the KV block layout of %d layers (%s, %s cache)", len(layers),
                  ctx[names[0]].attn_backend.get_name(), str(self.dtype).removeprefix("torch."))
 
@@ -502,8 +503,12 @@ class CrescentConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CrescentConnectorMetadata) and self._worker is not None
-        mode, worker = self.config.load_layerwise, self._worker
-        worker.load(meta.requests, layerwise=meta.layerwise and (mode == "on" or mode == "auto" and worker.on_gpu))
+        self._worker.load(meta.requests, layerwise=meta.layerwise and self._layerwise_loads())
+
+    def _layerwise_loads(self) -> bool:
+        """Whether a step's loads are written a layer at a time beside its forward (``load_layerwise``)."""
+        mode = self.config.load_layerwise
+        return mode == "on" or mode == "auto" and self._worker.on_gpu
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # NOTE: asynchronous loads go to requests this step does not run; only the step's own wait.

@@ -49,6 +49,20 @@ from kvstore.transport.session import leased_head, safe_end
 log = logging.getLogger("crescent.integrations")
 
 
+def one_intra_op_thread() -> None:
+    """Gives the calling side thread (lander, loader, saver) one intra-op thread: its torch ops run
+    beside the forward, whose OpenMP team has the cores.
+
+    A side thread with a team of its own is worse than slow: libgomp then manages more threads
+    than there are CPUs and cuts every team's spinning at barriers to almost nothing, so the
+    forward's threads sleep and wake at each of its ops. Measured in vLLM on 2 cores: its two
+    forward threads went from 26 and 41 voluntary context switches in a run to 12,891 and 17,511
+    with an idle lander alive, and the run took a few percent longer. Calls torch's own setter:
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (its threads are bound), and
+    the count set here is the calling thread's only (libgomp's is per thread)."""
+    torch._C.set_num_threads(1)
+
+
 @dataclass
 class WorkerStats:
     """Counters of one worker since it started."""
@@ -463,10 +477,11 @@ class WorkerSide:
         if self.on_gpu:
             self._ensure_saver()  # (it registers the node's arena with CUDA now, not on the first save)
 
-    def warm_up(self, step_tokens: int, load_async: bool = False) -> None:
+    def warm_up(self, step_tokens: int, load_async: bool = False, layerwise: bool = True) -> None:
         """Makes now, at start, what the first load and save would otherwise make on vLLM's thread:
         the loads' store session (connected; a same-host node's arena mapped, and on a GPU
-        registered with CUDA), the lander thread (CPU) or transfer stream (GPU), and buffers for a
+        registered with CUDA), the lander thread (CPU, when ``layerwise`` loads may run: it writes
+        those) or transfer stream (GPU), and buffers for a
         step of ``step_tokens`` tokens, their pages touched: a save's host buffer (CPU), the
         device stage of a layer-wise load (GPU), and the read buffer of copied loads when the node
         is not on this host. Larger steps grow them. With ``load_async``, the loader thread and its
@@ -484,7 +499,8 @@ class WorkerSide:
             self._stream_for("step")
             self._stage_for(chunks, "step")
             return
-        self._lander_pool().submit(torch.zeros(1 << 16).add_, 1).result()  # (its thread's first op)
+        if layerwise:
+            self._lander_pool().submit(torch.zeros(1 << 16).add_, 1).result()  # (its thread's first op)
         numel = chunks * int(np.prod(self._shape))
         self._save_buffers.give(self._save_buffers.take(numel, self.dtype).fill_(0))
 
@@ -711,11 +727,8 @@ class WorkerSide:
 
     def _lander_pool(self) -> ThreadPoolExecutor:
         if self._lander is None:
-            # NOTE: one intra-op thread (torch's count is per thread): the lander's page copies run
-            # beside the forward, whose own thread pool has the cores; a second pool of as many
-            # threads would spin on them after every layer and slow the forward down.
             self._lander = ThreadPoolExecutor(1, thread_name_prefix="crescent-lander",
-                                              initializer=torch.set_num_threads, initargs=(1,))
+                                              initializer=one_intra_op_thread)
         return self._lander
 
     def _ensure_loader(self) -> None:
@@ -726,6 +739,7 @@ class WorkerSide:
             self._loader.start()
 
     def _load_loop(self) -> None:
+        one_intra_op_thread()
         if self.on_gpu:
             torch.cuda.set_device(self._kv[0][0].device)  # (this thread's copies: the caches' GPU)
         while True:
@@ -856,6 +870,7 @@ class WorkerSide:
             self._saver.start()
 
     def _save_loop(self) -> None:
+        one_intra_op_thread()
         if self.on_gpu:
             torch.cuda.set_device(self._kv[0][0].device)  # (this thread's streams and copies: the caches' GPU)
             self.save_link.shm_session(register_cuda=True)  # (None where the node is elsewhere or away)

@@ -159,6 +159,9 @@ def test_process2_loads_prefixes_from_crescent_and_generates_the_same_tokens(run
     # from the node's arena (a node on this host: leased and read in place, not copied first)
     assert stats["num_layerwise_loads"] >= 1
     assert stats["num_in_place_chunks"] == stats["num_loaded_chunks"]
+    # with one intra-op thread, not an OpenMP team beside the forward's (libgomp would then cut every
+    # team's spinning, and the forward's threads would sleep at each op's barrier)
+    assert p2["lander_threads"] == 1
     # Recomputed chunks 1-2 of the corrupt request and the new tenant's three (two of its prompt, one its
     # answer completes) were saved; the other answers' chunks were looked up and found (process 1's)
     assert stats["num_saved_chunks"] == 5
@@ -201,6 +204,7 @@ def test_a_second_turn_loads_the_first_turns_answer_from_the_store(runs):
     assert sum(want) > sum(n // CHUNK * CHUNK for n in first)  # more than the first turn's prompts alone
     assert runs["p4"]["stats"]["num_loaded_tokens"] == sum(want)
     assert runs["p4"]["stats"]["num_layerwise_loads"] == 0  # (auto: every layer before the forward on a CPU)
+    assert runs["p4"]["lander_threads"] is None  # (and no lander thread is made)
 
 
 def test_stored_chunk_holds_the_models_keys_and_values(runs):

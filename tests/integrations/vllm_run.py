@@ -113,6 +113,12 @@ def main() -> None:
         conn = get_kv_transfer_group()
         conn.flush()
         result["stats"] = dataclasses.asdict(conn.worker_stats)
+        # the intra-op threads of the lander (the thread that writes layer-wise loads on a CPU; None: none
+        # was made), asked on that thread: vLLM's CPU worker makes torch.set_num_threads a no-op
+        import torch
+
+        lander = conn._worker._lander
+        result["lander_threads"] = lander.submit(torch.get_num_threads).result() if lander is not None else None
         # (the scheduler's own connector, in this single-process engine)
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is not None and getattr(core.scheduler, "connector", None) is not None:
