@@ -127,7 +127,7 @@ def main() -> None:
     def median(xs):
         return sorted(xs)[len(xs) // 2]
 
-    base = median([r["seconds"] for r in runs[names["none"]]]) if "none" in args.modes.split(",") else None
+    base = median([r["seconds"] for r in runs[names["none"]]]) if names["none"] in runs else None
     rows, bars = [], []
     for mode, rs in runs.items():
         secs = [r["seconds"] for r in rs]

@@ -100,8 +100,8 @@ def port_for_child(host: str = "127.0.0.1") -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    candidates = random.Random().sample(range(10000, max(low, 10001)), k=min(200, max(low - 10000, 1)))
-    for port in candidates:
+    below = range(10000, low)
+    for port in random.sample(below, min(200, len(below))):
         with socket.socket(family) as s:
             try:
                 s.bind((host, port))

@@ -333,7 +333,7 @@ def run_up(ns: argparse.Namespace) -> int:
             return f"{hosts.addr(i)}:{port or default}"
         return f"{ns.host}:{port if first else 0}"
 
-    def metrics_port(i: int, port: int) -> str:
+    def metrics_port(port: int) -> str:
         """With --netns each host has its own address, so the part takes its kind's port; else port 0: the
         part binds a free one and names it in its banner (picking one here for it to bind later raced with
         every other socket on the machine: "Address already in use")."""
@@ -380,7 +380,7 @@ def run_up(ns: argparse.Namespace) -> int:
                 name, i = numbered("conductor", k), k % ns.nodes  # replicas spread over the hosts
                 p = Part(name, on_host(i) + ["conductor", "--listen", listen(i, ns.conductor_port, 7300, k == 0),
                                              "--chunk-tokens", str(ns.chunk_tokens),
-                                             "--metrics-port", metrics_port(i, 9300), *extra], logs)
+                                             "--metrics-port", metrics_port(9300), *extra], logs)
                 parts.append(p)
                 replicas.append(p.wait_banner(r"listening on ([^\s,]+)", deadline))
                 metrics_of(name, i, p)
@@ -393,7 +393,7 @@ def run_up(ns: argparse.Namespace) -> int:
                 p = Part(name, on_host(i) + ["store", "--listen", listen(i, ns.store_port, 7400, i == 0),
                                              "--dram", ns.dram, "--disk", os.path.join(data, f"store-{i}" if i else "store"),
                                              "--disk-size", ns.disk_size, "--node-id", f"store-{i}",
-                                             "--metrics-port", metrics_port(i, 9400), *join], logs)
+                                             "--metrics-port", metrics_port(9400), *join], logs)
                 parts.append(p)
                 stores[i] = p.wait_banner(r"listening on ([^\s,]+)", deadline)
                 metrics_of(name, i, p)
@@ -418,11 +418,11 @@ def run_up(ns: argparse.Namespace) -> int:
             port, default = (ns.prefill_port, 7500) if role == "prefill" else (ns.decode_port, 7501)
             parts.append(Part(name, on_host(i) + ["engine", role,
                                                   "--listen", listen(i, port, default, name in ("prefill", "decode")),
-                                                  "--metrics-port", metrics_port(i, default + 2000)]
+                                                  "--metrics-port", metrics_port(default + 2000)]
                               + store + common, logs))
-        addrs = {name: part.wait_banner(r"listening on ([^\s,]+)", deadline)
-                 for (name, _, _), part in zip(engines, parts[-len(engines):])}
+        addrs = {}
         for (name, _, i), part in zip(engines, parts[-len(engines):]):
+            addrs[name] = part.wait_banner(r"listening on ([^\s,]+)", deadline)
             metrics_of(name, i, part)
         prefills = [addrs[name] for name, role, _ in engines if role == "prefill"]
         decodes = [addrs[name] for name, role, _ in engines if role != "prefill"]

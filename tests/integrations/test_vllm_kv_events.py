@@ -25,16 +25,12 @@ SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_events_run.py")
 CHUNK = 64
 
 
-def _free_port() -> int:
-    # NOTE: vLLM binds these a while after: ports below the ephemeral range, out of reach of other sockets
-    return port_for_child("127.0.0.1")
-
-
 class Instance:
     """One vLLM process publishing its KV events; stopped by its pid."""
 
     def __init__(self, name: str, model: str, log_dir: str) -> None:
-        self.name, self.pub, self.replay = name, _free_port(), _free_port()
+        # (vLLM binds them a while after: ports below the ephemeral range, out of reach of other sockets)
+        self.name, self.pub, self.replay = name, port_for_child(), port_for_child()
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         self.log = open(os.path.join(log_dir, f"{name}.log"), "w")

@@ -185,6 +185,7 @@ def test_up_restart_brings_a_killed_engine_back_on_its_grpc_and_metrics_ports(tm
         state = wait_for(restarted, timeout_s=120, what="crescent up to restart the decode engine")
         assert state["pids"]["decode"] != cl.state["pids"]["decode"]
         assert state["decode_engine"] == decode and state["metrics"]["decode"] == metrics_url
+
         def answers(call):
             try:
                 return call()
