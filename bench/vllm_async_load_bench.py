@@ -27,7 +27,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
+from bench.vllm_common import (CHUNK_TOKENS, assert_same, bench_parser, build_model, finish_child,  # noqa: E402
+                                make_llm, run_requests, word_prompts)
 
 
 def child(args) -> None:
@@ -42,11 +43,7 @@ def child(args) -> None:
     if args.fill:
         llm.generate([{"prompt_token_ids": p} for p in req["arrivals"]], SamplingParams(max_tokens=1, **greedy),
                      use_tqdm=False)
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        get_kv_transfer_group().flush()
-        with open(args.out, "w") as f:
-            json.dump({}, f)
+        finish_child(args, {})
         return
     engine = llm.llm_engine
     for i, p in enumerate(req["decoders"]):
@@ -68,13 +65,7 @@ def child(args) -> None:
             arrived = time.perf_counter()
             for i, p in enumerate(req["arrivals"]):
                 engine.add_request(f"a{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=4, **greedy))
-    result = {"arrived": arrived, "times": times, "tokens": tokens}
-    if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        result["stats"] = dict(vars(get_kv_transfer_group().worker_stats))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, {"arrived": arrived, "times": times, "tokens": tokens})
 
 
 def run_vllm(tmp: str, name: str, model: str, requests: dict, args, store: str | None, load_async: bool = False,
@@ -105,22 +96,14 @@ def summarize(r: dict, num_arrivals: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap = bench_parser(__doc__)
     ap.add_argument("--fill", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model")
-    ap.add_argument("--requests")
-    ap.add_argument("--out")
-    ap.add_argument("--store")
-    ap.add_argument("--load-async", default="0")
+    ap.add_argument("--load-async", default="0", help="(a child's) the connector's load_async: 1/0")
     ap.add_argument("--decoders", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--arrive-after", type=int, default=24, help="decode steps before the arrivals")
     ap.add_argument("--arrivals", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -149,8 +132,7 @@ def main() -> None:
         store.stop()
     print("no connector (recompute):", flush=True)
     runs["no connector (recompute)"] = run_vllm(tmp, "run-none", model, requests, args, None)
-    toks = {m: json.dumps(sorted(r["tokens"].items())) for m, r in runs.items()}
-    assert len(set(toks.values())) == 1, "the modes generated different tokens"
+    assert_same({m: sorted(r["tokens"].items()) for m, r in runs.items()})
 
     summary = {m: summarize(r, args.arrivals) for m, r in runs.items()}
     rows = [[m, f"{s['itl_before']:.1f}", f"{s['itl_mean']:.1f}", f"{s['itl_max']:.0f}", f"{s['ttft_mean']:.0f}",

@@ -6,6 +6,8 @@ for every vLLM process, so that each starts with an empty local cache, as anothe
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
 import subprocess
@@ -55,8 +57,6 @@ def run_requests(script: str, tmp: str, name: str, requests, args: list[str],
                  store: str | None) -> tuple[dict, float]:
     """One child of ``script`` on ``requests`` (written to ``tmp/NAME.requests.json``): ``args`` plus
     ``--requests``, ``--out`` and ``--store`` (when given). Returns its JSON result and wall seconds."""
-    import json
-
     req, out, log = (os.path.join(tmp, f"{name}.{x}") for x in ("requests.json", "out.json", "log"))
     with open(req, "w") as f:
         json.dump(requests, f)
@@ -80,3 +80,62 @@ def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: 
     return LLM(model=model, tokenizer=model, dtype="float32", block_size=32, enforce_eager=True,
                max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=8192, seed=0,
                kv_cache_dtype=kv_cache_dtype, **kw, **(engine or {}))
+
+
+def bench_parser(doc: str | None, layers: int = 8, hidden: int = 1024) -> argparse.ArgumentParser:
+    """The arguments every vLLM bench has: its children's (set by ``run_requests``, hidden from
+    ``--help``), the random model's size and ``--write-docs``. The description: ``doc``'s first paragraph."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0] or None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--model", "--requests", "--out", "--store"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    ap.add_argument("--hidden", type=int, default=hidden, help="the random model's hidden size")
+    ap.add_argument("--layers", type=int, default=layers, help="the random model's layers")
+    ap.add_argument("--write-docs", action="store_true", help="write the table and plot into docs/")
+    return ap
+
+
+def token_prompts(path: str) -> list[dict]:
+    """A child's requests (``--requests``: lists of token ids) as vLLM prompts."""
+    with open(path) as f:
+        return [{"prompt_token_ids": ids} for ids in json.load(f)]
+
+
+def warm_up(llm) -> None:
+    """One tiny request first, so that no timed request pays vLLM's first-step costs."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def finish_child(args, result: dict) -> None:
+    """Writes a child's ``result`` to ``--out``, with the worker connector's counters (``stats``,
+    after its queued saves) when it ran with a store."""
+    if args.store:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        conn.flush()
+        result["stats"] = dict(vars(conn.worker_stats))
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def assert_same(runs: dict, what: str = "tokens") -> None:
+    """Every run (name -> its tokens, any JSON value) gave the same ``what``."""
+    assert len({json.dumps(v) for v in runs.values()}) == 1, f"the runs gave different {what}: {runs}"
+
+
+def barh_figure(bars: list[tuple[str, float]], colors: list[str], xlabel: str, title: str,
+                figsize: tuple[float, float], fontsize: float | None = None):
+    """A horizontal bar per (label, value), the first on top; returns the figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=colors[:len(bars)][::-1])
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=fontsize)
+    fig.tight_layout()
+    return fig

@@ -29,7 +29,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import build_model, make_llm, run_requests, word_prompts  # noqa: E402
+from bench.vllm_common import (assert_same, bench_parser, build_model, finish_child, make_llm,  # noqa: E402
+                                run_requests, token_prompts, warm_up, word_prompts)
 
 MODES = {"layer by layer (load_layerwise on)": {"load_layerwise": "on"},
          "every layer before the forward (off)": {"load_layerwise": "off"}}
@@ -41,42 +42,25 @@ def child(args) -> None:
 
     extra = json.loads(args.extra)
     llm = make_llm(args.model, args.store, args.max_model_len, **extra)
-    with open(args.requests) as f:
-        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    prompts = token_prompts(args.requests)
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)  # (warm-up)
+    warm_up(llm)
     times, outputs = [], []
     for p in prompts:
         t0 = time.perf_counter()
         (out,) = llm.generate([p], params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
         outputs.append({"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens})
-    result = {"times": times, "outputs": outputs}
-    if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        conn.flush()
-        result["stats"] = dict(vars(conn.worker_stats))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, {"times": times, "outputs": outputs})
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model")
-    ap.add_argument("--requests", help=argparse.SUPPRESS)
-    ap.add_argument("--out")
-    ap.add_argument("--store")
-    ap.add_argument("--extra", default="{}")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--max-model-len", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--prefix-tokens", type=int, default=3072)
     ap.add_argument("--suffix-tokens", default="256,32", help="new tokens after the prefix; several: one run each")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -116,8 +100,7 @@ def main() -> None:
 
     rows = []
     for n in suffixes:
-        firsts = {m: [o["token_ids"] for o in r["outputs"]] for m, r in runs[n].items()}
-        assert len({json.dumps(v) for v in firsts.values()}) == 1, f"the first tokens differ: {firsts}"
+        assert_same({m: [o["token_ids"] for o in r["outputs"]] for m, r in runs[n].items()}, "first tokens")
         lw = runs[n]["layer by layer (load_layerwise on)"]["stats"]
         assert lw["num_layerwise_loads"] == args.num_requests, lw
         assert runs[n]["every layer before the forward (off)"]["stats"]["num_layerwise_loads"] == 0

