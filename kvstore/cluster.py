@@ -289,8 +289,8 @@ class ClusterClient:
         return self._client(self.local).batch_put(items)
 
     def get(self, key: bytes) -> bytes | None:
-        v = self.batch_get([key])[0]
-        return bytes(v) if v is not None else None
+        """The value under ``key``, or None on a miss (``StoreClient.get`` of a node that holds it)."""
+        return self._read([key], lambda client, ks, idx: [client.get(k) for k in ks])[0]
 
     def batch_get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         """Values (None for misses), one per key, each read from a node that holds it."""

@@ -430,14 +430,17 @@ class DataChannelClient:
                 raise
             return items
 
-    def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+    def get(self, keys: Sequence[bytes], alloc: Callable[[int, int], object] | None = None
+            ) -> list[bytearray | memoryview | None]:
+        """The values (None: a miss), each read into ``alloc(index, size)`` (a writable buffer of
+        ``size`` bytes; default a new bytearray)."""
         with self._guard():
             self.sock.sendall(encode_request(Op.GET, keys, [-1] * len(keys)))
             items, _, _ = self._answer(len(keys))
-            out: list[bytearray | None] = []
-            for status, size in items:
+            out: list[bytearray | memoryview | None] = []
+            for i, (status, size) in enumerate(items):
                 if status is Status.OK:
-                    buf = bytearray(size)
+                    buf = alloc(i, size) if alloc is not None else bytearray(size)
                     recv_exact_into(self.sock, memoryview(buf))
                     out.append(buf)
                 else:

@@ -179,7 +179,14 @@ class MooncakeDistributedStore:
         return next((r for r in self._put([(_key(k), v) for k, v in zip(keys, values)], config) if r != OK), OK)
 
     def get(self, key: str) -> bytes:
-        return self.get_batch([key])[0]
+        if self._client is None:
+            return b""
+        try:
+            v = self._client.get(_key(key))  # (one allocation: StoreClient.get)
+        except CrescentError as exc:
+            log.warning("read: %s", exc)
+            return b""
+        return v if v is not None else b""
 
     def _read(self, keys: Sequence[str]) -> list[bytearray | None]:
         """The values (None: a miss, or the node could not be read)."""

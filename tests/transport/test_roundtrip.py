@@ -166,6 +166,38 @@ def test_values_outside_the_arena_are_read_and_written_another_way(mover, make_n
     c.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_get_returns_bytes_of_its_own_from_every_path(make_node, monkeypatch, transport):
+    """``get`` reads into a buffer it keeps per thread and makes the ``bytes`` from there: each
+    result must be a ``bytes`` object of its own, which later gets (of smaller, larger, missing
+    values, from the arena or the disk tier, or above the kept buffer's limit) leave alone."""
+    import kvstore.client as client_module
+
+    monkeypatch.setattr(client_module, "_GET_SCRATCH_MAX", 3 * MiB)  # (the limit's path at a small size)
+    node = make_node(dram=4 * MiB, with_disk=True, high_watermark=1.0, low_watermark=0.5, promote=False)
+    with StoreClient(node.address, transport=transport) as c:
+        assert c.transport == transport, c.transport_notes
+        vals = {b"small": os.urandom(1000), b"mid": os.urandom(MiB + 7), b"big": os.urandom(2 * MiB + 3)}
+        assert c.batch_put(list(vals.items())) == [True] * 3
+        huge = os.urandom(5 * MiB)  # larger than the arena (on disk) and than the kept buffer
+        assert c.batch_put([(b"huge", huge)]) == [True]
+        assert node.store.tier_of(b"huge") is Tier.DISK
+        vals[b"huge"] = huge
+        order = [b"mid", b"small", b"big", b"missing", b"huge", b"mid", b"small"]
+        got = [c.get(k) for k in order]
+        for k, g in zip(order, got):
+            assert g is None if k == b"missing" else (type(g) is bytes and g == vals[k]), k
+        results = {}
+
+        def other_thread():  # a buffer of its own: this thread's results stay as they were
+            results["mid"] = c.get(b"mid")
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join(timeout=60)
+        assert results["mid"] == vals[b"mid"] and got[0] == vals[b"mid"]
+
+
 def test_choice_follows_the_node_and_the_request(make_node):
     auto = make_node()
     with StoreClient(auto.address) as c:
