@@ -16,6 +16,7 @@ from kvstore.transport.descriptors import ArenaRef
 from kvstore.transport.rdma import probe
 from kvstore.transport.shm import ShmMover, ShmUnavailableError
 from tests.helpers import wait_for
+from tests.transport.simulated_hca import simulate_rdma
 
 MiB = 1 << 20
 SLOT = 64 << 10
@@ -166,13 +167,15 @@ def test_values_outside_the_arena_are_read_and_written_another_way(mover, make_n
     c.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "rdma", "tcp", "grpc"])
 def test_get_returns_bytes_of_its_own_from_every_path(make_node, monkeypatch, transport):
     """``get`` reads into a buffer it keeps per thread and makes the ``bytes`` from there: each
     result must be a ``bytes`` object of its own, which later gets (of smaller, larger, missing
     values, from the arena or the disk tier, or above the kept buffer's limit) leave alone."""
     import kvstore.client as client_module
 
+    if transport == "rdma" and probe() is not None:
+        simulate_rdma(monkeypatch)  # (as the mover fixture: before the node starts)
     monkeypatch.setattr(client_module, "_GET_SCRATCH_MAX", 3 * MiB)  # (the limit's path at a small size)
     node = make_node(dram=4 * MiB, with_disk=True, high_watermark=1.0, low_watermark=0.5, promote=False)
     with StoreClient(node.address, transport=transport) as c:
