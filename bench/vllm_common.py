@@ -82,15 +82,15 @@ def make_llm(model: str, store: str | None, max_model_len: int, kv_cache_dtype: 
                kv_cache_dtype=kv_cache_dtype, **kw, **(engine or {}))
 
 
-def bench_parser(doc: str | None, layers: int = 8, hidden: int = 1024) -> argparse.ArgumentParser:
+def bench_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments every vLLM bench has: its children's (set by ``run_requests``, hidden from
     ``--help``), the random model's size and ``--write-docs``. The description: ``doc``'s first paragraph."""
-    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0] or None)
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("--model", "--requests", "--out", "--store"):
         ap.add_argument(name, help=argparse.SUPPRESS)
-    ap.add_argument("--hidden", type=int, default=hidden, help="the random model's hidden size")
-    ap.add_argument("--layers", type=int, default=layers, help="the random model's layers")
+    ap.add_argument("--hidden", type=int, default=1024, help="the random model's hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="the random model's layers")
     ap.add_argument("--write-docs", action="store_true", help="write the table and plot into docs/")
     return ap
 

@@ -19,7 +19,7 @@ from typing import TypeVar, Union
 
 from kvstore import tls
 from kvstore.config import MAX_KEY_BYTES, check_address
-from kvstore.datachannel import Status, _Connections
+from kvstore.datachannel import Status, _Connections, new_buffer
 from kvstore.liveness import channel_options
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             ResourceExhaustedError, UnavailableError, call_grpc)
@@ -402,7 +402,7 @@ class StoreClient:
 
     def batch_get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         """Values (None for misses), one per key, in order."""
-        return self._batch_get(keys, lambda _, size: bytearray(size))
+        return self._batch_get(keys, new_buffer)
 
     def _batch_get(self, keys: Sequence[bytes], alloc: Callable[[int, int], Buffer]) -> list[Buffer | None]:
         """``batch_get`` with each value read into ``alloc(index, size)`` (a writable buffer of
@@ -427,11 +427,11 @@ class StoreClient:
                 result[i] = v
         return result
 
-    def _streamed_get(self, keys: list[bytes], alloc: Callable[[int, int], Buffer] | None = None
+    def _streamed_get(self, keys: list[bytes], alloc: Callable[[int, int], Buffer] = new_buffer
                       ) -> list[Buffer | None]:
         return self._dc_call(lambda c: c.get(keys, alloc), lambda: self._call(lambda: self._grpc_get(keys, alloc)))
 
-    def _grpc_get(self, keys, alloc: Callable[[int, int], Buffer] | None = None) -> list[Buffer | None]:
+    def _grpc_get(self, keys, alloc: Callable[[int, int], Buffer] = new_buffer) -> list[Buffer | None]:
         out: list[Buffer | None] = [None] * len(keys)
         cur: memoryview | None = None
         for frame in self._stub.Get(pb.GetRequest(keys=keys), timeout=self.timeout_s):
@@ -439,9 +439,7 @@ class StoreClient:
                 if cur is not None and cur.nbytes:
                     raise DataLossError("a value arrived truncated")
                 if frame.header.found:
-                    i, size = frame.header.index, frame.header.size
-                    buf = alloc(i, size) if alloc is not None else bytearray(size)
-                    out[i] = buf
+                    buf = out[frame.header.index] = alloc(frame.header.index, frame.header.size)
                     cur = memoryview(buf)
                 else:
                     cur = None

@@ -304,6 +304,11 @@ def decode_grant(blob: memoryview, n: int) -> tuple[int, float, str, list[list[i
     return lease_id, ttl_s, arena, slots, generations
 
 
+def new_buffer(index: int, size: int) -> bytearray:
+    """The default destination of a value read: a new bytearray of its size."""
+    return bytearray(size)
+
+
 class DataChannelClient:
     """One connection to a node's data channel. Not thread-safe: use one per thread.
 
@@ -430,7 +435,7 @@ class DataChannelClient:
                 raise
             return items
 
-    def get(self, keys: Sequence[bytes], alloc: Callable[[int, int], object] | None = None
+    def get(self, keys: Sequence[bytes], alloc: Callable[[int, int], object] = new_buffer
             ) -> list[bytearray | memoryview | None]:
         """The values (None: a miss), each read into ``alloc(index, size)`` (a writable buffer of
         ``size`` bytes; default a new bytearray)."""
@@ -440,7 +445,7 @@ class DataChannelClient:
             out: list[bytearray | memoryview | None] = []
             for i, (status, size) in enumerate(items):
                 if status is Status.OK:
-                    buf = alloc(i, size) if alloc is not None else bytearray(size)
+                    buf = alloc(i, size)
                     recv_exact_into(self.sock, memoryview(buf))
                     out.append(buf)
                 else:

@@ -179,21 +179,16 @@ class MooncakeDistributedStore:
         return next((r for r in self._put([(_key(k), v) for k, v in zip(keys, values)], config) if r != OK), OK)
 
     def get(self, key: str) -> bytes:
-        if self._client is None:
-            return b""
-        try:
-            v = self._client.get(_key(key))  # (one allocation: StoreClient.get)
-        except CrescentError as exc:
-            log.warning("read: %s", exc)
-            return b""
+        (v,) = self._read([key], lambda ks: [self._client.get(ks[0])])  # (StoreClient.get: one allocation)
         return v if v is not None else b""
 
-    def _read(self, keys: Sequence[str]) -> list[bytearray | None]:
-        """The values (None: a miss, or the node could not be read)."""
+    def _read(self, keys: Sequence[str], fetch=None) -> list[bytes | bytearray | None]:
+        """The values (None: a miss, or the node could not be read), by ``fetch(store keys)``
+        (default the client's ``batch_get``)."""
         if self._client is None:
             return [None] * len(keys)
         try:
-            return self._client.batch_get([_key(k) for k in keys])
+            return (fetch or self._client.batch_get)([_key(k) for k in keys])
         except CrescentError as exc:
             log.warning("read: %s", exc)
             return [None] * len(keys)
