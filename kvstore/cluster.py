@@ -32,6 +32,7 @@ import xxhash
 
 from kvstore.conductor.client import ConductorClient, MemberInfo
 from kvstore.conductor.membership import MemberKind
+from kvstore.datachannel import new_buffer
 from kvstore.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvstore.store import Tier
 
@@ -290,11 +291,16 @@ class ClusterClient:
 
     def get(self, key: bytes) -> bytes | None:
         """The value under ``key``, or None on a miss (``StoreClient.get`` of a node that holds it)."""
-        return self._read([key], lambda client, ks, idx: [client.get(k) for k in ks])[0]
+        return self.batch_get_bytes([key])[0]
 
-    def batch_get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """Values (None for misses), one per key, each read from a node that holds it."""
-        return self._read(keys, lambda client, ks, idx: client.batch_get(ks))
+    def batch_get(self, keys: Sequence[bytes], alloc=new_buffer) -> list:
+        """Values (None for misses), one per key, each read from a node that holds it into
+        ``alloc(index, size)`` (``StoreClient.batch_get``; ``index`` is the key's here)."""
+        return self._read(keys, lambda client, ks, idx: client.batch_get(ks, lambda j, size: alloc(idx[j], size)))
+
+    def batch_get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """``batch_get`` as ``bytes``, one allocation per value (``StoreClient.batch_get_bytes``)."""
+        return self._read(keys, lambda client, ks, idx: client.batch_get_bytes(ks))
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence) -> list[int | None]:
         """Reads values into caller-owned buffers; per key its size, or None on a miss."""

@@ -179,28 +179,28 @@ class MooncakeDistributedStore:
         return next((r for r in self._put([(_key(k), v) for k, v in zip(keys, values)], config) if r != OK), OK)
 
     def get(self, key: str) -> bytes:
-        (v,) = self._read([key], lambda ks: [self._client.get(ks[0])])  # (StoreClient.get: one allocation)
-        return v if v is not None else b""
+        return self.get_batch([key])[0]
 
-    def _read(self, keys: Sequence[str], fetch=None) -> list[bytes | bytearray | None]:
-        """The values (None: a miss, or the node could not be read), by ``fetch(store keys)``
-        (default the client's ``batch_get``)."""
+    def _read(self, keys: Sequence[str], fetch) -> list:
+        """The values (None: a miss, or the node could not be read), by ``fetch(store keys)``."""
         if self._client is None:
             return [None] * len(keys)
         try:
-            return (fetch or self._client.batch_get)([_key(k) for k in keys])
+            return fetch([_key(k) for k in keys])
         except CrescentError as exc:
             log.warning("read: %s", exc)
             return [None] * len(keys)
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
-        return [bytes(v) if v is not None else b"" for v in self._read(keys)]
+        # (batch_get_bytes: one allocation per value, the bytes themselves)
+        return [v if v is not None else b"" for v in self._read(keys, lambda ks: self._client.batch_get_bytes(ks))]
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
-        return [BufferHandle(v) if v is not None else None for v in self._read(keys)]
+        # (each value read straight into its handle)
+        return self._read(keys, lambda ks: self._client.batch_get(ks, lambda _, size: BufferHandle(size)))
 
     def get_size(self, key: str) -> int:
         """The value's size, or OBJECT_NOT_FOUND (reads the value: Crescent keeps no separate size index)."""

@@ -42,7 +42,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from kvstore.client import Retry, StoreClient, as_bytes_view
+from kvstore.client import ReadSlabs, Retry, StoreClient, as_bytes_view
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import CrescentError
 
@@ -127,6 +127,7 @@ class CrescentConnector(RemoteConnector):
         self.address = address
         self.local_cpu_backend = local_cpu_backend
         self.client = connect(address, timeout_s)
+        self._slabs = ReadSlabs()  # what reads land in before LMCache's memory objects
 
     def __repr__(self) -> str:
         return f"<CrescentConnector {self.address}>"
@@ -148,7 +149,7 @@ class CrescentConnector(RemoteConnector):
         h.update(payload)
         return [header, payload, h.digest()]
 
-    def _verify(self, name: bytes, value: bytearray | None) -> tuple[RemoteMetadata, memoryview] | None:
+    def _verify(self, name: bytes, value: bytearray | memoryview | None) -> tuple[RemoteMetadata, memoryview] | None:
         """The header and KV bytes of a value, or None when it is missing or does not verify."""
         if value is None:
             return None
@@ -223,14 +224,20 @@ class CrescentConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Reads and verifies in a thread; allocates and copies here, after the last await, so that a
-        get LMCache cancels (on its timeout) leaves no memory object behind."""
-        found = await self._call("get", self._fetch, keys, default=[None] * len(keys))
-        return [self._memory_obj(*f) if f is not None else None for f in found]
+        """Reads (into a kept slab: fresh memory would page-fault in on every read) and verifies in a
+        thread; allocates and copies here, after the last await, so that a get LMCache cancels (on its
+        timeout) leaves no memory object behind. The slab goes back once the copies are made; a
+        cancelled get's slab is left to the thread still reading into it."""
+        slab = self._slabs.take()
+        found = await self._call("get", self._fetch, keys, slab, default=[None] * len(keys))
+        try:
+            return [self._memory_obj(*f) if f is not None else None for f in found]
+        finally:
+            self._slabs.give(slab)
 
-    def _fetch(self, keys: list[CacheEngineKey]) -> list[tuple[RemoteMetadata, memoryview] | None]:
+    def _fetch(self, keys: list[CacheEngineKey], slab) -> list[tuple[RemoteMetadata, memoryview] | None]:
         names = [k.to_string().encode() for k in keys]
-        values = self.client.batch_get([_store_key(n) for n in names])
+        values = self.client.batch_get([_store_key(n) for n in names], slab.alloc)
         return [self._verify(n, v) for n, v in zip(names, values)]
 
     def support_batched_put(self) -> bool:

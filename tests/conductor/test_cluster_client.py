@@ -66,6 +66,11 @@ def test_puts_go_home_and_reads_find_them(three, conductor):
             home = ranked(k, "abc")[0]
             assert [n for n, node in three.items() if node.store.exists([k])[0]] == [home]
         assert c.batch_get(KEYS) == [bytearray(k * 3) for k in KEYS]  # own writes, before the index has them
+        asked = {}  # alloc is told each key's index in this call, whichever node serves it
+        got = c.batch_get(KEYS[::-1] + [b"missing"], lambda i, size: asked.setdefault(i, bytearray(size)))
+        assert got == [bytearray(k * 3) for k in KEYS[::-1]] + [None]
+        assert all(got[i] is asked[i] for i in range(len(KEYS))) and len(asked) == len(KEYS)
+        assert c.batch_get_bytes([KEYS[3], b"missing", KEYS[7]]) == [KEYS[3] * 3, None, KEYS[7] * 3]
     with ClusterClient(conductor.address) as fresh:  # a new client reads through the index
         wait_for(lambda: fresh.lookup(KEYS) == len(KEYS), what="indexed")
         assert fresh.get(KEYS[5]) == KEYS[5] * 3

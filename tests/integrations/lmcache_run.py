@@ -164,6 +164,12 @@ def connector() -> dict:
     out["contains"] = [wrapped.batched_contains([key(1), key(2), key(9), long_key]),
                        run(wrapped.batched_async_contains("l", [key(1), key(2), key(9)]))]
     out["non_blocking"] = len(run(wrapped.batched_get_non_blocking("l", [key(1), key(9), key(2)])))
+    # Several chunks in one read, twice (the second into the buffer the first left), the first's checked after.
+    several = [key(2), key(9), key(1), long_key]
+    first, second = run(wrapped.batched_get(several)), run(wrapped.batched_get(several))
+    out["several_twice"] = [[o is None for o in first], [o is None for o in second],
+                            [same(a, b) for a, b in zip(first[::2] + second[::2], [partial, full] * 2)],
+                            same(first[3], chunk(CHUNK, 3)) and same(second[3], chunk(CHUNK, 3))]
 
     # Values that do not verify read as misses: flipped byte, truncated, another key's value, garbage.
     with StoreClient(conn.address) as c:

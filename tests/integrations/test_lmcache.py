@@ -112,6 +112,7 @@ def test_the_connector_made_by_lmcache(runs):
     assert c["full_equal"] and c["partial_equal"] and c["long_key_equal"]  # shape, dtype, format and bytes
     assert c["contains"] == [2, 2]  # keys 1, 2 stored, 9 not: the prefix stops there
     assert c["non_blocking"] == 1  # keys 1, 9, 2: only the leading hit
+    assert c["several_twice"] == [[False, True, False, False]] * 2 + [[True] * 4, True]
     assert c["bad_values"] == [True] * 4  # flipped byte, truncated, another key's value, garbage: misses
     assert c["removed"] == [True, False]
     assert "drop remote_url" in c["remote_url"]

@@ -45,7 +45,11 @@ def test_put_get_batch_exist_remove(store):
     assert buf.size() == 13 and bytes(buf) == b"Hello, World!" and buf.ptr() != 0
     assert np.array(buf, copy=False).tobytes() == b"Hello, World!"  # the buffer protocol, no copy
     assert store.get_buffer("nope") is None
-    assert [b is None for b in store.batch_get_buffer(["k1", "nope"])] == [False, True]
+    handles = store.batch_get_buffer(["k1", "nope", "greeting"])
+    assert handles[1] is None and [bytes(h) for h in handles[::2]] == [b"v1", b"Hello, World!"]
+    assert all(type(h).__name__ == "BufferHandle" and h.size() == len(h) for h in handles[::2])
+    got = store.get_batch(["greeting", "k3", "k1"])
+    assert all(type(v) is bytes for v in got) and store.get_batch(["k3"]) == [b"v3"] and got[0] == b"Hello, World!"
     assert store.put("k1", b"replaced") == 0 and store.get("k1") == b"replaced"
     assert store.remove("k1") == 0 and store.remove("k1") == OBJECT_NOT_FOUND
     assert store.batch_remove(["k2", "nope", "k3"]) == [0, OBJECT_NOT_FOUND, 0]

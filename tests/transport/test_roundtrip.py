@@ -169,14 +169,15 @@ def test_values_outside_the_arena_are_read_and_written_another_way(mover, make_n
 
 @pytest.mark.parametrize("transport", ["shm", "rdma", "tcp", "grpc"])
 def test_get_returns_bytes_of_its_own_from_every_path(make_node, monkeypatch, transport):
-    """``get`` reads into a buffer it keeps per thread and makes the ``bytes`` from there: each
-    result must be a ``bytes`` object of its own, which later gets (of smaller, larger, missing
-    values, from the arena or the disk tier, or above the kept buffer's limit) leave alone."""
+    """``get`` and ``batch_get_bytes`` read into a buffer the client keeps per thread and make the
+    ``bytes`` from there: each result must be a ``bytes`` object of its own, which later reads (of
+    smaller, larger, missing values, from the arena or the disk tier, or above the kept buffer's
+    limit) leave alone. ``batch_get`` reads into the caller's ``alloc``."""
     import kvstore.client as client_module
 
     if transport == "rdma" and probe() is not None:
         simulate_rdma(monkeypatch)  # (as the mover fixture: before the node starts)
-    monkeypatch.setattr(client_module, "_GET_SCRATCH_MAX", 3 * MiB)  # (the limit's path at a small size)
+    monkeypatch.setattr(client_module, "_SLAB_MAX", 3 * MiB)  # (the limit's path at a small size)
     node = make_node(dram=4 * MiB, with_disk=True, high_watermark=1.0, low_watermark=0.5, promote=False)
     with StoreClient(node.address, transport=transport) as c:
         assert c.transport == transport, c.transport_notes
@@ -199,6 +200,33 @@ def test_get_returns_bytes_of_its_own_from_every_path(make_node, monkeypatch, tr
         t.start()
         t.join(timeout=60)
         assert results["mid"] == vals[b"mid"] and got[0] == vals[b"mid"]
+        # batch_get_bytes: a batch into the same kept buffer, values past its room or its limit
+        # in buffers of their own; a later batch leaves an earlier one's results alone
+        batches = [[b"small", b"mid", b"missing", b"small"], [b"mid", b"small", b"big", b"huge", b"missing"],
+                   [b"small", b"mid", b"missing", b"small"], [b"big", b"mid"]]
+        seen = []
+        for batch in batches:
+            out = c.batch_get_bytes(batch)
+            seen.append(out)
+            assert len(out) == len(batch)
+            for k, g in zip(batch, out):
+                assert g is None if k == b"missing" else (type(g) is bytes and g == vals[k]), k
+        for batch, out in zip(batches, seen):
+            assert [g if g is None else bytes(g) for g in out] == [vals.get(k) for k in batch]
+        # batch_get with a destination of the caller's: asked once per value found, by its index
+        class Mine(bytearray):
+            pass
+
+        asked = []
+
+        def alloc(i, size):
+            asked.append((i, size))
+            return Mine(size)
+
+        out = c.batch_get([b"missing", b"big", b"small", b"huge"], alloc)
+        assert out[0] is None and all(type(v) is Mine for v in out[1:])
+        assert [bytes(v) for v in out[1:]] == [vals[b"big"], vals[b"small"], vals[b"huge"]]
+        assert sorted(set(asked)) == [(1, len(vals[b"big"])), (2, 1000), (3, len(huge))]
 
 
 def test_choice_follows_the_node_and_the_request(make_node):
