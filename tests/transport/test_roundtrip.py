@@ -229,6 +229,33 @@ def test_get_returns_bytes_of_its_own_from_every_path(make_node, monkeypatch, tr
         assert sorted(set(asked)) == [(1, len(vals[b"big"])), (2, 1000), (3, len(huge))]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_threads_reading_new_bytes_through_one_client_never_share_a_buffer(make_node, transport):
+    """Four threads read overlapping batches as new bytes through one client at once: each
+    caller's values land in a kept buffer of its own, so every result is its key's value."""
+    node = make_node(dram=32 * MiB)
+    with StoreClient(node.address, transport=transport) as c:
+        vals = {b"v%02d" % i: os.urandom(100_000 + 37 * i) for i in range(24)}
+        assert c.batch_put(list(vals.items())) == [True] * len(vals)
+        keys, wrong, errors = list(vals), [], []
+
+        def reader(t: int) -> None:
+            try:
+                for r in range(40):
+                    batch = keys[(t * 5 + r) % 12:][: 4 + (r + t) % 9] + [b"nope"]
+                    got = c.batch_get_bytes(batch) if r % 3 else [c.get(k) for k in batch]
+                    wrong.extend(k for k, g in zip(batch, got) if g != vals.get(k))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert errors == [] and wrong == [] and not any(t.is_alive() for t in threads)
+
+
 def test_choice_follows_the_node_and_the_request(make_node):
     auto = make_node()
     with StoreClient(auto.address) as c:
