@@ -480,10 +480,11 @@ class StoreClient:
                 else:
                     cur = None
             else:
-                if cur is None or len(frame.data) > cur.nbytes:
+                data = frame.data  # (each access of a bytes field makes a new copy of it)
+                if cur is None or len(data) > cur.nbytes:
                     raise DataLossError("more value bytes than announced")
-                cur[: len(frame.data)] = frame.data
-                cur = cur[len(frame.data):]
+                cur[: len(data)] = data
+                cur = cur[len(data):]
         if cur is not None and cur.nbytes:
             raise DataLossError("a value arrived truncated")
         return out
