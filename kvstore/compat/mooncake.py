@@ -88,14 +88,17 @@ class MooncakeDistributedStore:
         self._replicated: dict[int, object] = {}  # replica_num → a ClusterClient writing that many copies
         self._buffers: dict[int, int] = {}  # registered address → size
         self._lock = threading.Lock()
+        self._slabs = None  # kvstore.client.ReadSlabs, what get_size reads into (made by setup)
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def setup(self, local_hostname: str, metadata_server: str = "", global_segment_size: int = 0,
               local_buffer_size: int = 0, protocol: str = "tcp", device_name: str = "",
               master_server_address: str = "") -> int:
-        from kvstore.client import ClusterClient, StoreClient
+        from kvstore.client import ClusterClient, ReadSlabs, StoreClient
         from kvstore.conductor.client import ConductorClient
+
+        self._slabs = self._slabs or ReadSlabs()
 
         if not master_server_address:
             log.error("setup: master_server_address must name a Crescent store node or conductor (host:port)")
@@ -203,13 +206,17 @@ class MooncakeDistributedStore:
         return self._read(keys, lambda ks: self._client.batch_get(ks, lambda _, size: BufferHandle(size)))
 
     def get_size(self, key: str) -> int:
-        """The value's size, or OBJECT_NOT_FOUND (reads the value: Crescent keeps no separate size index)."""
+        """The value's size, or OBJECT_NOT_FOUND (reads the value, into a kept buffer: Crescent keeps no
+        separate size index)."""
         if self._client is None:
             return INTERNAL_ERROR
+        slab = self._slabs.take()
         try:
-            (v,) = self._client.batch_get([_key(key)])
+            (v,) = self._client.batch_get([_key(key)], slab.alloc)
         except CrescentError as exc:
             return error_code(exc)
+        finally:
+            self._slabs.give(slab)
         return len(v) if v is not None else OBJECT_NOT_FOUND
 
     def is_exist(self, key: str) -> int:
