@@ -42,7 +42,8 @@ def test_put_get_batch_exist_remove(store):
     assert store.batch_is_exist(["k1", "nope", "k2"]) == [1, 0, 1]
     assert store.get_size("greeting") == 13 and store.get_size("nope") == OBJECT_NOT_FOUND
     assert store.put("big", bytes(3 * (1 << 20) + 5)) == 0
-    assert [store.get_size(k) for k in ("big", "big", "greeting", "nope")] == [3 * (1 << 20) + 5] * 2 + [13, OBJECT_NOT_FOUND]
+    sizes = [store.get_size(k) for k in ("big", "big", "greeting", "nope")]
+    assert sizes == [3 * (1 << 20) + 5] * 2 + [13, OBJECT_NOT_FOUND]
     assert store.remove("big") == 0
     buf = store.get_buffer("greeting")
     assert buf.size() == 13 and bytes(buf) == b"Hello, World!" and buf.ptr() != 0
