@@ -9,6 +9,7 @@ with backoff by one ``Retry`` object.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -19,7 +20,7 @@ from typing import TypeVar, Union
 
 from kvstore import tls
 from kvstore.config import MAX_KEY_BYTES, check_address
-from kvstore.datachannel import Status, _Connections, new_buffer
+from kvstore.datachannel import Op, Status, _Connections, new_buffer
 from kvstore.liveness import channel_options
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             ResourceExhaustedError, UnavailableError, call_grpc)
@@ -261,7 +262,7 @@ class StoreClient:
                 if not h.data_port:
                     self._want_dc = False
                     return None
-                self._dc = _Connections(self._host, h.data_port, h.data_token)
+                self._dc = _Connections(self._host, h.data_port, h.data_token, ops=h.data_ops)
             return self._dc
 
     def _drop_data_channel(self, stale: _Connections) -> None:
@@ -287,9 +288,9 @@ class StoreClient:
             return None
         return _Connections(self._host, h.data_port, h.data_token)
 
-    def _dc_call(self, fn: Callable, fallback: Callable[[], T]) -> T:
+    def _dc_call(self, fn: Callable, fallback: Callable[[], T], ops: int = 0) -> T:
         """Runs fn(conn) on this thread's data connection, or ``fallback()`` when the node
-        has no data channel.
+        has no data channel (or its ``data_ops`` are below ``ops``).
 
         A connection that broke is reopened at once (same port). One that cannot be
         opened, or breaks again, means the node went away: the channel is dropped and
@@ -300,7 +301,7 @@ class StoreClient:
 
         def once():
             dc = self._data_channel(retry=False)  # this loop retries
-            if dc is None:
+            if dc is None or dc.ops < ops:
                 return _NO_CHANNEL
             try:
                 try:
@@ -606,13 +607,32 @@ class StoreClient:
     def lookup_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[Tier]]:
         """The hit prefix's length and the tier of each of its keys."""
         keys = _check_keys(keys)
-        r = self._call(lambda: self._stub.Lookup(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
-        return r.num_prefix, [Tier(t) for t in r.tiers]
+        if not keys:
+            return 0, []
+
+        def grpc() -> tuple[int, list[Tier]]:
+            r = self._call(lambda: self._stub.Lookup(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
+            return r.num_prefix, [Tier(t) for t in r.tiers]
+
+        def channel(c) -> tuple[int, list[Tier]]:
+            items = c.query(Op.LOOKUP, keys)
+            tiers = [Tier(t) for _, t in itertools.takewhile(lambda it: it[0] is Status.OK, items)]
+            return len(tiers), tiers
+
+        # (on the data channel when the node answers it there: a round trip of ~0.1 ms against
+        # ~0.6 ms for a Python gRPC call)
+        return self._dc_call(channel, grpc, ops=1)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         keys = _check_keys(keys)
-        r = self._call(lambda: self._stub.Exists(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
-        return list(r.present)
+        if not keys:
+            return []
+
+        def grpc() -> list[bool]:
+            r = self._call(lambda: self._stub.Exists(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
+            return list(r.present)
+
+        return self._dc_call(lambda c: [status is Status.OK for status, _ in c.query(Op.EXISTS, keys)], grpc, ops=1)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Removes keys; returns how many were present."""

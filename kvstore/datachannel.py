@@ -31,6 +31,9 @@ of requests, each answered before the next (all integers little-endian)::
     COMMIT   lease id (one key, empty)          bytes stored
     ABORT    lease id (one key, empty)          values aborted
     PROVE    0 (one key: the shm proof)         0
+    LOOKUP   0                     0            the tier (OK for each key of the hit prefix,
+                                                NOT_FOUND from the first key absent on)
+    EXISTS   0                     0            0 (OK: present, NOT_FOUND: absent)
 
     grant     u64 lease_id  f64 ttl_s  u16 arena_len  u32 num_slots  arena
               u32 slot_count[n]  u32 slots[num_slots]  u64 generations[num_slots]
@@ -46,6 +49,10 @@ The descriptor ops (ACQUIRE .. ABORT) are the control half of the shm and rdma
 movers (kvstore/transport/): the same grants as the ``KVStore`` RPCs of the
 same names, without gRPC's per-call cost (a round trip here costs a few tens
 of microseconds; a Python gRPC call, about a millisecond).
+
+LOOKUP and EXISTS answer as the ``KVStore`` RPCs of the same names (a key that is not
+valid makes the whole batch INVALID, with the message); a node offers them when its
+Health says ``data_ops`` >= 1 (``DATA_OPS``).
 
 A connection takes shm ACQUIRE/RESERVE only after a PROVE whose key is the
 node's ``shm_proof``: an HMAC of the secret at the end of its arena file, which
@@ -68,7 +75,8 @@ from contextlib import contextmanager
 from itertools import chain
 
 from kvstore.config import MAX_KEY_BYTES
-from kvstore.errors import CrescentError, DataLossError, FailedPreconditionError, UnavailableError
+from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
+                             UnavailableError)
 from kvstore.liveness import connect, tune_socket
 
 HELLO = b"CRDC"
@@ -99,6 +107,12 @@ class Op(enum.IntEnum):
     REPORT = 8  # reads a same-host client made with no call (values, bytes, batches): the node counts them
     PROVE = 9  # one key: the shm proof (kvstore/arena.py, ``shm_proof``); shm grants need it first
     GET_LAYERED = 10  # a GET whose bytes come layer-major (below)
+    LOOKUP = 11  # the hit prefix and its tiers, as the KVStore.Lookup RPC (no bytes)
+    EXISTS = 12  # per key present or not, as the KVStore.Exists RPC
+
+
+DATA_OPS = 1
+"""What ``HealthResponse.data_ops`` says of a node of this version: 1, LOOKUP and EXISTS answered."""
 
 
 class Status(enum.IntEnum):
@@ -452,6 +466,15 @@ class DataChannelClient:
                     out.append(None)
             return out
 
+    def query(self, op: Op, keys: Sequence[bytes]) -> list[tuple[Status, int]]:
+        """LOOKUP or EXISTS: the items (InvalidArgumentError when the node refused the batch)."""
+        with self._guard():
+            self.sock.sendall(encode_request(op, keys, [0] * len(keys)))
+            items, msg, _ = self._answer(len(keys))
+        if any(status is Status.INVALID for status, _ in items):
+            raise InvalidArgumentError(msg)
+        return items
+
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[memoryview | bytes]]
             ) -> tuple[list[tuple[Status, int]], str]:
         """Writes values, each given as a list of parts sent back to back."""
@@ -492,8 +515,9 @@ def _proved(items: list[tuple[Status, int]], msg: str) -> None:
 class _Connections:
     """Per-thread connections to one node (``proof``: sent on each, for shm grants)."""
 
-    def __init__(self, host: str, port: int, token: bytes, proof: bytes = b"") -> None:
+    def __init__(self, host: str, port: int, token: bytes, proof: bytes = b"", ops: int = 0) -> None:
         self.host, self.port, self.token, self.proof = host, port, token, proof
+        self.ops = ops  # the node's HealthResponse.data_ops (DATA_OPS)
         self._local = threading.local()
         self._all: list[DataChannelClient] = []
         self._lock = threading.Lock()

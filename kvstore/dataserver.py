@@ -139,6 +139,8 @@ class DataChannelServer:
                     self._get(conn, keys, args, layered=True)
                 elif op is Op.PUT:
                     self._put(conn, keys, args)
+                elif op in (Op.LOOKUP, Op.EXISTS):
+                    conn.sendall(self._query(op, keys))
                 elif op is Op.PROVE:
                     proven = self._prove(keys)
                     conn.sendall(encode_response([(Status.OK if proven else Status.FAILED_PRECONDITION, 0)],
@@ -240,6 +242,18 @@ class DataChannelServer:
                 for r in reservations:
                     if r is not None:
                         self.store.abort(r)
+
+    def _query(self, op: Op, keys: list[bytes]) -> bytes:
+        """LOOKUP or EXISTS, answered as the KVStore RPC of the same name would be."""
+        try:
+            for key in keys:
+                check_key(key)
+        except CrescentError as exc:
+            return encode_response([(Status.INVALID, 0)] * len(keys), str(exc))
+        if op is Op.LOOKUP:
+            n, tiers = self.store.lookup(keys)
+            return encode_response([(Status.OK, int(t)) for t in tiers] + [(Status.NOT_FOUND, 0)] * (len(keys) - n))
+        return encode_response([(Status.OK if p else Status.NOT_FOUND, 0) for p in self.store.exists(keys)])
 
     def _prove(self, keys: list[bytes]) -> bool:
         want = getattr(self.grants, "shm_proof", None)

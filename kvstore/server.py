@@ -20,6 +20,7 @@ import grpc
 from kvstore import auth, tls
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
+from kvstore.datachannel import DATA_OPS
 from kvstore.dataserver import DataChannelServer
 from kvstore.liveness import server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
@@ -37,7 +38,7 @@ _GET_WINDOW = 16
 """Values a streamed Get leases (and reads from disk, in parallel) ahead of sending them."""
 _CHANNEL_OPS = {"acquire": "acquire_read", "release": "release_read", "reserve": "reserve_write",
                 "commit": "commit_write", "abort": "abort_write", "report": "report_local_reads",
-                "prove": "prove_shm"}
+                "prove": "prove_shm", "lookup": "lookup", "exists": "exists"}
 VERSION = "0.1.0"
 FRAME_BYTES = 4 << 20
 GRPC_OPTIONS = server_options(FRAME_BYTES + (1 << 20))
@@ -212,7 +213,8 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         return pb.HealthResponse(serving=not self.node.stopping, node_id=self.node.node_id,
                                  version=VERSION, max_key_bytes=MAX_KEY_BYTES - len(prefix),
                                  max_value_bytes=self.store.config.max_value_size,
-                                 data_port=dc.port if dc else 0, data_token=dc.token_for(prefix) if dc else b"")
+                                 data_port=dc.port if dc else 0, data_token=dc.token_for(prefix) if dc else b"",
+                                 data_ops=DATA_OPS if dc else 0)
 
 
 def _frames(views: list[memoryview]):
@@ -306,7 +308,7 @@ class StoreNode:
         if op in ("get", "get_layered", "put"):  # (a layered get is a get: its bytes come in another order)
             self.metrics.observe("put" if op == "put" else "get", seconds, path)
             self.transport.count(Mover.TCP, "write" if op == "put" else "read")
-        else:  # the control half of shm/rdma, named as its RPC (mover counts come from the lease table)
+        else:  # the control half of shm/rdma and the queries, named as their RPCs (mover counts: the lease table)
             self.metrics.observe(_CHANNEL_OPS[op], seconds, path)
 
     def start(self) -> StoreNode:

@@ -256,6 +256,52 @@ def test_threads_reading_new_bytes_through_one_client_never_share_a_buffer(make_
         assert errors == [] and wrong == [] and not any(t.is_alive() for t in threads)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_lookup_and_exists_on_the_data_channel_answer_as_the_rpcs_do(make_node, monkeypatch, transport):
+    """lookup/exists go over the data channel when the node says it answers them there
+    (``data_ops``): the same answers as the RPCs (tiers, prefixes, misses, bad keys), on one
+    connection kept open, counted in the node's metrics; a node that does not say so (one of
+    an earlier version) is asked over gRPC."""
+    import kvstore.server as server_module
+
+    def counts(node) -> dict:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=30).read().decode()
+        return {(op, path): float(line.rsplit(" ", 1)[1]) for op in ("lookup", "exists") for path in ("tcp", "grpc")
+                for line in text.splitlines()
+                if line.startswith(f'crescent_store_op_seconds_count{{op="{op}",path="{path}"}}')}
+
+    node = make_node(dram=4 * MiB, with_disk=True, high_watermark=1.0, low_watermark=0.5, promote=False, metrics_port=0)
+    with StoreClient(node.address, transport=transport) as c, StoreClient(node.address, data_channel=False) as g:
+        keys = [b"q%d" % i for i in range(6)]
+        assert c.batch_put([(k, os.urandom(200_000)) for k in keys[:4]]) == [True] * 4
+        assert c.batch_put([(b"huge", os.urandom(5 * MiB))]) == [True]  # larger than the arena: on disk
+        keys.insert(2, b"huge")
+        for q in (keys, keys[::-1], [b"q0", b"huge"], [b"missing"] + keys, [b"q1"], []):
+            assert c.lookup_tiers(q) == g.lookup_tiers(q), q
+            assert c.exists(q) == g.exists(q), q
+        n, tiers = c.lookup_tiers(keys)
+        assert n == 5 and tiers == [Tier.DRAM] * 2 + [Tier.DISK] + [Tier.DRAM] * 2
+        assert c.exists(keys) == [True] * 5 + [False, False] and c.lookup([b"missing", b"q0"]) == 0
+        with pytest.raises(InvalidArgumentError, match="key"):
+            c.lookup([b"q0", b"x" * 5000])
+        conn = c._data_channel().current() if transport != "grpc" else None
+        before = counts(node)
+        for _ in range(3):
+            assert c.lookup(keys) == 5 and c.exists([b"q0"]) == [True]
+        if conn is not None:
+            assert c._data_channel().current() is conn  # the node kept the connection open
+        got = counts(node)
+        path = "grpc" if transport == "grpc" else "tcp"
+        assert got[("lookup", path)] - before.get(("lookup", path), 0) == 3
+        assert got[("exists", path)] - before.get(("exists", path), 0) == 3
+    monkeypatch.setattr(server_module, "DATA_OPS", 0)  # a node that predates the queries on its data channel
+    old = make_node(metrics_port=0)
+    with StoreClient(old.address, transport=transport) as c:
+        c.put(b"k", b"v")
+        assert c.lookup([b"k", b"nope"]) == 1 and c.exists([b"nope", b"k"]) == [False, True]
+    assert counts(old) == {("lookup", "grpc"): 1.0, ("exists", "grpc"): 1.0}
+
+
 def test_choice_follows_the_node_and_the_request(make_node):
     auto = make_node()
     with StoreClient(auto.address) as c:

@@ -197,7 +197,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "node_id", "version", "max_key_bytes", "max_value_bytes", "data_port", "data_token")
+    __slots__ = ("serving", "node_id", "version", "max_key_bytes", "max_value_bytes", "data_port", "data_token", "data_ops")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class HealthResponse(_message.Message):
     MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_OPS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     node_id: str
     version: str
@@ -212,7 +213,8 @@ class HealthResponse(_message.Message):
     max_value_bytes: int
     data_port: int
     data_token: bytes
-    def __init__(self, serving: _Optional[bool] = ..., node_id: _Optional[str] = ..., version: _Optional[str] = ..., max_key_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
+    data_ops: int
+    def __init__(self, serving: _Optional[bool] = ..., node_id: _Optional[str] = ..., version: _Optional[str] = ..., max_key_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_ops: _Optional[int] = ...) -> None: ...
 
 class TransportsRequest(_message.Message):
     __slots__ = ()
