@@ -218,6 +218,29 @@ def bench_crescent(address: str, size: int, batch_bytes: int, reps: int, transpo
     return res
 
 
+def bench_lookup(address: str, calls: int = 300) -> dict:
+    """p50 ms of ``lookup`` and ``exists`` of 16 keys (12 present), per way of asking: the data
+    channel (tcp, shm clients) against the gRPC RPCs (a client with its data channel off)."""
+    keys = [b"lookup-%d" % i for i in range(16)]
+    out = {}
+    for name, kw in (("tcp", {"transport": "tcp"}), ("shm", {"transport": "shm"}),
+                     ("grpc", {"transport": "tcp", "data_channel": False})):
+        with StoreClient(address, **kw) as c:
+            assert c.batch_put([(k, b"v" * 1000) for k in keys[:12]]) == [True] * 12
+            res = {}
+            for op, fn in (("lookup", lambda: c.lookup(keys)), ("exists", lambda: c.exists(keys))):
+                warm_up(fn)
+                lat = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    lat.append(time.perf_counter() - t0)
+                res[op] = 1e3 * pct(lat, 50)
+            assert c.lookup(keys) == 12
+            out[name] = res
+    return out
+
+
 # ---- Redis ----------------------------------------------------------------------
 
 def bench_redis(size: int, batch_bytes: int, reps: int) -> dict | None:
@@ -385,6 +408,8 @@ def main() -> None:
                                                                       "grpc"))
             log(f"{human(size)}: Redis")
             r["redis"] = bench_redis(size, batch_bytes, reps)
+        log("lookup and exists of 16 keys: on the data channel and over gRPC")
+        lookups = bench_lookup(server.address)
     finally:
         server.stop()
         tls_server.stop()
@@ -421,6 +446,10 @@ def main() -> None:
                 rows.append([human(size), name, op, f"{m['gbps']:.2f}", f"{m['gbps'] / tcp:.2f}",
                              f"{m['gbps'] / mc:.2f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}"])
     md = table(["value", "system", "op", "GB/s", "× raw TCP", "× memcpy", "p50 ms", "p99 ms"], rows)
+    md_lookup = table(["asked", "lookup p50 ms", "exists p50 ms", "lookup × data channel (TCP)"],
+                      [[{"tcp": "data channel (TCP client)", "shm": "data channel (same-host client)",
+                         "grpc": "gRPC RPC"}[k], f"{v['lookup']:.3f}", f"{v['exists']:.3f}",
+                        f"{v['lookup'] / lookups['tcp']['lookup']:.2f}"] for k, v in lookups.items()])
     target = results[MiB]["crescent_tcp"]["batch_get_into"]["gbps"] / results[MiB]["raw_tcp_gbps"]
     summary = (f"batch_get_into of 1 MiB values: {target:.2f}× the same run's raw TCP ceiling "
                f"(target ≥ 0.60×); gRPC-only batch get: "
@@ -447,14 +476,20 @@ def main() -> None:
         summary += f", {p_['batch_get']['gbps'] / results[MiB]['redis']['batch_get']['gbps']:.2f}× Redis MGET"
     else:
         summary += "; Redis not installed, no Redis rows"
+    lk = lookups
+    summary += (f"; lookup of 16 keys: {lk['tcp']['lookup']:.3f} ms on the TCP data channel, "
+                f"{lk['shm']['lookup']:.3f} ms from a same-host client, {lk['grpc']['lookup']:.3f} ms over gRPC "
+                f"({lk['grpc']['lookup'] / lk['tcp']['lookup']:.1f}× the data channel's)")
     print()
     print(md)
+    print()
+    print(md_lookup)
     print()
     print(summary)
     png = os.path.join(OUT, "store_bench.png")
     plot(results, png)
     with open(os.path.join(OUT, "store_bench.json"), "w") as f:
-        json.dump({str(k): v for k, v in results.items()}, f, indent=1)
+        json.dump({**{str(k): v for k, v in results.items()}, "lookups": lookups}, f, indent=1)
     print(f"plot: {png}")
     if args.write_docs:
         shutil.copy(png, os.path.join(ROOT, "docs", "store_bench.png"))
@@ -471,7 +506,8 @@ def main() -> None:
                 "reserve and commit; "
                 "`× memcpy` is against the single-thread, one-hot-source memcpy of the same run. "
                 f"Every timed series follows {WARMUP_S} s of the same operation, untimed.\n\n"
-                f"{md}\n\n**{summary}.**\n\n![store bench](store_bench.png)\n")
+                f"{md}\n\nLookups (16 keys, 12 present; 300 calls, p50):\n\n{md_lookup}\n\n"
+                f"**{summary}.**\n\n![store bench](store_bench.png)\n")
         write_docs_section("store_bench", body)
         print("docs/benchmarks.md updated")
 
