@@ -45,6 +45,7 @@ Value = Union[Buffer, Sequence[Buffer]]
 T = TypeVar("T")
 _SLAB_MAX = 64 << 20
 """The most a ReadSlabs slab grows to (bytes)."""
+_QUERY_OPS = 1  # the data_ops from which a node answers LOOKUP and EXISTS on its data channel
 _NO_CHANNEL = object()  # _dc_call: the node (maybe a restarted one) offers no data channel
 
 
@@ -430,20 +431,6 @@ class StoreClient:
         """Values (None for misses), one per key, in order: each read into ``alloc(index, size)``,
         a writable buffer of exactly ``size`` bytes (by default a new bytearray; pass your own to
         read into pinned memory or a subclass). It may be called again for a value read again."""
-        return self._batch_get(keys, alloc)
-
-    def batch_get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """``batch_get`` as ``bytes`` (None for misses), with one allocation per value: the
-        values are read into a buffer the client keeps (ReadSlabs) and copied out."""
-        slab = self._slabs.take()
-        try:
-            return [bytes(v) if v is not None else None for v in self._batch_get(keys, slab.alloc)]
-        finally:
-            self._slabs.give(slab)
-
-    def _batch_get(self, keys: Sequence[bytes], alloc: Callable[[int, int], Buffer]) -> list[Buffer | None]:
-        """``batch_get`` with each value read into ``alloc(index, size)`` (a writable buffer of
-        exactly ``size`` bytes, which it returns; called again for a value read again)."""
         keys = _check_keys(keys)
         if not keys:
             return []
@@ -463,6 +450,15 @@ class StoreClient:
                                                           lambda j, size: alloc(elsewhere[j], size))):
                 result[i] = v
         return result
+
+    def batch_get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """``batch_get`` as ``bytes`` (None for misses), with one allocation per value: the
+        values are read into a buffer the client keeps (ReadSlabs) and copied out."""
+        slab = self._slabs.take()
+        try:
+            return [bytes(v) if v is not None else None for v in self.batch_get(keys, slab.alloc)]
+        finally:
+            self._slabs.give(slab)
 
     def _streamed_get(self, keys: list[bytes], alloc: Callable[[int, int], Buffer] = new_buffer
                       ) -> list[Buffer | None]:
@@ -621,7 +617,7 @@ class StoreClient:
 
         # (on the data channel when the node answers it there: a round trip of ~0.1 ms against
         # ~0.6 ms for a Python gRPC call)
-        return self._dc_call(channel, grpc, ops=1)
+        return self._dc_call(channel, grpc, ops=_QUERY_OPS)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         keys = _check_keys(keys)
@@ -632,7 +628,10 @@ class StoreClient:
             r = self._call(lambda: self._stub.Exists(pb.KeysRequest(keys=keys), timeout=self.timeout_s))
             return list(r.present)
 
-        return self._dc_call(lambda c: [status is Status.OK for status, _ in c.query(Op.EXISTS, keys)], grpc, ops=1)
+        def channel(c) -> list[bool]:
+            return [status is Status.OK for status, _ in c.query(Op.EXISTS, keys)]
+
+        return self._dc_call(channel, grpc, ops=_QUERY_OPS)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Removes keys; returns how many were present."""
