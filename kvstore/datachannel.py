@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import enum
 import socket
-import ssl
 import struct
 import sys
 import threading
@@ -78,6 +77,7 @@ from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                              UnavailableError)
 from kvstore.liveness import connect, tune_socket
+from kvstore.tls import TlsStream
 
 HELLO = b"CRDC"
 TOKEN_BYTES = 16
@@ -145,13 +145,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
-    """Gather-writes every view in order (``sendmsg``, resuming after partial sends; a TLS socket
-    has no ``sendmsg``: one ``sendall`` per view)."""
-    pending = [memoryview(v).cast("B") for v in views if len(v)]
-    if isinstance(sock, ssl.SSLSocket):
-        for v in pending:
-            sock.sendall(v)
+    """Gather-writes every view in order (``sendmsg``, resuming after partial sends; under TLS, the
+    stream encrypts them and sends the records a MiB at a time)."""
+    if isinstance(sock, TlsStream):
+        sock.send_views(views)
         return
+    pending = [memoryview(v).cast("B") for v in views if len(v)]
     while pending:
         batch = pending[:_IOV_MAX]
         sent = sock.sendmsg(batch)
@@ -213,7 +212,7 @@ def encode_response(items: Sequence[tuple[Status, int]], msg: str = "", grant: b
 def read_request(sock: socket.socket) -> tuple[Op, list[bytes], list[int], int] | None:
     """Reads one request header and body: ``(op, keys, args, mover)``; None when the
     peer closed cleanly between requests."""
-    if isinstance(sock, ssl.SSLSocket):  # (no recv flags on TLS sockets)
+    if isinstance(sock, TlsStream):  # (no recv flags under TLS)
         first = sock.recv(_REQ.size)
         if first and len(first) < _REQ.size:
             first += recv_exact(sock, _REQ.size - len(first))
@@ -340,7 +339,7 @@ class DataChannelClient:
             tune(sock)
             ctx = tls.client_context()
             if ctx is not None:
-                sock = ctx.wrap_socket(sock, server_hostname=host)
+                sock = tls.TlsStream(sock, ctx, server_hostname=host)
             # (a node that dies as it accepts resets the hello: unreachable too, never a raw OSError)
             sock.sendall(HELLO + token)
         except OSError as exc:  # ssl.SSLError included: a failed handshake

@@ -15,6 +15,7 @@ from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
                                  recv_exact_into, send_views, split_layered_arg, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, TieredStore, check_key
+from kvstore.tls import TlsStream
 from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class DataChannelServer:
             tune(conn)
             if self._tls is not None:  # the handshake runs here, on the connection's own thread
                 conn.settimeout(30)
-                plain, conn = conn, self._tls.wrap_socket(conn, server_side=True)
+                plain, conn = conn, TlsStream(conn, self._tls, server_side=True)
                 with self._lock:
                     self._conns.discard(plain)
                     self._conns.add(conn)

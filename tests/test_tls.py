@@ -5,8 +5,11 @@ keeps serving the clients that hold the right certificates."""
 
 import datetime
 import os
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -120,9 +123,6 @@ def test_mtls_store_node_serves_certified_clients_and_refuses_the_others(certs):
             bufs = [bytearray(len(v)) for v in big[:2]]
             assert c.batch_get_into([b"b0", b"b1"], bufs) == [len(v) for v in big[:2]] and bufs == big[:2]
         # a plaintext or wrongly certified peer of the data channel gets nothing, and the node goes on
-        import socket
-        import ssl
-
         with socket.create_connection(("127.0.0.1", data_port), timeout=30) as s:
             try:
                 s.sendall(b"CRDC" + bytes(32))  # a plaintext hello
@@ -213,3 +213,149 @@ def test_real_processes_with_the_tls_flags(certs):
     finally:
         store.stop()
         conductor.stop()
+
+
+def _stream_pair(certs, client_cert="client"):
+    """A TlsStream server and client over a real loopback TCP connection (mTLS, CA a)."""
+    use(certs, client_auth=True)
+    server_ctx = tls.server_context()
+    use(certs, cert=client_cert)
+    client_ctx = tls.client_context()
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        raw_client = socket.create_connection(ls.getsockname(), timeout=30)
+        raw_server, _ = ls.accept()
+    raw_server.settimeout(30)
+    got: dict = {}
+
+    def accept():
+        try:
+            got["server"] = tls.TlsStream(raw_server, server_ctx, server_side=True)
+        except OSError as exc:
+            got["error"] = exc
+            raw_server.close()
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        client = tls.TlsStream(raw_client, client_ctx, server_hostname="127.0.0.1")
+    finally:
+        t.join(timeout=60)
+    return client, got
+
+
+def _recv_exact(stream, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view.nbytes:
+        k = stream.recv_into(view)
+        assert k > 0, "end of stream before the message was whole"
+        view = view[k:]
+    return bytes(buf)
+
+
+def test_tls_stream_moves_every_byte_both_ways_and_ends_cleanly(certs):
+    """The data channel's TLS stream (SSLObject over memory buffers): messages of every size around a
+    record (16 KiB) and the send pieces (32 KiB .. 1 MiB), gathered views, both directions, partial reads,
+    a peer's close read as end of stream, and a tampered record an SSLError, never wrong bytes."""
+    client, got = _stream_pair(certs)
+    server = got["server"]
+    assert client.version() == server.version() and client.version().startswith("TLS")
+    assert server.getpeercert()["subject"]  # the node saw the client's certificate (mTLS)
+    sizes = [1, 100, 16 << 10, (16 << 10) + 1, (32 << 10) - 1, 32 << 10, (1 << 20) + 3, 5 << 20]
+    msgs = [os.urandom(n) for n in sizes]
+
+    def echo():
+        for n in sizes:
+            data = _recv_exact(server, n)
+            server.send_views([data[:7], memoryview(data)[7:], b""])
+
+    t = threading.Thread(target=echo)
+    t.start()
+    for m in msgs:
+        client.sendall(m)
+        assert _recv_exact(client, len(m)) == m
+    t.join(timeout=60)
+    # partial reads: a reader's buffer smaller than what has arrived takes it in turns
+    server.sendall(b"abcdefgh")
+    assert client.recv(3) == b"abc" and _recv_exact(client, 5) == b"defgh"
+    assert client.recv_into(bytearray(0)) == 0
+    # the peer closes: end of stream (0 / b""), not an error, on either end
+    server.close()
+    assert client.recv(10) == b""
+    client.close()
+
+    # a record altered on the wire is refused by the reader (the AEAD tag), never handed on as data
+    client, got = _stream_pair(certs)
+    server = got["server"]
+    client._tls.write(b"x" * 1000)  # noqa: SLF001 (encrypt, then flip one byte of the ciphertext)
+    wire = bytearray(client._out.read())  # noqa: SLF001
+    wire[-20] ^= 1
+    client._sock.sendall(wire)  # noqa: SLF001
+    with pytest.raises(ssl.SSLError):
+        _recv_exact(server, 1000)
+    client.close()
+    server.close()
+
+    # a plaintext peer: the handshake fails with an SSLError on the TLS end, with an alert or a close sent
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        raw = socket.create_connection(ls.getsockname(), timeout=30)
+        conn, _ = ls.accept()
+    conn.settimeout(30)
+    raw.sendall(b"CRDC" + bytes(60))
+    use(certs)
+    with pytest.raises(ssl.SSLError):
+        tls.TlsStream(conn, tls.server_context(), server_side=True)
+    conn.close()
+    answer = raw.recv(100)
+    assert answer == b"" or answer[0] == 0x15  # a TLS alert record
+    raw.close()
+
+    # a peer that closes during the handshake: a clean OSError (the node's connection thread just ends)
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        raw = socket.create_connection(ls.getsockname(), timeout=30)
+        conn, _ = ls.accept()
+    raw.close()
+    conn.settimeout(30)
+    with pytest.raises(OSError):
+        tls.TlsStream(conn, tls.server_context(), server_side=True)
+    conn.close()
+
+
+def test_tls_stream_refuses_a_client_certificate_of_another_ca(certs):
+    """Under --tls-client-auth, a client of CA b fails the node's handshake; the client's next read fails
+    (TLS 1.3 finishes the client's side first) and nothing is delivered either way."""
+    use(certs, cert="node", ca="a")
+    tls.configure(certs["b"]["node"], certs["b"]["node-key"], certs["a"]["ca"])
+    client_ctx = tls.client_context()
+    use(certs, client_auth=True)
+    server_ctx = tls.server_context()
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        raw_client = socket.create_connection(ls.getsockname(), timeout=30)
+        raw_server, _ = ls.accept()
+    raw_server.settimeout(30)
+    errors = []
+
+    def accept():
+        try:
+            tls.TlsStream(raw_server, server_ctx, server_side=True)
+        except ssl.SSLError as exc:
+            errors.append(exc)
+        finally:
+            raw_server.close()
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        client = tls.TlsStream(raw_client, client_ctx, server_hostname="127.0.0.1")
+        try:
+            client.sendall(b"CRDC" + bytes(16))
+            answer = client.recv(10)
+        except OSError:  # the node's alert
+            answer = b""
+        client.close()
+    except ssl.SSLError:  # (TLS 1.2 would fail here, in the client's handshake)
+        answer = b""
+        raw_client.close()
+    t.join(timeout=60)
+    assert answer == b""
+    assert len(errors) == 1 and "certificate" in str(errors[0]).lower()
