@@ -19,7 +19,8 @@ for both ends (server and client authentication) for the given hosts plus ``loca
 The TCP data channel (kvstore/datachannel.py), which carries chunk bytes outside gRPC, speaks TLS
 with the same certificates (``server_context`` / ``client_context``: Python's ``ssl``, TLS 1.2 or
 newer, the client checking the node's name, the node requiring client certificates under
-``--tls-client-auth``). Shared memory stays same-host and same-user: the arena file is 0600 and
+``--tls-client-auth``), through ``TlsStream`` (OpenSSL on memory buffers: far fewer system calls
+than ``ssl.SSLSocket``). Shared memory stays same-host and same-user: the arena file is 0600 and
 a client proves it read the file's secret before shm grants (kvstore/arena.py, ``shm_proof``).
 """
 
