@@ -98,6 +98,8 @@ def _register_ctl(sub) -> None:
     c.add_argument("--policy", choices=POLICY_NAMES, help="override the conductor's policy")
     c.add_argument("--vllm", action="store_true",
                    help="choose among the vLLM instances the conductor follows (--vllm-kv-events)")
+    c.add_argument("--cache-salt", metavar="SALT",
+                   help="with --vllm and --tokens/--text: the request's cache_salt (its keys are salted)")
     c.set_defaults(ctl_handler="cmd_schedule")
     c = cmds.add_parser("drain", parents=[common], help="stop giving new work to a member")
     c.add_argument("member", help="member id (see `crescent ctl nodes`)")

@@ -15,8 +15,11 @@ prefill member and follows its events:
 - ``BlockRemoved`` drops the chunk its block completed (vLLM evicts a sequence's blocks from the
   tail); ``AllBlocksCleared`` (a prefix-cache reset) and a publisher restart (its sequence going
   back) drop the instance's chunks;
-- blocks hashed with extra keys (a ``cache_salt``, LoRA, multimodal inputs) or of a KV-cache group
-  other than the first are not indexed: their reuse depends on more than tokens;
+- a request's ``cache_salt`` (vLLM hashes it into the request's first block, so every block after
+  differs too) puts its chunks under ``salted_namespace(namespace, salt)``: a caller that computes
+  a salted request's keys that way finds them, and no other request's keys are ever equal;
+- blocks hashed with other extra keys (LoRA, multimodal inputs, prompt embeddings) or of a KV-cache
+  group other than the first are not indexed: their reuse depends on more than tokens and a salt;
 - batches are decoded in both forms vLLM has used — arrays (``array_like``) and maps — and unknown
   fields and event types are ignored;
 - with a replay endpoint, the subscriber asks for every buffered batch when it connects and after a
@@ -50,6 +53,31 @@ FIELDS = {
 """The events' fields in declaration order: the array form lists them positionally after the tag."""
 DEFAULT_NAMESPACE = xxhash.xxh3_128_digest(b"crescent/vllm-kv-events")
 """The namespace chunk keys of vLLM instances are computed under unless --vllm-namespace says."""
+_SALT_DOMAIN = b"crescent/vllm-cache-salt\0"
+
+
+def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
+    """The namespace the chunk keys of a vLLM request with ``cache_salt`` are computed under:
+    ``namespace`` itself without a salt (or with an empty one, which vLLM ignores too), else
+    ``XXH3_128(b"crescent/vllm-cache-salt\\0" ‖ namespace ‖ UTF-8 salt)``."""
+    if not cache_salt:
+        return namespace
+    return xxhash.xxh3_128_digest(_SALT_DOMAIN + namespace + cache_salt.encode())
+
+
+def _salt_of(f: dict, extra: list) -> str | None:
+    """The cache_salt a ``BlockStored`` carries for its first block, None if it carries none.
+
+    vLLM publishes each block's extra keys without their tags: a salt is a bare string, and so is a
+    LoRA name (on every block of a LoRA request, whose event then names it in ``lora_name``). So a
+    first block (no parent) of a request without LoRA whose only extra key is a string: its salt.
+    """
+    if f.get("parent_block_hash") is not None or f.get("lora_name") or f.get("lora_id") or not extra:
+        return None
+    first = extra[0]
+    if isinstance(first, (list, tuple)) and len(first) == 1 and isinstance(first[0], str) and first[0]:
+        return first[0]
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,6 +128,8 @@ class _Block:
     """Tokens after that chunk, up to the end of this block."""
     completes: list[bytes]
     """Keys of the chunks this block completes."""
+    namespace: bytes
+    """The namespace of its request's chunk keys (salted when the request was)."""
 
 
 class BlockRekeyer:
@@ -115,16 +145,19 @@ class BlockRekeyer:
     def stored(self, f: dict) -> list[bytes]:
         """The chunk keys a ``BlockStored`` completes."""
         hashes, tokens, size = f.get("block_hashes") or [], f.get("token_ids") or [], f.get("block_size")
-        extra = f.get("extra_keys") or []
+        extra = list(f.get("extra_keys") or [])
+        salt = _salt_of(f, extra)
+        if salt is not None:
+            extra[0] = None
         if f.get("group_idx") not in (None, 0) or not isinstance(size, int) or size <= 0 \
                 or len(tokens) != size * len(hashes) or any(x is not None for x in extra):
             self.num_skipped += len(hashes)
             return []
         parent = f.get("parent_block_hash")
         if parent is None:
-            last, pending = bytes(ROOT_KEY), ()
+            last, pending, ns = bytes(ROOT_KEY), (), salted_namespace(self.namespace, salt)
         elif (p := self.blocks.get(_hashable(parent))) is not None:
-            last, pending = p.last_key, p.pending
+            last, pending, ns = p.last_key, p.pending, p.namespace
         else:  # its parent was stored before we listened, or skipped
             self.num_skipped += len(hashes)
             return []
@@ -133,10 +166,10 @@ class BlockRekeyer:
             pending = pending + tuple(tokens[i * size:(i + 1) * size])
             completes = []
             while len(pending) >= self.chunk_tokens:
-                last = chunk_key(last, self.namespace, pending[:self.chunk_tokens])
+                last = chunk_key(last, ns, pending[:self.chunk_tokens])
                 pending = pending[self.chunk_tokens:]
                 completes.append(bytes(last))
-            self.blocks[_hashable(h)] = _Block(last, pending, completes)
+            self.blocks[_hashable(h)] = _Block(last, pending, completes, ns)
             new += completes
         return new
 

@@ -13,7 +13,7 @@ import subprocess
 from kvstore.conductor.client import ConductorClient
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
-from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE
+from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE, salted_namespace
 from kvstore.keys import chunk_keys
 from kvstore.procs import port_for_child
 from kvstore.store import Tier
@@ -101,11 +101,22 @@ def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
                     assert (r.prefill, r.num_cached_chunks, r.num_cached_tokens) == (name, 3, 3 * CHUNK)
             members = {m.member_id: m for m in cc.members()}
             assert members["v1"].num_chunks == members["v2"].num_chunks == 6
+            # v2 runs v1's first prompt under a cache_salt: vLLM hashes the salt into the first block and
+            # publishes it there; the conductor keys that chain under the salted namespace
+            v2.send("generate " + json.dumps({"prompts": prompts["v1"][:1], "cache_salt": "acme"}))
+            v2.expect("done")
+            salted = chunk_keys(prompts["v1"][0], salted_namespace(DEFAULT_NAMESPACE, "acme"), CHUNK)
+            wait_for(lambda: cc.locate(salted).num_prefix == 3, timeout_s=120, what="the salted prefix indexed")
+            assert cc.locate(salted).holders[:3] == [{"v2": Tier.DEVICE}] * 3
+            assert cc.locate(chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)).holders[:3] \
+                == [{"v1": Tier.DEVICE}] * 3  # unsalted: v1's alone
+            r = schedule_when_idle(cc, salted + [b"\x01" * 16], 300)
+            assert (r.prefill, r.num_cached_chunks) == ("v2", 3)
             v1.send("reset")
             assert v1.expect("reset") == "reset True"
             keys = chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)
             wait_for(lambda: cc.locate(keys).num_prefix == 0, timeout_s=120, what="v1's reset in the index")
-            assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 6}
+            assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 9}
     finally:
         if conductor is not None:
             conductor.stop()

@@ -4,7 +4,8 @@ vLLM venv's python; single-process vLLM on CPU, the caller sets the env).
     python vllm_events_run.py MODEL_DIR PUB_ENDPOINT REPLAY_ENDPOINT
 
 Prints "@@ ready", then obeys one command per stdin line, answering each on a stdout line starting
-"@@ " (vLLM logs to stdout too): ``generate [[token ids], ...]`` → ``@@ done``; ``reset`` (the prefix
+"@@ " (vLLM logs to stdout too): ``generate [[token ids], ...]`` (or ``{"prompts": [...], "cache_salt":
+SALT}``) → ``@@ done``; ``reset`` (the prefix
 cache, then one step that publishes it) → ``@@ reset True|False``; ``quit``.
 """
 
@@ -27,7 +28,10 @@ def main() -> None:
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "generate":
-            prompts = [{"prompt_token_ids": ids} for ids in json.loads(arg)]
+            req = json.loads(arg)
+            req = req if isinstance(req, dict) else {"prompts": req}
+            salt = {"cache_salt": req["cache_salt"]} if req.get("cache_salt") else {}
+            prompts = [{"prompt_token_ids": ids, **salt} for ids in req["prompts"]]
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
             print("@@ done", flush=True)
         elif cmd == "reset":
