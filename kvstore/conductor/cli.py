@@ -100,6 +100,7 @@ def _register_ctl(sub) -> None:
                    help="choose among the vLLM instances the conductor follows (--vllm-kv-events)")
     c.add_argument("--cache-salt", metavar="SALT",
                    help="with --vllm and --tokens/--text: the request's cache_salt (its keys are salted)")
+    c.add_argument("--lora", metavar="NAME", help="with --vllm and --tokens/--text: the request's LoRA adapter")
     c.set_defaults(ctl_handler="cmd_schedule")
     c = cmds.add_parser("drain", parents=[common], help="stop giving new work to a member")
     c.add_argument("member", help="member id (see `crescent ctl nodes`)")

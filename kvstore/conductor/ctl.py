@@ -104,12 +104,12 @@ def _namespace_and_chunk(ns, client) -> tuple[bytes, int]:
 
 def _selected_keys(ns, client) -> tuple[list[bytes], int, int]:
     """The keys named by --keys / --tokens / --text, the prompt's token count (0 for --keys), the chunk size."""
-    from kvstore.conductor.vllm_events import salted_namespace
+    from kvstore.conductor.vllm_events import request_namespace
     from kvstore.keys import Namespace, chunk_keys
 
-    salt = getattr(ns, "cache_salt", None)
-    if salt is not None and (ns.keys is not None or not getattr(ns, "vllm", False)):
-        raise UsageError("--cache-salt needs --vllm and --tokens or --text (a salted vLLM request's keys)")
+    salt, lora = getattr(ns, "cache_salt", None), getattr(ns, "lora", None)
+    if (salt is not None or lora is not None) and (ns.keys is not None or not getattr(ns, "vllm", False)):
+        raise UsageError("--cache-salt and --lora need --vllm and --tokens or --text (a vLLM request's keys)")
     if ns.keys is not None:
         try:
             keys = [bytes.fromhex(k) for k in ns.keys.replace(",", " ").split()]
@@ -121,7 +121,7 @@ def _selected_keys(ns, client) -> tuple[list[bytes], int, int]:
     tokens = _parse_tokens(ns.tokens) if ns.tokens is not None else _tokenize(ns.text, ns.tokenizer)
     namespace, chunk = _namespace_and_chunk(ns, client)
     try:
-        keys = chunk_keys(tokens, Namespace(salted_namespace(namespace, salt)), chunk)
+        keys = chunk_keys(tokens, Namespace(request_namespace(namespace, salt, lora)), chunk)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return keys, len(tokens), chunk

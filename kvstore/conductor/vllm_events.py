@@ -16,10 +16,11 @@ prefill member and follows its events:
   tail); ``AllBlocksCleared`` (a prefix-cache reset) and a publisher restart (its sequence going
   back) drop the instance's chunks;
 - a request's ``cache_salt`` (vLLM hashes it into the request's first block, so every block after
-  differs too) puts its chunks under ``salted_namespace(namespace, salt)``: a caller that computes
-  a salted request's keys that way finds them, and no other request's keys are ever equal;
-- blocks hashed with other extra keys (LoRA, multimodal inputs, prompt embeddings) or of a KV-cache
-  group other than the first are not indexed: their reuse depends on more than tokens and a salt;
+  differs too) and its LoRA adapter (hashed into every block) put its chunks under
+  ``request_namespace(namespace, salt, lora_name)``: a caller that computes such a request's keys
+  that way finds them, and no other request's keys are ever equal;
+- blocks hashed with other extra keys (multimodal inputs, prompt embeddings) or of a KV-cache group
+  other than the first are not indexed: their reuse depends on more than tokens, salt and adapter;
 - batches are decoded in both forms vLLM has used — arrays (``array_like``) and maps — and unknown
   fields and event types are ignored;
 - with a replay endpoint, the subscriber asks for every buffered batch when it connects and after a
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 import urllib.error
 import urllib.request
 from collections.abc import Hashable
@@ -53,31 +55,48 @@ FIELDS = {
 """The events' fields in declaration order: the array form lists them positionally after the tag."""
 DEFAULT_NAMESPACE = xxhash.xxh3_128_digest(b"crescent/vllm-kv-events")
 """The namespace chunk keys of vLLM instances are computed under unless --vllm-namespace says."""
-_SALT_DOMAIN = b"crescent/vllm-cache-salt\0"
+_SCOPE_DOMAIN = b"crescent/vllm-request\0"
 
 
-def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
-    """The namespace the chunk keys of a vLLM request with ``cache_salt`` are computed under:
-    ``namespace`` itself without a salt (or with an empty one, which vLLM ignores too), else
-    ``XXH3_128(b"crescent/vllm-cache-salt\\0" ‖ namespace ‖ UTF-8 salt)``."""
-    if not cache_salt:
+def request_namespace(namespace: bytes, cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
+    """The namespace the chunk keys of a vLLM request are computed under: ``namespace`` itself for a
+    request with neither a ``cache_salt`` (an empty one counts as none, as in vLLM) nor a LoRA adapter,
+    else ``XXH3_128(b"crescent/vllm-request\\0" ‖ namespace ‖ u32le len ‖ salt ‖ u32le len ‖ adapter
+    name)``, both UTF-8 (the empty string for the one absent)."""
+    if not cache_salt and not lora_name:
         return namespace
-    return xxhash.xxh3_128_digest(_SALT_DOMAIN + namespace + cache_salt.encode())
+    salt, lora = (cache_salt or "").encode(), (lora_name or "").encode()
+    return xxhash.xxh3_128_digest(b"".join([_SCOPE_DOMAIN, namespace, struct.pack("<I", len(salt)), salt,
+                                            struct.pack("<I", len(lora)), lora]))
 
 
-def _salt_of(f: dict, extra: list) -> str | None:
-    """The cache_salt a ``BlockStored`` carries for its first block, None if it carries none.
+def _scope_of(f: dict) -> tuple[str | None, str | None] | None:
+    """``(cache_salt, lora_name)`` of a ``BlockStored``'s request, or None when its blocks' extra keys
+    hold anything else (such blocks are not indexed).
 
-    vLLM publishes each block's extra keys without their tags: a salt is a bare string, and so is a
-    LoRA name (on every block of a LoRA request, whose event then names it in ``lora_name``). So a
-    first block (no parent) of a request without LoRA whose only extra key is a string: its salt.
+    vLLM publishes each block's extra keys without their tags: a LoRA request's adapter name on every
+    block (the event names the adapter in ``lora_name`` too), then, on the request's first block only
+    (no parent), its ``cache_salt``, both bare strings. Multimodal inputs are pairs, prompt embeddings
+    bytes.
     """
-    if f.get("parent_block_hash") is not None or f.get("lora_name") or f.get("lora_id") or not extra:
+    lora = f.get("lora_name") or None
+    if lora is not None and not isinstance(lora, str):
         return None
-    first = extra[0]
-    if isinstance(first, (list, tuple)) and len(first) == 1 and isinstance(first[0], str) and first[0]:
-        return first[0]
-    return None
+    first_block = f.get("parent_block_hash") is None
+    salt = None
+    for i, x in enumerate(f.get("extra_keys") or []):
+        keys = list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x]
+        if lora is not None:
+            if not keys or keys[0] != lora:
+                return None
+            keys = keys[1:]
+        if i == 0 and first_block and len(keys) == 1 and isinstance(keys[0], str) and keys[0]:
+            salt = keys[0]
+        elif keys:
+            return None
+    if lora is not None and len(f.get("extra_keys") or []) != len(f.get("block_hashes") or []):
+        return None  # an adapter's name is on every block
+    return salt, lora
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,7 +148,7 @@ class _Block:
     completes: list[bytes]
     """Keys of the chunks this block completes."""
     namespace: bytes
-    """The namespace of its request's chunk keys (salted when the request was)."""
+    """The namespace of its request's chunk keys (``request_namespace``)."""
 
 
 class BlockRekeyer:
@@ -145,17 +164,14 @@ class BlockRekeyer:
     def stored(self, f: dict) -> list[bytes]:
         """The chunk keys a ``BlockStored`` completes."""
         hashes, tokens, size = f.get("block_hashes") or [], f.get("token_ids") or [], f.get("block_size")
-        extra = list(f.get("extra_keys") or [])
-        salt = _salt_of(f, extra)
-        if salt is not None:
-            extra[0] = None
+        scope = _scope_of(f)
         if f.get("group_idx") not in (None, 0) or not isinstance(size, int) or size <= 0 \
-                or len(tokens) != size * len(hashes) or any(x is not None for x in extra):
+                or len(tokens) != size * len(hashes) or scope is None:
             self.num_skipped += len(hashes)
             return []
         parent = f.get("parent_block_hash")
         if parent is None:
-            last, pending, ns = bytes(ROOT_KEY), (), salted_namespace(self.namespace, salt)
+            last, pending, ns = bytes(ROOT_KEY), (), request_namespace(self.namespace, *scope)
         elif (p := self.blocks.get(_hashable(parent))) is not None:
             last, pending, ns = p.last_key, p.pending, p.namespace
         else:  # its parent was stored before we listened, or skipped

