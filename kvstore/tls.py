@@ -269,7 +269,8 @@ def init_dir(folder: str, hosts: list[str], days: float = 365.0) -> dict[str, st
 
 _FIRST_PIECE = 32 << 10  # the first bytes encrypted and sent of a message
 _SEND_PIECE = 1 << 20  # the most encrypted before they go to the socket in one send
-_RECV_PIECE = 512 << 10  # bytes taken from the socket in one recv
+_RECV_FIRST = 64 << 10  # a connection's receive buffer at first
+_RECV_PIECE = 512 << 10  # ... grown while recvs fill it, up to this
 
 
 class TlsStream:
@@ -277,11 +278,13 @@ class TlsStream:
     (``recv``, ``recv_into``, ``sendall``, ``send_views``, ``settimeout``, ``fileno``, ``shutdown``,
     ``close``).
 
-    ``ssl.SSLSocket`` makes a system call per TLS record each way (16 KiB): two ``recv`` per record
-    read, one ``send`` per record written, so a MiB costs ~200 system calls and the data channel
-    under TLS moved a third to a half of plaintext. Here OpenSSL works on memory buffers
-    (``SSLObject`` over ``MemoryBIO``): up to 512 KiB come off the socket per ``recv`` and up to
-    1 MiB of records go out per ``send``; records are decrypted straight into the caller's buffer.
+    ``ssl.SSLSocket`` makes system calls per TLS record (16 KiB): two ``recv`` per record read (its
+    header, then its body), one ``send`` per record written, so a MiB took 128 ``recv`` calls to read
+    and 64 ``send`` calls to write. Here OpenSSL works on memory buffers
+    (``SSLObject`` over ``MemoryBIO``): up to 512 KiB come off the socket per ``recv`` (the buffer
+    starts at 64 KiB and grows while recvs fill it, so a connection that carries only requests stays
+    small) and up to 1 MiB of records go out per ``send``; records are decrypted straight into the
+    caller's buffer.
     The handshake runs in the constructor under the socket's timeout. A peer that closes (with or
     without close_notify) reads as end of stream; a bad record raises ``ssl.SSLError`` (an OSError).
     """
@@ -291,8 +294,7 @@ class TlsStream:
         self._sock = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = ctx.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
-        self._buf = bytearray(_RECV_PIECE)
-        self._view = memoryview(self._buf)
+        self._view = memoryview(bytearray(_RECV_FIRST))
         while True:
             try:
                 self._tls.do_handshake()
@@ -317,6 +319,8 @@ class TlsStream:
             self._in.write_eof()
             return False
         self._in.write(self._view[:n])
+        if n == self._view.nbytes < _RECV_PIECE:  # bulk data: take more at a time
+            self._view = memoryview(bytearray(2 * n))
         return True
 
     def recv_into(self, view, nbytes: int = 0) -> int:
