@@ -160,6 +160,53 @@ def test_mtls_store_node_serves_certified_clients_and_refuses_the_others(certs):
         node.stop(grace=0)
 
 
+def test_threads_move_odd_sized_values_through_one_mtls_node_and_every_byte_arrives(certs):
+    """Four threads, a TCP client each, against one node under mTLS: batches of values of sizes around
+    TLS records and the stream's send pieces, put, read back whole, into buffers and layer-major
+    (GET_LAYERED); every byte compared."""
+    import random
+
+    use(certs)
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="256MiB")).start()
+    head, layer = 96, (24 << 10) + 8
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            with StoreClient(node.address, timeout_s=60, transport="tcp") as c:
+                assert c.transport == "tcp"
+                for r in range(12):
+                    sizes = [rng.choice([1, 16 << 10, (16 << 10) + 1, (32 << 10) - 5, rng.randrange(1, 700 << 10)])
+                             for _ in range(5)] + [head + rng.randrange(1, 9) * layer]
+                    keys = [b"t%d-%d-%d" % (t, r, i) for i in range(len(sizes))]
+                    vals = [rng.randbytes(n) for n in sizes]
+                    assert all(c.batch_put(list(zip(keys, vals))))
+                    assert c.batch_get(keys + [b"missing"]) == vals + [None]
+                    bufs = [bytearray(n) for n in sizes]
+                    assert c.batch_get_into(keys, bufs) == sizes and bufs == vals
+                    got = {}
+                    ok = c.batch_get_layered(keys[-1:], head, layer, lambda s: got.update(sizes=s),
+                                             lambda j, part: memoryview(got.setdefault(part, bytearray(
+                                                 head if part < 0 else layer))),
+                                             lambda j, part: None)
+                    parts = b"".join(bytes(got[p]) for p in sorted(k for k in got if k != "sizes"))
+                    assert ok and got["sizes"] == sizes[-1:] and parts == vals[-1]
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        assert not any(th.is_alive() for th in threads)
+        assert not errors, errors[0]
+    finally:
+        node.stop()
+
+
 def test_an_expired_server_certificate_is_refused_and_tls_without_client_auth_takes_any_tls_client(certs):
     use(certs, cert="expired-node", client_auth=False)
     expired = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
