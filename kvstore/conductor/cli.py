@@ -70,6 +70,15 @@ def _key_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per chunk (default: the engines', else 256)")
 
 
+def _vllm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm", action="store_true",
+                   help="the vLLM instances the conductor follows (--vllm-kv-events): keys under their "
+                        "namespace; schedule chooses among them")
+    p.add_argument("--cache-salt", metavar="SALT",
+                   help="with --vllm and --tokens/--text: the request's cache_salt (its keys are salted)")
+    p.add_argument("--lora", metavar="NAME", help="with --vllm and --tokens/--text: the request's LoRA adapter")
+
+
 def _run_ctl(ns: argparse.Namespace) -> int:
     from kvstore.conductor import ctl
 
@@ -91,16 +100,13 @@ def _register_ctl(sub) -> None:
     c.set_defaults(ctl_handler="cmd_stats")
     c = cmds.add_parser("lookup", parents=[common], help="where a prompt's chunks are cached")
     _key_args(c)
+    _vllm_args(c)
     c.set_defaults(ctl_handler="cmd_lookup")
     c = cmds.add_parser("schedule", parents=[common], help="ask Schedule where a prompt would run")
     _key_args(c)
     c.add_argument("--num-tokens", type=count_arg, default=0, help="prompt length (default: from --tokens/--text)")
     c.add_argument("--policy", choices=POLICY_NAMES, help="override the conductor's policy")
-    c.add_argument("--vllm", action="store_true",
-                   help="choose among the vLLM instances the conductor follows (--vllm-kv-events)")
-    c.add_argument("--cache-salt", metavar="SALT",
-                   help="with --vllm and --tokens/--text: the request's cache_salt (its keys are salted)")
-    c.add_argument("--lora", metavar="NAME", help="with --vllm and --tokens/--text: the request's LoRA adapter")
+    _vllm_args(c)
     c.set_defaults(ctl_handler="cmd_schedule")
     c = cmds.add_parser("drain", parents=[common], help="stop giving new work to a member")
     c.add_argument("member", help="member id (see `crescent ctl nodes`)")

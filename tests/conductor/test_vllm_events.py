@@ -3,6 +3,7 @@ re-keying vLLM blocks into Crescent chunk keys, and a real conductor subscribed 
 publishers speaking vLLM's protocol (PUB + ROUTER replay), scheduling each prompt to the instance
 that holds its prefix. tests/integrations/test_vllm_kv_events.py does the same with real vLLM."""
 
+import json
 import random
 import threading
 
@@ -267,6 +268,11 @@ def test_conductor_schedules_each_prompt_to_the_vllm_instance_holding_its_prefix
             rc, out, err = run_cli(capsys, "ctl", "schedule", "--vllm", "--cache-salt", "acme", "--lora", "ad",
                                    "--conductor", conductor.address, "--tokens", ",".join(map(str, b)))
             assert rc == 0 and out.startswith("prefill v1 ") and "cached 4 chunks / 256 tokens" in out, (out, err)
+            rc, out, err = run_cli(capsys, "ctl", "lookup", "--vllm", "--cache-salt", "acme", "--lora", "ad",
+                                   "--conductor", conductor.address, "--tokens", ",".join(map(str, b)), "--json")
+            got = json.loads(out)
+            assert rc == 0 and got["num_prefix"] == 4 and [k["key"] for k in got["keys"]] == [k.hex() for k in kl]
+            assert all(k["holders"] == {"v1": "device"} for k in got["keys"]), got
             rc, _, err = run_cli(capsys, "ctl", "schedule", "--cache-salt", "acme", "--conductor", conductor.address,
                                  "--tokens", "1,2,3")
             assert rc == 2 and "--cache-salt and --lora need --vllm" in err
