@@ -8,7 +8,8 @@ buffer on the client: no intermediate copy on either side.
 
 A client learns the port and a session token from ``KVStore.Health`` (per node, and
 under auth per namespace: the session works in the caller's key space) and
-opens a TCP connection that starts with ``b"CRDC" + token``. Then, any number
+opens a TCP connection that starts with ``b"CRDC" + token`` (within ``HELLO_TIMEOUT_S`` of
+connecting, kvstore/dataserver.py, or the node closes it). Then, any number
 of requests, each answered before the next (all integers little-endian)::
 
     request   "CRRQ" u8 op u8 mover u16 0 u32 n u32 body_len

@@ -16,6 +16,9 @@ from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, TieredStore, check_key
 from kvstore.tls import TlsStream
+
+HELLO_TIMEOUT_S = 30.0
+"""How long a new connection has for its TLS handshake and its hello (``CRDC`` + session token)."""
 from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
@@ -113,17 +116,19 @@ class DataChannelServer:
             self._conns.add(conn)
         try:
             tune(conn)
+            # the TLS handshake and the hello within HELLO_TIMEOUT_S: a client that connects and stalls
+            # (or never speaks) gives its connection and thread back, as one with a wrong token does
+            conn.settimeout(HELLO_TIMEOUT_S)
             if self._tls is not None:  # the handshake runs here, on the connection's own thread
-                conn.settimeout(30)
                 plain, conn = conn, TlsStream(conn, self._tls, server_side=True)
                 with self._lock:
                     self._conns.discard(plain)
                     self._conns.add(conn)
-            conn.settimeout(None)
             hello = recv_exact(conn, len(HELLO) + TOKEN_BYTES)
             prefix = self._prefixes.get(hello[4:]) if hello[:4] == HELLO else None
             if prefix is None:
                 return
+            conn.settimeout(None)
             proven = False  # shm grants wait for a PROVE (kvstore/datachannel.py)
             while not self._closed:
                 req = read_request(conn)

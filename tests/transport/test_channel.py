@@ -178,6 +178,29 @@ def test_a_malformed_descriptor_request_closes_only_its_connection(make_node):
     c.close()
 
 
+def test_a_connection_that_stalls_before_its_hello_is_dropped_and_an_idle_session_is_not(make_node, monkeypatch):
+    """A client that connects and says nothing, or part of its hello, loses the connection (and the node
+    its thread) after HELLO_TIMEOUT_S; a session that said its hello may idle for as long as it likes."""
+    import time
+
+    from kvstore import dataserver
+
+    monkeypatch.setattr(dataserver, "HELLO_TIMEOUT_S", 1.0)
+    node = make_node()
+    StoreClient(node.address).put(b"k", b"v")
+    idle = _conn(node)
+    silent = socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30)
+    partial = socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30)
+    partial.sendall(HELLO[:3])
+    assert silent.recv(100) == b"" and partial.recv(100) == b""  # closed by the node, no answer
+    silent.close()
+    partial.close()
+    time.sleep(2.5)  # well past the hello deadline: the session that said its hello is still served
+    idle.sendall(encode_request(Op.EXISTS, [b"k", b"nope"], [0, 0]))
+    assert read_response(idle) == ([(Status.OK, 0), (Status.NOT_FOUND, 0)], "")
+    idle.close()
+
+
 def test_reads_release_without_waiting_and_leave_nothing_leased(make_node):
     node = make_node()
     c = StoreClient(node.address)
