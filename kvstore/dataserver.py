@@ -64,8 +64,9 @@ class DataChannelServer:
         self._on_op = on_op  # callback(op_name, seconds, nbytes) for metrics
         from kvstore import tls
 
-        self._tls = tls.server_context()
-        """Under TLS: every connection is wrapped (``--tls-cert``; kvstore/tls.py)."""
+        self._tls = tls.ServerFiles() if tls.config() is not None else None
+        """Under TLS: every connection is wrapped (``--tls-cert``; kvstore/tls.py), with the files as they
+        are when it connects (rotated certificates without a restart)."""
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -120,7 +121,7 @@ class DataChannelServer:
             # (or never speaks) gives its connection and thread back, as one with a wrong token does
             conn.settimeout(HELLO_TIMEOUT_S)
             if self._tls is not None:  # the handshake runs here, on the connection's own thread
-                plain, conn = conn, TlsStream(conn, self._tls, server_side=True)
+                plain, conn = conn, TlsStream(conn, self._tls.ssl_context(), server_side=True)
                 with self._lock:
                     self._conns.discard(plain)
                     self._conns.add(conn)

@@ -10,6 +10,9 @@ certificate against the CA and presents its own certificate, so servers started 
 ``--tls-client-auth`` accept only clients holding a certificate of that CA (mTLS). Without it,
 nothing changes: plaintext, as before.
 
+Servers re-read their files when they change on disk (``ServerFiles``: certificates rotate without
+a restart); clients read theirs for each new channel or connection.
+
 Certificates name the hosts they serve (subject alternative names); gRPC checks the name a client
 dialled against them. ``crescent certs init DIR --host NAME ...`` writes a development CA
 (``ca.pem``, ``ca-key.pem``) and one certificate + key pair (``node.pem``, ``node-key.pem``) valid
@@ -30,10 +33,14 @@ import dataclasses
 import datetime
 import functools
 import ipaddress
+import logging
 import os
 import ssl
+import threading
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 ENV = {"cert": "CRESCENT_TLS_CERT", "key": "CRESCENT_TLS_KEY", "ca": "CRESCENT_TLS_CA",
        "client_auth": "CRESCENT_TLS_CLIENT_AUTH"}
@@ -63,7 +70,8 @@ def _read(name: str, path: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(cert: str, key: str, ca: str, client_auth: bool) -> TlsConfig:
+def _load(cert: str, key: str, ca: str, client_auth: bool, stamp: tuple = ()) -> TlsConfig:
+    """The files' contents, checked (``stamp``: their state on disk, so that a change loads anew)."""
     loaded = TlsConfig(_read("cert", cert), _read("key", key), _read("ca", ca), client_auth)
     try:  # a key that is not the certificate's would fail every handshake with a message about something else
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
@@ -90,7 +98,20 @@ def config() -> TlsConfig | None:
     if missing:
         raise ValueError(f"TLS needs --tls-cert, --tls-key and --tls-ca; missing {', '.join(missing)}")
     client_auth = os.environ.get(ENV["client_auth"], "") not in ("", "0", "false")
-    return _load(paths["cert"], paths["key"], paths["ca"], client_auth)
+    files = (paths["cert"], paths["key"], paths["ca"])
+    return _load(*files, client_auth, _stat(files))  # (files changed on disk load anew: rotation)
+
+
+def _stat(paths) -> tuple:
+    """The files' state on disk: (mtime, size, inode) each, None for one that is missing."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def configure(cert: str | None, key: str | None, ca: str | None, client_auth: bool = False) -> None:
@@ -140,14 +161,84 @@ def client_context():
     return ctx
 
 
+class ServerFiles:
+    """A server's certificate, key and CA files, as this process's setting named them when it started,
+    re-read when they change on disk: certificates rotate (cert-manager, a renewal cron) without a
+    restart. Each new connection is served with the files as they are then; connections already
+    open keep theirs. Files that do not load (a rotation half written, a key that is not the
+    certificate's) leave the last good ones in use, with a warning, until they do.
+    """
+
+    def __init__(self) -> None:
+        tls = config()
+        if tls is None:
+            raise ValueError("no TLS setting (--tls-cert, --tls-key, --tls-ca)")
+        self.paths = _paths()
+        self.client_auth = tls.client_auth
+        self._stamp = _stat(self.paths)
+        self.current = tls
+        self._context: ssl.SSLContext | None = None
+        self._context_of: TlsConfig | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self) -> bool:
+        """Re-reads the files if they changed since the last look; True when new ones were loaded."""
+        stamp = _stat(self.paths)
+        with self._lock:
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp
+            try:
+                loaded = _load(*self.paths, self.client_auth, stamp)
+            except ValueError as exc:
+                log.warning("TLS files changed but do not load (still serving the last good ones): %s", exc)
+                return False
+            changed = loaded != self.current
+            self.current = loaded
+            return changed
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The data channel's server context for a new connection (made again after a rotation)."""
+        self.refresh()
+        with self._lock:
+            if self._context is None or self._context_of is not self.current:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+                ctx.verify_mode = ssl.CERT_REQUIRED if self.client_auth else ssl.CERT_NONE
+                try:
+                    ctx.load_verify_locations(cadata=self.current.ca.decode())
+                    ctx.load_cert_chain(self.paths[0], self.paths[1])  # (from files: the ssl module's only way)
+                except (ssl.SSLError, OSError) as exc:  # changed again since they were read: the next look
+                    if self._context is None:
+                        raise
+                    log.warning("TLS files do not load (still serving the last good ones): %s", exc)
+                    return self._context
+                self._context, self._context_of = ctx, self.current
+            return self._context
+
+    def grpc_config(self):
+        tls = self.current
+        return grpc.ssl_server_certificate_configuration([(tls.key, tls.cert)], root_certificates=tls.ca)
+
+    def grpc_fetch(self):
+        """gRPC calls this before each new connection's handshake: a new configuration, or None."""
+        try:
+            return self.grpc_config() if self.refresh() else None
+        except Exception:  # noqa: BLE001 - raising here would fail the handshake; keep the current files
+            log.exception("TLS rotation for gRPC failed; serving the last good files")
+            return None
+
+
 def add_port(server: grpc.Server, address: str) -> int:
-    """``server.add_secure_port`` under TLS, else ``add_insecure_port``: the bound port, 0 on failure."""
+    """``server.add_secure_port`` under TLS (certificates re-read when their files change:
+    ``ServerFiles``), else ``add_insecure_port``: the bound port, 0 on failure."""
     tls = config()
     try:
         if tls is None:
             return server.add_insecure_port(address)
-        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
-                                            require_client_auth=tls.client_auth)
+        files = ServerFiles()
+        creds = grpc.dynamic_ssl_server_credentials(files.grpc_config(), files.grpc_fetch,
+                                                    require_client_authentication=tls.client_auth)
         return server.add_secure_port(address, creds)
     except RuntimeError:  # grpc raises on a failed bind
         return 0

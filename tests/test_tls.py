@@ -207,6 +207,48 @@ def test_threads_move_odd_sized_values_through_one_mtls_node_and_every_byte_arri
         node.stop()
 
 
+def test_a_node_serves_rotated_certificate_files_without_a_restart(certs, tmp_path):
+    """The node's certificate, key and CA files replaced on disk (another CA's, as a CA rotation does):
+    new gRPC calls and new data-channel connections get the new ones at once, clients of the old CA are
+    refused; files that do not load leave the last good ones in use."""
+    import shutil
+
+    live = {n: str(tmp_path / f"{n}.pem") for n in ("node", "node-key", "ca")}
+
+    def install(src: dict) -> None:
+        for n, path in live.items():  # as cert-manager does: each file replaced whole (a new inode)
+            shutil.copyfile(src[n], path + ".new")
+            os.replace(path + ".new", path)
+
+    install(certs["a"])
+    tls.configure(live["node"], live["node-key"], live["ca"], client_auth=True)
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+    try:
+        use(certs, cert="client")
+        with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
+            c.put(b"k", b"before")
+            assert c.get(b"k") == b"before" and c.transport == "tcp"
+        install(certs["b"])
+        assert fails(node.address)  # a client of CA a: the node's certificate is now CA b's
+        tls.configure(certs["b"]["client"], certs["b"]["client-key"], certs["b"]["ca"])
+        with StoreClient(node.address, timeout_s=30, transport="tcp") as c:  # new connections, CA b
+            assert c.transport == "tcp" and c.get(b"k") == b"before"
+            c.put(b"k", b"after")
+            data_port = c.health()["data_port"]
+        with socket.create_connection(("127.0.0.1", data_port), timeout=30) as s:  # the data channel too
+            use(certs, cert="client")
+            with pytest.raises(ssl.SSLError):
+                tls.TlsStream(s, tls.client_context(), server_hostname="127.0.0.1")
+        # a half-done rotation (a key that is not the certificate's): the last good files stay in use
+        shutil.copyfile(certs["a"]["node-key"], live["node-key"] + ".new")
+        os.replace(live["node-key"] + ".new", live["node-key"])
+        tls.configure(certs["b"]["client"], certs["b"]["client-key"], certs["b"]["ca"])
+        with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
+            assert c.transport == "tcp" and c.get(b"k") == b"after"
+    finally:
+        node.stop()
+
+
 def test_an_expired_server_certificate_is_refused_and_tls_without_client_auth_takes_any_tls_client(certs):
     use(certs, cert="expired-node", client_auth=False)
     expired = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
