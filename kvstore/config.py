@@ -80,7 +80,7 @@ def address_arg(text: str) -> str:
 
 
 def check_etcd(endpoints: str | None) -> None:
-    """ValueError unless ``endpoints`` is None or ``host:port[,host:port...]``."""
+    """ValueError unless ``endpoints`` is None or ``[https://]host:port[,...]``."""
     if endpoints is not None:
         from kvstore.coord import parse_endpoints
         from kvstore.errors import InvalidArgumentError
@@ -211,8 +211,8 @@ class StoreConfig:
     """Conductor host:port to register with, heartbeat to and stream KV events to (several, comma-separated:
     replicas, of which the node follows the leader); none runs standalone."""
     etcd: str | None = None
-    """etcd endpoints host:port[,host:port...] ($CRESCENT_ETCD) where conductor replicas register: with it
-    the conductor addresses come from there (--conductor may then be left out)."""
+    """etcd endpoints [https://]host:port[,...] ($CRESCENT_ETCD; https: mutual TLS) where conductor replicas
+    register: with it the conductor addresses come from there (--conductor may then be left out)."""
 
     def __post_init__(self) -> None:
         for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):

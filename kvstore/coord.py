@@ -34,20 +34,36 @@ DEFAULT_PREFIX = "/crescent"
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``host:port[,host:port...]`` → [(host, port)].
+    """``[https://]host:port[,[https://]host:port...]`` → [(host, port)] (``etcd_tls`` says which scheme).
 
     Raises:
-        InvalidArgumentError: an empty list or an entry that is not host:port.
+        InvalidArgumentError: an empty list, an entry that is not host:port, or a mix of schemes.
     """
-    out = []
+    return _parse(text)[1]
+
+
+def etcd_tls(text: str) -> bool:
+    """Whether the endpoints are ``https://`` ones: etcd spoken to over TLS, with this process's
+    certificate (``crescent --tls-*``, kvstore/tls.py)."""
+    return _parse(text)[0]
+
+
+def _parse(text: str) -> tuple[bool, list[tuple[str, int]]]:
+    out, schemes = [], set()
     for part in (p.strip() for p in text.split(",")):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgumentError(f"etcd endpoints must be host:port[,host:port...], got {text!r}")
+        scheme, sep, rest = part.partition("://")
+        if not sep:
+            scheme, rest = "http", part
+        host, _, port = rest.rpartition(":")
+        if scheme not in ("http", "https") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(f"etcd endpoints must be [https://]host:port[,...], got {text!r}")
+        schemes.add(scheme)
         out.append((host.strip("[]"), int(port)))
     if not out:
         raise InvalidArgumentError("no etcd endpoint given")
-    return out
+    if len(schemes) > 1:
+        raise InvalidArgumentError(f"etcd endpoints must all be https:// or none, got {text!r}")
+    return schemes == {"https"}, out
 
 
 class Etcd:
@@ -56,10 +72,21 @@ class Etcd:
     def __init__(self, endpoints: str, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0) -> None:
         import pyetcd
 
-        self.endpoints = parse_endpoints(endpoints)
+        secure, self.endpoints = _parse(endpoints)
         self.prefix = prefix.rstrip("/")
         self.timeout_s = timeout_s
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=1.0) for h, p in self.endpoints]
+        creds = None
+        if secure:  # mutual TLS with this process's certificate; etcd checks it against its trusted CA
+            import grpc
+
+            from kvstore import tls
+
+            t = tls.config()
+            if t is None:
+                raise InvalidArgumentError("https:// etcd endpoints need this process's TLS files "
+                                           "(--tls-cert, --tls-key, --tls-ca)")
+            creds = grpc.ssl_channel_credentials(root_certificates=t.ca, private_key=t.key, certificate_chain=t.cert)
+        eps = [pyetcd.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0) for h, p in self.endpoints]
         self.client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout_s, failover=True)
         self._errors = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
                         pyetcd.exceptions.NoServerAvailableError)
@@ -291,13 +318,17 @@ class Registration:
 class LocalEtcd:
     """A one-member etcd (the ``etcd`` binary, e.g. Debian's etcd-server) as a child process on
     free loopback ports, for ``crescent up --etcd local``, tests and benchmarks; ``stop()`` ends it by pid.
+    With ``tls``, its clients speak mutual TLS with this process's certificate files (kvstore/tls.py:
+    its server certificate, and the CA its clients' certificates must be of), and ``endpoint`` is an
+    ``https://`` one.
 
     Raises:
         FileNotFoundError: no ``etcd`` binary on PATH.
         RuntimeError: it exited or did not serve within ``timeout_s``.
+        ValueError: ``tls`` without this process's TLS setting.
     """
 
-    def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0, tls: bool = False) -> None:
         import os
         import shutil
         import subprocess
@@ -312,6 +343,19 @@ class LocalEtcd:
         self.log = os.path.join(data_dir, "etcd.log")
         member_dir = os.path.join(data_dir, "data")
         fresh = not os.path.exists(member_dir)
+        scheme, tls_flags, ctx = "http", [], None
+        if tls:
+            import ssl
+
+            from kvstore import tls as tls_files
+
+            if tls_files.config() is None:
+                raise ValueError("a TLS etcd needs this process's TLS files (--tls-cert, --tls-key, --tls-ca)")
+            cert, key, ca = tls_files.files()
+            scheme = "https"
+            tls_flags = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+            ctx = ssl.create_default_context(cafile=ca)  # its health check, as a client of CA ca
+            ctx.load_cert_chain(cert, key)
         deadline = time.monotonic() + timeout_s
         for attempt in range(3):
             # NOTE: etcd cannot bind port 0 and say which it got: it gets ports below the ephemeral range,
@@ -319,13 +363,13 @@ class LocalEtcd:
             ports = [port_for_child(host), port_for_child(host)]
             while ports[1] == ports[0]:
                 ports[1] = port_for_child(host)
-            self.endpoint = f"{host}:{ports[0]}"
+            client = f"{scheme}://{host}:{ports[0]}"
+            self.endpoint = client if tls else f"{host}:{ports[0]}"
             peer = f"http://{host}:{ports[1]}"
             cmd = [exe, "--name", "crescent", "--data-dir", member_dir,
-                   "--listen-client-urls", f"http://{self.endpoint}",
-                   "--advertise-client-urls", f"http://{self.endpoint}",
+                   "--listen-client-urls", client, "--advertise-client-urls", client,
                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                   "--initial-cluster", f"crescent={peer}"]
+                   "--initial-cluster", f"crescent={peer}", *tls_flags]
             with open(self.log, "w") as log:  # etcd logs a lot: a pipe nobody reads would stall it
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
             self.pid = self.proc.pid
@@ -339,7 +383,7 @@ class LocalEtcd:
                         break
                     raise RuntimeError(f"etcd exited with status {self.proc.returncode}: {text[-1500:]}")
                 try:
-                    urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=5).read()
+                    urllib.request.urlopen(f"{client}/health", timeout=5, context=ctx).read()
                     return
                 except OSError:
                     if time.monotonic() > deadline:

@@ -129,7 +129,8 @@ def configure(cert: str | None, key: str | None, ca: str | None, client_auth: bo
     config()
 
 
-def _paths() -> tuple[str, str, str]:
+def files() -> tuple[str, str, str]:
+    """This process's certificate, key and CA file paths (under a TLS setting: ``config()`` first)."""
     return os.environ[ENV["cert"]], os.environ[ENV["key"]], os.environ[ENV["ca"]]
 
 
@@ -139,7 +140,7 @@ def server_context():
     tls = config()
     if tls is None:
         return None
-    cert, key, ca = _paths()
+    cert, key, ca = files()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
@@ -153,7 +154,7 @@ def client_context():
 
     if config() is None:
         return None
-    cert, key, ca = _paths()
+    cert, key, ca = files()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_verify_locations(ca)
@@ -173,7 +174,7 @@ class ServerFiles:
         tls = config()
         if tls is None:
             raise ValueError("no TLS setting (--tls-cert, --tls-key, --tls-ca)")
-        self.paths = _paths()
+        self.paths = files()
         self.client_auth = tls.client_auth
         self._stamp = _stat(self.paths)
         self.current = tls

@@ -165,13 +165,13 @@ class EtcdProcess:
     """``kvstore.coord.LocalEtcd`` for tests: skips, with the reason, when the binary is missing
     (``make test`` installs it); under CI that is a failure instead, so a broken install cannot land green."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, tls: bool = False) -> None:
         import pytest
 
         from kvstore.coord import LocalEtcd
 
         try:
-            self._etcd = LocalEtcd(data_dir)
+            self._etcd = LocalEtcd(data_dir, tls=tls)
         except FileNotFoundError as exc:
             msg = f"{exc}; `make test` installs it"
             if os.environ.get("CI") == "true":

@@ -249,6 +249,72 @@ def test_a_node_serves_rotated_certificate_files_without_a_restart(certs, tmp_pa
         node.stop()
 
 
+def test_conductors_elect_a_leader_on_an_etcd_spoken_to_over_mtls(certs, tmp_path):
+    """``https://`` etcd endpoints: the etcd client speaks mutual TLS with the process's certificate
+    (``crescent up --tls`` starts its local etcd so); a client of another CA, one whose certificate is
+    of another CA, a plaintext client and an https endpoint without TLS files are refused cleanly."""
+    from kvstore.conductor.config import ConductorConfig
+    from kvstore.conductor.service import Conductor
+    from kvstore.coord import Etcd, etcd_tls, parse_endpoints
+    from kvstore.errors import InvalidArgumentError, UnavailableError
+    from tests.helpers import EtcdProcess
+
+    assert etcd_tls("https://a:1,https://b:2") and not etcd_tls("a:1,http://b:2")
+    assert parse_endpoints("https://[::1]:2379") == [("::1", 2379)]
+    for bad in ("https://a:1,b:2", "ftp://a:1", "https://a"):
+        with pytest.raises(InvalidArgumentError):
+            parse_endpoints(bad)
+    use(certs)
+    etcd = EtcdProcess(str(tmp_path / "etcd"), tls=True)
+    conductors = []
+    try:
+        assert etcd.endpoint.startswith("https://127.0.0.1:")
+        conductors = [Conductor(ConductorConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, leader_ttl=2.0)).start()
+                      for _ in range(2)]
+        wait_for(lambda: sum(c.is_leader for c in conductors) == 1, what="one leader elected over mTLS")
+        leader = next(c for c in conductors if c.is_leader)
+        client = Etcd(etcd.endpoint, timeout_s=10)
+        try:
+            assert client.get(client.key("conductor", "leader")) == leader.address.encode()
+        finally:
+            client.close()
+        port = etcd.endpoint.rsplit(":", 1)[1]
+        for setting in ("b", "b-cert", "plaintext"):
+            if setting == "b":  # a client of CA b
+                tls.configure(certs["b"]["node"], certs["b"]["node-key"], certs["b"]["ca"])
+                endpoint = etcd.endpoint
+            elif setting == "b-cert":  # trusts etcd's CA, but its own certificate is of CA b
+                tls.configure(certs["b"]["node"], certs["b"]["node-key"], certs["a"]["ca"])
+                endpoint = etcd.endpoint
+            else:  # plaintext to the TLS port
+                plaintext()
+                endpoint = f"127.0.0.1:{port}"
+            other = Etcd(endpoint, timeout_s=5)
+            try:
+                with pytest.raises(UnavailableError):
+                    other.get(other.key("conductor", "leader"))
+            finally:
+                other.close()
+        # TLS without a client certificate: etcd requires one (--client-cert-auth)
+        import pyetcd
+
+        creds = grpc.ssl_channel_credentials(root_certificates=open(certs["a"]["ca"], "rb").read())
+        anonymous = pyetcd.MultiEndpointEtcd3Client(
+            [pyetcd.Endpoint("127.0.0.1", int(port), secure=True, creds=creds, time_retry=1.0)], timeout=5)
+        try:
+            with pytest.raises((pyetcd.exceptions.Etcd3Exception, grpc.RpcError)):
+                anonymous.get("/crescent/conductor/leader")
+        finally:
+            anonymous.close()
+        plaintext()
+        with pytest.raises(InvalidArgumentError, match="need this process's TLS files"):
+            Etcd(etcd.endpoint)
+    finally:
+        for c in conductors:
+            c.stop(0)
+        etcd.stop()
+
+
 def test_an_expired_server_certificate_is_refused_and_tls_without_client_auth_takes_any_tls_client(certs):
     use(certs, cert="expired-node", client_auth=False)
     expired = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()

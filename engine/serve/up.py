@@ -369,7 +369,8 @@ def run_up(ns: argparse.Namespace) -> int:
                 from kvstore.coord import LocalEtcd
 
                 try:
-                    etcd = LocalEtcd(os.path.join(data, "etcd"), host=hosts.machine_addr if hosts else ns.host)
+                    etcd = LocalEtcd(os.path.join(data, "etcd"), host=hosts.machine_addr if hosts else ns.host,
+                                     tls=tls_dir is not None)
                 except FileNotFoundError as exc:
                     raise RuntimeError(f"{exc}; or give --etcd HOST:PORT") from None
                 endpoints = etcd.endpoint

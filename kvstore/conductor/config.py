@@ -48,8 +48,9 @@ class ConductorConfig:
     metrics_port: int | None = None
     """Prometheus /metrics HTTP port (membership, scheduling, P:D sizing); none disables it."""
     etcd: str | None = None
-    """etcd endpoints host:port[,host:port...] (default: $CRESCENT_ETCD): run as one of several conductor
-    replicas, the leader elected through etcd, the others answering with its address; none: the only conductor."""
+    """etcd endpoints [https://]host:port[,...] (default: $CRESCENT_ETCD; https: mutual TLS): run as one of
+    several conductor replicas, the leader elected through etcd, the others answering with its address; none: the
+    only conductor."""
     member_lease_ttl: float | None = None
     """With --etcd: seconds of the lease each member keeps its registration under (members/<id>); when it
     ends the member leaves scheduling and the index at once. None: --dead-timeout."""

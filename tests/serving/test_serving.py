@@ -377,10 +377,11 @@ def test_up_with_tls_runs_every_grpc_hop_on_mtls_and_serves_the_storeless_tokens
     from kvstore.errors import CrescentError
 
     with restored_env(*tls.ENV.values()):  # the test takes the tools' certificate below
-        c = Cluster(str(tmp_path), "--tls")
+        c = Cluster(str(tmp_path), "--tls", "--conductors", "2")  # their etcd on mTLS too
         try:
             ids = _ids(41, 150)
             d = c.state["tls"]
+            assert c.state["etcd"].startswith("https://") and "," in c.state["conductor"]
             assert c.base_url.startswith("https://")  # the gateway too, with the development CA
             https = openai.OpenAI(base_url=c.base_url, api_key="unused", timeout=300, max_retries=0,
                                   http_client=openai.DefaultHttpxClient(
