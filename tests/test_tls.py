@@ -440,8 +440,16 @@ def test_tls_stream_moves_every_byte_both_ways_and_ends_cleanly(certs):
     server.sendall(b"abcdefgh")
     assert client.recv(3) == b"abc" and _recv_exact(client, 5) == b"defgh"
     assert client.recv_into(bytearray(0)) == 0
-    # the peer closes: end of stream (0 / b""), not an error, on either end
+    # the peer closes: end of stream (0 / b""), not an error, on either end; politely (a close_notify
+    # alert first, as other TLS stacks send) or not
+    with pytest.raises(ssl.SSLWantReadError):  # (it would wait for the peer's own close_notify)
+        server._tls.unwrap()  # noqa: SLF001
+    server._flush()  # noqa: SLF001
+    assert client.recv(10) == b""
     server.close()
+    client.close()
+    client, got = _stream_pair(*contexts)
+    got["server"].close()
     assert client.recv(10) == b""
     client.close()
 
