@@ -48,7 +48,7 @@ def register(sub) -> None:
                    help="decode engine addresses (round-robin; with --conductor, the fallback when it is away)")
     g.add_argument("--conductor", default=None, metavar="HOST:PORT[,...]",
                    help="route each request by the conductor's Schedule (cache-aware); replicas comma-separated")
-    g.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
+    g.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="[https://]HOST:PORT[,...]",
                    help="etcd where conductor replicas register: route through them (default: $CRESCENT_ETCD)")
     g.add_argument("--api-keys", default=None, metavar="JSON",
                    help="take only requests with one of this file's OpenAI-style API keys, each bound to a tenant "

@@ -70,7 +70,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="run without a conductor (the gateway routes round-robin)")
     p.add_argument("--conductors", type=int, default=1, metavar="M",
                    help="conductor replicas; more than one elect a leader through etcd (default: 1)")
-    p.add_argument("--etcd", default=None, metavar="HOST:PORT[,...]|local",
+    p.add_argument("--etcd", default=None, metavar="[https://]HOST:PORT[,...]|local",
                    help="etcd for the conductors' leader election; 'local' starts one under --data "
                         "(default: local when --conductors > 1, else none)")
     p.add_argument("--policy", default=None, help="conductor scheduling policy (default: cache-aware)")

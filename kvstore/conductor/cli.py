@@ -50,7 +50,7 @@ def _common() -> argparse.ArgumentParser:
     p.add_argument("--conductor", default=os.environ.get("CRESCENT_CONDUCTOR"), metavar="HOST:PORT[,...]",
                    help=f"the conductor, or its replicas (default: $CRESCENT_CONDUCTOR, else the replicas "
                         f"registered in --etcd, else {DEFAULT_CONDUCTOR})")
-    p.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="HOST:PORT[,...]",
+    p.add_argument("--etcd", default=os.environ.get("CRESCENT_ETCD") or None, metavar="[https://]HOST:PORT[,...]",
                    help="etcd where conductor replicas register: find them there (default: $CRESCENT_ETCD)")
     p.add_argument("--timeout", type=seconds_arg, default=5.0, metavar="S", help="deadline of each call (default: 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
