@@ -74,11 +74,11 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from itertools import chain
 
+from kvstore import tls
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                              UnavailableError)
 from kvstore.liveness import connect, tune_socket
-from kvstore.tls import TlsStream
 
 HELLO = b"CRDC"
 TOKEN_BYTES = 16
@@ -148,7 +148,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
     """Gather-writes every view in order (``sendmsg``, resuming after partial sends; under TLS, the
     stream encrypts them and sends the records a MiB at a time)."""
-    if isinstance(sock, TlsStream):
+    if isinstance(sock, tls.TlsStream):
         sock.send_views(views)
         return
     pending = [memoryview(v).cast("B") for v in views if len(v)]
@@ -213,7 +213,7 @@ def encode_response(items: Sequence[tuple[Status, int]], msg: str = "", grant: b
 def read_request(sock: socket.socket) -> tuple[Op, list[bytes], list[int], int] | None:
     """Reads one request header and body: ``(op, keys, args, mover)``; None when the
     peer closed cleanly between requests."""
-    if isinstance(sock, TlsStream):  # (no recv flags under TLS)
+    if isinstance(sock, tls.TlsStream):  # (no recv flags under TLS)
         first = sock.recv(_REQ.size)
         if first and len(first) < _REQ.size:
             first += recv_exact(sock, _REQ.size - len(first))
@@ -332,8 +332,6 @@ class DataChannelClient:
     """
 
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0, proof: bytes = b"") -> None:
-        from kvstore import tls
-
         sock = None
         try:
             sock = connect(host, port, timeout_s)

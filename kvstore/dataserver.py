@@ -10,18 +10,17 @@ import socket
 import threading
 import time
 
+from kvstore import tls
 from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
                                  encode_grant, encode_response, layered_parts, read_request, recv_exact,
                                  recv_exact_into, send_views, split_layered_arg, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.store import Lease, Reservation, TieredStore, check_key
-from kvstore.tls import TlsStream
-
-HELLO_TIMEOUT_S = 30.0
-"""How long a new connection has for its TLS handshake and its hello (``CRDC`` + session token)."""
 from kvstore.transport.descriptors import ItemStatus, Mover
 
 log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 30.0
+"""How long a new connection has for its TLS handshake and its hello (``CRDC`` + session token)."""
 _DRAIN = 1 << 20
 
 
@@ -62,8 +61,6 @@ class DataChannelServer:
         self._prefixes: dict[bytes, bytes] = {self.token: b""}
         """Session token → the key prefix of its namespace (``token_for``)."""
         self._on_op = on_op  # callback(op_name, seconds, nbytes) for metrics
-        from kvstore import tls
-
         self._tls = tls.ServerFiles() if tls.config() is not None else None
         """Under TLS: every connection is wrapped (``--tls-cert``; kvstore/tls.py), with the files as they
         are when it connects (rotated certificates without a restart)."""
@@ -121,7 +118,7 @@ class DataChannelServer:
             # (or never speaks) gives its connection and thread back, as one with a wrong token does
             conn.settimeout(HELLO_TIMEOUT_S)
             if self._tls is not None:  # the handshake runs here, on the connection's own thread
-                plain, conn = conn, TlsStream(conn, self._tls.ssl_context(), server_side=True)
+                plain, conn = conn, tls.TlsStream(conn, self._tls.ssl_context(), server_side=True)
                 with self._lock:
                     self._conns.discard(plain)
                     self._conns.add(conn)

@@ -20,7 +20,7 @@ for both ends (server and client authentication) for the given hosts plus ``loca
 ``127.0.0.1``, and a client-only pair (``client.pem``, ``client-key.pem``) for tools.
 
 The TCP data channel (kvstore/datachannel.py), which carries chunk bytes outside gRPC, speaks TLS
-with the same certificates (``server_context`` / ``client_context``: Python's ``ssl``, TLS 1.2 or
+with the same certificates (``ServerFiles.ssl_context`` / ``client_context``: Python's ``ssl``, TLS 1.2 or
 newer, the client checking the node's name, the node requiring client certificates under
 ``--tls-client-auth``), through ``TlsStream`` (OpenSSL on memory buffers: far fewer system calls
 than ``ssl.SSLSocket``). Shared memory stays same-host and same-user: the arena file is 0600 and
@@ -132,21 +132,6 @@ def configure(cert: str | None, key: str | None, ca: str | None, client_auth: bo
 def files() -> tuple[str, str, str]:
     """This process's certificate, key and CA file paths (under a TLS setting: ``config()`` first)."""
     return os.environ[ENV["cert"]], os.environ[ENV["key"]], os.environ[ENV["ca"]]
-
-
-def server_context():
-    """An ``ssl.SSLContext`` for the data channel's server side under TLS, else None."""
-
-    tls = config()
-    if tls is None:
-        return None
-    cert, key, ca = files()
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
-    ctx.load_verify_locations(ca)
-    ctx.verify_mode = ssl.CERT_REQUIRED if tls.client_auth else ssl.CERT_NONE
-    return ctx
 
 
 def client_context():

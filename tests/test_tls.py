@@ -375,7 +375,7 @@ def _contexts(certs) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     use(certs, cert="client")
     client_ctx = tls.client_context()
     use(certs, client_auth=True)
-    return client_ctx, tls.server_context()
+    return client_ctx, tls.ServerFiles().ssl_context()
 
 
 def _stream_pair(client_ctx: ssl.SSLContext, server_ctx: ssl.SSLContext):
