@@ -75,21 +75,36 @@ class Etcd:
         secure, self.endpoints = _parse(endpoints)
         self.prefix = prefix.rstrip("/")
         self.timeout_s = timeout_s
-        creds = None
-        if secure:  # mutual TLS with this process's certificate; etcd checks it against its trusted CA
-            import grpc
 
+        def connect(t):
+            creds = None
+            if t is not None:
+                import grpc
+
+                creds = grpc.ssl_channel_credentials(root_certificates=t.ca, private_key=t.key,
+                                                     certificate_chain=t.cert)
+            eps = [pyetcd.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0) for h, p in self.endpoints]
+            return pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout_s, failover=True)
+
+        self._follow = self._plain = None
+        if secure:  # mutual TLS with this process's certificate; etcd checks it against its trusted CA
             from kvstore import tls
 
             t = tls.config()
             if t is None:
                 raise InvalidArgumentError("https:// etcd endpoints need this process's TLS files "
                                            "(--tls-cert, --tls-key, --tls-ca)")
-            creds = grpc.ssl_channel_credentials(root_certificates=t.ca, private_key=t.key, certificate_chain=t.cert)
-        eps = [pyetcd.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0) for h, p in self.endpoints]
-        self.client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout_s, failover=True)
+            # renewed files: the next calls go on a client made with them (kvstore/tls.py, Following)
+            self._follow = tls.Following(f"the etcd client of {endpoints}", connect, t)
+        else:
+            self._plain = connect(None)
         self._errors = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
                         pyetcd.exceptions.NoServerAvailableError)
+
+    @property
+    def client(self):
+        """The pyetcd client for a call made now."""
+        return self._follow.get() if self._follow is not None else self._plain
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
@@ -127,7 +142,7 @@ class Etcd:
         return value
 
     def close(self) -> None:
-        self.client.close()
+        (self._follow or self._plain).close()
 
 
 class LeaderElection:
@@ -320,7 +335,8 @@ class LocalEtcd:
     free loopback ports, for ``crescent up --etcd local``, tests and benchmarks; ``stop()`` ends it by pid.
     With ``tls``, its clients speak mutual TLS with this process's certificate files (kvstore/tls.py:
     its server certificate, and the CA its clients' certificates must be of), and ``endpoint`` is an
-    ``https://`` one.
+    ``https://`` one. ``ports`` (client, peer; ``self.ports`` says which it got) restarts a member on
+    the same data directory at the same endpoint.
 
     Raises:
         FileNotFoundError: no ``etcd`` binary on PATH.
@@ -328,7 +344,8 @@ class LocalEtcd:
         ValueError: ``tls`` without this process's TLS setting.
     """
 
-    def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0, tls: bool = False) -> None:
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", timeout_s: float = 120.0, tls: bool = False,
+                 ports: tuple[int, int] | None = None) -> None:
         import os
         import shutil
         import subprocess
@@ -357,12 +374,16 @@ class LocalEtcd:
             ctx = ssl.create_default_context(cafile=ca)  # its health check, as a client of CA ca
             ctx.load_cert_chain(cert, key)
         deadline = time.monotonic() + timeout_s
-        for attempt in range(3):
+        tries = 3 if ports is None else 1
+        for attempt in range(tries):
             # NOTE: etcd cannot bind port 0 and say which it got: it gets ports below the ephemeral range,
-            # and should another process bind one first, etcd exits and gets new ones
-            ports = [port_for_child(host), port_for_child(host)]
-            while ports[1] == ports[0]:
-                ports[1] = port_for_child(host)
+            # and should another process bind one first, etcd exits and gets new ones (unless ``ports``,
+            # its client and peer ports, are given: a restart at the same endpoint)
+            if tries > 1:
+                ports = [port_for_child(host), port_for_child(host)]
+                while ports[1] == ports[0]:
+                    ports[1] = port_for_child(host)
+            self.ports = (ports[0], ports[1])
             client = f"{scheme}://{host}:{ports[0]}"
             self.endpoint = client if tls else f"{host}:{ports[0]}"
             peer = f"http://{host}:{ports[1]}"
@@ -377,7 +398,7 @@ class LocalEtcd:
                 if self.proc.poll() is not None:
                     with open(self.log) as f:
                         text = f.read()
-                    if "address already in use" in text and attempt < 2:
+                    if "address already in use" in text and attempt < tries - 1:
                         if fresh:  # a member it began with the taken ports would not start on others
                             shutil.rmtree(member_dir, ignore_errors=True)
                         break

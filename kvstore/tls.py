@@ -11,7 +11,8 @@ certificate against the CA and presents its own certificate, so servers started 
 nothing changes: plaintext, as before.
 
 Servers re-read their files when they change on disk (``ServerFiles``: certificates rotate without
-a restart); clients read theirs for each new channel or connection.
+a restart); clients read theirs for each new data-channel connection, and their gRPC channels follow
+the files (``RotatingChannel``: calls after a change go on a channel made with the new ones).
 
 Certificates name the hosts they serve (subject alternative names); gRPC checks the name a client
 dialled against them. ``crescent certs init DIR --host NAME ...`` writes a development CA
@@ -37,6 +38,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 
 import grpc
 
@@ -231,15 +233,167 @@ def add_port(server: grpc.Server, address: str) -> int:
 
 
 def channel(address: str, options=None) -> grpc.Channel:
-    """A client channel to ``address``: TLS (with this process's certificate) or plaintext, sending this
-    process's bearer token when it has one (kvstore/auth.py)."""
+    """A client channel to ``address``: TLS (``RotatingChannel``: this process's certificate, following its
+    files) or plaintext, sending this process's bearer token when it has one (kvstore/auth.py)."""
     from kvstore.auth import with_token
 
     tls = config()
     if tls is None:
         return with_token(grpc.insecure_channel(address, options=options))
+    return RotatingChannel(address, options, tls)
+
+
+def _secure_channel(address: str, options, tls: TlsConfig) -> grpc.Channel:
+    from kvstore.auth import with_token
+
     creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
     return with_token(grpc.secure_channel(address, creds, options=options))
+
+
+class Following:
+    """A client object made from this process's TLS files (a gRPC channel, an etcd client), made again with the
+    new files once their contents change on disk.
+
+    gRPC fixes a channel's credentials when it is made, and the channel reconnects with them for as long as
+    it lives: an engine whose certificate was renewed would keep presenting the old one, and be refused once
+    that expired and its connection broke (a node restart). So ``get()`` looks at the files' state at most
+    every ``CHECK_S`` (``config()``: a stat of each) and, after a change, returns a new object made with
+    them. Calls already running on the old one finish there: it is closed ``RETIRE_S`` after it was
+    replaced, or with this. Files that do not load (half a rotation) keep the current one, with a warning.
+    """
+
+    CHECK_S = 1.0
+    RETIRE_S = 900.0
+
+    def __init__(self, what: str, make, tls: TlsConfig) -> None:
+        self._what, self._make, self._tls = what, make, tls
+        self._current = make(tls)
+        self._lock = threading.Lock()
+        self._checked = time.monotonic()
+        self._retired: list[tuple[float, object]] = []
+        self._refused: str | None = None
+        self._closed = False
+        self.rotations = 0
+        """How many times the files changed and a new object was made."""
+
+    def get(self):
+        """The object a call made now uses (made anew when the files changed since the last one)."""
+        now = time.monotonic()
+        if now - self._checked >= self.CHECK_S:
+            with self._lock:
+                if now - self._checked >= self.CHECK_S and not self._closed:
+                    self._checked = now
+                    self._follow_files(now)
+                    while self._retired and now - self._retired[0][0] >= self.RETIRE_S:
+                        self._retired.pop(0)[1].close()
+        return self._current
+
+    def _follow_files(self, now: float) -> None:
+        try:
+            tls = config()
+        except ValueError as exc:  # half a rotation, or the files went away: keep what works
+            if str(exc) != self._refused:
+                self._refused = str(exc)
+                log.warning("TLS files do not load (%s); %s keeps the last good ones", exc, self._what)
+            return
+        self._refused = None
+        if tls is None or tls is self._tls:
+            return
+        same = (tls.cert, tls.key, tls.ca) == (self._tls.cert, self._tls.key, self._tls.ca)
+        self._tls = tls
+        if same:  # touched, not changed
+            return
+        try:
+            made = self._make(tls)
+        except Exception as exc:  # noqa: BLE001 - keep what works; the next change tries again
+            log.warning("%s: cannot use the new TLS files (%s); keeping the last good ones", self._what, exc)
+            return
+        self._retired.append((now, self._current))
+        self._current = made
+        self.rotations += 1
+        log.info("TLS files changed: new calls of %s use the new certificate", self._what)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            retired, self._retired = self._retired, []
+        for _, obj in retired:
+            obj.close()
+        self._current.close()
+
+
+class RotatingChannel(grpc.Channel):
+    """A TLS client channel that follows this process's certificate files (``Following``): stubs made from
+    it resolve its current channel at each call. A connectivity ``subscribe`` watches the channel that is
+    current when it is made."""
+
+    def __init__(self, address: str, options, tls: TlsConfig) -> None:
+        self._follow = Following(f"the channel to {address}", lambda t: _secure_channel(address, options, t), tls)
+
+    @property
+    def rotations(self) -> int:
+        return self._follow.rotations
+
+    def current(self) -> grpc.Channel:
+        return self._follow.get()
+
+    def _method(self, kind: str, args, kwargs):
+        return _FollowingCall(self, kind, args, kwargs)
+
+    def unary_unary(self, *args, **kwargs):
+        return self._method("unary_unary", args, kwargs)
+
+    def unary_stream(self, *args, **kwargs):
+        return self._method("unary_stream", args, kwargs)
+
+    def stream_unary(self, *args, **kwargs):
+        return self._method("stream_unary", args, kwargs)
+
+    def stream_stream(self, *args, **kwargs):
+        return self._method("stream_stream", args, kwargs)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self.current().subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        self.current().unsubscribe(callback)
+
+    def close(self) -> None:
+        self._follow.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+class _FollowingCall:
+    """A stub method of a ``RotatingChannel``: the same method of its current channel."""
+
+    __slots__ = ("_owner", "_kind", "_args", "_kwargs", "_bound")
+
+    def __init__(self, owner: RotatingChannel, kind: str, args, kwargs) -> None:
+        self._owner, self._kind, self._args, self._kwargs = owner, kind, args, kwargs
+        self._bound = (None, None)
+
+    def _target(self):
+        channel = self._owner.current()
+        bound, method = self._bound
+        if bound is not channel:
+            method = getattr(channel, self._kind)(*self._args, **self._kwargs)
+            self._bound = (channel, method)
+        return method
+
+    def __call__(self, *args, **kwargs):
+        return self._target()(*args, **kwargs)
+
+    def with_call(self, *args, **kwargs):
+        return self._target().with_call(*args, **kwargs)
+
+    def future(self, *args, **kwargs):
+        return self._target().future(*args, **kwargs)
 
 
 # ---- development certificates (crescent certs init) -------------------------------------

@@ -165,19 +165,20 @@ class EtcdProcess:
     """``kvstore.coord.LocalEtcd`` for tests: skips, with the reason, when the binary is missing
     (``make test`` installs it); under CI that is a failure instead, so a broken install cannot land green."""
 
-    def __init__(self, data_dir: str, tls: bool = False) -> None:
+    def __init__(self, data_dir: str, tls: bool = False, ports: tuple[int, int] | None = None) -> None:
         import pytest
 
         from kvstore.coord import LocalEtcd
 
         try:
-            self._etcd = LocalEtcd(data_dir, tls=tls)
+            self._etcd = LocalEtcd(data_dir, tls=tls, ports=ports)
         except FileNotFoundError as exc:
             msg = f"{exc}; `make test` installs it"
             if os.environ.get("CI") == "true":
                 pytest.fail(msg)
             pytest.skip(msg)
         self.endpoint = self._etcd.endpoint
+        self.ports = self._etcd.ports
         self.pid = self._etcd.pid
 
     def stop(self) -> None:

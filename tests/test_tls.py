@@ -5,6 +5,7 @@ keeps serving the clients that hold the right certificates."""
 
 import datetime
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -68,6 +69,25 @@ def use(certs, cert="node", ca="a", client_auth=True, key=None):
 
 def plaintext():
     tls.configure(None, None, None)
+
+
+class Renewable:
+    """Certificate files at fixed paths under ``folder`` (a node pair, a client pair, one CA), renewed with
+    ``install``: each file replaced whole (a new inode), as cert-manager does."""
+
+    NAMES = ("node", "node-key", "client", "client-key", "ca")
+
+    def __init__(self, folder) -> None:
+        self.path = {n: str(folder / f"{n}.pem") for n in self.NAMES}
+
+    def install(self, src: dict, names=NAMES) -> None:
+        for n in names:
+            shutil.copyfile(src[n], self.path[n] + ".new")
+            os.replace(self.path[n] + ".new", self.path[n])
+
+    def use(self, who: str, client_auth: bool = True) -> None:
+        """This process's setting: the ``who`` ("node" or "client") pair and the CA."""
+        tls.configure(self.path[who], self.path[f"{who}-key"], self.path["ca"], client_auth)
 
 
 def fails(address: str) -> bool:
@@ -211,24 +231,16 @@ def test_a_node_serves_rotated_certificate_files_without_a_restart(certs, tmp_pa
     """The node's certificate, key and CA files replaced on disk (another CA's, as a CA rotation does):
     new gRPC calls and new data-channel connections get the new ones at once, clients of the old CA are
     refused; files that do not load leave the last good ones in use."""
-    import shutil
-
-    live = {n: str(tmp_path / f"{n}.pem") for n in ("node", "node-key", "ca")}
-
-    def install(src: dict) -> None:
-        for n, path in live.items():  # as cert-manager does: each file replaced whole (a new inode)
-            shutil.copyfile(src[n], path + ".new")
-            os.replace(path + ".new", path)
-
-    install(certs["a"])
-    tls.configure(live["node"], live["node-key"], live["ca"], client_auth=True)
+    live = Renewable(tmp_path)
+    live.install(certs["a"])
+    live.use("node")
     node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
     try:
         use(certs, cert="client")
         with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
             c.put(b"k", b"before")
             assert c.get(b"k") == b"before" and c.transport == "tcp"
-        install(certs["b"])
+        live.install(certs["b"])
         assert fails(node.address)  # a client of CA a: the node's certificate is now CA b's
         tls.configure(certs["b"]["client"], certs["b"]["client-key"], certs["b"]["ca"])
         with StoreClient(node.address, timeout_s=30, transport="tcp") as c:  # new connections, CA b
@@ -240,12 +252,64 @@ def test_a_node_serves_rotated_certificate_files_without_a_restart(certs, tmp_pa
             with pytest.raises(ssl.SSLError):
                 tls.TlsStream(s, tls.client_context(), server_hostname="127.0.0.1")
         # a half-done rotation (a key that is not the certificate's): the last good files stay in use
-        shutil.copyfile(certs["a"]["node-key"], live["node-key"] + ".new")
-        os.replace(live["node-key"] + ".new", live["node-key"])
+        live.install(certs["a"], ["node-key"])
         tls.configure(certs["b"]["client"], certs["b"]["client-key"], certs["b"]["ca"])
         with StoreClient(node.address, timeout_s=30, transport="tcp") as c:
             assert c.transport == "tcp" and c.get(b"k") == b"after"
     finally:
+        node.stop()
+
+
+def test_a_long_lived_client_follows_its_renewed_certificate_files_across_a_node_restart(certs, tmp_path,
+                                                                                          monkeypatch):
+    """A client's certificate files renewed on disk (here to another CA's, the node's too) while it keeps its
+    gRPC channel: calls after the change go on a channel made with the new files, so once the node restarts
+    (only new handshakes) the client reaches it; a call running on the old channel finishes there; files
+    that do not load keep the current channel. gRPC alone would reconnect with the old certificate forever."""
+    monkeypatch.setattr(tls.Following, "CHECK_S", 0.0)  # (a stat of the files at every call)
+    live = Renewable(tmp_path)
+    live.install(certs["a"])
+    live.use("node")
+    node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+    port = node.address.rpartition(":")[2]
+    live.use("client")
+    c = StoreClient(node.address, timeout_s=30, retry=ONCE, transport="grpc")
+    try:
+        c.put(b"k", b"v" * (3 << 20))
+        assert c.get(b"k") == b"v" * (3 << 20)
+        running = pb_grpc.KVStoreStub(c._channel).Get(pb.GetRequest(keys=[b"k"]), timeout=60)
+        assert next(running).header.found  # a streaming call open on the channel of CA a's files
+
+        live.install(certs["b"])
+        assert c.health()  # on a new channel: CA b's files at both ends (the node re-read its own)
+        assert c._channel.rotations == 1
+        got = b"".join(f.data for f in running)  # the old channel was not closed under the call
+        assert got == b"v" * (3 << 20)
+
+        node.stop()
+        live.use("node")
+        node = StoreNode(StoreConfig(listen=f"127.0.0.1:{port}", dram="16MiB")).start()  # CA b only
+        live.use("client")
+
+        def reached() -> bool:
+            try:
+                return c.health() is not None
+            except CrescentError:
+                return False
+
+        wait_for(reached, what="the client to reach the restarted node with its renewed certificate")
+        c.put(b"k2", b"after the restart")
+        assert c.get(b"k2") == b"after the restart"
+
+        # half a rotation on the client's side (a key that is not its certificate's): calls go on
+        live.install(certs["a"], ["client-key"])
+        assert c.get(b"k2") == b"after the restart" and c._channel.rotations == 1
+        retired = c._channel._follow._retired
+        assert len(retired) == 1  # the first channel, kept for calls that were running on it
+        monkeypatch.setattr(tls.Following, "RETIRE_S", 0.0)
+        assert c.get(b"k2") == b"after the restart" and not retired  # closed once its time is up
+    finally:
+        c.close()
         node.stop()
 
 
@@ -312,6 +376,42 @@ def test_conductors_elect_a_leader_on_an_etcd_spoken_to_over_mtls(certs, tmp_pat
     finally:
         for c in conductors:
             c.stop(0)
+        etcd.stop()
+
+
+def test_an_etcd_client_follows_its_renewed_certificate_files_across_an_etcd_restart(certs, tmp_path,
+                                                                                       monkeypatch):
+    """The conductor's and the nodes' etcd client (``coord.Etcd``) over mTLS: its files renewed (to another
+    CA's) while it lives, and etcd restarted at the same endpoint with only the new CA: its calls reach
+    etcd again, on a client made with the new files."""
+    from kvstore.coord import Etcd
+    from tests.helpers import EtcdProcess
+
+    monkeypatch.setattr(tls.Following, "CHECK_S", 0.0)
+    live = Renewable(tmp_path)
+    live.install(certs["a"])
+    live.use("node")
+    etcd = EtcdProcess(str(tmp_path / "etcd"), tls=True)
+    live.use("client")
+    client = Etcd(etcd.endpoint, timeout_s=5)
+    try:
+        client.call(client.client.put, client.key("k"), "v")
+        assert client.get(client.key("k")) == b"v"
+        etcd.stop()
+        live.install(certs["b"])
+        live.use("node")
+        etcd = EtcdProcess(str(tmp_path / "etcd"), tls=True, ports=etcd.ports)  # CA b only
+        live.use("client")
+
+        def reached() -> bool:
+            try:
+                return client.get(client.key("k")) == b"v"
+            except CrescentError:
+                return False
+
+        wait_for(reached, what="the etcd client to reach the restarted etcd with its renewed certificate")
+    finally:
+        client.close()
         etcd.stop()
 
 
