@@ -185,7 +185,7 @@ class DataChannelServer:
                     items.append((Status.INVALID, 0))
                 elif lease is None:
                     items.append((Status.NOT_FOUND, 0))
-                elif layered and (layer == 0 or lease.size < head or (lease.size - head) % layer):
+                elif layered and (layer == 0 or not 0 <= head <= lease.size or (lease.size - head) % layer):
                     items.append((Status.INVALID, lease.size))
                     msg = msg or f"value of {lease.size} bytes is not {head} + layers of {layer}"
                 elif not layered and 0 <= arg < lease.size:
@@ -280,8 +280,10 @@ class DataChannelServer:
                                      [d.generations for d in g.items])
                 return encode_response(items, g.message, grant)
             if op is Op.REPORT:
-                if len(args) != 3 or min(args) < 0 or args[2] > args[0]:
-                    raise InvalidArgumentError("REPORT takes (values >= batches >= 0, bytes >= 0)")
+                if len(args) != 3 or min(args) < 0 or args[2] > args[0] or args[0] > MAX_REPORT[0] \
+                        or args[1] > MAX_REPORT[1]:
+                    raise InvalidArgumentError(f"REPORT takes (values >= batches >= 0, bytes >= 0), at most "
+                                               f"{MAX_REPORT[0]} values and {MAX_REPORT[1]} bytes")
                 t.local_reads(*args)
                 return encode_response([(Status.OK, 0)] * 3)
             if op is Op.RELEASE:
@@ -306,6 +308,9 @@ class DataChannelServer:
             return encode_response([(Status.FAILED_PRECONDITION, 0)] * len(keys), str(exc))
 
 
+MAX_REPORT = (1 << 32, 1 << 50)
+"""The most values and bytes one REPORT may count (a client reports every second): the node's
+counters are u64 in its Stats, and a report beyond any real second's reads is a broken client."""
 _MOVER_NAMES = {m.pb: m.value for m in Mover}
 _GRANT_STATUS = {ItemStatus.OK: Status.OK, ItemStatus.NOT_FOUND: Status.NOT_FOUND,
                  ItemStatus.ELSEWHERE: Status.ELSEWHERE, ItemStatus.EXHAUSTED: Status.EXHAUSTED}

@@ -55,6 +55,9 @@ from kvstore.errors import FailedPreconditionError, InvalidArgumentError, Resour
 
 log = logging.getLogger(__name__)
 
+U64_MAX = (1 << 64) - 1
+"""The largest counter ``Stats`` can carry (its fields are uint64)."""
+
 
 class Tier(enum.IntEnum):
     """Where a value lives; numbers match ``crescent.v1.Tier``."""
@@ -458,9 +461,9 @@ class TieredStore:
 
     def note_hits(self, tier: Tier, values: int, nbytes: int) -> None:
         """Counts reads served without this store seeing them (a same-host client's local reads)."""
-        with self._lock:
-            self.counters["hits"][tier] += values
-            self.counters["bytes_out"] += nbytes
+        with self._lock:  # (saturating: the counters are u64 in Stats, and a client says these)
+            self.counters["hits"][tier] = min(self.counters["hits"][tier] + values, U64_MAX)
+            self.counters["bytes_out"] = min(self.counters["bytes_out"] + nbytes, U64_MAX)
 
     def get(self, key: bytes) -> bytes | None:
         lease = self.acquire(key)

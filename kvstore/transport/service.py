@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvstore import auth
 from kvstore.config import StoreConfig
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError
-from kvstore.store import Tier, TieredStore
+from kvstore.store import U64_MAX, Tier, TieredStore
 from kvstore.transport.descriptors import SHM_PROOF_HEADER, Mover, descriptor_pb
 from kvstore.transport.identity import host_identity
 from kvstore.transport.leases import GrantResult, LeaseTable
@@ -109,9 +109,10 @@ class NodeTransport:
     def count(self, mover: Mover, op: str, nbytes: int | None = None, batches: int = 1) -> None:
         """Counts ``batches`` moved by ``mover`` (``op`` is ``read`` or ``write``)."""
         with self._lock:
-            c = self._counts[mover]
-            c[0 if op == "read" else 1] += batches
-            c[2 if op == "read" else 3] += nbytes or 0
+            c = self._counts[mover]  # (saturating: u64 in Stats; REPORTs are a client's word)
+            i = 0 if op == "read" else 1
+            c[i] = min(c[i] + batches, U64_MAX)
+            c[i + 2] = min(c[i + 2] + (nbytes or 0), U64_MAX)
 
     def local_reads(self, values: int, nbytes: int, batches: int) -> None:
         """Counts reads a same-host client made with no call to this node (its REPORT):

@@ -311,12 +311,21 @@ def test_local_reads_are_reported_to_the_node(make_node, reports_only_at_close):
     assert dram() == hits + 5 and node.store.stats()["bytes_out"] == out + 5000
     assert node.transport.mover_counts()[Mover.SHM][0::2] == [5, 5000]  # batches, bytes
     s = _conn(node)
-    for args in ([1, 2], [1, 10, 2], [-1, 0, 0]):  # wrong count; more batches than values; negative
+    # wrong count; more batches than values; negative; more values or bytes than any second's reads
+    for args in ([1, 2], [1, 10, 2], [-1, 0, 0], [(1 << 32) + 1, 0, 0], [1, (1 << 50) + 1, 1]):
         s.sendall(_end(Op.REPORT, *args))
         items, msg = read_response(s)
         assert items == [(Status.INVALID, 0)] * len(args) and "REPORT takes" in msg
     assert dram() == hits + 5
     s.close()
+    # the counters saturate at what Stats (uint64) carries instead of breaking it for good
+    from kvstore.store import U64_MAX
+
+    for _ in range(3):
+        node.transport.local_reads(1 << 63, 1 << 63, 1 << 63)
+    with StoreClient(node.address, transport="grpc") as g:
+        st = g.stats()
+    assert st["tiers"]["dram"]["hits"] == U64_MAX and st["movers"]["shm"]["bytes_read"] == U64_MAX
 
 
 def test_local_reads_are_reported_while_the_session_runs(make_node, monkeypatch):

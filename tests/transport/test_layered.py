@@ -54,6 +54,32 @@ def test_parts_come_head_first_then_layer_major_with_their_bytes(make_node):
     c.close()
 
 
+def test_a_layout_no_client_can_ask_for_is_invalid_and_sends_no_bytes(make_node):
+    """A raw GET_LAYERED whose arg decodes to a negative head (or a head beyond the value) is INVALID,
+    not a stream of parts at negative offsets; the connection stays in step."""
+    import socket
+
+    from kvstore.datachannel import HELLO, LAYER_BITS, Op, Status, encode_request, read_response
+
+    node = make_node()
+    with StoreClient(node.address, transport="tcp") as c:
+        c.put(b"a", _value(1, 2))
+    size = HEAD + 2 * LAYER
+    with socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30) as s:
+        s.sendall(HELLO + node.data_server.token)
+        for arg in ((-1 << LAYER_BITS) | 1, (-HEAD << LAYER_BITS) | LAYER, layered_arg(size + LAYER, LAYER)):
+            s.sendall(encode_request(Op.GET_LAYERED, [b"a"], [arg]))
+            items, msg = read_response(s)
+            assert items == [(Status.INVALID, size)] and "is not" in msg
+        s.sendall(encode_request(Op.GET_LAYERED, [b"a"], [layered_arg(HEAD, LAYER)]))
+        items, _ = read_response(s)
+        assert items == [(Status.OK, size)]
+        got = b""
+        while len(got) < size:
+            got += s.recv(size - len(got))
+        assert got == _value(1, 2)
+
+
 def test_values_on_the_disk_tier_stream_layer_major_too(make_node, tmp_path):
     node = make_node(dram=1 << 20, disk=str(tmp_path / "disk"), disk_size=64 << 20)
     c = StoreClient(node.address, transport="tcp")
