@@ -124,6 +124,10 @@ class EngineService(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a prefill engine")
         params = self._params(request.sampling, context)
         prompt = list(request.prompt_token_ids)
+        try:  # before anything reads the prompt (its chunk keys below), as _submit does again
+            self.engine.validate(prompt, params)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         salt = request.cache_salt if request.HasField("cache_salt") else None
         prefix = [request.first_token] if request.HasField("first_token") else None
         if prefix is None:
