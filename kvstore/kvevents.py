@@ -276,7 +276,7 @@ class EventFollower(_Worker):
         self.replay_endpoint = replay_endpoint
         self.last_seq = -1
         self.num_bad = 0
-        """Messages that were not a publisher's three frames."""
+        """Messages that were not a publisher's three frames, and batches or events that could not be taken."""
 
     @property
     def stopped(self) -> bool:
@@ -295,7 +295,11 @@ class EventFollower(_Worker):
         elif seq <= self.last_seq:
             return  # replayed and received live: delivered already
         self.last_seq = seq
-        self.on_batch(seq, payload)
+        try:
+            self.on_batch(seq, payload)
+        except Exception:  # noqa: BLE001 - one batch it cannot take must not end the following
+            self.num_bad += 1
+            log.exception("KV events of %s: batch %d failed; following on", self.name, seq)
 
     def _replay(self, ctx, zmq, start: int) -> None:
         """Delivers every buffered batch from ``start`` (the publisher's replay socket)."""

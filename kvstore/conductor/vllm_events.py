@@ -136,7 +136,11 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
             continue
         if tag in FIELDS:
             out.append(Event(tag, fields))
-    return float(ts or 0.0), out
+    try:
+        ts = float(ts or 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"an event batch with a timestamp of {type(ts).__name__}") from None
+    return ts, out
 
 
 @dataclasses.dataclass(slots=True)
@@ -269,13 +273,19 @@ class VllmSubscriber(EventFollower):
         node = self.source.member_id
         with c._lock:
             for e in events:
-                if e.type == "BlockStored":
-                    for k in self.rekeyer.stored(e.fields):
-                        c.device_index.stored(node, k, Tier.DEVICE)
-                elif e.type == "BlockRemoved":
-                    for k in self.rekeyer.removed(e.fields):
-                        c.device_index.removed(node, k)
-                else:
-                    self.rekeyer.clear()
-                    c.device_index.drop_node(node)
+                try:
+                    if e.type == "BlockStored":
+                        for k in self.rekeyer.stored(e.fields):
+                            c.device_index.stored(node, k, Tier.DEVICE)
+                    elif e.type == "BlockRemoved":
+                        for k in self.rekeyer.removed(e.fields):
+                            c.device_index.removed(node, k)
+                    else:
+                        self.rekeyer.clear()
+                        c.device_index.drop_node(node)
+                except (TypeError, ValueError, OverflowError) as exc:  # fields of the wrong type or range
+                    self.num_bad += 1
+                    if self.num_bad <= 10 or self.num_bad % 1000 == 0:
+                        log.warning("vLLM %s: a %s event of batch %d skipped (%d so far): %s", node, e.type, seq,
+                                    self.num_bad, exc)
         self.num_batches += 1

@@ -151,8 +151,10 @@ class FakeVllm:
         self.thread.start()
 
     def publish(self, events, *, live=True):
+        self.publish_payload(msgpack.packb({"ts": 0.0, "events": events, "data_parallel_rank": 0}), live=live)
+
+    def publish_payload(self, payload: bytes, *, live=True):
         with self._lock:
-            payload = msgpack.packb({"ts": 0.0, "events": events, "data_parallel_rank": 0})
             self.buffer.append((self.seq, payload))
             if live:
                 self.pub.send_multipart((b"", self.seq.to_bytes(8, "big"), payload))
@@ -200,6 +202,91 @@ def wait_idle(cc):
 def schedule_when_idle(cc, keys, num_tokens):
     wait_idle(cc)
     return cc.schedule(keys, num_tokens, vllm=True)
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    """A random msgpack value: what a publisher of another version, or a broken one, might send in a field."""
+    kinds = ["int", "bigint", "neg", "float", "str", "bytes", "none", "bool"] + (["list", "map"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "int":
+        return rng.randrange(0, 300)
+    if kind == "bigint":
+        return rng.choice((1 << 31, 1 << 40, (1 << 64) - 1))
+    if kind == "neg":
+        return -rng.randrange(1, 1 << 40)
+    if kind == "float":
+        return rng.choice((0.5, float("nan"), float("inf"), -1e300))
+    if kind == "str":
+        return rng.choice(("", "x", "BlockStored", "GPU"))
+    if kind == "bytes":
+        return rng.randbytes(rng.choice((0, 8, 16)))
+    if kind in ("none", "bool"):
+        return None if kind == "none" else rng.random() < 0.5
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.choice((0, 1, 3, BLOCK)))]
+    return {_random_value(rng, 2) if rng.random() < 0.3 else "k": _random_value(rng, depth + 1) for _ in range(2)}
+
+
+def bad_payload_fields() -> list[tuple[str, object]]:
+    """A ``BlockStored``'s fields of a type vLLM never sends."""
+    return [("token_ids", 5), ("token_ids", ["x"] * BLOCK), ("token_ids", [1 << 40] * BLOCK),
+            ("token_ids", {"a": 1}), ("block_hashes", {"a": 1}), ("block_hashes", [[[1]]]),
+            ("block_hashes", [{}]), ("block_hashes", 7), ("block_size", "32"), ("extra_keys", 5)]
+
+
+def hostile_payloads(seed: int = 7) -> list[bytes]:
+    """Batches no vLLM should send: not msgpack, not a batch, and events whose fields have the wrong types or
+    ranges (hand-picked, then seeded random ones)."""
+    good = stored_map([1], None, list(range(BLOCK)))
+    odd = [("token_ids", [-1] * BLOCK), ("block_size", (1 << 64) - 1), ("parent_block_hash", {"x": 1}),
+           ("parent_block_hash", [[1]]), ("extra_keys", [[{}]]), ("lora_name", [1]), ("group_idx", [])]
+    events = [[{**good, k: v}] for k, v in bad_payload_fields() + odd]
+    events += [[{"type": "BlockRemoved", "block_hashes": h}] for h in (7, [{}], [[[1]]], "ab")]
+    events += [[["BlockStored", {}, 3]], [["BlockRemoved", 5]], [[]], [None], [["AllBlocksCleared", 1, 2]]]
+    rng = random.Random(seed)
+    for _ in range(200):
+        tag = rng.choice(("BlockStored", "BlockRemoved"))
+        e = {**good, "type": tag} if tag == "BlockStored" else {"type": tag, "block_hashes": [1]}
+        for k in list(e):
+            if k != "type" and rng.random() < 0.4:
+                e[k] = _random_value(rng)
+        events.append([e])
+    out = [b"", b"\xc1", b"not msgpack at all", msgpack.packb(5), msgpack.packb("batch"), msgpack.packb([1]),
+           msgpack.packb({"ts": [1], "events": []}), msgpack.packb([[1], [good]]), msgpack.packb([0.0, 5])]
+    return out + [msgpack.packb({"ts": 0.0, "events": ev}) for ev in events]
+
+
+def test_malformed_batches_and_events_are_skipped_and_the_follower_follows_on():
+    """A publisher's batches that are not vLLM's (garbage, wrong types and ranges in any field) are counted and
+    skipped, event by event: the valid events beside them and the batches after them are still indexed, from
+    replay and live. Any one of them used to end the follower for good: the instance then looked cached-cold."""
+    rng = random.Random(3)
+    a, b = ([rng.randrange(3, 30000) for _ in range(4 * BLOCK)] for _ in range(2))
+    v = FakeVllm()
+    hostile = hostile_payloads()
+    for payload in hostile:
+        v.publish_payload(payload, live=False)  # replayed when the conductor connects: all of them, in order
+    v.publish(blocks(a, 100) + [{**stored_map([5], None, list(range(BLOCK))), "token_ids": 5}], live=False)
+    conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", chunk_tokens=CHUNK, heartbeat_interval=0.2,
+                                          dead_timeout=30, vllm_kv_events=[f"v={v.endpoint},{v.replay_endpoint}"]))
+    conductor.start()
+    try:
+        ka, kb = chunk_keys(a, DEFAULT_NAMESPACE, CHUNK), chunk_keys(b, DEFAULT_NAMESPACE, CHUNK)
+        with ConductorClient(conductor.address) as cc:
+            wait_for(lambda: cc.locate(ka).num_prefix == 2, what="the valid blocks after the hostile ones")
+
+            def b_indexed():  # live now: hostile batches again, then b's blocks (resent until the SUB has them)
+                if cc.locate(kb).num_prefix < 2:
+                    for payload in hostile[::10]:
+                        v.publish_payload(payload)
+                    v.publish(blocks(b, 500))
+                return cc.locate(kb).num_prefix == 2
+
+            wait_for(b_indexed, what="live blocks after live hostile batches")
+        assert conductor.vllm["v"].num_bad > 9  # the 9 batches that are none, and events: counted, not taken
+    finally:
+        conductor.stop()
+        v.close()
 
 
 def test_conductor_schedules_each_prompt_to_the_vllm_instance_holding_its_prefix(capsys):
