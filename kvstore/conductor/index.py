@@ -8,6 +8,7 @@ guards it (with the member list) by one lock.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -100,11 +101,16 @@ class GlobalIndex:
 
 
 class HotTracker:
-    """Decayed use counts of keys: ``count`` halves every ``half_life_s`` of idle time."""
+    """Decayed use counts of keys: ``count`` halves every ``half_life_s`` of idle time.
+
+    At most ``max_entries`` keys: past that, cold ones (count < 0.5) go, then the least recently used
+    until 3/4 of it are left, so that a prune (a pass over every key) comes at most once per
+    ``max_entries / 4`` new keys however the counts decay.
+    """
 
     def __init__(self, half_life_s: float, max_entries: int = 1 << 20) -> None:
         self._rate = math.log(2) / half_life_s
-        self._counts: dict[Hashable, tuple[float, float]] = {}
+        self._counts: dict[Hashable, tuple[float, float]] = {}  # in order of last use
         self._max_entries = max_entries
 
     def _decayed(self, key: Hashable, now: float) -> float:
@@ -116,18 +122,21 @@ class HotTracker:
 
     def touch(self, keys: Iterable[Hashable], now: float) -> None:
         """Counts one use of each key."""
+        counts = self._counts
         for k in keys:
-            self._counts[k] = (self._decayed(k, now) + 1.0, now)
-        if len(self._counts) > self._max_entries:
+            value = self._decayed(k, now) + 1.0
+            counts.pop(k, None)  # (to the end: the dict stays in order of last use)
+            counts[k] = (value, now)
+        if len(counts) > self._max_entries:
             self._prune(now)
 
     def count(self, key: Hashable, now: float) -> float:
         return self._decayed(key, now)
 
     def _prune(self, now: float) -> None:
-        cold = [k for k in self._counts if self._decayed(k, now) < 0.5]
-        for k in cold:
+        for k in [k for k in self._counts if self._decayed(k, now) < 0.5]:
             del self._counts[k]
-        if len(self._counts) > self._max_entries:  # everything is warm: drop the oldest half
-            for k in sorted(self._counts, key=lambda k: self._counts[k][1])[: len(self._counts) // 2]:
+        excess = len(self._counts) - self._max_entries * 3 // 4
+        if excess > 0:  # the least recently used first
+            for k in list(itertools.islice(self._counts, excess)):
                 del self._counts[k]

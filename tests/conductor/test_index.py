@@ -68,3 +68,23 @@ def test_hot_tracker_prunes_cold_keys():
     h.touch([5], now=100.0)  # 1..4 are cold by now
     assert h.count(5, 100.0) == pytest.approx(1.0)
     assert len(h._counts) == 1
+
+
+def test_hot_tracker_prunes_at_most_once_per_quarter_of_its_size_new_keys(monkeypatch):
+    """Keys that go cold about as fast as new ones come (a steady stream of fresh prompts) used to keep the
+    tracker just under its size, so that a pass over every key came every few touches (2,112 passes for
+    these 20,000 touches: one per 9.5). Now each prune leaves room for a quarter of its size (at most 81
+    passes here); the key in use survives it with its exact decayed count."""
+    prunes = []
+    prune = HotTracker._prune
+    monkeypatch.setattr(HotTracker, "_prune", lambda self, now: (prunes.append(now), prune(self, now)))
+    size = 1000
+    h = HotTracker(half_life_s=1.0, max_entries=size)
+    now = 0.0
+    for i in range(20 * size):
+        now += 1.01 / size  # one new key per step: keys go cold about as fast as new ones come
+        h.touch([("fresh", i), "hot"], now)
+    assert len(prunes) <= 20 * size // (size // 4) + 1
+    assert len(h._counts) <= size
+    assert h.count("hot", now) > 1.0  # touched every step: kept, and its count is the decayed sum
+    assert h.count(("fresh", 20 * size - 1), now) == pytest.approx(1.0)
