@@ -50,6 +50,50 @@ def test_match_and_node_prefixes():
     assert ix.match([b"nope", b"k0"]).num_global == 0
 
 
+def test_the_packed_index_answers_as_a_dict_of_dicts_under_random_events():
+    """Holders packed two bits per node slot, slots freed by dropped nodes and reused: every answer equals
+    that of the plain model (key → {node: tier}) after each of 20,000 random events over 70 nodes."""
+    import random
+
+    rng = random.Random(5)
+    ix, model = GlobalIndex(), {}
+    nodes = [f"n{i}" for i in range(70)]
+    keys = [bytes([i]) * 4 for i in range(60)]
+    for step in range(20_000):
+        r, node, key = rng.random(), rng.choice(nodes), rng.choice(keys)
+        if r < 0.55:
+            tier = rng.choice(list(Tier))
+            ix.stored(node, key, tier)
+            model.setdefault(key, {})[node] = tier
+        elif r < 0.95:
+            had = node in model.get(key, {})
+            assert ix.removed(node, key) == had
+            if had:
+                del model[key][node]
+                if not model[key]:
+                    del model[key]
+        else:
+            gone = [k for k, h in model.items() if node in h]
+            assert ix.drop_node(node) == len(gone)
+            for k in gone:
+                del model[k][node]
+                if not model[k]:
+                    del model[k]
+        if step % 97 == 0 or step > 19_900:
+            for k in keys:
+                assert ix.holders(k) == model.get(k, {})
+                assert all(ix.has(n, k) == (n in model.get(k, {})) for n in nodes)
+            assert ix.num_copies == sum(map(len, model.values())) and ix.num_chunks() == len(model)
+            assert all(ix.num_chunks(n) == sum(n in h for h in model.values()) for n in nodes)
+            prompt = rng.sample(keys, 6)
+            lead = next((i for i, k in enumerate(prompt) if k not in model), len(prompt))
+            assert ix.match(prompt).num_global == lead
+            want = {}
+            for n in model.get(prompt[0], {}):
+                want[n] = next((i for i, k in enumerate(prompt) if n not in model.get(k, {})), len(prompt))
+            assert ix.node_prefixes(prompt) == want
+
+
 def test_hot_tracker_decays_by_half_life():
     h = HotTracker(half_life_s=10.0)
     h.touch([b"x", b"y"], now=0.0)
