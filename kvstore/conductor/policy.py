@@ -70,6 +70,13 @@ class PrefixMatch:
     """The leading chunks held by at least one store node, each with its holders' tiers."""
 
     holders: Sequence[Mapping[str, Tier]]
+    _fastest: list[tuple[str, Tier]] | None = None
+
+    def fastest(self) -> list[tuple[str, Tier]]:
+        """Each chunk's fastest holder (lowest tier, then name): computed once, for every engine's plan."""
+        if self._fastest is None:
+            self._fastest = [_fastest(h, None) for h in self.holders]
+        return self._fastest
 
     @property
     def num_global(self) -> int:
@@ -155,12 +162,12 @@ def global_plan(c: PrefillCandidate, prompt: Prompt, match: PrefixMatch, cost: C
     tokens = {(False, Tier.DRAM): 0, (False, Tier.DISK): 0, (True, Tier.DRAM): 0, (True, Tier.DISK): 0}
     by_source: dict[str, int] = {}
     ct = prompt.chunk_tokens
-    for h in match.holders:
+    for h, (node, tier) in zip(match.holders, match.fastest()):
         own = h.get(c.local_node) if c.local_node is not None else None
         if own is not None:
             tokens[(False, Tier.DISK if own is Tier.DISK else Tier.DRAM)] += ct
             continue
-        node, tier = _fastest(h, c.local_node)
+        # (the engine's own node does not hold this chunk: the fastest holder is another node)
         tokens[(True, Tier.DISK if tier is Tier.DISK else Tier.DRAM)] += ct
         by_source[node] = by_source.get(node, 0) + 1
     xfer = sum(cost.transfer_s(n, tier, remote, c.kv_bytes_per_token) for (remote, tier), n in tokens.items())
