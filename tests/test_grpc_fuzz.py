@@ -27,7 +27,7 @@ from proto.crescent.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.helpers import ROOT, wait_for
 
 SEED = int(os.environ.get("CRESCENT_FUZZ_SEED", "20261207"))
-CALLS = int(os.environ.get("CRESCENT_FUZZ_CALLS", "100"))  # per method
+CALLS = int(os.environ.get("CRESCENT_FUZZ_CALLS", "60"))  # per method
 CANARIES = {b"canary-%d" % i: random.Random(i).randbytes(n) for i, n in enumerate((1, 4096, 70000))}
 BAD_STATUSES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 DEADLINE_S = 30.0
