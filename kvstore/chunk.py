@@ -227,6 +227,8 @@ def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
     tokens = np.frombuffer(mv, dtype="<i4", count=num_tokens, offset=_FIXED.size + 4 * ndim).copy()
     offset = end + 8 + (-(end + 8) % ALIGN)
+    if bytes(mv[end + 8:min(offset, mv.nbytes)]).strip(b"\0"):  # (no byte of a chunk goes unchecked)
+        raise ChunkVerificationError("nonzero bytes in the chunk header's padding")
     return ChunkHeader(Namespace(ns), ChunkKey(parent), tokens, _DTYPES[code], tuple(shape),
                        offset, payload_bytes, payload_hash, check)
 

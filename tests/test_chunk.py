@@ -97,6 +97,16 @@ def test_every_mismatch_is_detected(case):
         decode_chunk(buf, **kwargs)
 
 
+def test_every_byte_before_the_payload_is_checked_padding_included():
+    """A flip of any header byte, the zero padding to the payload's 64-byte alignment included, is a miss."""
+    kv, key, buf = _chunk()
+    hdr = parse_header(buf)
+    assert hdr.payload_offset > 64 + 4 * 5 + 4 * 8 + 8  # (this header has padding)
+    for i in range(hdr.payload_offset):
+        with pytest.raises(ChunkVerificationError):
+            decode_chunk(_flip(buf, i), key=key, namespace=NS)
+
+
 def test_collision_with_forged_header_is_detected():
     """A value stored under a key it does not hash to (a collision or a mislabel) is a miss."""
     _, key_a, _ = _chunk(tokens=[1] * 8)
