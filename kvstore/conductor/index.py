@@ -23,8 +23,9 @@ class GlobalIndex:
     """key → the nodes holding it and their tiers, and node id → its keys (so a dead node leaves in one step).
 
     Each node gets a slot while it holds keys; a key's holders are one int, two bits per slot (the
-    node's ``Tier``, 0 where it does not hold the key): about 140 bytes per (key, node) in all where
-    a dict per key took 300 (``bench/conductor_scale_bench.py``).
+    node's ``Tier``, 0 where it does not hold the key): 136 bytes per (key, node) copy where a dict
+    per key took 300 (in-process, keys already made); the whole conductor process, 206 bytes per copy
+    where it took 276 (``bench/conductor_scale_bench.py``, docs/benchmarks.md).
     """
 
     def __init__(self) -> None:
