@@ -73,7 +73,7 @@ $(eval $(call integration-venv,lmcache,lmcache==0.5.6,))
 $(eval $(call integration-venv,sglang,sglang==0.5.23,[kernels]))
 
 test: setup setup-vllm setup-lmcache setup-sglang setup-tools rdma-setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 demo: setup
 	$(PY) -m engine.serve.demo
