@@ -77,12 +77,9 @@ class Etcd:
         self.timeout_s = timeout_s
 
         def connect(t):
-            creds = None
-            if t is not None:
-                import grpc
+            from kvstore import tls
 
-                creds = grpc.ssl_channel_credentials(root_certificates=t.ca, private_key=t.key,
-                                                     certificate_chain=t.cert)
+            creds = tls.channel_credentials(t) if t is not None else None
             eps = [pyetcd.Endpoint(h, p, secure=secure, creds=creds, time_retry=1.0) for h, p in self.endpoints]
             return pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout_s, failover=True)
 

@@ -243,11 +243,15 @@ def channel(address: str, options=None) -> grpc.Channel:
     return RotatingChannel(address, options, tls)
 
 
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """gRPC client credentials from these files: trust their CA, present their certificate."""
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+
+
 def _secure_channel(address: str, options, tls: TlsConfig) -> grpc.Channel:
     from kvstore.auth import with_token
 
-    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
-    return with_token(grpc.secure_channel(address, creds, options=options))
+    return with_token(grpc.secure_channel(address, channel_credentials(tls), options=options))
 
 
 class Following:

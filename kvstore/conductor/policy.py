@@ -32,7 +32,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.conductor.costmodel import CostModel
 from kvstore.store import Tier
@@ -70,7 +70,7 @@ class PrefixMatch:
     """The leading chunks held by at least one store node, each with its holders' tiers."""
 
     holders: Sequence[Mapping[str, Tier]]
-    _fastest: list[tuple[str, Tier]] | None = None
+    _fastest: list[tuple[str, Tier]] | None = field(default=None, compare=False, repr=False)
 
     def fastest(self) -> list[tuple[str, Tier]]:
         """Each chunk's fastest holder (lowest tier, then name): computed once, for every engine's plan."""
