@@ -8,7 +8,7 @@ guards it (with the member list) by one lock.
 
 from __future__ import annotations
 
-import itertools
+import collections
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -148,40 +148,65 @@ class GlobalIndex:
 class HotTracker:
     """Decayed use counts of keys: ``count`` halves every ``half_life_s`` of idle time.
 
-    At most ``max_entries`` keys: past that, cold ones (count < 0.5) go, then the least recently used
-    until 3/4 of it are left, so that a prune (a pass over every key) comes at most once per
-    ``max_entries / 4`` new keys however the counts decay.
+    At most ``max_entries`` keys. Past that, each touch drops as many keys as it added, the least
+    recently used (a key in use is touched again, and so never the least recently used). A touch
+    costs O(its keys) however full the tracker is: no pass over every key (the previous design
+    pruned cold keys in one pass, ~0.7 s for a million under the conductor's lock, once per quarter
+    of its size of new keys; keys used within a half-life went least recently used first there too,
+    bench/hot_tracker_bench.py). A large tracker is split by key hash into up to ``SHARDS`` parts of
+    ``SHARD_MIN`` keys or more, each with its own size and order: a dict's rebuild (growth, or
+    compaction after many evictions) then stalls a touch for one part's size, not the whole's (the
+    least recently used order is kept per part: nearly the global one, the keys being hashes).
+
+    Each key holds one float, ``ln(count) + rate * t`` at its last touch ``t``, so that its count at
+    ``now`` is ``exp(value - rate * now)``; ``now`` is a monotonic clock (an earlier one is read as
+    the latest touch's).
     """
+
+    SHARDS = 64
+    SHARD_MIN = 4096
 
     def __init__(self, half_life_s: float, max_entries: int = 1 << 20) -> None:
         self._rate = math.log(2) / half_life_s
-        self._counts: dict[Hashable, tuple[float, float]] = {}  # in order of last use
-        self._max_entries = max_entries
+        n = 1
+        while n < self.SHARDS and max_entries // (2 * n) >= self.SHARD_MIN:
+            n *= 2
+        # each part in order of last use
+        self._shards: list[collections.OrderedDict[Hashable, float]] = [collections.OrderedDict() for _ in range(n)]
+        self._mask = n - 1
+        self._per_shard = max_entries // n
+        self._now = -math.inf  # the latest touch
+        self.num_evicted = 0
 
-    def _decayed(self, key: Hashable, now: float) -> float:
-        v = self._counts.get(key)
-        if v is None:
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._shards)
+
+    def _decayed(self, value: float | None, now: float) -> float:
+        if value is None:
             return 0.0
-        count, t = v
-        return count * math.exp(-self._rate * max(0.0, now - t))
+        return math.exp(value - self._rate * max(now, self._now))
 
     def touch(self, keys: Iterable[Hashable], now: float) -> None:
         """Counts one use of each key."""
-        counts = self._counts
+        shards, mask, per = self._shards, self._mask, self._per_shard
+        now = self._now = max(now, self._now)
+        at = self._rate * now
+        grown = []
         for k in keys:
-            value = self._decayed(k, now) + 1.0
-            counts.pop(k, None)  # (to the end: the dict stays in order of last use)
-            counts[k] = (value, now)
-        if len(counts) > self._max_entries:
-            self._prune(now)
+            d = shards[hash(k) & mask]
+            v = d.get(k)
+            if v is None:
+                d[k] = at  # ln(1) + rate * now
+                if len(d) > per:
+                    grown.append(d)
+            else:
+                d[k] = math.log(math.exp(v - at) + 1.0) + at
+                d.move_to_end(k)
+        for d in grown:
+            while len(d) > per:
+                d.popitem(last=False)
+                self.num_evicted += 1
 
     def count(self, key: Hashable, now: float) -> float:
-        return self._decayed(key, now)
+        return self._decayed(self._shards[hash(key) & self._mask].get(key), now)
 
-    def _prune(self, now: float) -> None:
-        for k in [k for k in self._counts if self._decayed(k, now) < 0.5]:
-            del self._counts[k]
-        excess = len(self._counts) - self._max_entries * 3 // 4
-        if excess > 0:  # the least recently used first
-            for k in list(itertools.islice(self._counts, excess)):
-                del self._counts[k]

@@ -106,29 +106,52 @@ def test_hot_tracker_decays_by_half_life():
     assert h.count(b"x", 10.0) == pytest.approx(2.0)
 
 
-def test_hot_tracker_prunes_cold_keys():
+def test_hot_tracker_drops_the_least_recently_used():
     h = HotTracker(half_life_s=1.0, max_entries=4)
-    h.touch([1, 2, 3, 4], now=0.0)
-    h.touch([5], now=100.0)  # 1..4 are cold by now
-    assert h.count(5, 100.0) == pytest.approx(1.0)
-    assert len(h._counts) == 1
+    h.touch([1] * 5 + [2, 3, 4], now=0.0)
+    h.touch([5, 1], now=3.0)  # 1 is in use again: 2 goes, the least recently used
+    assert list(h._shards[0]) == [3, 4, 5, 1] and h.num_evicted == 1
+    assert h.count(1, 3.0) == pytest.approx(5 / 8 + 1)
+    assert h.count(2, 3.0) == 0.0 and h.count(3, 3.0) == pytest.approx(1 / 8)
+    h.touch([6, 7, 3], now=3.0)  # 3 again, then 4 and 5 go
+    assert list(h._shards[0]) == [1, 6, 7, 3] and h.num_evicted == 3
+    assert h.count(3, 3.0) == pytest.approx(1 / 8 + 1)
 
 
-def test_hot_tracker_prunes_at_most_once_per_quarter_of_its_size_new_keys(monkeypatch):
-    """Keys that go cold about as fast as new ones come (a steady stream of fresh prompts) used to keep the
-    tracker just under its size, so that a pass over every key came every few touches (2,112 passes for
-    these 20,000 touches: one per 9.5). Now each prune leaves room for a quarter of its size (at most 81
-    passes here); the key in use survives it with its exact decayed count."""
-    prunes = []
-    prune = HotTracker._prune
-    monkeypatch.setattr(HotTracker, "_prune", lambda self, now: (prunes.append(now), prune(self, now)))
+def test_a_large_hot_tracker_is_split_by_key_hash_and_holds_its_size():
+    size = 32 * HotTracker.SHARD_MIN
+    h = HotTracker(half_life_s=60.0, max_entries=size)
+    assert len(h._shards) == 32 and h._per_shard == size // 32  # parts of SHARD_MIN keys or more
+    assert len(HotTracker(60.0, max_entries=1 << 20)._shards) == HotTracker.SHARDS
+    keys = [i.to_bytes(16, "big") for i in range(size + size // 2)]
+    for i in range(0, len(keys), 100):
+        h.touch(keys[i:i + 100] + [b"prefix"], now=i / 1e4)
+    assert size - len(h._shards) <= len(h) <= size and h.num_evicted == len(keys) + 1 - len(h)
+    assert h.count(b"prefix", len(keys) / 1e4) > 100  # in use all along: kept, with its decayed sum
+    assert h.count(keys[-1], len(keys) / 1e4) > 0.99 and h.count(keys[0], len(keys) / 1e4) == 0.0
+
+
+def test_hot_tracker_stays_at_its_size_under_a_stream_of_fresh_keys():
+    """A steady stream of fresh prompts: the tracker stays at its size, each touch dropping what it added
+    (no pass over every key: the previous design's prune), and the key in use every step keeps its
+    exact decayed count."""
     size = 1000
     h = HotTracker(half_life_s=1.0, max_entries=size)
     now = 0.0
     for i in range(20 * size):
         now += 1.01 / size  # one new key per step: keys go cold about as fast as new ones come
         h.touch([("fresh", i), "hot"], now)
-    assert len(prunes) <= 20 * size // (size // 4) + 1
-    assert len(h._counts) <= size
-    assert h.count("hot", now) > 1.0  # touched every step: kept, and its count is the decayed sum
+        assert len(h) <= size
+    assert h.num_evicted == 20 * size + 1 - size
+    # touched every 1.01 ms: the decayed sum of 20,000 ones, 2^(-1.01e-3 k) for k = 0..19,999
+    assert h.count("hot", now) == pytest.approx(sum(2 ** (-1.01e-3 * k) for k in range(20 * size)))
     assert h.count(("fresh", 20 * size - 1), now) == pytest.approx(1.0)
+    assert h.count(("fresh", 0), now) == 0.0
+
+
+def test_hot_tracker_reads_an_earlier_clock_as_its_latest_touch():
+    h = HotTracker(half_life_s=1.0)
+    h.touch(["x"], now=5.0)
+    assert h.count("x", 4.0) == pytest.approx(1.0)  # not 2: a count never grows by going back in time
+    h.touch(["x"], now=4.0)
+    assert h.count("x", 5.0) == pytest.approx(2.0)
