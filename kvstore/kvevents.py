@@ -64,6 +64,22 @@ def block_removed(key: bytes, medium: str) -> dict:
     return {"type": "BlockRemoved", "block_hashes": [key], "medium": medium}
 
 
+def warn_if_exposed_in_plaintext(endpoint: str) -> bool:
+    """Logs a warning (and returns True) when this process runs under TLS but ``endpoint``, a bound
+    ZeroMQ endpoint, is reachable beyond this host: KV events speak vLLM's plaintext protocol, which
+    the routers that read them (llm-d's indexer, Dynamo's) expect; ZeroMQ has no TLS."""
+    from kvstore import tls
+
+    if not endpoint.startswith("tcp://") or tls.config() is None:
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return False
+    log.warning("KV events on %s are plaintext although this process uses TLS (ZeroMQ, vLLM's protocol): "
+                "bind them to a private interface, or to 127.0.0.1 for a router on this host", endpoint)
+    return True
+
+
 class _Worker:
     """A daemon thread running ``_run`` until ``stop``."""
 
@@ -113,6 +129,9 @@ class EventPublisher(_Worker):
                 self._pub.close(0)
                 raise
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        for bound in (self.endpoint, self.replay_endpoint):
+            if bound:
+                warn_if_exposed_in_plaintext(bound)
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=buffer_steps)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0

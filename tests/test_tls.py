@@ -604,3 +604,23 @@ def test_tls_stream_refuses_a_client_certificate_of_another_ca(certs):
         answer = b""
     client.close()
     assert answer == b""
+
+
+def test_kv_events_bound_beyond_the_host_under_tls_are_named_plaintext_in_a_warning(certs, caplog):
+    """KV events stay vLLM's plaintext ZeroMQ protocol (what the routers reading them speak): under TLS,
+    a publisher reachable from other hosts says so when it starts; one on loopback does not."""
+    from kvstore.kvevents import EventPublisher
+
+    def start(endpoint, replay=None):
+        caplog.clear()
+        pub = EventPublisher(endpoint, replay)
+        pub.stop()
+        return [r.getMessage() for r in caplog.records if "plaintext although" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="kvstore.kvevents"):
+        assert start("tcp://0.0.0.0:*") == []  # plaintext process: nothing to say
+        use(certs)
+        assert start("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") == []
+        said = start("tcp://0.0.0.0:*", "tcp://127.0.0.1:*")
+        assert len(said) == 1 and said[0].startswith("KV events on tcp://0.0.0.0:")
+        assert len(start("tcp://*:*", "tcp://*:*")) == 2  # the replay socket too
