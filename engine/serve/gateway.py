@@ -641,7 +641,21 @@ def make_handler(gw: Gateway):
             self._error(code, message or HTTPStatus(code).phrase,
                         "invalid_request_error" if code < 500 else "server_error")
 
+        def _no_body(self) -> None:
+            """For a request that takes no body (GET, DELETE, the unsupported methods): one sent anyway
+            is read and dropped (up to MAX_DISCARD) and the connection closed after the answer, so that
+            it is never parsed as the connection's next request (a request smuggled behind this one,
+            e.g. through a proxy that shares connections)."""
+            length = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True  # a length not known without parsing it: nothing more is read
+            elif length is not None and length.strip() != "0":
+                if length.strip().isdigit():
+                    self._discard(int(length))
+                self.close_connection = True
+
         def _not_allowed(self):
+            self._no_body()
             self._error(405, f"{self.command} is not supported here (GET /v1/models, /v1/responses/{{id}}, /health, "
                              "/metrics; POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, "
                              "/detokenize; DELETE /v1/responses/{id})", code="method_not_allowed")
@@ -710,13 +724,12 @@ def make_handler(gw: Gateway):
         def do_DELETE(self):
             rid = _stored_id(self.path)
             if rid is not None:
-                length = self.headers.get("Content-Length")
-                if length and length.strip().isdigit():
-                    self._discard(int(length))
+                self._no_body()
                 return self._stored_response("DELETE", rid)
             self._not_allowed()
 
         def do_GET(self):
+            self._no_body()
             rid = _stored_id(self.path)
             if rid is not None:
                 return self._stored_response("GET", rid)
@@ -734,6 +747,8 @@ def make_handler(gw: Gateway):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
             else:

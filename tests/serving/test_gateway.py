@@ -4,6 +4,7 @@ stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no
 import http.client
 import json
 import logging
+import re
 import socket
 import ssl
 import urllib.parse
@@ -983,6 +984,49 @@ def test_https_gateway_serves_clients_that_trust_its_ca_and_refuses_plaintext(tm
         decode.stop()
     with pytest.raises(ValueError, match="--https-cert"):
         https_context(str(tmp_path / "missing.pem"), paths["node_key"])
+
+
+def _responses_on(port: int, data: bytes, expect: int) -> tuple[list[bytes], bool]:
+    """Sends ``data`` on one connection; the status lines of every response read back (however they are
+    framed) until the server closes the connection, or until ``expect`` came and 2 s more passed; and
+    whether it closed."""
+    status = re.compile(rb"HTTP/1\.1 \d{3} [^\r]*")
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            if len(status.findall(out)) >= expect:
+                s.settimeout(2)
+            try:
+                piece = s.recv(65536)
+            except socket.timeout:
+                return status.findall(out), False
+            if not piece:
+                return status.findall(out), True
+            out += piece
+
+
+def test_a_body_sent_with_a_request_that_takes_none_is_never_read_as_the_next_request():
+    """A GET (or DELETE, or an unsupported method) carrying a body that holds another request: before, the
+    body was left on the connection and answered as a request of its own (a request smuggled behind the
+    first, e.g. by a client sharing a proxy's pooled connection). Now the body is dropped and the
+    connection closed after the one answer; requests without a body still share a kept-alive connection."""
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0").start()
+    inner = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        for line in (b"GET /health", b"GET /v1/models", b"GET /metrics", b"GET /nope", b"GET /v1/responses/r1",
+                     b"DELETE /v1/responses/r1", b"DELETE /nope", b"PUT /v1/completions", b"OPTIONS /v1/models"):
+            for framing, body in ((b"Content-Length: %d" % len(inner), inner),
+                                  (b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n0\r\n\r\n" % (len(inner), inner))):
+                got, closed = _responses_on(server.port, line + b" HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n\r\n"
+                                            + body, expect=1)
+                assert len(got) == 1 and closed, (line, framing, got)
+        # no body (or an empty one): the connection is kept and both requests are answered
+        got, closed = _responses_on(server.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+                                    + inner, expect=2)
+        assert [g.split()[1] for g in got] == [b"200", b"200"] and not closed
+    finally:
+        server.stop()
 
 
 def test_a_client_that_resets_its_kept_alive_connection_is_one_debug_line_not_a_traceback(capfd, caplog):
