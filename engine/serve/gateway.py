@@ -641,6 +641,28 @@ def make_handler(gw: Gateway):
             self._error(code, message or HTTPStatus(code).phrase,
                         "invalid_request_error" if code < 500 else "server_error")
 
+        def parse_request(self) -> bool:
+            """http.server's parsing, and then the framing it lets through that a proxy in front may read
+            another way (so that the body's end, and so the next request, would differ between the two):
+            Content-Length headers that disagree; a line that is no header (``Content-Length : 5``,
+            white space before the colon: http.server ends the headers there and takes the rest for
+            the body); a header folded over lines. Each is a 400 on a connection then closed (RFC 9112,
+            5.1, 5.2 and 6.3)."""
+            if not super().parse_request():
+                return False
+            msg = self.headers
+            lengths = {v.strip() for v in msg.get_all("Content-Length", ())}
+            if len(lengths) > 1:
+                self.send_error(400, f"several Content-Length headers that disagree: {sorted(lengths)}")
+                return False
+            if msg.defects or msg.get_payload():
+                self.send_error(400, "a malformed header line (no field name and colon)")
+                return False
+            if any("\n" in v for v in msg.values()):
+                self.send_error(400, "a header folded over lines (obs-fold)")
+                return False
+            return True
+
         def _no_body(self) -> None:
             """For a request that takes no body (GET, DELETE, the unsupported methods): one sent anyway
             is read and dropped (up to MAX_DISCARD) and the connection closed after the answer, so that

@@ -1029,6 +1029,33 @@ def test_a_body_sent_with_a_request_that_takes_none_is_never_read_as_the_next_re
         server.stop()
 
 
+def test_framing_a_proxy_could_read_another_way_is_a_400_on_a_closed_connection():
+    """Each request below carries a second one that a proxy in front may read as part of the body, or the
+    other way round: before, two Content-Length headers were read by the first one, and a header name
+    with a space ended the headers, so the rest was answered as a request of its own. Now each (and a
+    header folded over lines) is one 400 and the connection closes; the same bytes framed plainly are
+    two answers."""
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0").start()
+    inner = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
+    n, m = len(body), len(body) + len(inner)
+    try:
+        for framing in (b"Content-Length: %d\r\nContent-Length: %d\r\n" % (n, m),
+                        b"Content-Length: %d\r\nContent-Length: %d\r\n" % (m, n),
+                        b"Content-Length : %d\r\n" % n, b"Content-Length\t: %d\r\n" % n,
+                        b" Content-Length: %d\r\n" % n, b"Content-Length:\r\n %d\r\n" % n,
+                        b"X-Pad: a\r\n Content-Length: %d\r\n" % n):
+            got, closed = _responses_on(server.port, head + framing + b"\r\n" + body + inner, expect=1)
+            assert [g.split()[1] for g in got] == [b"400"] and closed, (framing, got)
+        # the same bytes framed plainly, twice the same length included: the tokenized body, then the models
+        for framing in (b"Content-Length: %d\r\n" % n, b"Content-Length: %d\r\nContent-Length: %d\r\n" % (n, n)):
+            got, closed = _responses_on(server.port, head + framing + b"\r\n" + body + inner, expect=2)
+            assert [g.split()[1] for g in got] == [b"200", b"200"] and not closed, (framing, got)
+    finally:
+        server.stop()
+
+
 def test_a_client_that_resets_its_kept_alive_connection_is_one_debug_line_not_a_traceback(capfd, caplog):
     import struct
 
