@@ -16,7 +16,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 def register(sub) -> None:
     from engine.config import EngineConfig
     from kvstore.cli import add_config_args
-    from kvstore.config import address_arg, port_arg
+    from kvstore.config import address_arg, port_arg, seconds_arg
 
     p = sub.add_parser("engine", help="run a prefill, decode or monolithic engine",
                        description="Run an engine behind the crescent.v1.Engine gRPC service. prefill: "
@@ -56,6 +56,9 @@ def register(sub) -> None:
     g.add_argument("--https-cert", default=None, metavar="PEM",
                    help="serve HTTPS with this certificate chain (with --https-key); default: plain HTTP")
     g.add_argument("--https-key", default=None, metavar="PEM", help="the private key of --https-cert")
+    g.add_argument("--idle-timeout", type=seconds_arg, default=60.0, metavar="S",
+                   help="close a client connection silent this long: kept alive with no next request, stalled "
+                        "in a request, or not reading its answer (default: 60)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="read tool calls out of the model's text for tool_choice \"auto\" (hermes: <tool_call> JSON, "
                         "as Qwen 2.5/3 and Hermes models write them; llama3_json: JSON calls, Llama 3.x/4; "
@@ -117,7 +120,7 @@ def _run_gateway(ns: argparse.Namespace) -> int:
                      etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser,
                      reasoning_parser=ns.reasoning_parser, trust_request_chat_template=ns.trust_request_chat_template,
                      max_stored_responses=ns.max_stored_responses)
-        serve(gw, ns.listen, ctx)
+        serve(gw, ns.listen, ctx, idle_s=ns.idle_timeout)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)
         return 2

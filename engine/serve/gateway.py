@@ -600,10 +600,17 @@ class _Detok:
         return self.decoded if self.end is None else self.decoded[:self.end]
 
 
-def make_handler(gw: Gateway):
+IDLE_S = 60.0
+"""How long a client connection may stay silent: waiting for its next request (kept alive), in the
+middle of a request's headers or body, or not reading what the gateway sends. Then it is closed, and
+its thread freed."""
+
+
+def make_handler(gw: Gateway, idle_s: float = IDLE_S):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "crescent-gateway"
+        timeout = idle_s  # (http.server sets it on the socket; a silent connection ends in TimeoutError)
 
         def log_message(self, fmt, *args):
             log.debug("%s " + fmt, self.address_string(), *args)
@@ -841,7 +848,7 @@ def make_handler(gw: Gateway):
             except BadRequest as exc:
                 gw.m_requests.labels(endpoint, "400").inc()
                 self._json(400, exc.body())
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # gone, or silent for idle_s
                 gw.m_requests.labels(endpoint, "disconnected").inc()
                 self.close_connection = True
             except Rejected as exc:
@@ -1256,13 +1263,13 @@ def https_context(cert: str, key: str):
 
 
 class GatewayServer:
-    def __init__(self, gw: Gateway, listen: str, ssl_context=None) -> None:
+    def __init__(self, gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S) -> None:
         host, _, port = listen.rpartition(":")
         cls = _HttpServer
         if ssl_context is not None:
             cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context})
         try:
-            self.httpd = cls((host, int(port)), make_handler(gw))
+            self.httpd = cls((host, int(port)), make_handler(gw, idle_s))
         except OSError as exc:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
@@ -1280,8 +1287,8 @@ class GatewayServer:
         self.httpd.server_close()
 
 
-def serve(gw: Gateway, listen: str, ssl_context=None) -> None:
-    srv = GatewayServer(gw, listen, ssl_context).start()
+def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S) -> None:
+    srv = GatewayServer(gw, listen, ssl_context, idle_s).start()
     stop = StopSignals()
     say(f"crescent gateway serving {gw.model_name} on {srv.url}/v1")
     stop.wait()

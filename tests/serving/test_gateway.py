@@ -1056,6 +1056,33 @@ def test_framing_a_proxy_could_read_another_way_is_a_400_on_a_closed_connection(
         server.stop()
 
 
+def test_a_silent_connection_is_closed_after_the_idle_timeout_and_its_thread_freed():
+    """Kept alive with no next request, stalled inside its headers, or inside its body: each connection
+    is closed once silent for idle_s (here 1 s), so that idle or slow clients cannot hold the gateway's
+    threads for good. Before, each waited forever."""
+    import threading
+
+    before = set(threading.enumerate())  # (other servers' connection threads, if any)
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0", idle_s=1.0).start()
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    try:
+        for sent, answers in ((b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 1),
+                              (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Le", 0),
+                              (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(body), body[:5]), 0)):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+                s.sendall(sent)
+                out = b""
+                while piece := s.recv(65536):  # (until the server closes: within 120 s, or a timeout fails)
+                    out += piece
+            assert out.count(b"HTTP/1.1 200") == answers, (sent, out)
+        wait_for(lambda: not any("process_request" in t.name for t in set(threading.enumerate()) - before),
+                 timeout_s=60, what="the connections' threads to end")
+        assert request(server.url, "GET", "/v1/models")[0] == 200  # and it serves on
+    finally:
+        server.stop()
+
+
 def test_a_client_that_resets_its_kept_alive_connection_is_one_debug_line_not_a_traceback(capfd, caplog):
     import struct
 
