@@ -10,23 +10,29 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvstore.procs import HTTP_POLL_S
+from kvstore.procs import HTTP_IDLE_S, HTTP_POLL_S, QuietDrops
 from kvstore.store import TieredStore
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HTTP_IDLE_S  # (a silent client's connection ends in TimeoutError, below)
+
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
         pass  # a scrape every few seconds is not news
+
+
+class _Server(QuietDrops, ThreadingWSGIServer):
+    pass
 
 
 def serve_http(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> ThreadingWSGIServer:
     """Serves ``registry`` at http://host:port/metrics from a daemon thread (``prometheus_client``'s
     ``start_http_server``, with a loop that stops within ``HTTP_POLL_S``); stop it with :func:`stop_http`."""
-    server_cls = ThreadingWSGIServer
+    server_cls = _Server
     if ":" in host:
-        server_cls = type("ThreadingWSGIServerV6", (ThreadingWSGIServer,), {"address_family": socket.AF_INET6})
+        server_cls = type("ThreadingWSGIServerV6", (_Server,), {"address_family": socket.AF_INET6})
     httpd = make_server(host.strip("[]"), port, make_wsgi_app(registry), server_cls, handler_class=_QuietHandler)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S}, name="metrics-http",
                      daemon=True).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -15,6 +16,19 @@ _SLICE_S = 0.2
 HTTP_POLL_S = 0.05
 """How often an HTTP server's loop (``serve_forever``) looks for a stop. ``socketserver``'s default,
 0.5 s, is how long ``shutdown()`` waited: each HTTP listener made its process stop ~0.5 s later."""
+HTTP_IDLE_S = 60.0
+"""How long the metrics and console listeners wait on a silent client (for its request, or for it to
+read the answer) before closing its connection: without it, each such connection held a thread for good."""
+
+
+class QuietDrops:
+    """A ``socketserver`` mixin: a client gone (reset, broken pipe) or silent past its handler's timeout
+    is no news; any other error of a connection is still reported as ``socketserver`` does (a traceback
+    on stderr)."""
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def say(text: str) -> None:

@@ -577,3 +577,35 @@ def test_put_stream_in_flight_at_stop_is_unavailable_and_leaves_nothing(make_nod
     assert node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0
     assert node.store.exists([b"ok", b"k"]) == [False, False]
     ch.close()
+
+
+@pytest.mark.parametrize("listener", ["store", "conductor"])
+def test_metrics_and_console_listeners_close_a_silent_connection_and_serve_on(listener, make_node, monkeypatch,
+                                                                               capfd):
+    """A client silent inside its request (or never sending one) is cut off after the listener's idle
+    timeout (patched to 1 s here; HTTP_IDLE_S, 60 s, otherwise) without a traceback; before, it held a
+    thread for good."""
+    from kvstore.conductor import console
+    from kvstore.conductor.service import Conductor, ConductorConfig
+    from kvstore.metrics import _QuietHandler
+    from kvstore.procs import HTTP_IDLE_S
+
+    assert _QuietHandler.timeout == console._Handler.timeout == HTTP_IDLE_S  # (http.server's default: none)
+    monkeypatch.setattr(_QuietHandler, "timeout", 1.0)
+    monkeypatch.setattr(console._Handler, "timeout", 1.0)
+    if listener == "store":
+        port, stop = make_node(metrics_port=0).metrics_port, None
+    else:
+        conductor = Conductor(ConductorConfig(listen="127.0.0.1:0", metrics_port=0)).start()
+        port, stop = conductor.metrics_port, conductor.stop
+    try:
+        for sent in (b"", b"GET /metr", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+                s.sendall(sent)
+                assert s.recv(65536) == b""  # closed by the listener (a hang fails at 120 s)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert "crescent_" in text
+    finally:
+        if stop is not None:
+            stop()
+    assert "Traceback" not in capfd.readouterr().err

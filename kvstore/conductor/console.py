@@ -31,7 +31,7 @@ import urllib.parse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvstore.conductor.membership import MemberKind
-from kvstore.procs import HTTP_POLL_S
+from kvstore.procs import HTTP_IDLE_S, HTTP_POLL_S, QuietDrops
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 1.0
@@ -158,6 +158,7 @@ def snapshot(conductor) -> dict:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "crescent-conductor"
+    timeout = HTTP_IDLE_S  # (http.server closes a connection whose request does not come in time)
 
     def log_message(self, fmt, *args) -> None:  # the default writes every request to stderr
         log.debug("http %s: " + fmt, self.address_string(), *args)
@@ -191,8 +192,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 self._send(404, f"not found: {path} (try /ui, /api/console or /metrics)\n".encode(),
                            "text/plain; charset=utf-8")
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
 
     do_HEAD = do_GET
 
@@ -206,10 +207,9 @@ class ConsoleServer:
         self.conductor = conductor
         registry = CollectorRegistry()
         registry.register(ConductorCollector(conductor))
-        server_cls = http.server.ThreadingHTTPServer
+        server_cls = type("ConsoleHTTPServer", (QuietDrops, http.server.ThreadingHTTPServer), {})
         if ":" in host:
-            server_cls = type("ThreadingHTTPServerV6", (http.server.ThreadingHTTPServer,),
-                              {"address_family": socket.AF_INET6})
+            server_cls = type("ConsoleHTTPServerV6", (server_cls,), {"address_family": socket.AF_INET6})
         self.httpd = server_cls((host.strip("[]"), port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.registry, self.httpd.conductor = registry, conductor
