@@ -670,6 +670,23 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
                 return False
             return True
 
+        def handle_expect_100(self) -> bool:
+            """``Expect: 100-continue`` (curl sends it with bodies over 1 MiB): a body this gateway would
+            only drop (over MAX_BODY, or to a path it does not serve) is refused before the client
+            sends it, on a connection then closed; otherwise the client is told to go on."""
+            raw = self.headers.get("Content-Length", "")
+            too_big = raw.strip().isdigit() and int(raw) > MAX_BODY
+            if self.command == "POST" and (too_big or self.path not in POST_ROUTES):
+                endpoint = POST_ROUTES.get(self.path, "completions")
+                self.close_connection = True
+                if too_big:
+                    gw.m_requests.labels(endpoint, "400").inc()
+                    self._error(400, f"request body over {MAX_BODY} bytes")
+                else:
+                    self._error(404, f"no route for POST {self.path}", code="not_found")
+                return False
+            return super().handle_expect_100()
+
         def _no_body(self) -> None:
             """For a request that takes no body (GET, DELETE, the unsupported methods): one sent anyway
             is read and dropped (up to MAX_DISCARD) and the connection closed after the answer, so that

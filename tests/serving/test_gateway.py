@@ -1056,6 +1056,29 @@ def test_framing_a_proxy_could_read_another_way_is_a_400_on_a_closed_connection(
         server.stop()
 
 
+def test_expect_100_continue_refuses_a_body_it_would_drop_before_it_is_sent():
+    """curl asks ``Expect: 100-continue`` before a body over 1 MiB. A body over 8 MiB, or to a path not
+    served, is now refused at once (before, the gateway said 100 Continue and read up to 64 MiB only to
+    drop it); a body it takes is asked for and served."""
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0").start()
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    try:
+        for path, length, status in (("/v1/completions", MAX_BODY + 1, b"400"), ("/nope", 10, b"404")):
+            got, closed = _responses_on(server.port, b"POST %s HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                        b"Content-Length: %d\r\n\r\n" % (path.encode(), length), expect=1)
+            assert [g.split()[1] for g in got] == [status] and closed, (path, got)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=300) as s:
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+                      % len(body))
+            assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+            s.sendall(body)
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 200 and json.loads(r.read())["count"] > 0
+    finally:
+        server.stop()
+
+
 def test_a_silent_connection_is_closed_after_the_idle_timeout_and_its_thread_freed():
     """Kept alive with no next request, stalled inside its headers, or inside its body: each connection
     is closed once silent for idle_s (here 1 s), so that idle or slow clients cannot hold the gateway's
