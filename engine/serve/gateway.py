@@ -603,7 +603,48 @@ class _Detok:
 IDLE_S = 60.0
 """How long a client connection may stay silent: waiting for its next request (kept alive), in the
 middle of a request's headers or body, or not reading what the gateway sends. Then it is closed, and
-its thread freed."""
+its thread freed. A request's head (its line and headers) must also be whole within IDLE_S of the
+connection's last answer (or its start): a client that trickles a byte now and then is cut off too."""
+HEAD_CHECK_S = 0.5
+
+
+class _HeadDeadlines:
+    """Connections whose request head is due by a time; a thread shuts down (``SHUT_RDWR``) each one
+    still waiting for it past that time, which ends the handler's blocked read."""
+
+    def __init__(self) -> None:
+        self._due: dict = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-head-deadlines", daemon=True)
+        self._thread.start()
+
+    def watch(self, sock, due: float) -> None:
+        with self._lock:
+            self._due[sock] = due
+
+    def done(self, sock) -> None:
+        with self._lock:
+            self._due.pop(sock, None)
+
+    def _run(self) -> None:
+        import socket
+
+        while not self._stop.wait(HEAD_CHECK_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [s for s, due in self._due.items() if due <= now]
+                for s in late:
+                    del self._due[s]
+            for s in late:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def make_handler(gw: Gateway, idle_s: float = IDLE_S):
@@ -655,7 +696,11 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             white space before the colon: http.server ends the headers there and takes the rest for
             the body); a header folded over lines. Each is a 400 on a connection then closed (RFC 9112,
             5.1, 5.2 and 6.3)."""
-            if not super().parse_request():
+            ok = super().parse_request()
+            deadlines = getattr(self.server, "head_deadlines", None)
+            if deadlines is not None:
+                deadlines.done(self.connection)  # the head is read (whole or not)
+            if not ok:
                 return False
             msg = self.headers
             lengths = {v.strip() for v in msg.get_all("Content-Length", ())}
@@ -669,6 +714,16 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
                 self.send_error(400, "a header folded over lines (obs-fold)")
                 return False
             return True
+
+        def handle_one_request(self) -> None:
+            deadlines = getattr(self.server, "head_deadlines", None)
+            if deadlines is not None:
+                deadlines.watch(self.connection, time.monotonic() + idle_s)
+            try:
+                super().handle_one_request()
+            finally:
+                if deadlines is not None:
+                    deadlines.done(self.connection)
 
         def handle_expect_100(self) -> bool:
             """``Expect: 100-continue`` (curl sends it with bodies over 1 MiB): a body this gateway would
@@ -1290,6 +1345,7 @@ class GatewayServer:
         except OSError as exc:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
+        self.httpd.head_deadlines = _HeadDeadlines()
         self.port = self.httpd.server_address[1]
         self.url = f"{'https' if ssl_context is not None else 'http'}://{host}:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S},
@@ -1302,6 +1358,7 @@ class GatewayServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.head_deadlines.stop()
 
 
 def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S) -> None:

@@ -1056,6 +1056,35 @@ def test_framing_a_proxy_could_read_another_way_is_a_400_on_a_closed_connection(
         server.stop()
 
 
+def test_a_request_head_trickled_a_header_at_a_time_is_cut_off():
+    """A client that sends a byte of a header every 0.3 s never stays silent for the idle timeout (here
+    3 s), but its request head must be whole within that time: the gateway shuts the connection (before,
+    it waited as long as the client went on: a thread per such client, the slowloris attack)."""
+    import select
+
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0", idle_s=3.0).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Trickle: ")
+            out, closed = b"", False
+            for _ in range(400):  # up to 120 s of trickling: a bound against hangs, not a speed test
+                try:
+                    s.sendall(b"a")
+                    if select.select([s], [], [], 0.3)[0]:
+                        piece = s.recv(65536)
+                        out += piece
+                        if not piece:
+                            closed = True
+                            break
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+            assert closed and b"HTTP/1.1 200" not in out, out
+        assert request(server.url, "GET", "/v1/models")[0] == 200  # and it serves on
+    finally:
+        server.stop()
+
+
 def test_expect_100_continue_refuses_a_body_it_would_drop_before_it_is_sent():
     """curl asks ``Expect: 100-continue`` before a body over 1 MiB. A body over 8 MiB, or to a path not
     served, is now refused at once (before, the gateway said 100 Continue and read up to 64 MiB only to
