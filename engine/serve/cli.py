@@ -69,6 +69,9 @@ def register(sub) -> None:
     g.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
                    help="Responses API: keep the N responses used last in memory, for previous_response_id and "
                         "GET /v1/responses/{id} (0: none; store: true is then refused) (default: 1000)")
+    g.add_argument("--max-stored-responses-mib", type=int, default=256, metavar="MIB",
+                   help="Responses API: and no more than this much memory for them, each counted as its JSON "
+                        "(default: 256)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat_template (Jinja the gateway runs in a sandbox; "
                         "one can still spend its CPU and memory): only for clients you trust")
@@ -119,7 +122,8 @@ def _run_gateway(ns: argparse.Namespace) -> int:
         gw = Gateway(ns.model, ns.prefill, ns.decode, ns.served_model_name, conductor=ns.conductor,
                      etcd=ns.etcd, api_keys=keys, tool_parser=ns.tool_call_parser,
                      reasoning_parser=ns.reasoning_parser, trust_request_chat_template=ns.trust_request_chat_template,
-                     max_stored_responses=ns.max_stored_responses)
+                     max_stored_responses=ns.max_stored_responses,
+                     max_stored_responses_mib=ns.max_stored_responses_mib)
         serve(gw, ns.listen, ctx, idle_s=ns.idle_timeout)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)

@@ -135,7 +135,8 @@ class Gateway:
                  router: Router | None = None, timeout_s: float = 600.0, conductor: str | None = None,
                  etcd: str | None = None, api_keys: dict[bytes, ApiTenant] | None = None,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False, max_stored_responses: int = 1000) -> None:
+                 trust_request_chat_template: bool = False, max_stored_responses: int = 1000,
+                 max_stored_responses_mib: int = 256) -> None:
         self.model_name = served_model_name or model
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {', '.join(PARSERS)})")
@@ -147,7 +148,9 @@ class Gateway:
         """Splits a chat choice's reasoning from its content (engine/serve/reasoning.py)."""
         self.trust_request_chat_template = trust_request_chat_template
         """Chat requests may bring their own ``chat_template`` (Jinja code the gateway runs, sandboxed)."""
-        self.responses = ResponseStore(max_stored_responses)
+        if max_stored_responses_mib <= 0:
+            raise ValueError(f"--max-stored-responses-mib must be > 0, got {max_stored_responses_mib}")
+        self.responses = ResponseStore(max_stored_responses, max_stored_responses_mib << 20)
         """The Responses API's kept responses (``previous_response_id``, ``GET /v1/responses/{id}``)."""
         self._compile = functools.lru_cache(maxsize=32)(
             lambda source: ChatTemplate(source, self.tokenizer.special_tokens))

@@ -22,6 +22,7 @@ search, file search, …), background responses.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from collections import OrderedDict
 
 from engine.serve.openai_protocol import REASONING_EFFORTS, BadRequest
 from engine.serve.reasoning import END
+
+log = logging.getLogger(__name__)
 
 END_TAG = END.encode()
 
@@ -411,16 +414,22 @@ def _blank(item: dict) -> dict:
 
 class ResponseStore:
     """Responses kept for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``: the
-    ``max_items`` used last (each use refreshes a response and those it continues), in memory.
+    ``max_items`` used last (each use refreshes a response and those it continues), in memory, and
+    no more than ``max_bytes`` of them (each counted as its response and turn in JSON: a long-context
+    model's conversations are MiBs each; one larger than all of ``max_bytes`` is not kept).
     Each keeps its own turn (its input and output as chat messages) and the id it continues, so a
     conversation costs its length once, not once per turn. ``owner``: the tenant (None without API
     keys); another owner's responses are as absent as unknown ones."""
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, max_bytes: int = 256 << 20) -> None:
         if max_items < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {max_items}")
+        if max_bytes <= 0:
+            raise ValueError(f"the responses' memory must be > 0 bytes, got {max_bytes}")
         self.max_items = max_items
-        self._items: OrderedDict[str, tuple] = OrderedDict()  # id: (owner, response, parent id, turn)
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, tuple] = OrderedDict()  # id: (owner, response, parent id, turn, bytes)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -432,10 +441,20 @@ class ResponseStore:
             return
         turn = _items_as_messages(body.get("input")) + (_items_as_messages(response["output"])
                                                          if response["output"] else [])
+        text = json.dumps(response)
+        size = len(text) + len(json.dumps(turn))
         with self._lock:
-            self._items[response["id"]] = (owner, json.loads(json.dumps(response)), parent, turn)
-            while len(self._items) > self.max_items:
-                self._items.popitem(last=False)
+            old = self._items.pop(response["id"], None)
+            if old is not None:
+                self.num_bytes -= old[4]
+            if size > self.max_bytes:
+                log.warning("response %s not kept: %d bytes, over the %d kept in all", response["id"], size,
+                            self.max_bytes)
+                return
+            self._items[response["id"]] = (owner, json.loads(text), parent, turn, size)
+            self.num_bytes += size
+            while len(self._items) > self.max_items or self.num_bytes > self.max_bytes:
+                self.num_bytes -= self._items.popitem(last=False)[1][4]
 
     def get(self, rid: str, owner) -> dict | None:
         with self._lock:
@@ -468,4 +487,5 @@ class ResponseStore:
             if entry is None or entry[0] != owner:
                 return False
             del self._items[rid]
+            self.num_bytes -= entry[4]
             return True

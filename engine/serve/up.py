@@ -102,6 +102,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
                    help="the gateway keeps the N Responses API responses used last (previous_response_id); "
                         "0: none (default: 1000)")
+    p.add_argument("--max-stored-responses-mib", type=int, default=256, metavar="MIB",
+                   help="the gateway's Responses API: and no more memory than this for them (default: 256)")
     p.add_argument("--restart", action="store_true",
                    help="restart a part that exits (kill -9, a crash) with its command, on its address; the gateway "
                         "is not restarted, and a part exiting 10 times within a minute stops the cluster")
@@ -442,6 +444,8 @@ def run_up(ns: argparse.Namespace) -> int:
             gw_cmd += ["--trust-request-chat-template"]
         if ns.max_stored_responses != 1000:
             gw_cmd += ["--max-stored-responses", str(ns.max_stored_responses)]
+        if ns.max_stored_responses_mib != 256:
+            gw_cmd += ["--max-stored-responses-mib", str(ns.max_stored_responses_mib)]
         if tls_dir:  # HTTPS for OpenAI clients too (they check the development CA, <data>/tls/ca.pem)
             gw_cmd += ["--https-cert", os.path.join(tls_dir, "node.pem"),
                        "--https-key", os.path.join(tls_dir, "node-key.pem")]
