@@ -1302,10 +1302,13 @@ class _HttpsServer(_HttpServer):
     holds up the accept loop) and a failed one just closes that connection."""
 
     ssl_context = None
+    idle_s = IDLE_S
 
     def finish_request(self, request, client_address):
         try:
-            request.settimeout(30)
+            # (for a handshake, Python's ssl takes the socket's timeout as a deadline for the whole of
+            # it: a client that trickles its ClientHello is cut off too)
+            request.settimeout(self.idle_s)
             request = self.ssl_context.wrap_socket(request, server_side=True)
             request.settimeout(None)
         except OSError as exc:  # ssl.SSLError included: plaintext, a wrong CA, a dropped connection
@@ -1349,6 +1352,7 @@ class GatewayServer:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
         self.httpd.head_deadlines = _HeadDeadlines()
+        self.httpd.idle_s = idle_s
         self.port = self.httpd.server_address[1]
         self.url = f"{'https' if ssl_context is not None else 'http'}://{host}:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S},

@@ -1085,6 +1085,42 @@ def test_a_request_head_trickled_a_header_at_a_time_is_cut_off():
         server.stop()
 
 
+def test_a_tls_handshake_trickled_a_byte_at_a_time_is_cut_off(tmp_path):
+    """HTTPS: the handshake is due within the idle timeout too (here 3 s; Python's ssl takes a socket's
+    timeout as the handshake's deadline, not each read's). A client that announces a ClientHello record
+    and then sends it a byte every 0.3 s is shut out, and the gateway serves on."""
+    import select
+
+    from engine.serve.gateway import https_context
+    from kvstore import tls
+
+    paths = tls.init_dir(str(tmp_path / "tls"), ["127.0.0.1"])
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0",
+                           https_context(paths["node"], paths["node_key"]), idle_s=3.0).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            # a handshake record of 512 bytes, a ClientHello of 508 begins it (TLS reads a record whole)
+            s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc")
+            closed = False
+            for _ in range(400):  # up to 120 s of trickling: a bound against hangs, not a speed test
+                try:
+                    s.sendall(b"\x00")
+                    if select.select([s], [], [], 0.3)[0] and not s.recv(65536):
+                        closed = True
+                        break
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+            assert closed
+        ctx = ssl.create_default_context(cafile=paths["ca"])
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:  # and it serves on
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
 def test_expect_100_continue_refuses_a_body_it_would_drop_before_it_is_sent():
     """curl asks ``Expect: 100-continue`` before a body over 1 MiB. A body over 8 MiB, or to a path not
     served, is now refused at once (before, the gateway said 100 Continue and read up to 64 MiB only to
