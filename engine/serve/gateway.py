@@ -650,6 +650,55 @@ class _HeadDeadlines:
         self._thread.join(timeout=10)
 
 
+class _Connections:
+    """The gateway's open client connections, and which are inside a request (its head read, its answer
+    not yet sent whole): what a drain waits for, and which idle ones it closes at once."""
+
+    def __init__(self) -> None:
+        self._busy: dict = {}  # socket: inside a request
+        self._changed = threading.Condition()
+
+    def opened(self, sock) -> None:
+        with self._changed:
+            self._busy[sock] = False
+
+    def closed(self, sock) -> None:
+        with self._changed:
+            self._busy.pop(sock, None)
+            self._changed.notify_all()
+
+    def mark(self, sock, busy: bool) -> None:
+        with self._changed:
+            if sock in self._busy:
+                self._busy[sock] = busy
+                self._changed.notify_all()
+
+    def num_busy(self) -> int:
+        with self._changed:
+            return sum(self._busy.values())
+
+    def drain(self, grace_s: float, cut: threading.Event) -> int:
+        """Closes each idle connection (now, or as its request ends) until none is busy, ``grace_s``
+        passes or ``cut`` is set; returns how many were still busy then."""
+        import socket
+
+        deadline = time.monotonic() + grace_s
+        while True:
+            with self._changed:
+                idle = [s for s, busy in self._busy.items() if not busy]
+                busy = len(self._busy) - len(idle)
+            for sock in idle:  # (its thread waits for a next request, or is reading one's head)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            left = deadline - time.monotonic()
+            if not busy or left <= 0 or cut.is_set():
+                return busy
+            with self._changed:
+                self._changed.wait(min(left, 0.2))
+
+
 def make_handler(gw: Gateway, idle_s: float = IDLE_S):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -703,6 +752,9 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             deadlines = getattr(self.server, "head_deadlines", None)
             if deadlines is not None:
                 deadlines.done(self.connection)  # the head is read (whole or not)
+            conns = getattr(self.server, "connections", None)
+            if conns is not None:
+                conns.mark(self.connection, True)  # a request is in: a drain lets it finish
             if not ok:
                 return False
             msg = self.headers
@@ -718,6 +770,18 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
                 return False
             return True
 
+        def setup(self) -> None:
+            super().setup()
+            conns = getattr(self.server, "connections", None)
+            if conns is not None:
+                conns.opened(self.connection)
+
+        def finish(self) -> None:
+            conns = getattr(self.server, "connections", None)
+            if conns is not None:
+                conns.closed(self.connection)
+            super().finish()
+
         def handle_one_request(self) -> None:
             deadlines = getattr(self.server, "head_deadlines", None)
             if deadlines is not None:
@@ -727,6 +791,11 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             finally:
                 if deadlines is not None:
                     deadlines.done(self.connection)
+                conns = getattr(self.server, "connections", None)
+                if conns is not None:
+                    conns.mark(self.connection, False)
+                if getattr(self.server, "draining", False):
+                    self.close_connection = True  # (stopping: no next request on this connection)
 
         def handle_expect_100(self) -> bool:
             """``Expect: 100-continue`` (curl sends it with bodies over 1 MiB): a body this gateway would
@@ -1352,7 +1421,11 @@ class GatewayServer:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
         self.httpd.head_deadlines = _HeadDeadlines()
+        self.httpd.connections = _Connections()
+        self.httpd.draining = False
         self.httpd.idle_s = idle_s
+        self.cut = threading.Event()
+        """Set: a drain under way ends now (a second SIGTERM)."""
         self.port = self.httpd.server_address[1]
         self.url = f"{'https' if ssl_context is not None else 'http'}://{host}:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S},
@@ -1362,16 +1435,26 @@ class GatewayServer:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> int:
+        """Stops taking connections, closes the idle ones, and lets the requests in flight finish for
+        up to ``grace_s`` (or until ``cut`` is set), each connection closed after its answer; returns
+        how many were still in flight then (their threads end with the process)."""
+        self.httpd.draining = True
         self.httpd.shutdown()
         self.httpd.server_close()
+        left = self.httpd.connections.drain(grace_s, self.cut)
         self.httpd.head_deadlines.stop()
+        return left
 
 
-def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S) -> None:
+def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S, grace_s: float = 30.0) -> None:
     srv = GatewayServer(gw, listen, ssl_context, idle_s).start()
-    stop = StopSignals()
+    stop = StopSignals(on_again=srv.cut.set)
     say(f"crescent gateway serving {gw.model_name} on {srv.url}/v1")
     stop.wait()
-    say("crescent gateway: stopping")
-    srv.stop()
+    busy = srv.httpd.connections.num_busy()
+    say(f"crescent gateway: stopping ({busy} requests in flight: up to {grace_s:g} s for them; a second "
+        "signal ends it)" if busy else "crescent gateway: stopping")
+    left = srv.stop(grace_s)
+    if left:
+        say(f"crescent gateway: {left} requests still in flight after {grace_s:g} s: cut off")

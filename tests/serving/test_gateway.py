@@ -4,9 +4,11 @@ stop strings, partial UTF-8, 404s, the body limit, /health, prefill fallback, no
 import http.client
 import json
 import logging
+import os
 import re
 import socket
 import ssl
+import threading
 import urllib.parse
 
 import grpc
@@ -1083,6 +1085,89 @@ def test_a_request_head_trickled_a_header_at_a_time_is_cut_off():
         assert request(server.url, "GET", "/v1/models")[0] == 200  # and it serves on
     finally:
         server.stop()
+
+
+def test_stopping_lets_the_requests_in_flight_finish_and_closes_the_idle_connections():
+    """A drain (SIGTERM's, through ``serve``): no new connection is taken, a kept-alive idle one is closed
+    at once, and a stream in flight gets every token and its [DONE] before ``stop`` returns. Before, the
+    process ended with the stream cut mid-way."""
+    decode = EngineNode("decode", engine_cfg()).start()
+    server = GatewayServer(Gateway(MODEL, [], [decode.address], timeout_s=300), "127.0.0.1:0").start()
+    stopping = None
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+        idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        r = http.client.HTTPResponse(idle)
+        r.begin()
+        assert r.status == 200 and r.read() and not r.will_close  # answered, and kept alive
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        resp, first = _start_stream(server.port)
+        result = {}
+        stopping = threading.Thread(target=lambda: result.update(left=server.stop(grace_s=300)))
+        stopping.start()
+        assert idle.recv(65536) == b""  # the idle connection is closed (a hang fails at 120 s)
+        wait_for(lambda: not _accepts(server.port), timeout_s=60, what="the listener to close")
+        _assert_whole(first + resp.read())
+        stopping.join(timeout=300)
+        assert result == {"left": 0}
+    finally:
+        if stopping is None:
+            server.stop()
+        decode.stop()
+
+
+DRAIN_TOKENS = 48
+
+
+def _start_stream(port: int):
+    """A streamed completion of DRAIN_TOKENS tokens, under way: (the response, its first line)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    body = {"model": MODEL, "prompt": "drain me", "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = resp.readline()
+    assert resp.status == 200 and first.startswith(b"data: "), first
+    return resp, first
+
+
+def _assert_whole(stream: bytes) -> None:
+    """Every token of the stream came, then its end."""
+    events = [json.loads(line[6:]) for line in stream.split(b"\n") if line.startswith(b"data: {")]
+    assert stream.rstrip().endswith(b"data: [DONE]"), stream[-300:]
+    assert events[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_before_the_gateway_process_exits():
+    """The same through a real ``crescent gateway`` process: SIGTERM mid-stream, and the stream still
+    gets every token before the process exits 0 (before, it exited at once, cutting the stream)."""
+    import signal
+    import sys
+
+    from tests.helpers import Proc
+
+    decode = EngineNode("decode", engine_cfg()).start()
+    gw = Proc([sys.executable, "-m", "kvstore.cli", "gateway", "--listen", "127.0.0.1:0", "--model", MODEL,
+               "--decode", decode.address], "serving")
+    try:
+        port = int(re.search(r":(\d+)/v1", gw.line).group(1))
+        resp, first = _start_stream(port)
+        os.kill(gw.pid, signal.SIGTERM)
+        _assert_whole(first + resp.read())
+        assert gw.proc.wait(timeout=120) == 0
+        assert "1 requests in flight" in gw.proc.stdout.read()
+    finally:
+        gw.stop()
+        decode.stop()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        return True
+    except OSError:
+        return False
 
 
 def test_a_tls_handshake_trickled_a_byte_at_a_time_is_cut_off(tmp_path):
