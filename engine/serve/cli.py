@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--fetch-timeout-s", type=float, default=2.0,
                    help="decode: how long to wait for a prefill engine's chunks to appear in the store "
                         "after the last one arrived (default: 2.0)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: leave the cluster, take no new calls and let the calls in flight (a "
+                        "stream being generated) finish for up to S seconds (a second signal ends it) (default: 30)")
     add_config_args(p, EngineConfig)
     p.set_defaults(handler=_run_engine, etcd=os.environ.get("CRESCENT_ETCD") or None)
 
@@ -98,7 +101,9 @@ def _run_engine(ns: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(EngineConfig, ns)
-        serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s, ns.advertise_host)
+        if not 0.0 <= ns.shutdown_grace <= 86400.0:  # (NaN too)
+            raise ValueError(f"--shutdown-grace must be in [0, 86400] seconds, got {ns.shutdown_grace}")
+        serve(ns.role, cfg, ns.listen, ns.metrics_port, ns.fetch_timeout_s, ns.advertise_host, ns.shutdown_grace)
     except (ValueError, OSError, RuntimeError, CrescentError) as exc:
         print(f"crescent engine: error: {exc}", file=sys.stderr)
         return 2

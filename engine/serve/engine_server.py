@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from concurrent import futures
 
@@ -261,11 +262,19 @@ class EngineNode:
             self._metrics_server = self.metrics.serve(self._metrics_port, self.host)
         return self
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 2.0, cut: threading.Event | None = None) -> None:
+        """Leaves the cluster, refuses new calls (UNAVAILABLE) and lets the calls in flight finish for up
+        to ``grace`` seconds, or until ``cut`` is set; then cancels what is left and stops."""
         self.health.stop()
         if self.agent is not None:
             self.agent.stop()
-        self.server.stop(grace).wait()
+        done = self.server.stop(grace)
+        if cut is not None:
+            while not done.wait(0.2):
+                if cut.is_set():
+                    self.server.stop(0)  # (the earlier deadline wins: what is left is cancelled now)
+                    break
+        done.wait()
         self.loop.stop()
         if self._metrics_server is not None:
             stop_http(self._metrics_server)
@@ -273,12 +282,13 @@ class EngineNode:
 
 
 def serve(role: str, cfg: EngineConfig, listen: str, metrics_port: int | None, fetch_timeout_s: float,
-          advertise_host: str | None = None) -> None:
+          advertise_host: str | None = None, grace_s: float = 30.0) -> None:
     node = EngineNode(role, cfg, listen, metrics_port, fetch_timeout_s, advertise_host).start()
-    stop = StopSignals()
+    cut = threading.Event()
+    stop = StopSignals(on_again=cut.set)
     store = f", store {cfg.store}" if cfg.store else ""
     m = f", metrics :{node.metrics_port}" if node.metrics_port is not None else ""
     say(f"crescent engine {role} ({cfg.model}) listening on {node.address}{m}{store}")
     stop.wait()
-    say(f"crescent engine {role}: stopping")
-    node.stop()
+    say(f"crescent engine {role}: stopping (the calls in flight get up to {grace_s:g} s; a second signal ends it)")
+    node.stop(grace_s, cut)
