@@ -183,6 +183,10 @@ class Gateway:
         self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
+        self.m_decode_retries = Counter("crescent_gateway_decode_retries",
+                                        "Decode calls refused or unreachable before their first token (UNAVAILABLE: "
+                                        "an engine stopping or gone), sent again to another decode engine",
+                                        registry=self.registry)
         Gauge("crescent_gateway_stored_responses", "Responses API responses kept (previous_response_id)",
               registry=self.registry).set_function(lambda: len(self.responses))
 
@@ -363,12 +367,53 @@ class Gateway:
                 calls[i] = self._decode(route.decode, prompt, req, self._sampling(req, i, r is None), None, keys)
             if req.n == 1:
                 if 0 in calls:
-                    yield from ((0, p) for p in self._pieces(calls[0], cached))
+                    yield from ((0, p) for p in self._retried(calls, route.decode, prompt, req, sampling, first,
+                                                              keys, cached))
                 return
             yield from self._merged(calls, {0: cached}, shared_plps)
         finally:
             for call in calls.values():
                 call.cancel()
+
+    def _retried(self, calls: dict, decode: str, prompt: list[int], req: ParsedRequest, sampling, first, keys,
+                 cached) -> Iterator[Piece]:
+        """Choice 0's decode stream; a call that fails UNAVAILABLE before its first piece (its engine is
+        stopping, so it refuses new calls, or is gone) is sent again to another decode engine the router
+        names, up to MAX_DECODE_RETRIES times: nothing of it reached the client yet."""
+        tried = {decode}
+        while True:
+            pieces = self._pieces(calls[0], cached)
+            try:
+                head = next(pieces)
+            except StopIteration:
+                return
+            except grpc.RpcError as exc:
+                other = None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES:
+                    other = self._another_decode(prompt, req, tried)
+                if other is None:
+                    raise
+                log.warning("decode on %s failed (%s) before its first token: sent to %s", decode,
+                            exc.code().name, other)
+                self.m_decode_retries.inc()
+                decode = other
+                tried.add(other)
+                calls[0] = self._decode(other, prompt, req, sampling, first, keys)
+                continue
+            yield head
+            yield from pieces
+            return
+
+    def _another_decode(self, prompt: list[int], req: ParsedRequest, tried: set[str]) -> str | None:
+        """A decode engine not in ``tried``, as the router picks one (a few asks), or None."""
+        for _ in range(3):
+            try:
+                route = self.router.route(prompt, req.cache_salt, req.max_tokens)
+            except (NoRoute, Rejected):
+                return None
+            if route.decode not in tried:
+                return route.decode
+        return None
 
     def _beam_search(self, prompt: list[int], req: ParsedRequest) -> Iterator[tuple[int, Piece]]:
         """vLLM's ``use_beam_search``: the ``req.n`` best hypotheses of a beam search of width
@@ -609,6 +654,7 @@ middle of a request's headers or body, or not reading what the gateway sends. Th
 its thread freed. A request's head (its line and headers) must also be whole within IDLE_S of the
 connection's last answer (or its start): a client that trickles a byte now and then is cut off too."""
 HEAD_CHECK_S = 0.5
+MAX_DECODE_RETRIES = 2
 
 
 class _HeadDeadlines:

@@ -1087,6 +1087,30 @@ def test_a_request_head_trickled_a_header_at_a_time_is_cut_off():
         server.stop()
 
 
+def test_a_decode_engine_that_refuses_or_is_gone_is_passed_over_before_the_first_token():
+    """Two decode engines, round robin, the first gone (as one that is stopping refuses new calls:
+    UNAVAILABLE): every request, streamed or not, is answered whole by the other, each refused call sent
+    again and counted. Before, every other request was a 503."""
+    decode = EngineNode("decode", engine_cfg()).start()
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1", decode.address], timeout_s=300), "127.0.0.1:0").start()
+    try:
+        for stream in (False, True, False, True):
+            status, data = request(server.url, "POST", "/v1/completions",
+                                   json.dumps({"model": MODEL, "prompt": "either", "max_tokens": 5, "ignore_eos": True,
+                                               "stream": stream, "stream_options": {"include_usage": True}}
+                                              if stream else {"model": MODEL, "prompt": "either", "max_tokens": 5,
+                                                              "ignore_eos": True}).encode(),
+                                   {"Content-Type": "application/json"})
+            assert status == 200, data
+            usage = json.loads([line for line in data.split(b"\n") if line.startswith(b"data: {")][-1][6:])["usage"] \
+                if stream else json.loads(data)["usage"]
+            assert usage["completion_tokens"] == 5
+        assert metrics(server.url)[("crescent_gateway_decode_retries_total", ())] == 4
+    finally:
+        server.stop()
+        decode.stop()
+
+
 def test_stopping_lets_the_requests_in_flight_finish_and_closes_the_idle_connections():
     """A drain (SIGTERM's, through ``serve``): no new connection is taken, a kept-alive idle one is closed
     at once, and a stream in flight gets every token and its [DONE] before ``stop`` returns. Before, the
