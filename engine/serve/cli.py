@@ -62,6 +62,9 @@ def register(sub) -> None:
     g.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT: stop taking connections and let the requests in flight finish for up "
                         "to S seconds (a second signal ends it; 0: none) (default: 30)")
+    g.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="serve at most N client connections at once (a thread each); one more gets a 503 with "
+                        "Retry-After (default: 1024)")
     g.add_argument("--idle-timeout", type=seconds_arg, default=60.0, metavar="S",
                    help="close a client connection silent this long: kept alive with no next request, stalled "
                         "in a request, or not reading its answer (default: 60)")
@@ -134,7 +137,8 @@ def _run_gateway(ns: argparse.Namespace) -> int:
                      max_stored_responses_mib=ns.max_stored_responses_mib)
         if not 0.0 <= ns.shutdown_grace <= 86400.0:  # (NaN too)
             raise ValueError(f"--shutdown-grace must be in [0, 86400] seconds, got {ns.shutdown_grace}")
-        serve(gw, ns.listen, ctx, idle_s=ns.idle_timeout, grace_s=ns.shutdown_grace)
+        serve(gw, ns.listen, ctx, idle_s=ns.idle_timeout, grace_s=ns.shutdown_grace,
+              max_connections=ns.max_connections)
     except (ValueError, OSError) as exc:
         print(f"crescent gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -183,6 +183,11 @@ class Gateway:
         self.m_fallbacks = Counter("crescent_gateway_prefill_fallbacks",
                                    "Requests whose prefill failed and were prefilled by the decode engine",
                                    registry=self.registry)
+        self.m_refused = Counter("crescent_gateway_connections_refused",
+                                 "Connections refused past --max-connections (a 503 with Retry-After)",
+                                 registry=self.registry)
+        self.m_open = Gauge("crescent_gateway_open_connections", "Client connections served now (a thread each)",
+                            registry=self.registry)
         self.m_decode_retries = Counter("crescent_gateway_decode_retries",
                                         "Decode calls refused or unreachable before their first token (UNAVAILABLE: "
                                         "an engine stopping or gone), sent again to another decode engine",
@@ -655,6 +660,7 @@ its thread freed. A request's head (its line and headers) must also be whole wit
 connection's last answer (or its start): a client that trickles a byte now and then is cut off too."""
 HEAD_CHECK_S = 0.5
 MAX_DECODE_RETRIES = 2
+MAX_CONNECTIONS = 1024
 
 
 class _HeadDeadlines:
@@ -1402,7 +1408,57 @@ def _chain(first, rest):
 
 class _HttpServer(ThreadingHTTPServer):
     """A client that drops its connection (reset while the next request is awaited, a broken pipe)
-    is logged in one line at debug level, not with a traceback on stderr."""
+    is logged in one line at debug level, not with a traceback on stderr. At most ``max_connections``
+    are served at once (a thread each): one more is answered 503 with Retry-After (over HTTPS, whose
+    handshake has not begun, closed) and closed at once, without a thread."""
+
+    max_connections = MAX_CONNECTIONS
+    on_refused = None  # called for each connection refused (a metric)
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.num_open = 0
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self._open_lock:
+            full = self.num_open >= self.max_connections
+            if not full:
+                self.num_open += 1
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # (a thread of its own)
+        except BaseException:
+            self._closed_one()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        with self._open_lock:
+            self.num_open -= 1
+
+    def _refuse(self, request) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
+        if not isinstance(self, _HttpsServer):
+            body = json.dumps({"error": {"message": f"the gateway serves {self.max_connections} connections at "
+                                                    "once: retry shortly", "type": "server_error", "param": None,
+                                         "code": "too_many_connections"}}).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\nRetry-After: %d\r\nConnection: close\r\n\r\n%s"
+                                % (len(body), RETRY_AFTER_S, body))
+            except OSError:
+                pass
+        self.shutdown_request(request)
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
@@ -1456,16 +1512,21 @@ def https_context(cert: str, key: str):
 
 
 class GatewayServer:
-    def __init__(self, gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S) -> None:
+    def __init__(self, gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {max_connections}")
         host, _, port = listen.rpartition(":")
-        cls = _HttpServer
+        attrs = {"max_connections": max_connections, "on_refused": staticmethod(gw.m_refused.inc)}
+        cls = type("GatewayHttp", (_HttpServer,), attrs)
         if ssl_context is not None:
-            cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context})
+            cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context, **attrs})
         try:
             self.httpd = cls((host, int(port)), make_handler(gw, idle_s))
         except OSError as exc:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
+        gw.m_open.set_function(lambda: self.httpd.num_open)
         self.httpd.head_deadlines = _HeadDeadlines()
         self.httpd.connections = _Connections()
         self.httpd.draining = False
@@ -1493,8 +1554,9 @@ class GatewayServer:
         return left
 
 
-def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S, grace_s: float = 30.0) -> None:
-    srv = GatewayServer(gw, listen, ssl_context, idle_s).start()
+def serve(gw: Gateway, listen: str, ssl_context=None, idle_s: float = IDLE_S, grace_s: float = 30.0,
+          max_connections: int = MAX_CONNECTIONS) -> None:
+    srv = GatewayServer(gw, listen, ssl_context, idle_s, max_connections).start()
     stop = StopSignals(on_again=srv.cut.set)
     say(f"crescent gateway serving {gw.model_name} on {srv.url}/v1")
     stop.wait()

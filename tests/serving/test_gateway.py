@@ -1111,6 +1111,31 @@ def test_a_decode_engine_that_refuses_or_is_gone_is_passed_over_before_the_first
         decode.stop()
 
 
+def test_connections_past_the_limit_get_a_503_with_retry_after_and_the_limit_frees_as_they_close():
+    """--max-connections 2: two clients hold their connections; a third is answered 503 (Retry-After,
+    an OpenAI error) and closed without a thread of its own; once one of the two leaves, a new client is
+    served. Before, each connection got a thread, however many came."""
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1"]), "127.0.0.1:0", max_connections=2).start()
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=120) for _ in range(2)]
+    try:
+        wait_for(lambda: server.httpd.num_open == 2, timeout_s=60, what="both connections taken")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 503 and r.getheader("Retry-After") == "1" and r.getheader("Connection") == "close"
+            assert json.loads(r.read())["error"]["code"] == "too_many_connections"
+        held.pop().close()
+        wait_for(lambda: request(server.url, "GET", "/v1/models")[0] == 200, timeout_s=60, what="a freed place")
+        m = metrics(server.url)  # (the metrics scrape is a connection too, within the limit now)
+        assert m[("crescent_gateway_connections_refused_total", ())] >= 1
+        assert 1 <= m[("crescent_gateway_open_connections", ())] <= 2
+    finally:
+        for h in held:
+            h.close()
+        server.stop()
+
+
 def test_stopping_lets_the_requests_in_flight_finish_and_closes_the_idle_connections():
     """A drain (SIGTERM's, through ``serve``): no new connection is taken, a kept-alive idle one is closed
     at once, and a stream in flight gets every token and its [DONE] before ``stop`` returns. Before, the
