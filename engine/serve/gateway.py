@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import queue
 import sys
 import threading
@@ -663,92 +664,80 @@ MAX_DECODE_RETRIES = 2
 MAX_CONNECTIONS = 1024
 
 
-class _HeadDeadlines:
-    """Connections whose request head is due by a time; a thread shuts down (``SHUT_RDWR``) each one
-    still waiting for it past that time, which ends the handler's blocked read."""
+class _Connections:
+    """The gateway's open client connections, each either inside a request (its head read, its answer not
+    yet sent whole) or waiting for one's head, which is due within ``idle_s`` of the wait's start. A
+    thread shuts down (``SHUT_RDWR``) a connection still waiting past that, which ends its handler's
+    blocked read: a client that trickles its head a byte at a time is never silent for the socket's
+    timeout. A drain waits for the busy ones and closes the waiting ones."""
 
-    def __init__(self) -> None:
-        self._due: dict = {}
-        self._lock = threading.Lock()
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._due: dict = {}  # socket: when its request head is due (None: inside a request)
+        self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-head-deadlines", daemon=True)
         self._thread.start()
 
-    def watch(self, sock, due: float) -> None:
-        with self._lock:
-            self._due[sock] = due
-
-    def done(self, sock) -> None:
-        with self._lock:
-            self._due.pop(sock, None)
-
-    def _run(self) -> None:
-        import socket
-
-        while not self._stop.wait(HEAD_CHECK_S):
-            now = time.monotonic()
-            with self._lock:
-                late = [s for s, due in self._due.items() if due <= now]
-                for s in late:
-                    del self._due[s]
-            for s in late:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-
-class _Connections:
-    """The gateway's open client connections, and which are inside a request (its head read, its answer
-    not yet sent whole): what a drain waits for, and which idle ones it closes at once."""
-
-    def __init__(self) -> None:
-        self._busy: dict = {}  # socket: inside a request
-        self._changed = threading.Condition()
-
-    def opened(self, sock) -> None:
+    def waiting(self, sock) -> None:
+        """``sock`` (new, or done with a request) waits for a request's head."""
         with self._changed:
-            self._busy[sock] = False
+            self._due[sock] = time.monotonic() + self.idle_s
+            self._changed.notify_all()
+
+    def busy(self, sock) -> None:
+        """``sock``'s request head is read: a drain lets its request finish."""
+        with self._changed:
+            if sock in self._due:
+                self._due[sock] = None
+                self._changed.notify_all()
 
     def closed(self, sock) -> None:
         with self._changed:
-            self._busy.pop(sock, None)
+            self._due.pop(sock, None)
             self._changed.notify_all()
-
-    def mark(self, sock, busy: bool) -> None:
-        with self._changed:
-            if sock in self._busy:
-                self._busy[sock] = busy
-                self._changed.notify_all()
 
     def num_busy(self) -> int:
         with self._changed:
-            return sum(self._busy.values())
+            return sum(due is None for due in self._due.values())
 
-    def drain(self, grace_s: float, cut: threading.Event) -> int:
-        """Closes each idle connection (now, or as its request ends) until none is busy, ``grace_s``
-        passes or ``cut`` is set; returns how many were still busy then."""
+    @staticmethod
+    def _shut(socks) -> None:
         import socket
 
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEAD_CHECK_S):
+            now = time.monotonic()
+            with self._changed:
+                late = [s for s, due in self._due.items() if due is not None and due <= now]
+                for s in late:
+                    self._due[s] = math.inf  # (shut once; it stays until its handler ends)
+            self._shut(late)
+
+    def drain(self, grace_s: float, cut: threading.Event) -> int:
+        """Closes each waiting connection (now, or as its request ends) until none is busy, ``grace_s``
+        passes or ``cut`` is set; returns how many were still busy then."""
         deadline = time.monotonic() + grace_s
         while True:
             with self._changed:
-                idle = [s for s, busy in self._busy.items() if not busy]
-                busy = len(self._busy) - len(idle)
-            for sock in idle:  # (its thread waits for a next request, or is reading one's head)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                idle = [s for s, due in self._due.items() if due is not None]
+                busy = len(self._due) - len(idle)
+            self._shut(idle)  # (its thread waits for a next request, or is reading one's head)
             left = deadline - time.monotonic()
             if not busy or left <= 0 or cut.is_set():
                 return busy
             with self._changed:
                 self._changed.wait(min(left, 0.2))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def make_handler(gw: Gateway, idle_s: float = IDLE_S):
@@ -801,12 +790,7 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             the body); a header folded over lines. Each is a 400 on a connection then closed (RFC 9112,
             5.1, 5.2 and 6.3)."""
             ok = super().parse_request()
-            deadlines = getattr(self.server, "head_deadlines", None)
-            if deadlines is not None:
-                deadlines.done(self.connection)  # the head is read (whole or not)
-            conns = getattr(self.server, "connections", None)
-            if conns is not None:
-                conns.mark(self.connection, True)  # a request is in: a drain lets it finish
+            self.server.connections.busy(self.connection)  # the head is read (whole or not)
             if not ok:
                 return False
             msg = self.headers
@@ -824,29 +808,18 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
 
         def setup(self) -> None:
             super().setup()
-            conns = getattr(self.server, "connections", None)
-            if conns is not None:
-                conns.opened(self.connection)
+            self.server.connections.waiting(self.connection)
 
         def finish(self) -> None:
-            conns = getattr(self.server, "connections", None)
-            if conns is not None:
-                conns.closed(self.connection)
+            self.server.connections.closed(self.connection)
             super().finish()
 
         def handle_one_request(self) -> None:
-            deadlines = getattr(self.server, "head_deadlines", None)
-            if deadlines is not None:
-                deadlines.watch(self.connection, time.monotonic() + idle_s)
             try:
                 super().handle_one_request()
             finally:
-                if deadlines is not None:
-                    deadlines.done(self.connection)
-                conns = getattr(self.server, "connections", None)
-                if conns is not None:
-                    conns.mark(self.connection, False)
-                if getattr(self.server, "draining", False):
+                self.server.connections.waiting(self.connection)
+                if self.server.draining:
                     self.close_connection = True  # (stopping: no next request on this connection)
 
         def handle_expect_100(self) -> bool:
@@ -1413,6 +1386,7 @@ class _HttpServer(ThreadingHTTPServer):
     handshake has not begun, closed) and closed at once, without a thread."""
 
     max_connections = MAX_CONNECTIONS
+    idle_s = IDLE_S
     on_refused = None  # called for each connection refused (a metric)
 
     def server_activate(self) -> None:
@@ -1473,7 +1447,6 @@ class _HttpsServer(_HttpServer):
     holds up the accept loop) and a failed one just closes that connection."""
 
     ssl_context = None
-    idle_s = IDLE_S
 
     def finish_request(self, request, client_address):
         try:
@@ -1517,7 +1490,7 @@ class GatewayServer:
         if max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {max_connections}")
         host, _, port = listen.rpartition(":")
-        attrs = {"max_connections": max_connections, "on_refused": staticmethod(gw.m_refused.inc)}
+        attrs = {"max_connections": max_connections, "on_refused": staticmethod(gw.m_refused.inc), "idle_s": idle_s}
         cls = type("GatewayHttp", (_HttpServer,), attrs)
         if ssl_context is not None:
             cls = type("GatewayHttps", (_HttpsServer,), {"ssl_context": ssl_context, **attrs})
@@ -1527,10 +1500,8 @@ class GatewayServer:
             raise OSError(f"cannot listen on {listen}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
         gw.m_open.set_function(lambda: self.httpd.num_open)
-        self.httpd.head_deadlines = _HeadDeadlines()
-        self.httpd.connections = _Connections()
+        self.httpd.connections = _Connections(idle_s)
         self.httpd.draining = False
-        self.httpd.idle_s = idle_s
         self.cut = threading.Event()
         """Set: a drain under way ends now (a second SIGTERM)."""
         self.port = self.httpd.server_address[1]
@@ -1550,7 +1521,7 @@ class GatewayServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         left = self.httpd.connections.drain(grace_s, self.cut)
-        self.httpd.head_deadlines.stop()
+        self.httpd.connections.stop()
         return left
 
 
