@@ -55,17 +55,26 @@ def count_arg(text: str) -> int:
     return n
 
 
-def seconds_arg(text: str) -> float:
-    """argparse type of a deadline: seconds in (0, 86400]."""
+def _seconds(text: str, zero: bool) -> float:
     import argparse
 
     try:
         s = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.0 < s <= 86400.0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be in (0, 86400] seconds, got {text}")
+    if not (0.0 <= s if zero else 0.0 < s) or not s <= 86400.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be in {'[' if zero else '('}0, 86400] seconds, got {text}")
     return s
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type of a deadline: seconds in (0, 86400]."""
+    return _seconds(text, zero=False)
+
+
+def grace_arg(text: str) -> float:
+    """argparse type of a grace period: seconds in [0, 86400] (0: none)."""
+    return _seconds(text, zero=True)
 
 
 def address_arg(text: str) -> str:
