@@ -1127,7 +1127,10 @@ def test_connections_past_the_limit_get_a_503_with_retry_after_and_the_limit_fre
             assert json.loads(r.read())["error"]["code"] == "too_many_connections"
         held.pop().close()
         wait_for(lambda: request(server.url, "GET", "/v1/models")[0] == 200, timeout_s=60, what="a freed place")
-        m = metrics(server.url)  # (the metrics scrape is a connection too, within the limit now)
+        # That request's connection is closed by the client when its answer is read; the server's handler thread
+        # lets go of its place a moment later. Wait for it, so the metrics scrape (a connection too) fits.
+        wait_for(lambda: server.httpd.num_open == 1, timeout_s=60, what="the served connection let go")
+        m = metrics(server.url)
         assert m[("crescent_gateway_connections_refused_total", ())] >= 1
         assert 1 <= m[("crescent_gateway_open_connections", ())] <= 2
     finally:
