@@ -301,6 +301,7 @@ class StoreClient:
         self._check_open()
 
         def once():
+            self._check_open()  # (closed by another thread since the last attempt: no more)
             dc = self._data_channel(retry=False)  # this loop retries
             if dc is None or dc.ops < ops:
                 return _NO_CHANNEL
@@ -310,6 +311,8 @@ class StoreClient:
                 except DataLossError:
                     return fn(dc.get())  # the failed connection closed itself; get() reconnects
             except (DataLossError, UnavailableError, OSError) as exc:
+                if self._closed:  # close() on another thread ended this call's exchange
+                    raise FailedPreconditionError(f"the client of {self.address} was closed during the call") from exc
                 self._drop_data_channel(dc)
                 raise UnavailableError(f"data channel of {self.address}: {exc}") from exc
 
@@ -558,6 +561,8 @@ class StoreClient:
                 failure = exc
             except (UnavailableError, OSError) as exc:
                 failure = exc
+            if self._closed:
+                raise FailedPreconditionError(f"the client of {self.address} was closed during the call") from failure
             self._drop_data_channel(dc)
             raise UnavailableError(f"data channel of {self.address}: {failure}") from failure
 

@@ -71,7 +71,7 @@ import sys
 import threading
 from array import array
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from itertools import chain
 
 from kvstore import tls
@@ -324,7 +324,8 @@ def new_buffer(index: int, size: int) -> bytearray:
 
 
 class DataChannelClient:
-    """One connection to a node's data channel. Not thread-safe: use one per thread.
+    """One connection to a node's data channel. Its calls are for one thread at a time (use one
+    connection per thread); ``close`` may come from any thread.
 
     ``end_later`` sends a RELEASE/ABORT without waiting for its answer; the node
     answers in order, so the answers are read (and checked) just before the
@@ -347,6 +348,7 @@ class DataChannelClient:
             raise UnavailableError(f"data channel {host}:{port} unreachable: {exc}") from exc
         self.sock = sock
         self._deferred: list[tuple[int, Callable | None]] = []
+        self._busy = threading.RLock()  # held through each exchange, and by close
         if proof:  # its answer is read before the next request's, off the critical path
             with self._guard():
                 self.sock.sendall(encode_request(Op.PROVE, [proof], [0]))
@@ -354,24 +356,41 @@ class DataChannelClient:
 
     def close(self) -> None:
         """Closes the connection once the node has answered every deferred release,
-        so a closed client holds no lease and its ``on_answer`` checks have run."""
-        if self._deferred and self.sock.fileno() >= 0:
-            try:
-                self.sock.settimeout(CLOSE_WAIT_S)
-                self._read_deferred()
-            except (OSError, ProtocolError):
-                pass  # the node ends the leases by their deadline anyway
-        self.sock.close()
+        so a closed client holds no lease and its ``on_answer`` checks have run.
+
+        From another thread, while a call is under way on this connection: the socket is shut down
+        first, so that call's wait for the node ends at once (it fails as DataLossError), and the
+        descriptor is closed once the call has let go of it. (Closing it under a blocked recv would
+        not wake the recv, and the number could be reused by a new connection that recv then reads.)
+        """
+        if not self._busy.acquire(blocking=False):
+            with suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            if not self._busy.acquire(timeout=CLOSE_WAIT_S):
+                return  # the call is in a caller's callback: it closes the connection as it fails
+        try:
+            if self._deferred and self.sock.fileno() >= 0:
+                try:
+                    self.sock.settimeout(CLOSE_WAIT_S)
+                    self._read_deferred()
+                except (OSError, ProtocolError):
+                    pass  # the node ends the leases by their deadline anyway
+            self._deferred.clear()
+            self.sock.close()
+        finally:
+            self._busy.release()
 
     @contextmanager
     def _guard(self):
-        """A connection that breaks mid-exchange closes itself and surfaces as DataLossError."""
-        try:
-            yield
-        except (OSError, ProtocolError) as exc:
-            self._deferred.clear()  # the stream is out of step: nothing more to read
-            self.close()
-            raise DataLossError(f"data channel broke: {exc}") from exc
+        """One exchange, under the connection's lock. A connection that breaks mid-exchange closes
+        itself and surfaces as DataLossError."""
+        with self._busy:
+            try:
+                yield
+            except (OSError, ProtocolError) as exc:
+                self._deferred.clear()  # the stream is out of step: nothing more to read
+                self.close()
+                raise DataLossError(f"data channel broke: {exc}") from exc
 
     def _answer(self, n: int) -> tuple[list[tuple[Status, int]], str, memoryview]:
         """The next answer (after those of earlier ``end_later`` requests), of ``n`` items."""
@@ -519,15 +538,31 @@ class _Connections:
         self._local = threading.local()
         self._all: list[DataChannelClient] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self) -> DataChannelClient:
+        """This thread's connection, opened (or reopened, after it broke) as needed.
+
+        Raises:
+            UnavailableError: the node is unreachable, or these connections were closed (a client
+                that follows a restarted node closes the old node's; the call retries on the new).
+        """
         conn = getattr(self._local, "conn", None)
         if conn is None or conn.sock.fileno() < 0:
+            self._check_open()
             conn = DataChannelClient(self.host, self.port, self.token, proof=self.proof)
-            self._local.conn = conn
             with self._lock:
+                if self._closed:  # closed while this one opened
+                    conn.close()
+                    self._check_open()
+                self._all = [c for c in self._all if c.sock.fileno() >= 0]  # (the broken ones are closed)
                 self._all.append(conn)
+            self._local.conn = conn
         return conn
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnavailableError(f"data channel {self.host}:{self.port}: its connections were closed")
 
     def current(self) -> DataChannelClient | None:
         """This thread's open connection, or None (opens none)."""
@@ -535,7 +570,10 @@ class _Connections:
         return conn if conn is not None and conn.sock.fileno() >= 0 else None
 
     def close(self) -> None:
+        """Closes every thread's connection (a call under way on one fails at once; see
+        ``DataChannelClient.close``); later ``get`` calls raise UnavailableError."""
         with self._lock:
-            for c in self._all:
-                c.close()
-            self._all.clear()
+            self._closed = True
+            conns, self._all = self._all, []
+        for c in conns:
+            c.close()

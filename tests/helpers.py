@@ -112,6 +112,17 @@ def thaw(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
+def waiting_on_a_socket(tid: int) -> bool:
+    """Whether thread ``tid`` of this process sleeps in the kernel waiting on a socket (a poll, or a
+    recv/send that blocks), not on a lock."""
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            wchan = f.read()
+    except FileNotFoundError:
+        return False
+    return any(w in wchan for w in ("poll", "wait_woken", "sk_wait", "sock_"))
+
+
 class Frozen:
     """``with Frozen(pid):`` the process is stopped (all its threads) inside the block, running after."""
 

@@ -6,15 +6,16 @@ peer is used again. (Cut links between hosts: tests/cluster/test_partitions.py.)
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from kvstore import liveness
 from kvstore.client import StoreClient
 from kvstore.conductor.client import ConductorClient
-from kvstore.errors import UnavailableError
+from kvstore.errors import FailedPreconditionError, UnavailableError
 from tests.conductor.procs import ConductorProcess
-from tests.helpers import ROOT, Frozen, StoreProcess
+from tests.helpers import ROOT, Frozen, StoreProcess, waiting_on_a_socket, wait_for
 
 DEADLINE_S = 600.0
 """Far beyond the keepalive figures: a call that waited for it would make the test run for minutes."""
@@ -29,6 +30,40 @@ def test_a_frozen_store_node_fails_calls_as_unavailable_not_at_the_deadline():
                 with pytest.raises(UnavailableError):
                     c.exists([b"k"])
             assert c.exists([b"k"]) == [True]  # thawed: the client reconnects
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("transport,call", [("tcp", "get"), ("tcp", "put"), ("shm", "put")])
+def test_close_ends_a_call_that_waits_on_a_frozen_node(transport, call):
+    """A thread waits in a call for a node that says nothing; another thread closes the client. The
+    call fails as FailedPreconditionError, well before its deadline. Before, the tcp data channel's
+    socket was closed under the blocked recv, which does not wake it: the call waited out its
+    deadline (here 10 minutes; 60 s by default), and the socket's number, free again, could be
+    reused by a new connection that the recv would then read. An shm session's close waited for
+    its calls' grants with no limit. (Over gRPC, closing the channel cancels the call: already so.)"""
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        c = StoreClient(node.address, transport=transport, timeout_s=DEADLINE_S)
+        c.put(b"k", b"v")
+        assert c.get(b"k") == b"v"
+        out = []
+
+        def caller():
+            try:
+                out.append(c.get(b"k") if call == "get" else c.put(b"k2", b"w" * 100_000))
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+
+        with Frozen(node.pid):
+            t = threading.Thread(target=caller)
+            t.start()
+            wait_for(lambda: waiting_on_a_socket(t.native_id), what=f"the {call} to wait for the node")
+            c.close()  # (an shm session first gives its calls CLOSE_WAIT_S to finish)
+            t.join(timeout=120)
+            assert not t.is_alive(), f"the {call} still waits for the frozen node after close()"
+        assert len(out) == 1 and isinstance(out[0], FailedPreconditionError), out
+        assert "closed" in str(out[0])
     finally:
         node.stop()
 

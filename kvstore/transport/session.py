@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvstore.datachannel import Op, Status, _Connections
+from kvstore.datachannel import CLOSE_WAIT_S, Op, Status, _Connections
 from kvstore.errors import (CrescentError, DataLossError, FailedPreconditionError, InvalidArgumentError,
                             UnavailableError)
 from kvstore.store import Tier, check_key
@@ -341,6 +341,7 @@ class DescriptorSession:
         self._requested = requested
         self._channel = channel
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as the current mover's last user leaves
         self._staging: CudaStaging | None = None
         self.num_invalid_reads = 0
         """Batches whose lease ran out before their copy ended: their keys were reported as misses."""
@@ -864,14 +865,24 @@ class DescriptorSession:
                 log.debug("could not settle the data channel: %s", exc)
 
     def close(self) -> None:
-        """Reports the last local reads, and closes the mover once no copy uses it any more (a
-        copy under way ends first; later calls raise FailedPreconditionError). Idempotent."""
+        """Reports the last local reads, and closes the mover once no copy uses it any more (later
+        calls raise FailedPreconditionError). Idempotent.
+
+        Calls under way on other threads get ``CLOSE_WAIT_S`` to finish (their leases end cleanly);
+        then the grant channel is closed under them, so one that waits on a node that does not
+        answer fails at once instead of at its deadline. The mover stays mapped until the last
+        copy with it has ended."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._report(self._handle)
-        self._retire(self._handle)
+            h = self._handle
+        self._report(h)
+        with self._idle:
+            busy = not self._idle.wait_for(lambda: h.users == 0, timeout=CLOSE_WAIT_S)
+        if busy:
+            h.control.close()
+        self._retire(h)
 
     @contextmanager
     def _use(self):
@@ -887,6 +898,8 @@ class DescriptorSession:
             with self._lock:
                 h.users -= 1
                 idle = h.retired and h.users == 0
+                if h.users == 0:
+                    self._idle.notify_all()
             if idle:
                 h.close()
 
@@ -902,7 +915,9 @@ class DescriptorSession:
             with self._use() as h:
                 try:
                     g = request(h)
-                except (DataLossError, UnavailableError):
+                except (DataLossError, UnavailableError) as exc:
+                    if self._closed:  # close() on another thread ended this call's wait
+                        raise FailedPreconditionError("the descriptor session was closed during the call") from exc
                     if attempt or h.control.lane == "grpc":
                         raise
                     g = None
