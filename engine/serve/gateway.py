@@ -366,45 +366,55 @@ class Gateway:
                            _logprobs([r.first_logprobs] if r.HasField("first_logprobs") else []), shared_plps)
             sampling.ClearField("prompt_logprobs")  # computed: the decode engine reuses the prompt's KV
         calls = {} if calls is None else calls
+        ended = threading.Event()  # set as the request ends: no choice's stream is sent again after it
+        # (the prompt's logprobs from the prefill engine if it ran, else each choice's own)
+        samplings = {0: sampling} | {i: self._sampling(req, i, r is None) for i in range(1, req.n)}
         try:
             if r is None or not r.finished:
                 calls[0] = self._decode(route.decode, prompt, req, sampling, first, keys)
-            for i in range(1, req.n):  # (the prompt's logprobs from the prefill engine if it ran, else their own)
-                calls[i] = self._decode(route.decode, prompt, req, self._sampling(req, i, r is None), None, keys)
+            for i in range(1, req.n):
+                calls[i] = self._decode(route.decode, prompt, req, samplings[i], None, keys)
+            streams = {i: (lambda i=i: self._retried(calls, i, ended, route.decode, prompt, req, samplings[i],
+                                                     None if i else first, keys, None if i else cached))
+                       for i in list(calls)}
             if req.n == 1:
-                if 0 in calls:
-                    yield from ((0, p) for p in self._retried(calls, route.decode, prompt, req, sampling, first,
-                                                              keys, cached))
+                if 0 in streams:
+                    yield from ((0, p) for p in streams[0]())
                 return
-            yield from self._merged(calls, {0: cached}, shared_plps)
+            yield from self._merged(streams, shared_plps)
         finally:
-            for call in calls.values():
+            ended.set()
+            for call in list(calls.values()):
                 call.cancel()
 
-    def _retried(self, calls: dict, decode: str, prompt: list[int], req: ParsedRequest, sampling, first, keys,
-                 cached) -> Iterator[Piece]:
-        """Choice 0's decode stream; a call that fails UNAVAILABLE before its first piece (its engine is
-        stopping, so it refuses new calls, or is gone) is sent again to another decode engine the router
-        names, up to MAX_DECODE_RETRIES times: nothing of it reached the client yet."""
+    def _retried(self, calls: dict, i: int, ended: threading.Event, decode: str, prompt: list[int],
+                 req: ParsedRequest, sampling, first, keys, cached) -> Iterator[Piece]:
+        """Choice ``i``'s decode stream; a call that fails UNAVAILABLE before its first piece (its engine
+        is stopping, so it refuses new calls, or is gone) is sent again to another decode engine the
+        router names, up to MAX_DECODE_RETRIES times: nothing of that choice reached the client yet.
+        ``calls[i]`` is always the choice's current call (the caller cancels them as the request ends)."""
         tried = {decode}
         while True:
-            pieces = self._pieces(calls[0], cached)
+            pieces = self._pieces(calls[i], cached)
             try:
                 head = next(pieces)
             except StopIteration:
                 return
             except grpc.RpcError as exc:
                 other = None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES \
+                        and not ended.is_set():
                     other = self._another_decode(prompt, req, tried)
                 if other is None:
                     raise
-                log.warning("decode on %s failed (%s) before its first token: sent to %s", decode,
-                            exc.code().name, other)
+                log.warning("decode of choice %d on %s failed (%s) before its first token: sent to %s", i,
+                            decode, exc.code().name, other)
                 self.m_decode_retries.inc()
                 decode = other
                 tried.add(other)
-                calls[0] = self._decode(other, prompt, req, sampling, first, keys)
+                calls[i] = self._decode(other, prompt, req, sampling, first, keys)
+                if ended.is_set():  # the request ended meanwhile (its calls were cancelled before this one)
+                    calls[i].cancel()
                 continue
             yield head
             yield from pieces
@@ -426,20 +436,33 @@ class Gateway:
         ``req.n`` (engine/beam_search.py), each a choice, all sent once the search is done. Each step
         is a one-token request per live beam, all in flight at once, on the prefill engine the
         router picked (whose prefix cache holds all but the beam's last tokens), or its decode
-        engine (when there is no prefill engine, or from the step the prefill engine failed)."""
+        engine (when there is no prefill engine, or from the step the prefill engine failed). The
+        search's state is the gateway's, and nothing reaches the client before it ends: a decode
+        engine that refuses a step (UNAVAILABLE) is replaced by another, as ``_retried`` does."""
         route = self.router.route(prompt, req.cache_salt, req.max_tokens)
         targets = [("prefill", route.prefill)] if route.prefill is not None else []
         targets.append(("decode", route.decode))
+        tried = {route.decode}
 
         def on_target(call):
-            """``call(role, address)`` on the prefill engine, or, from the first time it fails, the decode engine."""
+            """``call(role, address)`` on the prefill engine, or, from the first time it fails, the decode
+            engine (another one, up to MAX_DECODE_RETRIES times, when that one is unavailable)."""
             while True:
                 role, address = targets[0]
                 try:
                     return call(role, address)
                 except grpc.RpcError as exc:
                     if len(targets) == 1:
-                        raise
+                        other = None
+                        if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES:
+                            other = self._another_decode(prompt, req, tried)
+                        if other is None:
+                            raise
+                        log.warning("beam search on %s failed (%s): sent to %s", address, exc.code().name, other)
+                        self.m_decode_retries.inc()
+                        tried.add(other)
+                        targets[0] = ("decode", other)
+                        continue
                     log.warning("beam search on %s failed (%s): its decode engine goes on", address, exc.code().name)
                     self.m_fallbacks.inc()
                     targets.pop(0)
@@ -509,13 +532,13 @@ class Gateway:
             pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, cache_salt=req.cache_salt,
                                first_token=first, chunk_keys=keys), timeout=self.timeout_s)
 
-    def _merged(self, calls: dict, cached: dict, shared_plps) -> Iterator[tuple[int, Piece]]:
-        """Several choices' streams, each read by a thread of its own, as their pieces arrive. Choices
-        after the first get the prompt's logprobs the prefill engine computed (if any) in their first
-        piece; an error in any stream ends them all."""
+    @staticmethod
+    def _merged(streams: dict, shared_plps) -> Iterator[tuple[int, Piece]]:
+        """Several choices' streams (``streams[i]()``), each read by a thread of its own, as their pieces
+        arrive. Choices after the first get the prompt's logprobs the prefill engine computed (if any) in
+        their first piece; an error in any stream ends them all."""
         started = set()
-        for i, item in merge_threads({i: (lambda i=i, call=call: self._pieces(call, cached.get(i)))
-                                      for i, call in calls.items()}):
+        for i, item in merge_threads(streams):
             if i not in started and i and shared_plps is not None:
                 item = item._replace(prompt_logprobs=shared_plps)
             started.add(i)

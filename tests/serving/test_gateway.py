@@ -1111,6 +1111,61 @@ def test_a_decode_engine_that_refuses_or_is_gone_is_passed_over_before_the_first
         decode.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_of_a_request_with_n_is_passed_over_to_another_decode_engine(stream):
+    """n=2 against two decode engines, the first the router names gone: each choice's refused call is
+    sent again on its own (two retries), and both choices are answered whole. Before, the retry was for
+    n=1 only: a request with n > 1 routed to a stopping engine was a 503."""
+    decode = EngineNode("decode", engine_cfg()).start()
+    server = GatewayServer(Gateway(MODEL, [], ["127.0.0.1:1", decode.address], timeout_s=300), "127.0.0.1:0").start()
+    try:
+        body = {"model": MODEL, "prompt": "either", "max_tokens": 5, "ignore_eos": True, "n": 2, "seed": 7}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        status, data = request(server.url, "POST", "/v1/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+        assert status == 200, data
+        if stream:
+            events = [json.loads(line[6:]) for line in data.split(b"\n") if line.startswith(b"data: {")]
+            usage = events[-1]["usage"]
+            texts = {}
+            for e in events[:-1]:
+                for c in e["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        else:
+            out = json.loads(data)
+            usage, texts = out["usage"], {c["index"]: c["text"] for c in out["choices"]}
+        assert usage["completion_tokens"] == 10 and sorted(texts) == [0, 1]
+        assert metrics(server.url)[("crescent_gateway_decode_retries_total", ())] == 2
+    finally:
+        server.stop()
+        decode.stop()
+
+
+def test_a_beam_search_whose_decode_engine_is_gone_runs_on_another_with_the_same_hypotheses():
+    """use_beam_search, decode engines [gone, live]: the search (its state the gateway's, nothing sent
+    before it ends) moves to the live engine at its first refused call, one retry, and answers what the
+    live engine alone answers. Before, it was a 503."""
+    decode = EngineNode("decode", engine_cfg()).start()
+    body = json.dumps({"model": MODEL, "prompt": "either", "max_tokens": 4, "n": 2, "use_beam_search": True,
+                       "ignore_eos": True, "temperature": 0.0}).encode()
+    texts = []
+    try:
+        for engines in (["127.0.0.1:1", decode.address], [decode.address]):
+            server = GatewayServer(Gateway(MODEL, [], engines, timeout_s=300), "127.0.0.1:0").start()
+            try:
+                status, data = request(server.url, "POST", "/v1/completions", body,
+                                       {"Content-Type": "application/json"})
+                assert status == 200, data
+                texts.append([c["text"] for c in json.loads(data)["choices"]])
+                assert metrics(server.url)[("crescent_gateway_decode_retries_total", ())] == len(engines) - 1
+            finally:
+                server.stop()
+        assert texts[0] == texts[1] and len(texts[0]) == 2
+    finally:
+        decode.stop()
+
+
 def test_connections_past_the_limit_get_a_503_with_retry_after_and_the_limit_frees_as_they_close():
     """--max-connections 2: two clients hold their connections; a third is answered 503 (Retry-After,
     an OpenAI error) and closed without a thread of its own; once one of the two leaves, a new client is
