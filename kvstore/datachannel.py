@@ -69,6 +69,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, suppress
@@ -354,24 +355,27 @@ class DataChannelClient:
                 self.sock.sendall(encode_request(Op.PROVE, [proof], [0]))
             self._deferred.append((1, _proved))
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         """Closes the connection once the node has answered every deferred release,
-        so a closed client holds no lease and its ``on_answer`` checks have run.
+        so a closed client holds no lease and its ``on_answer`` checks have run. It waits for
+        them until ``deadline`` (``time.monotonic()``; default ``CLOSE_WAIT_S`` from now).
 
         From another thread, while a call is under way on this connection: the socket is shut down
         first, so that call's wait for the node ends at once (it fails as DataLossError), and the
         descriptor is closed once the call has let go of it. (Closing it under a blocked recv would
         not wake the recv, and the number could be reused by a new connection that recv then reads.)
         """
+        if deadline is None:
+            deadline = time.monotonic() + CLOSE_WAIT_S
         if not self._busy.acquire(blocking=False):
             with suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            if not self._busy.acquire(timeout=CLOSE_WAIT_S):
+            if not self._busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return  # the call is in a caller's callback: it closes the connection as it fails
         try:
             if self._deferred and self.sock.fileno() >= 0:
                 try:
-                    self.sock.settimeout(CLOSE_WAIT_S)
+                    self.sock.settimeout(max(0.0, deadline - time.monotonic()))  # (0: only what has come)
                     self._read_deferred()
                 except (OSError, ProtocolError):
                     pass  # the node ends the leases by their deadline anyway
@@ -569,11 +573,14 @@ class _Connections:
         conn = getattr(self._local, "conn", None)
         return conn if conn is not None and conn.sock.fileno() >= 0 else None
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         """Closes every thread's connection (a call under way on one fails at once; see
-        ``DataChannelClient.close``); later ``get`` calls raise UnavailableError."""
+        ``DataChannelClient.close``), all of them waiting for their deferred answers until one
+        ``deadline`` (default ``CLOSE_WAIT_S`` from now); later ``get`` calls raise UnavailableError."""
+        if deadline is None:
+            deadline = time.monotonic() + CLOSE_WAIT_S
         with self._lock:
             self._closed = True
             conns, self._all = self._all, []
         for c in conns:
-            c.close()
+            c.close(deadline)

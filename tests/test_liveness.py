@@ -68,6 +68,46 @@ def test_close_ends_a_call_that_waits_on_a_frozen_node(transport, call):
         node.stop()
 
 
+def test_closing_an_shm_client_of_a_frozen_node_waits_once_not_once_per_thread(monkeypatch):
+    """Eight threads read through one shm client from a frozen node: the reads are local (known
+    descriptors), and each thread's connection sends its REPORT of them without waiting. close() then
+    waits for the node's answers CLOSE_WAIT_S (5 s) in all, where it waited 5 s per connection (40 s)."""
+    import time
+
+    from kvstore.transport import session
+
+    monkeypatch.setattr(session, "REPORT_EVERY_S", 0.0)  # each read reports
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        c = StoreClient(node.address, transport="shm", timeout_s=DEADLINE_S)
+        c.put(b"k", b"v")
+        barrier = threading.Barrier(9)
+        got = []
+
+        def reader():
+            assert c.get(b"k") == b"v"  # (its grant, on the live node, leaves the key's descriptor known)
+            c.descriptor_session().settle()
+            barrier.wait(timeout=120)  # the node freezes
+            barrier.wait(timeout=120)
+            got.append(c.get(b"k"))  # local, its REPORT unanswered
+
+        threads = [threading.Thread(target=reader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        barrier.wait(timeout=120)
+        with Frozen(node.pid):
+            barrier.wait(timeout=120)
+            for t in threads:
+                t.join(timeout=120)
+            assert got == [b"v"] * 8
+            started = time.monotonic()
+            c.close()
+            took = time.monotonic() - started
+        assert took < 30, f"close() took {took:.1f} s"  # one 5 s wait; eight of them took 40 s
+    finally:
+        node.stop()
+
+
 def test_a_conductor_client_skips_a_frozen_replica():
     frozen, live = ConductorProcess(), ConductorProcess()
     try:

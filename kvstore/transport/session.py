@@ -168,7 +168,7 @@ class GrpcControl:
         r = self._call(lambda: self._stub.AbortWrite(pb.LeaseRequest(lease_id=lease_id), timeout=self.timeout_s))
         return r.num_aborted
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         pass
 
 
@@ -218,8 +218,8 @@ class ChannelControl:
     def abort(self, lease_id: int) -> int:
         return self._end(Op.ABORT, lease_id)
 
-    def close(self) -> None:
-        self._conns.close()
+    def close(self, deadline: float | None = None) -> None:
+        self._conns.close(deadline)
 
     def _run(self, fn):
         try:
@@ -317,11 +317,11 @@ class _Handle:
             return self.device
         return self.mover if arena == self.arena.name else None
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         self.mover.close()
         if self.device is not None:
             self.device.close()
-        self.control.close()
+        self.control.close(deadline)
 
 
 class DescriptorSession:
@@ -868,10 +868,12 @@ class DescriptorSession:
         """Reports the last local reads, and closes the mover once no copy uses it any more (later
         calls raise FailedPreconditionError). Idempotent.
 
-        Calls under way on other threads get ``CLOSE_WAIT_S`` to finish (their leases end cleanly);
-        then the grant channel is closed under them, so one that waits on a node that does not
-        answer fails at once instead of at its deadline. The mover stays mapped until the last
-        copy with it has ended."""
+        Within ``CLOSE_WAIT_S`` in all: calls under way on other threads finish (their leases end
+        cleanly), and the node answers the releases and reports sent without waiting. Past it, the
+        grant channel is closed under the calls, so one that waits on a node that does not answer
+        fails at once instead of at its deadline. The mover stays mapped until the last copy with
+        it has ended."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
         with self._lock:
             if self._closed:
                 return
@@ -881,8 +883,8 @@ class DescriptorSession:
         with self._idle:
             busy = not self._idle.wait_for(lambda: h.users == 0, timeout=CLOSE_WAIT_S)
         if busy:
-            h.control.close()
-        self._retire(h)
+            h.control.close(deadline)
+        self._retire(h, deadline)
 
     @contextmanager
     def _use(self):
@@ -951,12 +953,12 @@ class DescriptorSession:
         if self._device_wanted:  # and the new node's device tier mapped
             self.open_device()
 
-    def _retire(self, h: _Handle) -> None:
+    def _retire(self, h: _Handle, deadline: float | None = None) -> None:
         with self._lock:
             h.retired = True
             idle = h.users == 0
         if idle:
-            h.close()
+            h.close(deadline)
 
     def _end_read(self, h: _Handle, lease_id: int) -> bool:
         """Releases a read lease and waits; False when it had expired."""
