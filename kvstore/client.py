@@ -218,6 +218,7 @@ class StoreClient:
         self._transport_req = transport
         self._local_reads = local_reads
         self._selection = None  # kvstore.transport.session.Selection, resolved on first use
+        self._selecting = threading.Lock()  # one thread resolves it; the others wait and take it
         self._slabs = ReadSlabs()  # what batch_get_bytes reads into
         self._closed = False
 
@@ -329,13 +330,19 @@ class StoreClient:
         if self._selection is None:
             from kvstore.transport.session import select
 
-            sel = select(self._stub, self._call, self.timeout_s, self._transport_req, self._control_channel)
-            if sel.session is None and self._transport_req in ("shm", "rdma"):
-                log.warning("transport %s to %s unavailable, falling back: %s",
-                            self._transport_req, self.address, sel.notes)
-            if sel.session is not None:
-                sel.session.local_reads = self._local_reads
-            self._selection = sel
+            with self._selecting:  # (threads that each selected mapped the arena once apiece, for good)
+                if self._selection is None:
+                    sel = select(self._stub, self._call, self.timeout_s, self._transport_req,
+                                 self._control_channel)
+                    if sel.session is None and self._transport_req in ("shm", "rdma"):
+                        log.warning("transport %s to %s unavailable, falling back: %s",
+                                    self._transport_req, self.address, sel.notes)
+                    if sel.session is not None:
+                        sel.session.local_reads = self._local_reads
+                    self._selection = sel
+                    if self._closed and sel.session is not None:  # close() ran meanwhile and missed it
+                        sel.session.close()
+                        self._check_open()
         return self._selection.session
 
     @property
