@@ -111,6 +111,8 @@ def call_grpc(fn, retry=None):
         try:
             return fn()
         except grpc.RpcError as exc:
+            if _cancelled_by_server(exc):
+                raise _transient(exc) from None
             raise from_grpc(exc) from None
         except ValueError as exc:  # grpc's answer on a channel another thread closed meanwhile
             if "closed" not in str(exc).lower() or "channel" not in str(exc).lower():
@@ -118,6 +120,24 @@ def call_grpc(fn, retry=None):
             raise FailedPreconditionError(f"the client was closed: {exc}") from None
 
     return retry.call(once) if retry is not None else once()
+
+
+def _cancelled_by_server(err: grpc.RpcError) -> bool:
+    """A CANCELLED this side did not ask for: the server (or its HTTP/2 end, as its process stops)
+    reset the call. This side's own say "Locally cancelled" (``cancel()``) or "Channel closed"."""
+    if not hasattr(err, "code") or err.code() is not grpc.StatusCode.CANCELLED:
+        return False
+    details = err.details() or ""
+    return not details.startswith(("Locally cancelled", "Channel closed"))
+
+
+def _transient(err: grpc.RpcError) -> UnavailableError:
+    """A call the server cancelled, as UnavailableError: retried like a refused connection (a node
+    that stops mid-call resets its calls; before, that surfaced as a bare CrescentError)."""
+    exc = UnavailableError(f"CANCELLED by the server: {err.details()} (stopping?)")
+    exc.grpc_code = grpc.StatusCode.CANCELLED
+    exc.leader = None
+    return exc
 
 
 def from_grpc(err: grpc.RpcError) -> CrescentError:

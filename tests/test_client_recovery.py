@@ -4,6 +4,7 @@ real gRPC server that fails on purpose."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent import futures
 
@@ -114,6 +115,49 @@ def test_a_tcp_client_survives_many_restarts_and_a_node_without_a_data_channel(n
     c.close()
 
 
+def _arena_fds() -> list[str]:
+    """This process's open descriptors of nodes' shm arena files."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/crescent-"):
+            out.append(target)
+    return out
+
+
+def test_threads_that_first_use_an_shm_client_together_share_one_mapping_and_close_leaves_none(nodes):
+    """Eight threads make their first call through one new shm client at once. Before, each that
+    found no transport chosen yet chose one: eight mappings of the arena, seven of them never
+    closed (a file descriptor and the node's whole arena mapped each, for the client's life)."""
+    node = nodes()
+    before = _arena_fds()
+    with StoreClient(node.address, transport="shm") as one:  # what one thread's client holds
+        one.put(b"k", b"v")
+        mapped = len(_arena_fds()) - len(before)
+    assert mapped >= 1 and _arena_fds() == before
+    c = StoreClient(node.address, transport="shm")
+    barrier = threading.Barrier(8)
+    sessions = []
+
+    def first_call(i):
+        barrier.wait(timeout=60)
+        c.put(b"k%d" % i, b"v")
+        sessions.append(c.descriptor_session())
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(sessions) == 8 and len({id(s) for s in sessions}) == 1
+    assert len(_arena_fds()) == len(before) + mapped  # one mapping's
+    c.close()
+    assert _arena_fds() == before
+
+
 def test_an_engine_keeps_reusing_the_store_after_it_restarts(nodes):
     """An engine whose store goes away under it recomputes (same tokens) while the store is
     down or empty, then saves and reuses chunks again through the same client."""
@@ -192,6 +236,20 @@ def test_retry_rides_out_transient_unavailable(failing):
     with StoreClient(addr, transport="grpc", retry=Retry(attempts=3, backoff_s=0.01)) as c:
         assert c.lookup([b"a", b"b"]) == 2
     assert svc.calls == 3
+
+
+def test_a_call_the_server_cancels_is_retried_like_an_unavailable_one(failing):
+    """A node that stops mid-call resets its calls: the client sees CANCELLED, which it did not ask
+    for. Retried like UNAVAILABLE (seen as a bare CrescentError under a node restarting under load,
+    and not retried before); the client's own close still answers FailedPreconditionError."""
+    addr, svc = failing(grpc.StatusCode.CANCELLED, fail=2)
+    with StoreClient(addr, transport="grpc", retry=Retry(attempts=3, backoff_s=0.01)) as c:
+        assert c.lookup([b"a", b"b"]) == 2
+    assert svc.calls == 3
+    addr, svc = failing(grpc.StatusCode.CANCELLED, fail=10)
+    with StoreClient(addr, transport="grpc", retry=Retry(attempts=2, backoff_s=0.01)) as c:
+        with pytest.raises(UnavailableError, match="CANCELLED by the server: planned failure 2"):
+            c.lookup([b"a"])
 
 
 def test_retry_gives_up_after_its_attempts(failing):
