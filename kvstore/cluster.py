@@ -59,6 +59,9 @@ class ClusterClient:
         timeout_s, retry, data_channel: as for ``StoreClient``.
         etcd: etcd endpoints where conductor replicas register (``ConductorClient``).
         **store_options: passed to each node's ``StoreClient`` (e.g. ``transport=``).
+
+    A node's ``StoreClient`` is made on first use and closed once the node has left the member list
+    and the client has gone unused for ``prune_after_s``.
     """
 
     def __init__(self, conductor: str, *, local: str | None = None, replicas: int = 1,
@@ -78,6 +81,10 @@ class ClusterClient:
         self._store_options = store_options
         self._lock = threading.Lock()
         self._clients: dict[str, object] = {}
+        self._used: dict[str, float] = {}  # address → when _client last handed out its client
+        self.prune_after_s = 2 * self.retry.attempts * (timeout_s + self.retry.max_backoff_s)
+        """How long a client of a node that left the cluster stays unused before it is closed:
+        twice the longest a call through it can take (every attempt to its deadline)."""
         self._nodes: list[MemberInfo] = []
         self._nodes_at = -1e9
         self._holders: dict[bytes, tuple[float, dict[str, Tier]]] = {}
@@ -116,6 +123,13 @@ class ClusterClient:
             nodes = [m for m in members if m.kind is MemberKind.STORE]
             with self._lock:
                 self._nodes, self._nodes_at = nodes, now
+                live = {m.address for m in nodes} | {self.local}
+                gone = [a for a in self._clients if a not in live and now - self._used[a] > self.prune_after_s]
+                stale = [self._clients.pop(a) for a in gone]
+                for a in gone:
+                    del self._used[a]
+            for c in stale:  # (a node that left: its channel, connections and shm mapping go)
+                c.close()
         return self._nodes
 
     def _address(self, node_id: str) -> str | None:
@@ -142,6 +156,7 @@ class ClusterClient:
             if c is None:
                 c = self._clients[address] = StoreClient(address, timeout_s=self.timeout_s, retry=self.retry,
                                                          data_channel=self._data_channel, **self._store_options)
+            self._used[address] = time.monotonic()
             return c
 
     def locate(self, keys: Sequence[bytes], *, fresh: bool = False) -> list[dict[str, Tier]]:

@@ -1,5 +1,6 @@
 """ClusterClient over in-process store nodes found through an in-process conductor."""
 
+import os
 import time
 
 import pytest
@@ -222,3 +223,37 @@ def test_a_miss_is_not_cached_so_a_chunk_being_saved_is_seen_once_indexed(three,
         writer.put(b"late", b"v")
         wait_for(lambda: reader.lookup([b"late"]) == 1, timeout_s=60, what="the reader to see the new chunk")
         assert reader.get(b"late") == b"v"
+
+
+def _deleted_arena_fds() -> list[str]:
+    """This process's descriptors of shm arena files a stopped node has removed."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/crescent-") and target.endswith("(deleted)"):
+            out.append(target)
+    return out
+
+
+def test_the_client_of_a_node_that_left_is_closed_once_no_call_can_still_use_it(make_node, conductor):
+    """A node that leaves the cluster for good (stopped; a replacement would come at another address):
+    once its client has been unused for ``prune_after_s`` (twice the longest call), the membership
+    refresh closes it. Before, it stayed for the ClusterClient's life, and over shm it kept the stopped
+    node's arena mapped: the arena's memory (the file removed, the pages not) was never given back."""
+    make_node("a")
+    b = make_node("b")
+    quick = Retry(attempts=1, backoff_s=0.0, max_backoff_s=0.0)
+    with ClusterClient(conductor.address, index_ttl_s=0.1, timeout_s=0.5, retry=quick, transport="shm") as c:
+        assert c.prune_after_s == 1.0
+        wait_for(lambda: len(c.conductor.members()) == 2, what="2 nodes registered")
+        assert all(c.batch_put([(k, b"v" * 100)]) == [True] for k in KEYS)  # rendezvous: both nodes
+        assert len(c._clients) == 2
+        b.stop(0)
+        wait_for(lambda: len(c.conductor.members()) == 1, what="b to leave")
+        assert _deleted_arena_fds(), "b's arena should still be mapped by its client"
+        wait_for(lambda: c.health()["num_store_nodes"] == 1 and len(c._clients) == 1 and not _deleted_arena_fds(),
+                 what="b's client closed")
+        assert c.batch_get(KEYS[:1]) is not None  # and the cluster serves on
