@@ -130,12 +130,15 @@ class ConductorClient:
         timeout_s: deadline of each call.
         retry: a ``kvstore.client.Retry`` for UNAVAILABLE; default: one attempt.
         etcd: etcd endpoints where the replicas register: they are added to the addresses, and read
-            again when none of the known ones answers (a replica started later, at a new address).
+            again when none of the known ones answers (a replica started later, at a new address);
+            then the addresses are those given and those registered now (a replica gone from etcd
+            is no longer tried).
     """
 
     def __init__(self, address: str | None, *, timeout_s: float = 10.0, retry=None, etcd: str | None = None) -> None:
         self.etcd = etcd
         self.addresses = split_addresses(address)
+        self._given = list(self.addresses)  # kept; those etcd named are replaced by what it names next
         if not self.addresses and not etcd:
             raise InvalidArgumentError("no conductor address given")
         if etcd:
@@ -182,8 +185,8 @@ class ConductorClient:
                 rest = [a for a in self.addresses if a not in tried]
                 if not rest and self.etcd and not rediscovered:
                     rediscovered = True
-                    try:
-                        self.addresses = conductor_addresses(",".join(self.addresses), self.etcd)
+                    try:  # (replicas etcd no longer names are dropped: each would cost a try per failover)
+                        self.addresses = conductor_addresses(",".join(self._given), self.etcd)
                     except UnavailableError:
                         raise exc from None
                     rest = [a for a in self.addresses if a not in tried]

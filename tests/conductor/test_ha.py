@@ -258,3 +258,28 @@ def test_etcd_alone_finds_the_replicas_for_clients_members_and_ctl(replicas, etc
         node.stop(grace=0)
     bad = ctl("nodes", "--etcd", "nohost")  # no port: bad input (2), not an unreachable etcd (1)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "etcd" in bad.stderr
+
+
+def test_a_client_given_only_etcd_stops_trying_replicas_that_left_it(replicas, etcd):
+    """Replicas replaced one by one (as pods are, at new addresses): once none it knows answers, a
+    client re-reads etcd and keeps only what is registered now. Before, it kept every address it had
+    ever seen and tried each dead one on every failover (a deadline apiece where the host is gone)."""
+    from kvstore.conductor.client import discover
+
+    leader = wait_for(lambda: _leader(replicas), what="one leader")
+    follower = next(c for c in replicas if c is not leader)
+    wait_for(lambda: len(discover(etcd.endpoint)) == 2, what="both replicas registered")
+    third = None
+    try:
+        with ConductorClient(None, etcd=etcd.endpoint, timeout_s=30) as c:
+            assert c.addresses == [leader.address, follower.address]
+            third = Conductor(ConductorConfig(listen="127.0.0.1:0", etcd=etcd.endpoint, leader_ttl=TTL)).start()
+            leader.stop(0)
+            follower.stop(0)
+            wait_for(lambda: third.is_leader, what="the third replica to lead")
+            wait_for(lambda: discover(etcd.endpoint) == [third.address], what="the two to leave etcd")
+            assert c.stats()["num_members"] == 0 and c.address == third.address
+            assert c.addresses == [third.address]
+    finally:
+        if third is not None:
+            third.stop(0)
