@@ -247,7 +247,12 @@ class DiskTier:
         Raises:
             DiskTierError: the folder cannot be used (corrupt, locked, or an older format).
         """
-        os.makedirs(path, exist_ok=True)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise DiskTierError(f"--disk must be a folder (the disk tier's files go in it), but {path} is a file")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"--disk: cannot make the folder {path}: {exc.strerror}") from None
         self.path = path
         self.capacity_bytes = capacity_bytes // BLOCK * BLOCK
         self.sync = sync

@@ -84,6 +84,9 @@ def test_bad_flags_and_busy_port_are_clear_errors(tmp_path):
         r = _run_store("--listen", f"127.0.0.1:{s.getsockname()[1]}")
     assert r.returncode == 2 and "cannot listen" in r.stderr
     assert "Traceback" not in r.stderr
+    for path, says in (("/etc/passwd", "--disk must be a folder"), ("/etc/passwd/x", "--disk: cannot make the folder")):
+        r = _run_store("--listen", "127.0.0.1:0", "--disk", path)  # before: "[Errno 17] File exists: ..."
+        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     for flag, value in (("--listen", "127.0.0.1:99999"), ("--data-port", "-7"), ("--metrics-port", "99999")):
         r = _run_store("--listen", "127.0.0.1:0", flag, value) if flag != "--listen" else _run_store(flag, value)
         assert r.returncode == 2 and f"{flag} must be" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -122,8 +122,14 @@ def _run_engine(ns: argparse.Namespace) -> int:
 
 def _run_gateway(ns: argparse.Namespace) -> int:
     from engine.serve.gateway import Gateway, https_context, load_api_keys, serve
+    from kvstore.config import check_address, check_etcd
 
     try:
+        for flag, addresses in (("--prefill", ns.prefill), ("--decode", ns.decode),
+                                ("--conductor", (ns.conductor or "").split(",") if ns.conductor else [])):
+            for address in addresses:  # (before, a typo here served, and every request it routed failed)
+                check_address(flag, address.strip())
+        check_etcd(ns.etcd)
         if bool(ns.https_cert) != bool(ns.https_key):
             raise ValueError("HTTPS needs both --https-cert and --https-key")
         ctx = https_context(ns.https_cert, ns.https_key) if ns.https_cert else None

@@ -8,6 +8,8 @@ import os
 import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import urllib.parse
 
@@ -26,7 +28,7 @@ from kvstore.config import StoreConfig
 from kvstore.server import StoreNode
 from proto.crescent.v1 import engine_pb2 as epb
 from proto.crescent.v1 import engine_pb2_grpc as epb_grpc
-from tests.helpers import wait_for
+from tests.helpers import ROOT, wait_for
 
 openai = pytest.importorskip("openai")  # the official client drives the gateway
 
@@ -1056,6 +1058,20 @@ def test_framing_a_proxy_could_read_another_way_is_a_400_on_a_closed_connection(
             assert [g.split()[1] for g in got] == [b"200", b"200"] and not closed, (framing, got)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--decode", "nohost"], "--decode must be host:port"),
+    (["--decode", "127.0.0.1:70000"], "--decode must be host:port"),
+    (["--decode", "127.0.0.1:1", "--prefill", "x"], "--prefill must be host:port"),
+    (["--conductor", "127.0.0.1:5,bad"], "--conductor must be host:port"),
+    (["--etcd", "nohost"], "--etcd"),
+])
+def test_an_engine_or_conductor_address_that_is_not_host_port_is_a_one_line_error(flags, says):
+    """Before, ``crescent gateway --decode nohost`` served, and every request it routed failed."""
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "gateway", "--model", MODEL, "--listen", "127.0.0.1:0",
+                        *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)  # (serving: a failure)
+    assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_a_request_head_trickled_a_header_at_a_time_is_cut_off():
