@@ -119,14 +119,27 @@ def _subnet_in_use() -> bool:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now, binding as the parts do (SO_REUSEADDR:
+    a port whose last connections linger in TIME_WAIT, as after a cluster just stopped, is free)."""
     if port == 0:
         return True
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
             return False
     return True
+
+
+def _host_unusable(host: str) -> str | None:
+    """Why no part could bind on ``host`` (an unknown name, an address of no interface here), or None."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 class Part:
@@ -283,6 +296,9 @@ def run_up(ns: argparse.Namespace) -> int:
             ports["conductor"] = ns.conductor_port
         if ns.mode == "disagg":
             ports["prefill"] = ns.prefill_port
+    if (why := _host_unusable(ns.host)) is not None:
+        print(f"crescent up: error: --host {ns.host}: cannot listen there ({why})", file=sys.stderr)
+        return 2
     busy = [f"{name} port {p}" for name, p in ports.items() if not _port_free(ns.host, p)]
     if busy:
         print(f"crescent up: error: {', '.join(busy)} in use on {ns.host} (another cluster or service?); "

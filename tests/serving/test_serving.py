@@ -222,6 +222,42 @@ def test_second_up_on_the_same_data_is_a_clear_error(cluster):
     assert r.returncode == 2 and "in use" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_port_whose_last_connections_linger_in_time_wait_is_free_for_up():
+    """Stop a cluster and start it again at once: the gateway's port still has connections in TIME_WAIT
+    (the server closed them). The parts bind with SO_REUSEADDR and can listen there; up's own check
+    bound without it and said the port was in use, for a minute."""
+    import socket
+
+    from engine.serve.up import _port_free
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server ends the connection first: its end waits in TIME_WAIT
+    client.close()
+    listener.close()
+    with socket.socket() as s:  # what the check did: the port reads as taken
+        with pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
+    assert _port_free("127.0.0.1", port)
+    with socket.create_server(("127.0.0.1", port)):  # (create_server sets SO_REUSEADDR, as the parts do)
+        assert not _port_free("127.0.0.1", port)  # a listener there: taken
+
+
+def test_up_on_a_host_it_cannot_listen_on_says_so_not_that_ports_are_in_use(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "up", "--host", "nohost.invalid", "--no-netns",
+                        "--data", str(tmp_path / "data")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--host nohost.invalid: cannot listen there" in r.stderr and "in use" not in r.stderr
+
+
 def _scrape(cluster) -> dict:
     import urllib.request
 
