@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -159,6 +160,16 @@ def _run_up(ns: argparse.Namespace) -> int:
                 raise ValueError(f"{flag}: {exc}") from None
             if size <= 0:
                 raise ValueError(f"{flag} must be positive, got {value!r}")
+        for flag, value in (("--chunk-size", ns.chunk_size), ("--chunk-tokens", ns.chunk_tokens)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
+        if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens < ns.chunk_size:
+            raise ValueError(f"--max-num-batched-tokens must be at least --chunk-size ({ns.chunk_size}), "
+                             f"got {ns.max_num_batched_tokens}")  # (0 was taken as the default)
+        for flag, value in (("--slo-ttft", ns.slo_ttft), ("--slo-tbt", ns.slo_tbt),
+                            ("--startup-timeout-s", ns.startup_timeout_s)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
         os.makedirs(os.path.join(os.path.abspath(ns.data), "logs"), exist_ok=True)
     except ValueError as exc:
         print(f"crescent up: error: {exc}", file=sys.stderr)

@@ -258,6 +258,26 @@ def test_up_on_a_host_it_cannot_listen_on_says_so_not_that_ports_are_in_use(tmp_
     assert "--host nohost.invalid: cannot listen there" in r.stderr and "in use" not in r.stderr
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--slo-ttft", "-1"], "--slo-ttft must be a positive number of seconds"),
+    (["--slo-tbt", "nan"], "--slo-tbt must be a positive number of seconds"),
+    (["--chunk-tokens", "0"], "--chunk-tokens must be a positive number of tokens"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least --chunk-size"),
+])
+def test_up_checks_its_numbers_before_it_starts_anything(tmp_path, flags, says):
+    """Before, a bad SLO or chunk size surfaced as a part's exit (status 1, two lines), and
+    --max-num-batched-tokens 0 was taken for the default: the cluster started."""
+    import sys
+
+    from tests.helpers import run_in_own_session
+
+    # (its own session: a cluster it started by mistake ends with it, on the timeout)
+    rc, out = run_in_own_session([sys.executable, "-m", "kvstore.cli", "up", "--data", str(tmp_path / "data"),
+                                  "--no-netns", "--gateway-port", "0", "--store-port", "0", "--prefill-port", "0",
+                                  "--decode-port", "0", "--conductor-port", "0", *flags], timeout_s=120)
+    assert rc == 2 and says in out and out.count("\n") == 1, out
+
+
 def _scrape(cluster) -> dict:
     import urllib.request
 
