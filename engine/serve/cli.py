@@ -31,9 +31,9 @@ def register(sub) -> None:
                    help="host the conductor and gateway reach this engine at (default: the --listen host, or "
                         "this machine's hostname when that is a wildcard such as 0.0.0.0)")
     p.add_argument("--metrics-port", type=port_arg, default=None, help="Prometheus /metrics port (default: none)")
-    p.add_argument("--fetch-timeout-s", type=float, default=2.0,
+    p.add_argument("--fetch-timeout-s", type=grace_arg, default=2.0,
                    help="decode: how long to wait for a prefill engine's chunks to appear in the store "
-                        "after the last one arrived (default: 2.0)")
+                        "after the last one arrived (0: not at all) (default: 2.0)")
     p.add_argument("--shutdown-grace", type=grace_arg, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT: leave the cluster, take no new calls and let the calls in flight (a "
                         "stream being generated) finish for up to S seconds (a second signal ends it) (default: 30)")

@@ -173,6 +173,8 @@ def test_bad_flags_exit_2(capsys):
                        (("engine", "both", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
                        (("engine", "both", "--page-size", "0"), "page_size (0)"),
                        (("engine", "both", "--store", "localhost"), "--store must be host:port"),
+                       (("engine", "both", "--fetch-timeout-s", "-1"), "--fetch-timeout-s: must be in [0, 86400]"),
+                       (("engine", "both", "--fetch-timeout-s", "nan"), "--fetch-timeout-s: must be in [0, 86400]"),
                        (("gateway", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),
                        (("up", "--gateway-port", "-1"), "--gateway-port: a port is in"),
                        (("up", "--dram", "12XB"), "--dram: not a size")):
