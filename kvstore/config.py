@@ -230,8 +230,8 @@ class StoreConfig:
             raise ValueError(f"--slot-size must be a power of two >= 4KiB, got {self.slot_size}")
         if self.dram < self.slot_size:
             raise ValueError(f"--dram ({self.dram} B) must hold at least one slot ({self.slot_size} B)")
-        if self.disk is not None and self.disk_size <= 0:
-            raise ValueError(f"--disk-size must be positive with --disk, got {self.disk_size}")
+        if self.disk is not None and self.disk_size < self.slot_size:  # (the tier counts in 4 KiB blocks)
+            raise ValueError(f"--disk-size ({self.disk_size} B) must hold at least one slot ({self.slot_size} B)")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError("watermarks need 0 < --low-watermark <= --high-watermark <= 1")
         if self.promote_after < 1:

@@ -87,6 +87,8 @@ def test_bad_flags_and_busy_port_are_clear_errors(tmp_path):
     for path, says in (("/etc/passwd", "--disk must be a folder"), ("/etc/passwd/x", "--disk: cannot make the folder")):
         r = _run_store("--listen", "127.0.0.1:0", "--disk", path)  # before: "[Errno 17] File exists: ..."
         assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = _run_store("--listen", "127.0.0.1:0", "--disk", str(tmp_path / "d"), "--disk-size", "1")  # (it started)
+    assert r.returncode == 2 and "--disk-size (1 B) must hold at least one slot" in r.stderr, r.stderr
     for flag, value in (("--listen", "127.0.0.1:99999"), ("--data-port", "-7"), ("--metrics-port", "99999")):
         r = _run_store("--listen", "127.0.0.1:0", flag, value) if flag != "--listen" else _run_store(flag, value)
         assert r.returncode == 2 and f"{flag} must be" in r.stderr and "Traceback" not in r.stderr, r.stderr
