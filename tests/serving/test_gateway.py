@@ -105,6 +105,20 @@ def metrics(url: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(data.decode()) for s in fam.samples}
 
 
+def counted(url: str, key: tuple[str, tuple], n: float, base: dict | None = None) -> dict:
+    """The gateway's metrics once ``key`` has reached ``n`` (above ``base``'s value). A request is
+    counted as its handler ends, just after the client has read its answer: a scrape right then
+    may not see it yet (the count is then checked exactly by the caller)."""
+    box = []
+
+    def scraped() -> bool:
+        box[:] = [metrics(url)]
+        return box[0].get(key, 0.0) - (base or {}).get(key, 0.0) >= n
+
+    wait_for(scraped, timeout_s=60, what=f"{key} to reach {n}")
+    return box[0]
+
+
 def completion(c: openai.OpenAI, prompt, stream: bool, **kw):
     """(text, finish reason, per-chunk texts) of one completion."""
     kw = {"model": MODEL, "prompt": prompt, "temperature": 0, "extra_body": {"ignore_eos": True}, **kw}
@@ -896,7 +910,8 @@ def test_metrics_count_what_the_requests_did(disagg):
     n_tokens += 5
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="x", max_tokens=-1)
-    after = metrics(disagg.url)
+    after = counted(disagg.url, ("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200"))),
+                    4, before)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -935,7 +950,7 @@ def test_prefill_engine_down_health_is_503_and_the_decode_engine_prefills(fresh)
         text, reason, _ = completion(c, prompt, stream, max_tokens=8)
         assert (text, reason) == (want, "length"), stream
     assert engine_stats(fresh.decode.address).num_local_prefills == 2
-    m = metrics(fresh.url)
+    m = counted(fresh.url, ("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200"))), 3)
     assert m[("crescent_gateway_prefill_fallbacks_total", ())] == 2
     assert m[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200")))] == 3
 
@@ -960,7 +975,7 @@ def test_a_decode_engine_lost_mid_stream_ends_the_stream_with_an_error_event(fre
             if len(got) == 3:
                 fresh.decode.stop()
     assert 3 <= len(got) < 4000
-    m = metrics(fresh.url)
+    m = counted(fresh.url, ("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "503"))), 1)
     assert m[("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "503")))] == 1
 
 

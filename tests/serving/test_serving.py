@@ -292,6 +292,7 @@ def test_metrics(cluster):
     # NOTE: a fresh histogram prints zero buckets and a labelled counter its HELP line before
     # any request: only values that requests produce prove that requests are counted
     before = _scrape(cluster)
+    done = ("crescent_gateway_requests_total", (("endpoint", "completions"), ("status", "200")))
     c = client(cluster)
     completion_tokens = 0
     for i in range(3):
@@ -304,7 +305,11 @@ def test_metrics(cluster):
     completion_tokens += chunks[-1].usage.completion_tokens
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="x", max_tokens=-1)
-    after = _scrape(cluster)
+    # (a request is counted as its handler ends, just after the client has read its answer)
+    chat = ("crescent_gateway_requests_total", (("endpoint", "chat"), ("status", "200")))
+    after = wait_for(lambda: (lambda m: m if m.get(chat, 0.0) - before.get(chat, 0.0) >= 1 and
+                              m.get(done, 0.0) - before.get(done, 0.0) >= 3 else None)(_scrape(cluster)),
+                     what="the requests to be counted")
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
