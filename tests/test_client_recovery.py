@@ -158,6 +158,67 @@ def test_threads_that_first_use_an_shm_client_together_share_one_mapping_and_clo
     assert _arena_fds() == before
 
 
+def test_a_node_gone_while_its_arena_is_mapped_leaves_no_mapping(nodes):
+    """select() maps the node's arena, then reads its data port (Health) for the grant channel. A node
+    that goes away between the two (here: the Health call fails as it then does) left the mapping open for
+    good; found by four threads putting through a client whose node restarted eight times (one or two
+    arenas mapped after close())."""
+    from kvstore.errors import UnavailableError as Gone
+    from kvstore.transport.session import select
+
+    node = nodes()
+    before = _arena_fds()
+    with StoreClient(node.address, transport="shm") as c:
+        def gone():
+            raise Gone("Health: the node went away")
+
+        with pytest.raises(Gone):
+            select(c._stub, c._call, 30, "shm", gone)
+        assert _arena_fds() == before
+
+
+def test_a_client_closed_while_a_call_remaps_a_restarted_node_leaves_no_mapping(nodes):
+    """A put finds the node restarted (a new arena) and maps the new one; close() runs meanwhile. The
+    close retired the handle it found, so the new mapping, put in place after it, stayed open for
+    good. Now the put sees the close, unmaps what it mapped and fails as FailedPreconditionError."""
+    import threading as th
+
+    from kvstore.errors import FailedPreconditionError
+
+    node = nodes()
+    port = node.address.rpartition(":")[2]
+    before = _arena_fds()
+    c = StoreClient(node.address, transport="shm", retry=FAST, timeout_s=30)
+    c.put(b"k", b"v")
+    session = c.descriptor_session()
+    node.stop()
+    nodes("--listen", f"127.0.0.1:{port}")
+    reached, go, out = th.Event(), th.Event(), []
+    real = session._channel
+
+    def paused_channel():  # the remap's grant channel: held here while the client closes
+        reached.set()
+        go.wait(120)
+        return real()
+
+    session._channel = paused_channel
+
+    def put():
+        try:
+            out.append(c.put(b"k2", b"w" * 10_000))
+        except Exception as exc:  # noqa: BLE001
+            out.append(exc)
+
+    t = th.Thread(target=put)
+    t.start()
+    assert reached.wait(120), "the put did not remap"
+    c.close()
+    go.set()
+    t.join(120)
+    assert not t.is_alive() and isinstance(out[0], FailedPreconditionError), out
+    assert _arena_fds() == before
+
+
 def test_an_engine_keeps_reusing_the_store_after_it_restarts(nodes):
     """An engine whose store goes away under it recomputes (same tokens) while the store is
     down or empty, then saves and reuses chunks again through the same client."""

@@ -116,7 +116,11 @@ def select(stub, call: Callable, timeout_s: float, requested: str,
         except (CrescentError, OSError) as exc:
             notes.append(f"{mover.value}: {exc}")
             continue
-        conns = channel() if channel is not None else None
+        try:
+            conns = channel() if channel is not None else None  # (a Health call: the node may be gone again)
+        except BaseException:
+            m.close()
+            raise
         proof = getattr(m, "proof", b"")  # shm: this client read the arena's secret (the node checks it)
         if conns is not None:
             conns.proof = proof  # sent on each connection before its first grant
@@ -938,12 +942,18 @@ class DescriptorSession:
     def _reopen(self, stale: _Handle) -> None:
         sel = select(self._stub, self._call, self.timeout_s, self._requested, self._channel)
         if sel.session is None or sel.session.mover is not self.mover:
+            if sel.session is not None:
+                sel.session.close()
             raise UnavailableError(f"the node's arena changed and {self.mover.value} no longer works: {sel.notes}")
         with self._lock:
-            if self._handle is not stale:  # another thread re-mapped first
-                sel.session.close()
-                return
-            self._handle = sel.session._handle
+            closed, taken = self._closed, self._handle is not stale  # (taken: another thread re-mapped first)
+            if not closed and not taken:
+                self._handle = sel.session._handle
+        if closed or taken:  # (a close() meanwhile retired the handle it found: this one would stay mapped)
+            sel.session.close()
+            if closed:
+                raise FailedPreconditionError("the descriptor session was closed during the call")
+            return
         self._retire(stale)
         if self._cuda_registered:  # the new arena is DMA-able too
             self.register_cuda()
