@@ -330,16 +330,16 @@ def test_auto_calls_in_the_models_text_stream_as_content_then_calls(cluster, tex
     if calls:
         assert not any("<" in p for p in pieces), pieces
         deltas = [t for ch in chunks for t in ch.delta.tool_calls or []]
-        # (each call's arguments in pieces, the pythonic format's a keyword at a time; every call begun
-        # before the last chunk, which may carry the final piece with the finish reason when the
-        # stream's consumer is slower than the engine on a loaded machine)
-        assert len(deltas) > (1 if parser == "pythonic" else 2) * len(calls), deltas
-        before = [t for ch in chunks[:-1] for t in ch.delta.tool_calls or []]
-        assert {t.index for t in before if t.id} == set(range(len(calls))), deltas
+        # NOTE: how many pieces the calls come in is the engine's pace against this reader's: a reader
+        # slower than the engine (a loaded machine) gets tokens batched, up to a call whole in one delta
+        # (CI once saw '{"zone"' in two pieces where three were asserted). That the parser streams what
+        # it is given as it comes, however cut, is test_streamed_calls_join_to_the_unstreamed_answer_...
+        assert len(deltas) >= len(calls), deltas
+        assert {t.index for t in deltas if t.id} == set(range(len(calls))), deltas
     if content is not None and content.startswith(("{", "[")) and parser != "hermes":
         assert pieces == [content]  # (it began as a call: held to the end, where it did not parse)
     else:
-        assert len(pieces) > 1 if content else pieces == []  # (the content streams in pieces, as it comes)
+        assert "".join(pieces) == (content or "")  # (in pieces as the engine's pace gives them: see above)
 
 
 _SHAPES = {
