@@ -112,6 +112,19 @@ def thaw(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
+def arena_fds() -> list[str]:
+    """This process's open descriptors of nodes' shm arena files (a removed one ends in "(deleted)")."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/crescent-"):
+            out.append(target)
+    return out
+
+
 def waiting_on_a_socket(tid: int) -> bool:
     """Whether thread ``tid`` of this process sleeps in the kernel waiting on a socket (a poll, or a
     recv/send that blocks), not on a lock."""

@@ -4,7 +4,6 @@ real gRPC server that fails on purpose."""
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent import futures
 
@@ -16,7 +15,7 @@ from kvstore.errors import DeadlineExceededError, InvalidArgumentError, Unavaila
 from kvstore.transport.rdma import probe
 from proto.crescent.v1 import kvstore_pb2 as pb
 from proto.crescent.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.helpers import StoreProcess, wait_for
+from tests.helpers import StoreProcess, arena_fds, wait_for
 
 # a short policy for the calls made while the node is down (the default's sleeps add up to ~1.5 s)
 FAST = Retry(attempts=3, backoff_s=0.02, max_backoff_s=0.1)
@@ -115,29 +114,16 @@ def test_a_tcp_client_survives_many_restarts_and_a_node_without_a_data_channel(n
     c.close()
 
 
-def _arena_fds() -> list[str]:
-    """This process's open descriptors of nodes' shm arena files."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/crescent-"):
-            out.append(target)
-    return out
-
-
 def test_threads_that_first_use_an_shm_client_together_share_one_mapping_and_close_leaves_none(nodes):
     """Eight threads make their first call through one new shm client at once. Before, each that
     found no transport chosen yet chose one: eight mappings of the arena, seven of them never
     closed (a file descriptor and the node's whole arena mapped each, for the client's life)."""
     node = nodes()
-    before = _arena_fds()
+    before = arena_fds()
     with StoreClient(node.address, transport="shm") as one:  # what one thread's client holds
         one.put(b"k", b"v")
-        mapped = len(_arena_fds()) - len(before)
-    assert mapped >= 1 and _arena_fds() == before
+        mapped = len(arena_fds()) - len(before)
+    assert mapped >= 1 and arena_fds() == before
     c = StoreClient(node.address, transport="shm")
     barrier = threading.Barrier(8)
     sessions = []
@@ -153,9 +139,9 @@ def test_threads_that_first_use_an_shm_client_together_share_one_mapping_and_clo
     for t in threads:
         t.join(timeout=120)
     assert len(sessions) == 8 and len({id(s) for s in sessions}) == 1
-    assert len(_arena_fds()) == len(before) + mapped  # one mapping's
+    assert len(arena_fds()) == len(before) + mapped  # one mapping's
     c.close()
-    assert _arena_fds() == before
+    assert arena_fds() == before
 
 
 def test_a_node_gone_while_its_arena_is_mapped_leaves_no_mapping(nodes):
@@ -167,14 +153,14 @@ def test_a_node_gone_while_its_arena_is_mapped_leaves_no_mapping(nodes):
     from kvstore.transport.session import select
 
     node = nodes()
-    before = _arena_fds()
+    before = arena_fds()
     with StoreClient(node.address, transport="shm") as c:
         def gone():
             raise Gone("Health: the node went away")
 
         with pytest.raises(Gone):
             select(c._stub, c._call, 30, "shm", gone)
-        assert _arena_fds() == before
+        assert arena_fds() == before
 
 
 def test_a_client_closed_while_a_call_remaps_a_restarted_node_leaves_no_mapping(nodes):
@@ -187,7 +173,7 @@ def test_a_client_closed_while_a_call_remaps_a_restarted_node_leaves_no_mapping(
 
     node = nodes()
     port = node.address.rpartition(":")[2]
-    before = _arena_fds()
+    before = arena_fds()
     c = StoreClient(node.address, transport="shm", retry=FAST, timeout_s=30)
     c.put(b"k", b"v")
     session = c.descriptor_session()
@@ -216,7 +202,7 @@ def test_a_client_closed_while_a_call_remaps_a_restarted_node_leaves_no_mapping(
     go.set()
     t.join(120)
     assert not t.is_alive() and isinstance(out[0], FailedPreconditionError), out
-    assert _arena_fds() == before
+    assert arena_fds() == before
 
 
 def test_an_engine_keeps_reusing_the_store_after_it_restarts(nodes):

@@ -1,6 +1,5 @@
 """ClusterClient over in-process store nodes found through an in-process conductor."""
 
-import os
 import time
 
 import pytest
@@ -10,7 +9,7 @@ from kvstore.client import ClusterClient, Retry, StoreClient
 from kvstore.conductor.client import ConductorClient
 from kvstore.cluster import rendezvous_rank
 from kvstore.errors import UnavailableError
-from tests.helpers import wait_for
+from tests.helpers import arena_fds, wait_for
 
 KEYS = [b"key-%03d" % i for i in range(24)]
 
@@ -227,15 +226,7 @@ def test_a_miss_is_not_cached_so_a_chunk_being_saved_is_seen_once_indexed(three,
 
 def _deleted_arena_fds() -> list[str]:
     """This process's descriptors of shm arena files a stopped node has removed."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/crescent-") and target.endswith("(deleted)"):
-            out.append(target)
-    return out
+    return [t for t in arena_fds() if t.endswith("(deleted)")]
 
 
 def test_the_client_of_a_node_that_left_is_closed_once_no_call_can_still_use_it(make_node, conductor):
