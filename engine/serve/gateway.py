@@ -401,17 +401,11 @@ class Gateway:
             except StopIteration:
                 return
             except grpc.RpcError as exc:
-                other = None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES \
-                        and not ended.is_set():
-                    other = self._another_decode(prompt, req, tried)
+                other = None if ended.is_set() else \
+                    self._replacement(exc, decode, prompt, req, tried, f"decode of choice {i} before its first token")
                 if other is None:
                     raise
-                log.warning("decode of choice %d on %s failed (%s) before its first token: sent to %s", i,
-                            decode, exc.code().name, other)
-                self.m_decode_retries.inc()
                 decode = other
-                tried.add(other)
                 calls[i] = self._decode(other, prompt, req, sampling, first, keys)
                 if ended.is_set():  # the request ended meanwhile (its calls were cancelled before this one)
                     calls[i].cancel()
@@ -420,14 +414,22 @@ class Gateway:
             yield from pieces
             return
 
-    def _another_decode(self, prompt: list[int], req: ParsedRequest, tried: set[str]) -> str | None:
-        """A decode engine not in ``tried``, as the router picks one (a few asks), or None."""
+    def _replacement(self, exc: grpc.RpcError, address: str, prompt: list[int], req: ParsedRequest,
+                     tried: set[str], what: str) -> str | None:
+        """Another decode engine for ``what``, which ``exc`` ended on ``address``: added to ``tried``,
+        logged and counted; or None: not UNAVAILABLE, MAX_DECODE_RETRIES reached, or none the router
+        picks (a few asks) is new."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or len(tried) > MAX_DECODE_RETRIES:
+            return None
         for _ in range(3):
             try:
                 route = self.router.route(prompt, req.cache_salt, req.max_tokens)
             except (NoRoute, Rejected):
                 return None
             if route.decode not in tried:
+                log.warning("%s on %s failed (%s): sent to %s", what, address, exc.code().name, route.decode)
+                self.m_decode_retries.inc()
+                tried.add(route.decode)
                 return route.decode
         return None
 
@@ -446,21 +448,16 @@ class Gateway:
 
         def on_target(call):
             """``call(role, address)`` on the prefill engine, or, from the first time it fails, the decode
-            engine (another one, up to MAX_DECODE_RETRIES times, when that one is unavailable)."""
+            engine (another one, ``_replacement``, when that one is unavailable)."""
             while True:
                 role, address = targets[0]
                 try:
                     return call(role, address)
                 except grpc.RpcError as exc:
                     if len(targets) == 1:
-                        other = None
-                        if exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) <= MAX_DECODE_RETRIES:
-                            other = self._another_decode(prompt, req, tried)
+                        other = self._replacement(exc, address, prompt, req, tried, "beam search")
                         if other is None:
                             raise
-                        log.warning("beam search on %s failed (%s): sent to %s", address, exc.code().name, other)
-                        self.m_decode_retries.inc()
-                        tried.add(other)
                         targets[0] = ("decode", other)
                         continue
                     log.warning("beam search on %s failed (%s): its decode engine goes on", address, exc.code().name)
