@@ -127,7 +127,7 @@ def _run_gateway(ns: argparse.Namespace) -> int:
 
     try:
         for flag, addresses in (("--prefill", ns.prefill), ("--decode", ns.decode),
-                                ("--conductor", (ns.conductor or "").split(",") if ns.conductor else [])):
+                                ("--conductor", ns.conductor.split(",") if ns.conductor else [])):
             for address in addresses:  # (before, a typo here served, and every request it routed failed)
                 check_address(flag, address.strip())
         check_etcd(ns.etcd)
