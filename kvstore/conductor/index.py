@@ -9,8 +9,9 @@ guards it (with the member list) by one lock.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
 from kvstore.conductor.policy import PrefixMatch
 from kvstore.store import Tier
@@ -35,6 +36,9 @@ class GlobalIndex:
         self._names: list[str | None] = []  # slot → node (None: free)
         self._free: list[int] = []
         self._low = 0  # the low bit of every slot in use
+        self._live = 0  # both bits of every slot in use: a key's bits masked by it are its holders
+        self._dropped: collections.deque[tuple[int, Iterator[Hashable]]] = collections.deque()
+        """Slots of dropped nodes whose keys still carry their bits (``sweep``), each with its keys to clear."""
         self.num_copies = 0
 
     def _holders_of(self, bits: int) -> dict[str, Tier]:
@@ -55,6 +59,7 @@ class GlobalIndex:
                 self._names.append(node)
             self._names[slot] = node
             self._low |= 1 << 2 * slot
+            self._live |= 3 << 2 * slot
             self._by_node[node] = set()
         shift = 2 * slot
         bits = self._holders.get(key, 0)
@@ -78,29 +83,54 @@ class GlobalIndex:
         self.num_copies -= 1
         return True
 
-    def drop_node(self, node: str) -> int:
-        """Forgets every chunk of ``node``; returns how many."""
+    def drop_node(self, node: str, lazy: bool = False) -> int:
+        """Forgets every chunk of ``node``; returns how many.
+
+        The node leaves every answer at once, in O(1): its slot leaves the live mask. Its keys' bits
+        are cleared by ``sweep``, here unless ``lazy`` (the conductor sweeps in batches off its lock:
+        a node of 500,000 keys took 0.47 s under it). Until then the slot is not reused, and
+        ``num_chunks()`` still counts the keys that only the dropped node held.
+        """
         slot = self._slot.pop(node, None)
         if slot is None:
             return 0
         keys = self._by_node.pop(node)
         keep = ~(3 << 2 * slot)
-        holders = self._holders
-        for key in keys:
-            bits = holders[key] & keep
-            if bits:
-                holders[key] = bits
-            else:
-                del holders[key]
         self._names[slot] = None
-        self._free.append(slot)
         self._low &= keep
+        self._live &= keep
         self.num_copies -= len(keys)
+        self._dropped.append((slot, iter(keys)))
+        if not lazy:
+            self.sweep()
         return len(keys)
+
+    def sweep(self, budget: int | None = None) -> bool:
+        """Clears dropped nodes' bits from up to ``budget`` keys (None: all) and frees their slots once
+        done; returns False once none are left (True: call again)."""
+        holders = self._holders
+        while self._dropped:
+            slot, keys = self._dropped[0]
+            keep = ~(3 << 2 * slot)
+            n = 0
+            for key in keys if budget is None else itertools.islice(keys, budget):
+                n += 1
+                bits = holders[key] & keep  # (nothing else clears a dropped slot's bits: the key is there)
+                if bits:
+                    holders[key] = bits
+                else:
+                    del holders[key]
+            if budget is not None:
+                budget -= n
+                if budget <= 0:
+                    return True  # (the slot may be done: the next call frees it)
+            self._dropped.popleft()
+            self._free.append(slot)
+        return False
 
     def holders(self, key: Hashable) -> dict[str, Tier]:
         """The nodes holding ``key`` and their tiers (a new dict; empty when absent)."""
-        return self._holders_of(self._holders.get(key, 0))
+        return self._holders_of(self._holders.get(key, 0) & self._live)
 
     def has(self, node: str, key: Hashable) -> bool:
         slot = self._slot.get(node)
@@ -115,8 +145,9 @@ class GlobalIndex:
     def match(self, keys: Sequence[Hashable]) -> PrefixMatch:
         """The leading keys held by at least one node, with their holders."""
         out = []
+        live = self._live
         for k in keys:
-            bits = self._holders.get(k)
+            bits = self._holders.get(k, 0) & live
             if not bits:
                 break
             out.append(self._holders_of(bits))

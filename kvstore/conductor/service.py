@@ -52,6 +52,8 @@ MAX_SAMPLE_S = 3600.0
 """Longest measured prefill or decode step taken into the cost model."""
 MAX_TIER_BYTES = 1 << 60
 """A tier's capacity or use beyond this (an exbibyte) is not a measurement."""
+SWEEP_KEYS = 1024
+"""Keys a dropped node's sweep clears per hold of the lock (a few ms; GlobalIndex.sweep)."""
 
 
 def _rpc(fn):
@@ -135,6 +137,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         self.counters = collections.Counter()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="conductor-reaper", daemon=True)
+        self._sweep_wanted = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="conductor-sweeper", daemon=True)
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
                                   interceptors=auth.server_interceptors(self.principals),
@@ -200,6 +204,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         if self.kv_events is not None:
             self.kv_events.start()
         self._reaper.start()
+        self._sweeper.start()
         if self.election is not None:
             self.election.start()
             self.replica.start()
@@ -210,6 +215,7 @@ class Conductor(cpb_grpc.ConductorServicer):
 
     def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
+        self._sweep_wanted.set()
         self.health.stop()
         if self.election is not None:
             self.election.stop(resign=True)  # a follower takes over now, not after the lease
@@ -281,6 +287,31 @@ class Conductor(cpb_grpc.ConductorServicer):
                      for m in self.members.of_kind(MemberKind.STORE) if m.kv_events_endpoint}
         self.kv_events.follow(nodes)
 
+    def forget(self, index: GlobalIndex, member_id: str) -> int:
+        """(Under the lock.) Drops ``member_id``'s chunks from ``index`` at once; the sweeper clears
+        their bits in batches of SWEEP_KEYS, letting go of the lock between them, so that a node of
+        half a million chunks does not hold every Schedule and event for half a second."""
+        n = index.drop_node(member_id, lazy=True)
+        if n:
+            self._sweep_wanted.set()
+        return n
+
+    def _sweep_loop(self) -> None:
+        while True:
+            self._sweep_wanted.wait()
+            if self._stop.is_set():
+                return
+            self._sweep_wanted.clear()
+            more = True
+            while more and not self._stop.is_set():
+                t0 = time.perf_counter()
+                with self._lock:
+                    more = self.index.sweep(SWEEP_KEYS)
+                    more = self.device_index.sweep(SWEEP_KEYS) or more
+                # the lock and the GIL left to the calls for as long as the batch took: the sweep takes
+                # at most half of the process's time, and a waiting call gets the lock between batches
+                time.sleep(time.perf_counter() - t0)
+
     def _reap_loop(self) -> None:
         period = min(self.config.heartbeat_interval, self.config.dead_timeout / 4)
         while not self._stop.wait(period):
@@ -288,7 +319,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             with self._lock:
                 for m in self.members.reap(self.clock()):
                     self.counters["expired"] += 1
-                    n = self.index.drop_node(m.member_id) + self.device_index.drop_node(m.member_id)
+                    n = self.forget(self.index, m.member_id) + self.forget(self.device_index, m.member_id)
                     log.warning("member %s (%s) is dead: silent for %.1f s; %d chunks left the index",
                                 m.member_id, m.kind.label, self.config.dead_timeout, n)
             self._relay_kv_events()
@@ -316,7 +347,7 @@ class Conductor(cpb_grpc.ConductorServicer):
                 m = self.members.get(member_id)
                 if m is not None:
                     self.members.remove(member_id)
-                    n = self.index.drop_node(member_id)
+                    n = self.forget(self.index, member_id)
                     self.counters["expired"] += 1
                     log.warning("member %s (%s): its etcd lease ended; %d chunks left the index",
                                 member_id, m.kind.label, n)
@@ -345,7 +376,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         with self._lock:
             old = self.members.register(m)
             if old is not None and old.kind is MemberKind.STORE:
-                self.index.drop_node(old.member_id)
+                self.forget(self.index, old.member_id)
         log.info("member %s (%s) registered at %s", m.member_id, kind.label, m.address or "-")
         resp = cpb.RegisterResponse(incarnation=m.incarnation, heartbeat_interval_s=self.config.heartbeat_interval,
                                     dead_timeout_s=self.config.dead_timeout)
@@ -395,7 +426,7 @@ class Conductor(cpb_grpc.ConductorServicer):
                         raise FailedPreconditionError(
                             f"{batch.member_id!r} is not a registered store node (register again)")
                     if batch.reset:
-                        self.index.drop_node(m.member_id)
+                        self.forget(self.index, m.member_id)
                     for e in batch.events:
                         if not e.key or len(e.key) > 1024:
                             raise InvalidArgumentError("an event with an empty or oversized key")
@@ -418,7 +449,7 @@ class Conductor(cpb_grpc.ConductorServicer):
             m = self.members.get(request.member_id, request.incarnation)
             if m is not None:
                 self.members.remove(m.member_id)
-                self.index.drop_node(m.member_id)
+                self.forget(self.index, m.member_id)
         return cpb.DeregisterResponse()
 
     # ---- scheduling ---------------------------------------------------------

@@ -260,7 +260,7 @@ class VllmSubscriber(EventFollower):
     def on_restart(self) -> None:
         self.rekeyer.clear()
         with self.conductor._lock:
-            self.conductor.device_index.drop_node(self.source.member_id)
+            self.conductor.forget(self.conductor.device_index, self.source.member_id)
 
     def on_batch(self, seq: int, payload: bytes) -> None:
         c = self.conductor
@@ -282,7 +282,7 @@ class VllmSubscriber(EventFollower):
                             c.device_index.removed(node, k)
                     else:
                         self.rekeyer.clear()
-                        c.device_index.drop_node(node)
+                        c.forget(c.device_index, node)
                 except (TypeError, ValueError, OverflowError) as exc:  # fields of the wrong type or range
                     self.num_bad += 1
                     if self.num_bad <= 10 or self.num_bad % 1000 == 0:

@@ -50,9 +50,12 @@ def test_match_and_node_prefixes():
     assert ix.match([b"nope", b"k0"]).num_global == 0
 
 
-def test_the_packed_index_answers_as_a_dict_of_dicts_under_random_events():
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_packed_index_answers_as_a_dict_of_dicts_under_random_events(lazy):
     """Holders packed two bits per node slot, slots freed by dropped nodes and reused: every answer equals
-    that of the plain model (key → {node: tier}) after each of 20,000 random events over 70 nodes."""
+    that of the plain model (key → {node: tier}) after each of 20,000 random events over 70 nodes.
+    ``lazy``: dropped nodes' bits are swept a few keys at a time between events, as the conductor does
+    off its lock; every answer but the count of distinct keys is exact before the sweep ends."""
     import random
 
     rng = random.Random(5)
@@ -74,16 +77,21 @@ def test_the_packed_index_answers_as_a_dict_of_dicts_under_random_events():
                     del model[key]
         else:
             gone = [k for k, h in model.items() if node in h]
-            assert ix.drop_node(node) == len(gone)
+            assert ix.drop_node(node, lazy=lazy) == len(gone)
             for k in gone:
                 del model[k][node]
                 if not model[k]:
                     del model[k]
+        if lazy and rng.random() < 0.1:
+            ix.sweep(rng.randrange(0, 8))
         if step % 97 == 0 or step > 19_900:
             for k in keys:
                 assert ix.holders(k) == model.get(k, {})
                 assert all(ix.has(n, k) == (n in model.get(k, {})) for n in nodes)
-            assert ix.num_copies == sum(map(len, model.values())) and ix.num_chunks() == len(model)
+            assert ix.num_copies == sum(map(len, model.values()))
+            assert ix.num_chunks() >= len(model)
+            if not lazy or not ix.sweep(0):
+                assert ix.num_chunks() == len(model)
             assert all(ix.num_chunks(n) == sum(n in h for h in model.values()) for n in nodes)
             prompt = rng.sample(keys, 6)
             lead = next((i for i, k in enumerate(prompt) if k not in model), len(prompt))
@@ -92,6 +100,24 @@ def test_the_packed_index_answers_as_a_dict_of_dicts_under_random_events():
             for n in model.get(prompt[0], {}):
                 want[n] = next((i for i, k in enumerate(prompt) if n not in model.get(k, {})), len(prompt))
             assert ix.node_prefixes(prompt) == want
+    assert not ix.sweep() and ix.num_chunks() == len(model)
+    assert len(ix._free) + len(ix._slot) == len(ix._names)  # every swept slot free again
+
+
+def test_a_lazily_dropped_node_is_swept_in_batches_and_its_slot_reused():
+    ix = GlobalIndex()
+    for i in range(10):
+        ix.stored("a", b"%d" % i, D)
+    ix.stored("b", b"3", K)
+    assert ix.drop_node("a", lazy=True) == 10
+    assert ix.holders(b"3") == {"b": K} and ix.holders(b"4") == {} and ix.match([b"0"]).num_global == 0
+    assert ix.num_copies == 1 and ix.num_chunks() == 10  # (the keys only "a" held are counted until swept)
+    ix.stored("c", b"0", D)  # a node that comes while the sweep goes on gets a slot of its own
+    assert ix.holders(b"0") == {"c": D}
+    assert [ix.sweep(4), ix.sweep(4), ix.sweep(4)] == [True, True, False]
+    assert ix.num_chunks() == 2 and ix.holders(b"3") == {"b": K} and ix.holders(b"0") == {"c": D}
+    ix.stored("d", b"9", D)
+    assert ix._names == ["d", "b", "c"]  # the dropped node's slot, free again
 
 
 def test_hot_tracker_decays_by_half_life():
