@@ -33,6 +33,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from concurrent import futures
+
+import grpc
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -81,6 +84,22 @@ def channel_options(max_message_bytes: int | None = None) -> list[tuple[str, int
         opts += [("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", max_message_bytes)]
     return opts
+
+
+RPC_THREADS = 1024
+"""Most calls a Crescent gRPC server runs at once. grpcio's server runs each call on a thread of its own
+for the call's whole life, and some calls last: every store node's KV-event stream at the conductor,
+every Generate at an engine (which must reach the engine's own queue, where its load reports count it).
+A pool of 32 or 64 threads was filled by them, and every other call (Schedule, heartbeats, health
+probes) then waited behind them for good. Threads are made as calls need them; a call past the limit
+is refused at once (RESOURCE_EXHAUSTED) instead of waiting unseen."""
+
+
+def rpc_server(name: str, options: list[tuple[str, int]], interceptors=()) -> tuple[grpc.Server,
+                                                                                  futures.ThreadPoolExecutor]:
+    """A gRPC server with ``RPC_THREADS`` handler threads (named ``name``-N) and its pool (to drain)."""
+    pool = futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix=name)
+    return grpc.server(pool, interceptors=interceptors, options=options, maximum_concurrent_rpcs=RPC_THREADS), pool
 
 
 def server_options(max_message_bytes: int | None = None) -> list[tuple[str, int]]:

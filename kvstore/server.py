@@ -13,16 +13,14 @@ import math
 import socket
 import threading
 import time
-from concurrent import futures
 
-import grpc
 
 from kvstore import auth, tls
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.datachannel import DATA_OPS
 from kvstore.dataserver import DataChannelServer
-from kvstore.liveness import server_options
+from kvstore.liveness import rpc_server, server_options
 from kvstore.errors import CrescentError, InvalidArgumentError
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics, stop_http
@@ -276,10 +274,8 @@ class StoreNode:
         self.transport = NodeTransport(config, self.store, self.metrics)
         self.stopping = False
         self._drained = threading.Event()  # set: cut a drain short (a second signal)
-        self._handlers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc")
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
-        self.server = grpc.server(self._handlers, options=GRPC_OPTIONS,
-                                  interceptors=auth.server_interceptors(self.principals))
+        self.server, self._handlers = rpc_server("grpc", GRPC_OPTIONS, auth.server_interceptors(self.principals))
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]

@@ -248,6 +248,34 @@ def test_client_disconnect_mid_put_leaves_nothing(node):
     ch.close()
 
 
+def test_forty_puts_in_flight_leave_the_node_answering(make_node):
+    """40 gRPC puts, each waiting for its client's next frame (a slow writer holds its call, and its
+    server thread, that long): the node still answers other calls and health probes. With 32 threads
+    the node answered nothing more until a put ended; now every call has a thread of its own."""
+    node = make_node(dram=64 * MiB)
+    ch, s = stub(node)
+    hold = threading.Event()
+
+    def frames(i):
+        yield pb.PutFrame(header=pb.ValueHeader(key=b"slow-%d" % i, size=MiB))
+        yield pb.PutFrame(data=b"x" * (MiB // 4))
+        hold.wait(300)
+
+    futs = [s.Put.future(frames(i), timeout=600) for i in range(40)]
+    try:
+        wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] >= 40 * MiB, timeout_s=120,
+                 what="40 puts in flight, each holding its reservation")
+        assert s.Health(pb.HealthRequest(), timeout=30).serving
+        check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for f in futs:
+            f.cancel()
+        hold.set()
+    wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="every put aborted")
+    ch.close()
+
+
 def test_client_disconnect_mid_get_releases_the_lease(node):
     node.store.put(b"big", os.urandom(12 * MiB))
     ch, s = stub(node)

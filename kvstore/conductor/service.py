@@ -17,7 +17,6 @@ import logging
 import math
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
@@ -35,7 +34,7 @@ from kvstore.conductor.sizing import (DEFAULT_QUANTILE, DEFAULT_SLO_ITL_S, DEFAU
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.errors import (LEADER_METADATA, CrescentError, FailedPreconditionError, InvalidArgumentError,
                             NotFoundError)
-from kvstore.liveness import server_options
+from kvstore.liveness import rpc_server, server_options
 from kvstore.procs import StopSignals, say
 from kvstore.store import Tier, check_key
 from proto.crescent.v1 import conductor_pb2 as cpb
@@ -140,9 +139,7 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._sweep_wanted = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="conductor-sweeper", daemon=True)
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="conductor"),
-                                  interceptors=auth.server_interceptors(self.principals),
-                                  options=server_options(64 << 20))
+        self.server, _ = rpc_server("conductor", server_options(64 << 20), auth.server_interceptors(self.principals))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
         self.port = tls.add_port(self.server, config.listen)

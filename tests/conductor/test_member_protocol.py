@@ -293,3 +293,46 @@ def test_a_leaving_nodes_chunks_go_at_once_and_are_swept_off_the_lock_in_batches
     assert holders(stub, big[:12]) == [{"t"}] * 10 + [set(), set()]  # at once, before the sweep ends
     wait_for(lambda: stats().num_chunks == 10, what="the sweep to clear the node's 19,990 chunks of its own")
     assert len(holds) >= 20 and all(b - a <= 1000 for a, b in zip(holds[1:], holds))
+
+
+
+def test_forty_store_nodes_streaming_events_leave_every_other_call_answered(stub, conductor):
+    """Each store node keeps its KV-event stream open at the conductor for its whole life, and each such
+    call holds one of the server's threads. With 32 threads, 32 nodes took them all: from then on no
+    Register, heartbeat, Schedule or health probe was answered (DEADLINE_EXCEEDED), and the nodes past
+    32 could not even open their streams. Now 40 nodes stream, and every other call is answered."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stop, opened = threading.Event(), queue.Queue()
+
+    def node(i: int) -> None:
+        inc = register(stub, f"n{i}", address=f"10.0.0.{i + 1}:7000")
+
+        def batches():
+            yield cpb.EventBatch(member_id=f"n{i}", incarnation=inc, reset=True, events=[stored(b"k%d" % i)])
+            opened.put(i)
+            stop.wait(300)  # (the stream stays open, as a node's does)
+
+        try:
+            stub.StreamEvents(batches(), timeout=600)
+        except grpc.RpcError:
+            pass
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(40)]
+    for t in threads:
+        t.start()
+    channel = grpc.insecure_channel(conductor.address)
+    try:
+        wait_for(lambda: opened.qsize() == 40, timeout_s=120, what="40 store nodes, each with its event stream open")
+        wait_for(lambda: all(holders(stub, [b"k%d" % i]) == [{f"n{i}"}] for i in range(40)), timeout_s=120,
+                 what="every node's first batch indexed")
+        e = register(stub, "prefill-0", PREFILL, address="127.0.0.1:9")
+        assert heartbeat(stub, "prefill-0", e).known
+        assert len(members(stub)) == 41
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        channel.close()

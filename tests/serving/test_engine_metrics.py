@@ -61,3 +61,33 @@ def test_engine_reports_decode_steps_and_output_lengths_to_the_conductor():
     finally:
         node.stop()
         conductor.stop(0)
+
+
+def test_streams_past_the_batch_wait_in_the_engines_queue_and_probes_are_answered():
+    """70 Generate streams at an engine that runs 4 at a time: the other 66 wait in the engine's own
+    queue, where its load reports (and so the conductor) count them, and health probes are answered.
+    Each stream holds one of the gRPC server's threads; with 64, the 65th call and every one after it
+    (health probes too: a liveness probe would have restarted the engine) waited unseen behind them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.helpers import wait_for
+
+    node = EngineNode("decode", EngineConfig(model="random:tiny", kv_cache_memory=16 << 20, max_num_seqs=4)).start()
+    calls = []
+    try:
+        with grpc.insecure_channel(node.address) as ch:
+            stub = pb_grpc.EngineStub(ch)
+            for i in range(70):
+                calls.append(stub.Generate(pb.GenerateRequest(
+                    prompt_token_ids=[3, 4, 5, 6 + i], sampling=pb.SamplingOptions(max_tokens=1000, ignore_eos=True)),
+                    timeout=600))
+            load = wait_for(lambda: (lambda x: x.num_running + x.num_waiting == 70 and x)(node.engine.load()),
+                            timeout_s=120, what="all 70 requests in the engine, running or waiting")
+            assert load.num_running <= 4 and load.num_waiting >= 66
+            assert stub.Health(pb.EngineHealthRequest(), timeout=30).serving
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            for c in calls:
+                c.cancel()
+    finally:
+        node.stop()
