@@ -95,6 +95,12 @@ probes) then waited behind them for good. Threads are made as calls need them; a
 is refused at once (RESOURCE_EXHAUSTED) instead of waiting unseen."""
 
 
+ENGINE_MESSAGE_BYTES = 1 << 30
+"""Largest message between the gateway and an engine. A prompt's logprobs come in one message (the
+Prefill answer, or Generate's first): ~130 bytes a prompt token with 20 top logprobs, so gRPC's
+default of 4 MiB refused every prompt past ~32,000 tokens that asked for them (RESOURCE_EXHAUSTED)."""
+
+
 def rpc_server(name: str, options: list[tuple[str, int]], interceptors=()) -> tuple[grpc.Server,
                                                                                   futures.ThreadPoolExecutor]:
     """A gRPC server with ``RPC_THREADS`` handler threads (named ``name``-N) and its pool (to drain)."""

@@ -16,7 +16,7 @@ from engine.serve.loop import EngineLoop, Handle
 from engine.serve.metrics import EngineMetrics
 from kvstore import auth, tls
 from kvstore.health import HealthStatus, advertised_host
-from kvstore.liveness import rpc_server, server_options
+from kvstore.liveness import ENGINE_MESSAGE_BYTES, rpc_server, server_options
 from kvstore.metrics import stop_http
 from kvstore.procs import StopSignals, say
 from proto.crescent.v1 import engine_pb2 as pb
@@ -202,7 +202,7 @@ class EngineNode:
         self.role = role
         self.engine = LLMEngine(cfg)
         self.metrics = EngineMetrics(role, self.engine)
-        self.server, _ = rpc_server("engine-rpc", server_options(), auth.server_interceptors(auth.table()))
+        self.server, _ = rpc_server("engine-rpc", server_options(ENGINE_MESSAGE_BYTES), auth.server_interceptors(auth.table()))
         self.port = tls.add_port(self.server, listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or not local)")

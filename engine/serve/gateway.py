@@ -42,7 +42,7 @@ from engine.serve.responses import ResponseStore, StreamEvents, from_chat, to_ch
 from engine.serve.tools import PARSERS, CallStream, extract, tool_call
 from engine.tokenizer import load_tokenizer
 from kvstore import tls
-from kvstore.liveness import channel_options
+from kvstore.liveness import ENGINE_MESSAGE_BYTES, channel_options
 from kvstore.procs import HTTP_POLL_S, StopSignals, say
 from proto.crescent.v1 import engine_pb2 as pb
 from proto.crescent.v1 import engine_pb2_grpc as pb_grpc
@@ -72,7 +72,7 @@ class Engines:
     @staticmethod
     def _stub(address: str) -> pb_grpc.EngineStub:
         # keepalive: a Prefill on a cut engine fails in seconds (then the decode engine prefills)
-        return pb_grpc.EngineStub(tls.channel(address, channel_options()))
+        return pb_grpc.EngineStub(tls.channel(address, channel_options(ENGINE_MESSAGE_BYTES)))
 
     def __getitem__(self, address: str) -> pb_grpc.EngineStub:
         with self._lock:

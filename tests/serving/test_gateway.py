@@ -1612,3 +1612,25 @@ def test_an_engine_refuses_a_bad_first_token_alone_and_takes_tiny_temperatures_a
     assert [(list(m.token_ids), m.finished, m.finish_reason) for m in done] == [([], True, "length")]
     t.join(timeout=300)
     assert beside == {"tokens": 40}
+
+
+def test_a_long_prompts_logprobs_pass_the_4_mib_grpc_default():
+    """34,000 prompt tokens with 20 top logprobs each: the engine's answer carrying them is ~4.4 MB,
+    over gRPC's default message limit of 4 MiB, at which the gateway failed the request (a 503 from
+    the engine's RESOURCE_EXHAUSTED). Now it is answered whole."""
+    n = 34_000
+    decode = EngineNode("decode", EngineConfig(model=MODEL, dtype="float32", chunk_tokens=4096, kv_cache_memory="64MiB",
+                                               hf_overrides={"max_position_embeddings": 40_000})).start()
+    server = GatewayServer(Gateway(MODEL, [], [decode.address], timeout_s=600), "127.0.0.1:0").start()
+    try:
+        prompt = [(7 * i) % 250 + 3 for i in range(n)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": MAX_LOGPROBS}
+        status, data = request(server.url, "POST", "/v1/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+        assert status == 200, data[:300]
+        shown = json.loads(data)["choices"][0]["prompt_logprobs"]
+        assert len(shown) == n and shown[0] is None
+        assert all(len(d) >= MAX_LOGPROBS for d in shown[1:])  # (its own token too, when not in the top)
+    finally:
+        server.stop()
+        decode.stop()
