@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crescent: error: {exc}", file=sys.stderr)
             return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstore.procs import raise_fd_limit
+
+    raise_fd_limit()  # (a server's clients each take descriptors; crescent up's parts inherit it)
     return ns.handler(ns)
 
 

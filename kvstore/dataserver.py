@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -21,6 +22,8 @@ from kvstore.transport.descriptors import ItemStatus, Mover
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 30.0
 """How long a new connection has for its TLS handshake and its hello (``CRDC`` + session token)."""
+ACCEPT_RETRY_S = 0.1
+"""The pause before accepting again after an accept failed (out of descriptors: connections closing free them)."""
 _DRAIN = 1 << 20
 
 
@@ -69,6 +72,7 @@ class DataChannelServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._accept_warned = -math.inf
         self._thread = threading.Thread(target=self._accept_loop, name="data-accept", daemon=True)
 
     def token_for(self, prefix: bytes) -> bytes:
@@ -105,9 +109,23 @@ class DataChannelServer:
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+            except OSError as exc:
+                if self._closed:
+                    return
+                # out of descriptors (EMFILE, ENFILE) or memory, or a connection gone before it was
+                # taken: the listener is fine, and connections closing free what the next one needs.
+                # (This loop used to end here, and the node took no data-channel client again.)
+                now = time.monotonic()
+                if now - self._accept_warned >= 10.0:  # (one line per 10 s, not one per try)
+                    self._accept_warned = now
+                    log.warning("data channel: cannot accept a connection (%s); trying again", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: that client is refused, not the next
+                log.warning("data channel: no thread for a connection (%s)", exc)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:

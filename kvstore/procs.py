@@ -21,6 +21,28 @@ HTTP_IDLE_S = 60.0
 read the answer) before closing its connection: without it, each such connection held a thread for good."""
 
 
+FD_LIMIT = 1 << 20
+"""The most open descriptors a Crescent process asks for (``raise_fd_limit``)."""
+
+
+def raise_fd_limit() -> int:
+    """Raises this process's soft limit on open descriptors to its hard limit (at most ``FD_LIMIT``), as
+    servers do: every client connection takes one (a data-channel connection, a gRPC connection), and
+    1024, the soft limit services get by default (systemd without ``LimitNOFILE``, many shells), ran a
+    node out of them at a few hundred clients. Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft
+    return want
+
+
 class QuietDrops:
     """A ``socketserver`` mixin: a client gone (reset, broken pipe) or silent past its handler's timeout
     is no news; any other error of a connection is still reported as ``socketserver`` does (a traceback

@@ -259,3 +259,65 @@ def test_sigterm_drains_then_a_second_sigterm_stops():
     finally:
         c.close()
         proc.stop()
+
+
+def _nofile(soft: int, hard: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _limits(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max open files"))
+    return int(line.split()[3]), int(line.split()[4])
+
+
+def test_a_node_raises_its_descriptor_limit_and_accepts_again_once_descriptors_free(tmp_path):
+    """Started with a soft limit of 200 and a hard one of 4096, the node takes 4096 (a soft limit of
+    1024, services' default, ran a node out at a few hundred clients). Then, at a hard limit of 120,
+    clients exhaust its descriptors: once they close, the data channel takes new clients again.
+    Before, its accept loop ended at the first EMFILE, and no data-channel client got in for the
+    node's life (while its gRPC port still answered)."""
+    import time
+
+    from kvstore.client import Retry
+    from proto.crescent.v1 import kvstore_pb2 as pb
+
+    def node(soft, hard):
+        p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0", "--dram", "16MiB"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, preexec_fn=_nofile(soft, hard))
+        line = p.stdout.readline()
+        assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")
+        return p, re.search(r"listening on ([^\s,]+)", line).group(1)
+
+    from kvstore.procs import stop_process
+
+    p, _ = node(200, 4096)
+    try:
+        assert _limits(p.pid) == (4096, 4096)
+    finally:
+        stop_process(p, 60)
+    p, address = node(120, 120)
+    socks = []
+    try:
+        with StoreClient(address, transport="tcp") as c:
+            c.put(b"before", b"x" * 1000)
+            port = c._stub.Health(pb.HealthRequest(), timeout=30).data_port
+        for _ in range(200):  # more than the node can take: the kernel queues what it cannot accept
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+        deadline = time.monotonic() + 60
+        while len(os.listdir(f"/proc/{p.pid}/fd")) < 118 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(os.listdir(f"/proc/{p.pid}/fd")) >= 118  # out of descriptors
+        for s in socks:
+            s.close()
+        socks.clear()
+        with StoreClient(address, transport="tcp", timeout_s=30, retry=Retry(attempts=3)) as c:
+            c.put(b"after", b"y" * 1000)
+            assert c.transport == "tcp" and c.get(b"after") == b"y" * 1000 and c.get(b"before") == b"x" * 1000
+    finally:
+        for s in socks:
+            s.close()
+        stop_process(p, 60)
