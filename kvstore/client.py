@@ -264,7 +264,7 @@ class StoreClient:
                 if not h.data_port:
                     self._want_dc = False
                     return None
-                self._dc = _Connections(self._host, h.data_port, h.data_token, ops=h.data_ops)
+                self._dc = _Connections(self._host, h.data_port, h.data_token, ops=h.data_ops, timeout_s=self.timeout_s)
             return self._dc
 
     def _drop_data_channel(self, stale: _Connections) -> None:
@@ -288,7 +288,7 @@ class StoreClient:
         h = self._read_health(self.retry)  # re-read: a restarted node listens on a new data port
         if not h.data_port:
             return None
-        return _Connections(self._host, h.data_port, h.data_token)
+        return _Connections(self._host, h.data_port, h.data_token, timeout_s=self.timeout_s)
 
     def _dc_call(self, fn: Callable, fallback: Callable[[], T], ops: int = 0) -> T:
         """Runs fn(conn) on this thread's data connection, or ``fallback()`` when the node

@@ -536,8 +536,10 @@ def _proved(items: list[tuple[Status, int]], msg: str) -> None:
 class _Connections:
     """Per-thread connections to one node (``proof``: sent on each, for shm grants)."""
 
-    def __init__(self, host: str, port: int, token: bytes, proof: bytes = b"", ops: int = 0) -> None:
+    def __init__(self, host: str, port: int, token: bytes, proof: bytes = b"", ops: int = 0,
+                 timeout_s: float = 60.0) -> None:
         self.host, self.port, self.token, self.proof = host, port, token, proof
+        self.timeout_s = timeout_s  # each connection's wait for the node (the client's call deadline)
         self.ops = ops  # the node's HealthResponse.data_ops (DATA_OPS)
         self._local = threading.local()
         self._all: list[DataChannelClient] = []
@@ -554,7 +556,7 @@ class _Connections:
         conn = getattr(self._local, "conn", None)
         if conn is None or conn.sock.fileno() < 0:
             self._check_open()
-            conn = DataChannelClient(self.host, self.port, self.token, proof=self.proof)
+            conn = DataChannelClient(self.host, self.port, self.token, self.timeout_s, proof=self.proof)
             with self._lock:
                 if self._closed:  # closed while this one opened
                     conn.close()

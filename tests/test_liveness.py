@@ -34,6 +34,38 @@ def test_a_frozen_store_node_fails_calls_as_unavailable_not_at_the_deadline():
         node.stop()
 
 
+@pytest.mark.parametrize("call", ["get", "put"])
+def test_a_data_channel_call_to_a_frozen_node_ends_at_the_clients_deadline(call):
+    """Over the TCP data channel a frozen node's kernel still takes the request and acknowledges it,
+    so no keepalive notices anything: the call ends at the client's ``timeout_s`` (here 2 s, one
+    attempt), as UNAVAILABLE. Before, the data channel's sockets waited 60 s whatever the client's
+    deadline, twice (the call reconnects once), and again under each retry."""
+    from kvstore.client import Retry
+
+    node = StoreProcess("--dram", "16MiB")
+    try:
+        c = StoreClient(node.address, transport="tcp", timeout_s=2.0, retry=Retry(attempts=1))
+        c.put(b"k", b"v")
+        out = []
+
+        def caller():
+            try:
+                out.append(c.get(b"k") if call == "get" else c.put(b"k2", b"w" * 1000))
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+
+        with Frozen(node.pid):
+            t = threading.Thread(target=caller)
+            t.start()
+            t.join(timeout=60)
+            assert not t.is_alive(), f"the {call} still waits for the frozen node past its deadline"
+        assert len(out) == 1 and isinstance(out[0], UnavailableError), out
+        assert c.get(b"k") == b"v"  # thawed: the client reconnects
+        c.close()
+    finally:
+        node.stop()
+
+
 @pytest.mark.parametrize("transport,call", [("tcp", "get"), ("tcp", "put"), ("shm", "put")])
 def test_close_ends_a_call_that_waits_on_a_frozen_node(transport, call):
     """A thread waits in a call for a node that says nothing; another thread closes the client. The
