@@ -7,11 +7,15 @@ heartbeat comes back ``known = false``.
 
 Store nodes (``StoreAgent``, started by ``StoreNode`` when
 ``StoreConfig.conductor`` is set) also stream KV events. The agent mirrors the
-node's key → tier map from the store's listener; every event stream starts
-with a snapshot of that mirror (``reset``), and events that happen while no
-stream is open are not queued, so the conductor's view is exact after each
-resync without any replay log. Events are batched: a batch goes out every
-``flush_interval_s`` or as soon as ``max_batch`` events wait.
+node's key → tier map from the store's listener; an event stream starts with a
+snapshot of that mirror (``reset``), and events that happen while no stream is
+open are not queued, so the conductor's view is exact after each resync
+without any replay log. Events are batched: a batch goes out every
+``flush_interval_s`` or as soon as ``max_batch`` events wait. A stream with no
+event for ``stream_idle_s`` ends (the conductor has acknowledged every event
+sent): each open stream holds one of the conductor's call threads, and an idle
+node then holds none. The node's next events open a stream that carries on
+from there, with no snapshot; a stream that fails starts over with one.
 
 Engines call ``report_load`` whenever their queue changes and
 ``record_prefill`` after each prefill; both ride on the next heartbeat.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import grpc
 
@@ -52,6 +57,8 @@ class MemberAgent:
         kv_bytes_per_token, namespace, chunk_tokens: engines: what their chunks are.
         flush_interval_s: longest time a KV event waits before it is sent.
         max_batch: most events per batch.
+        stream_idle_s: an event stream with no event for this long ends, and the next event opens
+            another that carries on (no snapshot).
         timeout_s: deadline of each unary call to the conductor.
         etcd: etcd endpoints where conductor replicas register: added to ``conductor`` (which may then be
             empty), and read again whenever every known address has failed in turn.
@@ -60,7 +67,7 @@ class MemberAgent:
     def __init__(self, conductor: str, member_id: str, kind: MemberKind, address: str = "", *,
                  store_node: str | None = None, kv_bytes_per_token: int = 0, namespace: bytes = b"",
                  chunk_tokens: int = 0, flush_interval_s: float = 0.05, max_batch: int = 4096,
-                 timeout_s: float = 5.0, etcd: str | None = None) -> None:
+                 stream_idle_s: float = 5.0, timeout_s: float = 5.0, etcd: str | None = None) -> None:
         self.etcd = etcd
         self.conductors = split_addresses(conductor)
         self._rediscover()
@@ -77,6 +84,7 @@ class MemberAgent:
         """Store nodes: (endpoint, replay endpoint) their KV events are published on, as others reach them."""
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
+        self.stream_idle_s = stream_idle_s
         self.timeout_s = timeout_s
         self.registered = threading.Event()
         """Set while the conductor knows this member."""
@@ -93,6 +101,9 @@ class MemberAgent:
         self._mirror: dict[bytes, Tier] = {}
         self._pending: list[cpb.ChunkEvent] = []
         self._stream: object | None = None  # token of the open event stream
+        self._resumable = False
+        """The last stream ended idle with every event acknowledged: events wait in ``_pending`` for the
+        next stream, which carries on without a snapshot (False: the next one starts with one)."""
         self._threads: list[threading.Thread] = []
         self._channels: dict[str, grpc.Channel] = {}
         """One per conductor address talked to, kept until stop (a stream may still be opening on one)."""
@@ -119,7 +130,7 @@ class MemberAgent:
                 return
             self._stopping = True
             incarnation = self._incarnation
-            self._stream = None
+            self._stream, self._resumable = None, False
             self._cond.notify_all()
         self._wake.set()
         for t in self._threads:
@@ -204,9 +215,9 @@ class MemberAgent:
                 self._mirror.pop(ev.key, None)
             else:
                 self._mirror[ev.key] = ev.tier
-            if self._stream is not None:
+            if self._stream is not None or self._resumable:
                 self._pending.append(cpb.ChunkEvent(kind=_KIND[ev.kind], key=ev.key, tier=int(ev.tier)))
-                if len(self._pending) >= self.max_batch:
+                if len(self._pending) >= self.max_batch or self._stream is None:  # (None: open a stream)
                     self._cond.notify_all()
 
     # ---- background -----------------------------------------------------------------
@@ -224,7 +235,7 @@ class MemberAgent:
         with self._cond:
             self._incarnation = resp.incarnation
             self._interval = resp.heartbeat_interval_s or 1.0
-            self._stream = None  # the next stream starts with a snapshot for this incarnation
+            self._stream, self._resumable = None, False  # the next stream: a snapshot for this incarnation
             self._cond.notify_all()
         self.registered.set()
         log.info("registered with the conductor at %s as %s", self.conductor, self.member_id)
@@ -252,7 +263,7 @@ class MemberAgent:
     def _forget(self) -> None:
         with self._cond:
             self._incarnation = 0
-            self._stream = None
+            self._stream, self._resumable = None, False
             self._cond.notify_all()
         self.registered.clear()
 
@@ -309,18 +320,23 @@ class MemberAgent:
         backoff = 0.05
         while True:
             with self._cond:
-                while not self._incarnation and not self._stopping:
+                while not self._stopping and (not self._incarnation or self._resumable and not self._pending):
                     self._cond.wait(0.5)
                 if self._stopping:
                     return
                 token = self._stream = object()
                 incarnation = self._incarnation
-                snapshot = list(self._mirror.items())
-                self._pending.clear()
+                snapshot = None  # resumed: the conductor has every event before the pending ones
+                if not self._resumable:
+                    snapshot = list(self._mirror.items())
+                    self._pending.clear()
+                self._resumable = False
             try:
                 self._stub.StreamEvents(self._batches(token, incarnation, snapshot))
                 backoff = 0.05
             except grpc.RpcError as exc:
+                with self._cond:
+                    self._resumable = False  # what reached the conductor is unknown: a snapshot next
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._forget()  # unknown to the conductor: the heartbeat thread registers again
                     self._wake.set()
@@ -335,12 +351,13 @@ class MemberAgent:
                         self._stream = None
                     self._cond.notify_all()
 
-    def _batches(self, token: object, incarnation: int, snapshot: list[tuple[bytes, Tier]]):
+    def _batches(self, token: object, incarnation: int, snapshot: list[tuple[bytes, Tier]] | None):
         step = self.max_batch
-        for i in range(0, max(len(snapshot), 1), step):
+        for i in range(0, max(len(snapshot), 1), step) if snapshot is not None else ():
             yield cpb.EventBatch(member_id=self.member_id, incarnation=incarnation, reset=(i == 0),
                                  events=[cpb.ChunkEvent(kind=cpb.EVENT_KIND_STORED, key=k, tier=int(t))
                                          for k, t in snapshot[i : i + step]])
+        last = time.monotonic()
         while True:
             with self._cond:
                 if self._stream is token and not self._pending:
@@ -349,7 +366,14 @@ class MemberAgent:
                     return
                 batch = self._pending[:step]
                 del self._pending[:step]
+                if not batch and time.monotonic() - last >= self.stream_idle_s:
+                    # idle: end the stream (its end waits for the conductor to take every batch);
+                    # events wait for the next, which carries on. (If it fails, _events_loop
+                    # makes the next one start with a snapshot.)
+                    self._stream, self._resumable = None, True
+                    return
             if batch:
+                last = time.monotonic()
                 yield cpb.EventBatch(member_id=self.member_id, incarnation=incarnation, events=batch)
 
 

@@ -67,6 +67,9 @@ class ConductorCollector:
                 ("cached_chunks", "cached_chunks", "Prompt chunks Schedule's decisions reuse from the store"),
                 ("replications", "replications", "Hot prefixes Schedule asked to replicate")):
             yield CounterMetricFamily(f"crescent_conductor_{name}", doc, value=counters.get(key, 0))
+        yield GaugeMetricFamily("crescent_conductor_event_streams",
+                                "Store nodes' KV-event streams open now (each holds a call thread; an idle "
+                                "node's stream ends)", value=counters.get("event_streams_open", 0))
         yield GaugeMetricFamily("crescent_conductor_index_chunks", "Distinct chunks in the global index",
                                 value=num_chunks)
         yield GaugeMetricFamily("crescent_conductor_index_copies", "(chunk, node) pairs in the global index",

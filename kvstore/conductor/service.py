@@ -415,6 +415,8 @@ class Conductor(cpb_grpc.ConductorServicer):
     def StreamEvents(self, request_iterator, context):
         self._check_leader(context)
         num = 0
+        with self._lock:
+            self.counters["event_streams_open"] += 1  # (each holds one of the call threads while open)
         try:
             for batch in request_iterator:
                 with self._lock:
@@ -438,6 +440,9 @@ class Conductor(cpb_grpc.ConductorServicer):
                     num += len(batch.events)
         except CrescentError as exc:
             context.abort(exc.grpc_code, str(exc))
+        finally:
+            with self._lock:
+                self.counters["event_streams_open"] -= 1
         return cpb.EventsAck(num_events=num)
 
     @_rpc

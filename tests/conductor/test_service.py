@@ -294,3 +294,38 @@ def test_member_expiries_are_counted(conductor):
                                             timeout=30)
     wait_for(lambda: conductor.counters["expired"] == 1, what="the silent member to expire")
     assert conductor.members.get("gone") is None
+
+
+def test_an_idle_nodes_event_stream_ends_and_its_next_events_carry_on_without_a_snapshot(make_node, cc, conductor):
+    """A node with no event for ``stream_idle_s`` ends its stream: an open stream holds one of the
+    conductor's call threads, so nodes that are idle hold none (before, every node held one for its
+    whole life). Its next events open a stream that carries on where the last ended: no snapshot
+    (the conductor does not drop and re-add the node's chunks), and nothing lost."""
+    a = make_node("a")
+    a.agent.stream_idle_s = 0.5
+    streams = lambda: conductor.counters["event_streams_open"]  # noqa: E731
+    with StoreClient(a.address) as s:
+        s.batch_put([(k, b"v" * 100) for k in KEYS[:3]])
+        wait_for(lambda: cc.locate(KEYS).num_prefix == 3, what="3 chunks indexed")
+        wait_for(lambda: streams() == 0 and a.agent._resumable, what="the idle stream to end")
+        drops = []
+        real = conductor.index.drop_node
+        conductor.index.drop_node = lambda node, lazy=False: drops.append(node) or real(node, lazy)
+        for round_ in range(3):  # each time: events open a stream, carry on, and it ends again
+            s.put(KEYS[3 + round_], b"w" * 100)
+            s.delete([KEYS[round_]])
+            wait_for(lambda: [bool(h) for h in holders(cc, KEYS)] == [i > round_ for i in range(4 + round_)]
+                     + [False] * (2 - round_), what=f"round {round_}'s put and delete indexed")
+            wait_for(lambda: streams() == 0, what="the stream to end again")
+        assert drops == []  # no snapshot: the node's chunks were never dropped and re-added
+        assert holders(cc, KEYS) == [{}, {}, {}, {"a": Tier.DRAM}, {"a": Tier.DRAM}, {"a": Tier.DRAM}]
+        # the conductor forgets the node while its stream is closed: the next events' stream is refused,
+        # the node registers again, and its stream starts over with a snapshot of everything it holds
+        incarnation = conductor.members.get("a").incarnation
+        with grpc.insecure_channel(conductor.address) as ch:
+            cpb_grpc.ConductorStub(ch).Deregister(cpb.DeregisterRequest(member_id="a", incarnation=incarnation),
+                                                  timeout=30)
+        assert holders(cc, KEYS[3:]) == [{}, {}, {}]
+        s.put(KEYS[0], b"v" * 100)
+        wait_for(lambda: holders(cc, KEYS) == [{"a": Tier.DRAM}, {}, {}] + [{"a": Tier.DRAM}] * 3,
+                 what="the node's snapshot after it registered again")
