@@ -34,6 +34,21 @@ def test_a_frozen_store_node_fails_calls_as_unavailable_not_at_the_deadline():
         node.stop()
 
 
+def _call_in_thread(c: StoreClient, call: str, nbytes: int) -> tuple[threading.Thread, list]:
+    """A started thread that gets ``k`` or puts ``nbytes`` under ``k2``; its result or error lands in the list."""
+    out = []
+
+    def caller():
+        try:
+            out.append(c.get(b"k") if call == "get" else c.put(b"k2", b"w" * nbytes))
+        except Exception as exc:  # noqa: BLE001
+            out.append(exc)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    return t, out
+
+
 @pytest.mark.parametrize("call", ["get", "put"])
 def test_a_data_channel_call_to_a_frozen_node_ends_at_the_clients_deadline(call):
     """Over the TCP data channel a frozen node's kernel still takes the request and acknowledges it,
@@ -46,17 +61,8 @@ def test_a_data_channel_call_to_a_frozen_node_ends_at_the_clients_deadline(call)
     try:
         c = StoreClient(node.address, transport="tcp", timeout_s=2.0, retry=Retry(attempts=1))
         c.put(b"k", b"v")
-        out = []
-
-        def caller():
-            try:
-                out.append(c.get(b"k") if call == "get" else c.put(b"k2", b"w" * 1000))
-            except Exception as exc:  # noqa: BLE001
-                out.append(exc)
-
         with Frozen(node.pid):
-            t = threading.Thread(target=caller)
-            t.start()
+            t, out = _call_in_thread(c, call, 1000)
             t.join(timeout=60)
             assert not t.is_alive(), f"the {call} still waits for the frozen node past its deadline"
         assert len(out) == 1 and isinstance(out[0], UnavailableError), out
@@ -79,17 +85,8 @@ def test_close_ends_a_call_that_waits_on_a_frozen_node(transport, call):
         c = StoreClient(node.address, transport=transport, timeout_s=DEADLINE_S)
         c.put(b"k", b"v")
         assert c.get(b"k") == b"v"
-        out = []
-
-        def caller():
-            try:
-                out.append(c.get(b"k") if call == "get" else c.put(b"k2", b"w" * 100_000))
-            except Exception as exc:  # noqa: BLE001
-                out.append(exc)
-
         with Frozen(node.pid):
-            t = threading.Thread(target=caller)
-            t.start()
+            t, out = _call_in_thread(c, call, 100_000)
             wait_for(lambda: waiting_on_a_socket(t.native_id), what=f"the {call} to wait for the node")
             c.close()  # (an shm session first gives its calls CLOSE_WAIT_S to finish)
             t.join(timeout=120)
