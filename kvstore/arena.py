@@ -19,6 +19,7 @@ treats it as recently used (``TieredStore``: a second chance).
 from __future__ import annotations
 
 import hashlib
+import fcntl
 import hmac
 import mmap
 import os
@@ -29,31 +30,37 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "crescent-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_stale_segments() -> list[str]:
-    """Unlinks arenas left in /dev/shm by store processes that died (e.g. kill -9)."""
+    """Unlinks the arena files in /dev/shm that no live store node holds (left by kill -9, an OOM kill).
+
+    Each node holds an exclusive ``flock`` on its arena file for its whole life, and the kernel drops
+    it when the process ends, however it ends. So a file whose lock this process can take belongs to
+    no one. That rule needs no pid: it holds where the name's pid says nothing, as in a restarted
+    container whose new node has the dead one's pid (1, say) while the dead one's arena still fills
+    the pod's memory-backed /dev/shm, or beside a node in another pid namespace that shares
+    /dev/shm, whose pid this process cannot see. The lock is held while unlinking, so a node
+    creating its file at the same moment finds out (``HostArena`` checks its name after locking).
+    """
     removed = []
     if not os.path.isdir(SHM_DIR):
         return removed
-    for name in os.listdir(SHM_DIR):
+    for name in sorted(os.listdir(SHM_DIR)):
         if not name.startswith(SHM_PREFIX):
             continue
-        pid = name[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone already, another user's, or no regular file
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                os.unlink(path)
                 removed.append(name)
-            except FileNotFoundError:
-                pass
+        except OSError:
+            pass  # BlockingIOError: a live node holds it; FileNotFoundError: another reaper was first
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -146,8 +153,8 @@ class SlotAllocator:
 class HostArena(SlotAllocator):
     """Slots in one file under /dev/shm, mapped shared so same-host clients can map it too.
 
-    The file is named ``crescent-<pid>-<random>``; ``reap_stale_segments``
-    removes those of dead processes at the next start.
+    The file is named ``crescent-<pid>-<random>``. The node holds a ``flock`` on it while it
+    lives; ``reap_stale_segments`` removes the files no one holds at the next node's start.
     """
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, populate: bool = False) -> None:
@@ -168,12 +175,10 @@ class HostArena(SlotAllocator):
         if num_slots <= 0:
             raise ValueError(f"a DRAM arena of {capacity_bytes} B holds no {slot_bytes} B slot")
         super().__init__(num_slots, slot_bytes)
-        self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = os.path.join(SHM_DIR, self.name)
         self.table_offset = num_slots * slot_bytes
         secret_at = self.table_offset + table_bytes(num_slots)
         file_bytes = secret_at + SECRET_BYTES
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = self._create_locked()
         try:
             os.ftruncate(fd, file_bytes)
             if populate:
@@ -192,11 +197,29 @@ class HostArena(SlotAllocator):
             self._mmap = mmap.mmap(fd, secret_at, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._lock_fd = fd
+        """Open, with the file's ``flock``, until ``close``: the mark of a live owner."""
         self.buf = memoryview(self._mmap)[: self.table_offset]
         self.generation, self.touched = slot_tables(self._mmap, self.table_offset, num_slots)
+
+    def _create_locked(self) -> int:
+        """Creates the arena's file under a fresh name and takes its lock; returns the descriptor."""
+        for _ in range(8):
+            self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            self.path = os.path.join(SHM_DIR, self.name)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # NOTE: a starting node's reaper may have locked and unlinked the file between its
+                # creation and this lock; once locked, no reaper can, so check the name once.
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except OSError:
+                pass
+            os.close(fd)
+        raise OSError(f"could not create and lock an arena file in {SHM_DIR}")
 
     def free(self, slots: list[int]) -> None:
         touched = self.touched
@@ -226,6 +249,9 @@ class HostArena(SlotAllocator):
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 class DeviceArena(SlotAllocator):

@@ -3,17 +3,20 @@
 import ast
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kvstore.chunk import decode_chunk, encode_chunk
 from kvstore.client import StoreClient
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_keys, make_namespace
 from kvstore.store import Tier
-from tests.helpers import ROOT, StoreProcess
+from tests.helpers import ROOT, Proc, StoreProcess
 
 NS = make_namespace(ModelFingerprint("tiny", "float32", 2, 2, 64, 64))
 
@@ -111,7 +114,7 @@ def test_a_node_that_cannot_start_says_which_port_and_leaves_no_arena():
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-            assert p.returncode == 2 and err.startswith(f"crescent store: error: cannot") and flag in err, err
+            assert p.returncode == 2 and err.startswith("crescent store: error: cannot") and flag in err, err
             assert len(err.strip().splitlines()) == 1
             assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{p.pid}-")]
 
@@ -232,11 +235,80 @@ def test_a_new_node_reaps_the_arena_file_of_a_node_killed_by_sigkill():
 
 
 
+def test_a_live_arena_file_is_kept_whatever_pid_its_name_carries():
+    """A node in another pid namespace sharing /dev/shm (containers of one pod) has a pid this process
+    cannot see: its arena file's name says a dead pid. Its lock says it lives."""
+    from kvstore.arena import HostArena, reap_stale_segments
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alias = f"crescent-{gone.pid}-0ddba11"
+    arena = HostArena(1 << 20, 4096)
+    try:
+        os.link(arena.path, f"/dev/shm/{alias}")  # the live arena's inode, under a dead pid's name
+        assert alias not in reap_stale_segments()
+        assert os.path.exists(f"/dev/shm/{alias}") and os.path.exists(arena.path), "a live arena was reaped"
+        arena.close()  # its owner lets go: now the file is no one's
+        assert alias in reap_stale_segments()
+        assert not os.path.exists(f"/dev/shm/{alias}")
+    finally:
+        arena.close()
+        if os.path.exists(f"/dev/shm/{alias}"):
+            os.unlink(f"/dev/shm/{alias}")
+
+
+def _unshare_or_skip() -> None:
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True) \
+        if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        reason = probe.stderr.strip() if probe else "no unshare binary"
+        pytest.skip(f"cannot start a process in a new pid namespace here: {reason}")
+
+
+def _in_new_pid_namespace(*args: str) -> tuple[Proc, int]:
+    """``crescent store`` as pid 1 of a fresh pid namespace, as the entrypoint of a container is;
+    returns the ``unshare`` process and the node's pid as this namespace sees it."""
+    p = Proc(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "kvstore.cli", "store",
+              "--listen", "127.0.0.1:0", *args], "listening on")
+    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+        [node_pid] = [int(x) for x in f.read().split()]
+    return p, node_pid
+
+
+def test_a_restarted_container_reaps_its_killed_node_arena_though_the_new_node_has_the_same_pid():
+    """A store container killed (OOM, liveness probe) and restarted in its pod: the new node is pid 1
+    again, and the dead one's arena file, ``crescent-1-*``, still fills the pod's memory-backed
+    /dev/shm. A pid check took it for the new node's own and kept it; every restart then held one
+    more arena, until /dev/shm or the pod's memory limit ran out."""
+    _unshare_or_skip()
+    before = set(_segments(1))
+    first, node_pid = _in_new_pid_namespace("--dram", "1MiB")
+    try:
+        [dead_seg] = set(_segments(1)) - before
+        os.kill(node_pid, signal.SIGKILL)
+        first.proc.wait(timeout=60)  # unshare ends once its child has ended and been reaped
+    finally:
+        first.stop()
+    assert os.path.exists(f"/dev/shm/{dead_seg}"), "kill -9 ran no cleanup: the file must still be there"
+    second, node_pid = _in_new_pid_namespace("--dram", "1MiB")
+    try:
+        address = re.search(r"listening on ([^\s,]+)", second.line).group(1)
+        assert not os.path.exists(f"/dev/shm/{dead_seg}"), "the restarted node kept the killed node's arena"
+        assert len(set(_segments(1)) - before) == 1
+        c = StoreClient(address)
+        c.put(b"k", b"v" * 1000)
+        assert c.get(b"k") == b"v" * 1000
+        c.close()
+        os.kill(node_pid, signal.SIGTERM)  # pid 1 of its namespace: it has a handler, so this reaches it
+        assert second.proc.wait(timeout=60) == 0
+    finally:
+        second.stop()
+    assert not set(_segments(1)) - before, "a node stopped cleanly leaves no arena file"
+
+
 def test_sigterm_drains_then_a_second_sigterm_stops():
     """``--drain-s``: after SIGTERM the node says serving=false and still serves; a second
     SIGTERM ends the drain early and the process exits cleanly."""
-    import signal
-
     from kvstore.errors import UnavailableError
     from tests.helpers import wait_for
 
