@@ -147,7 +147,8 @@ class StoreConfig:
     puts over a fresh arena ran several times slower than later ones. A /dev/shm too small for
     ``dram`` is then an error at start."""
     disk: str | None = None
-    """Folder of the disk tier (a data file of values and its LMDB index); none disables the tier."""
+    """Folder of the disk tier (a data file of values and its LMDB index), one node's only (a second is
+    refused while the first holds its LOCK file); none disables the tier."""
     disk_size: int = field(default=16 << 30, metadata={"size": True})
     """Capacity of the disk tier (the size of its data file)."""
     disk_sync: bool = False

@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 BLOCK = 4096
 """Allocation unit and direct-I/O alignment (offset, length and buffer address)."""
 DATA_FILE = "values.dat"
+LOCK_FILE = "LOCK"
+"""Held (``flock``) by the one process that has the tier open."""
 _IOV_MAX = 512  # buffers per pwritev (Linux takes 1024)
 RUN = 8 << 20
 """Largest single read or write: adjacent values of a batch move in runs up to this size."""
@@ -229,6 +232,39 @@ class FreeSpace:
                 del self.starts[i + 1], self.lens[i + 1]
 
 
+def _lock_folder(path: str) -> int:
+    """Takes the folder's ``LOCK`` file (an exclusive ``flock``, dropped by the kernel when the
+    process ends) and writes this pid in it; returns its descriptor, held while the tier is open.
+
+    LMDB lets several processes open one environment, and ``values.dat`` has no owner of its own:
+    two nodes given one folder (a copied unit file, a debugging run beside the service, two pods
+    on one host mounting one ReadWriteOnce volume) would each allocate blocks from their own free
+    list and write over each other's values, silently.
+
+    Raises:
+        DiskTierError: another process holds the folder, or its lock file cannot be made.
+    """
+    lock = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise DiskTierError(f"--disk: cannot make the lock file {lock}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise DiskTierError(f"--disk {path} is in use by another store node"
+                            f"{f' (pid {holder} on its host)' if holder.isdigit() else ''}: "
+                            "give each node a folder of its own") from None
+    except OSError as exc:
+        os.close(fd)
+        raise DiskTierError(f"--disk: cannot lock {lock}: {exc.strerror}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class DiskTier:
     """The disk tier of one node. Thread-safe."""
 
@@ -253,6 +289,15 @@ class DiskTier:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
             raise DiskTierError(f"--disk: cannot make the folder {path}: {exc.strerror}") from None
+        self._folder_fd = _lock_folder(path)
+        try:
+            self._open(path, capacity_bytes, sync, read_threads, direct, preallocate)
+        except BaseException:
+            os.close(self._folder_fd)
+            raise
+
+    def _open(self, path: str, capacity_bytes: int, sync: bool, read_threads: int, direct: bool,
+              preallocate: bool) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes // BLOCK * BLOCK
         self.sync = sync
@@ -652,6 +697,9 @@ class DiskTier:
                 os.close(fd)
         self._fd = self._dfd = -1
         self.env.close()
+        if self._folder_fd >= 0:
+            os.close(self._folder_fd)  # last: the folder is free once every file is closed
+            self._folder_fd = -1
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -167,6 +167,25 @@ def test_an_older_format_folder_and_a_shrunk_tier_are_clear_startup_errors(tmp_p
         DiskTier(str(tmp_path / "d"), 256 << 10)
 
 
+def test_a_folder_one_tier_has_open_is_refused_to_a_second_until_the_first_closes(tmp_path):
+    """Two tiers on one folder would each allocate blocks from a free list of their own and write over
+    each other's values (LMDB lets both open it): the second is a startup error naming the holder."""
+    path = str(tmp_path / "d")
+    d = DiskTier(path, 1 << 20)
+    _OPEN.append(d)
+    [loc] = d.put_many([(b"k", val(1, 10_000))])
+    with pytest.raises(DiskTierError, match=rf"--disk {path} is in use by another store node \(pid {os.getpid()} "):
+        DiskTier(path, 1 << 20)
+    assert bytes(d.read(loc)) == val(1, 10_000), "the refused tier touched the open one's files"
+    d.close()
+    with pytest.raises(DiskTierError, match="larger --disk-size"):
+        DiskTier(path, BLOCK)  # a start that fails after taking the folder lets it go again
+    d = DiskTier(path, 1 << 20)
+    _OPEN.append(d)
+    assert bytes(d.read(d.lookup(b"k"))) == val(1, 10_000)
+    d.close()
+
+
 def test_a_corrupt_value_in_a_batch_is_a_counted_miss_and_the_rest_read(tmp_path):
     s = make(tmp_path / "d", slots=1)
     for i in range(6):

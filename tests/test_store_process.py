@@ -97,6 +97,24 @@ def test_bad_flags_and_busy_port_are_clear_errors(tmp_path):
         assert r.returncode == 2 and f"{flag} must be" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_second_node_on_a_disk_folder_in_use_is_refused_and_the_first_serves_on(tmp_path):
+    disk = str(tmp_path / "disk")
+    first = StoreProcess("--dram", "1MiB", "--disk", disk, "--disk-size", "64MiB")
+    try:
+        r = _run_store("--listen", "127.0.0.1:0", "--dram", "1MiB", "--disk", disk, "--disk-size", "64MiB")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == (f"crescent store: error: --disk {disk} is in use by another store node "
+                            f"(pid {first.pid} on its host): give each node a folder of its own\n"), r.stderr
+        c = StoreClient(first.address)
+        c.put(b"k", b"v" * 100_000)
+        assert c.get(b"k") == b"v" * 100_000
+        c.close()
+    finally:
+        assert first.stop() == 0
+    second = StoreProcess("--dram", "1MiB", "--disk", disk, "--disk-size", "64MiB")  # the folder is free again
+    assert second.stop() == 0
+
+
 def test_a_node_that_cannot_start_says_which_port_and_leaves_no_arena():
     """A busy --data-port or --metrics-port: one line naming the flag, and the arena (--dram of
     shared memory) removed, not left for a later node to reap."""
