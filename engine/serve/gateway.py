@@ -62,35 +62,95 @@ class StreamCut(Exception):
     batch was refused)."""
 
 
-class Engines:
-    """gRPC stubs of the engines, one channel each, opened on first use."""
+ENGINE_IDLE_S = 300.0
+"""An engine's channel closes this long after the longest call on it could have ended."""
 
-    def __init__(self, addresses: list[str]) -> None:
+
+class Engines:
+    """gRPC channels to the engines, one each, opened on first use.
+
+    The engines named at start (``--prefill``/``--decode``) keep theirs. A channel to any other (an
+    engine the conductor routed to) closes once unused for ``idle_s``, with what the gateway learnt of
+    that engine's model: an autoscaler's engines come and go at new addresses, and a gateway that runs
+    for months kept a channel for every engine it ever called. ``idle_s`` is longer than any call's
+    deadline, so a channel it closes has no call in flight.
+    """
+
+    def __init__(self, addresses: list[str], idle_s: float, clock=time.monotonic) -> None:
         self._lock = threading.Lock()
-        self._stubs = {a: self._stub(a) for a in addresses}
+        self._pinned = tuple(dict.fromkeys(addresses))
+        self.idle_s = idle_s
+        self._clock = clock
+        self._open = {a: self._connect(a) for a in self._pinned}
+        self._used: dict[str, float] = {}
+        """When each unpinned engine's channel was last asked for."""
+        self._models: dict[str, tuple[frozenset[int], int]] = {}
+        self._swept = clock()
 
     @staticmethod
-    def _stub(address: str) -> pb_grpc.EngineStub:
+    def _connect(address: str) -> tuple[grpc.Channel, pb_grpc.EngineStub]:
         # keepalive: a Prefill on a cut engine fails in seconds (then the decode engine prefills)
-        return pb_grpc.EngineStub(tls.channel(address, channel_options(ENGINE_MESSAGE_BYTES)))
+        ch = tls.channel(address, channel_options(ENGINE_MESSAGE_BYTES))
+        return ch, pb_grpc.EngineStub(ch)
 
     def __getitem__(self, address: str) -> pb_grpc.EngineStub:
         with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                stub = self._stubs[address] = self._stub(address)
-            return stub
+            now = self._clock()
+            entry = self._open.get(address)
+            if entry is None:
+                entry = self._open[address] = self._connect(address)
+            if address not in self._pinned:
+                self._used[address] = now
+            idle = self._idle(now)
+        for ch in idle:
+            ch.close()
+        return entry[1]
+
+    def _idle(self, now: float) -> list[grpc.Channel]:
+        """Takes out the unpinned channels unused for ``idle_s`` (looked for at most every ``idle_s / 8``)."""
+        if now - self._swept < self.idle_s / 8:
+            return []
+        self._swept = now
+        gone = [a for a, t in self._used.items() if now - t > self.idle_s]
+        for a in gone:
+            del self._used[a]
+            self._models.pop(a, None)
+        return [self._open.pop(a)[0] for a in gone]
+
+    def addresses(self) -> list[str]:
+        """The engines a channel is open to now."""
+        with self._lock:
+            return list(self._open)
+
+    def model(self, address: str, timeout_s: float) -> tuple[frozenset[int], int]:
+        """An engine's EOS tokens and context length (its Health), asked once while its channel is open."""
+        with self._lock:
+            known = self._models.get(address)
+        if known is None:
+            h = self[address].Health(pb.EngineHealthRequest(), timeout=timeout_s)
+            known = frozenset(h.eos_token_ids), h.max_model_len
+            with self._lock:
+                if address in self._open:
+                    self._models[address] = known
+        return known
 
     def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """Whether each engine named at start answers its Health."""
         out = {}
-        with self._lock:
-            stubs = list(self._stubs.items())
-        for a, stub in stubs:
+        for a in self._pinned:
             try:
-                out[a] = stub.Health(pb.EngineHealthRequest(), timeout=timeout_s).serving
+                out[a] = self[a].Health(pb.EngineHealthRequest(), timeout=timeout_s).serving
             except grpc.RpcError:
                 out[a] = False
         return out
+
+    def close(self) -> None:
+        with self._lock:
+            channels = [ch for ch, _ in self._open.values()]
+            self._open.clear()
+            self._used.clear()
+        for ch in channels:
+            ch.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +227,8 @@ class Gateway:
         if router is None and static is None:
             raise ValueError("give --decode engines, or a --conductor to find them")
         self.router = router or static
-        self.engines = Engines(prefill + decode)
         self.timeout_s = timeout_s
-        self._models: dict[str, tuple[frozenset[int], int]] = {}
-        """Each engine's EOS tokens and context length (its Health), once asked."""
+        self.engines = Engines(prefill + decode, idle_s=timeout_s + ENGINE_IDLE_S)
         self.registry = CollectorRegistry()
         self.m_requests = Counter("crescent_gateway_requests", "Requests by endpoint and status",
                                   ["endpoint", "status"], registry=self.registry)
@@ -193,6 +251,9 @@ class Gateway:
                                         "Decode calls refused or unreachable before their first token (UNAVAILABLE: "
                                         "an engine stopping or gone), sent again to another decode engine",
                                         registry=self.registry)
+        Gauge("crescent_gateway_engine_channels", "Engines the gateway holds a gRPC channel to: those named at "
+              "start, and those called in the last 15 min (the longest call's 10 min, plus 5)",
+              registry=self.registry).set_function(lambda: len(self.engines.addresses()))
         Gauge("crescent_gateway_stored_responses", "Responses API responses kept (previous_response_id)",
               registry=self.registry).set_function(lambda: len(self.responses))
 
@@ -487,10 +548,7 @@ class Gateway:
 
     def _model(self, address: str) -> tuple[frozenset[int], int]:
         """An engine's EOS tokens and context length."""
-        if address not in self._models:
-            h = self.engines[address].Health(pb.EngineHealthRequest(), timeout=self.timeout_s)
-            self._models[address] = frozenset(h.eos_token_ids), h.max_model_len
-        return self._models[address]
+        return self.engines.model(address, self.timeout_s)
 
     def _first_tokens(self, role: str, address: str, prompts: list[list[int]], req: ParsedRequest, sampling) \
             -> list[tuple[TokenLogprobs, int, list[TokenLogprobs]]]:
