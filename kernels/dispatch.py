@@ -4,7 +4,9 @@ The engine and the store call only these functions. ``CRESCENT_KERNELS``
 forces a backend:
 
 * unset or ``auto``: Triton for CUDA tensors when Triton is installed, else torch;
-* ``torch``: the twins in :mod:`kernels.reference`, everywhere;
+* ``torch``: the twins in :mod:`kernels.reference`, everywhere (on CPU tensors the attention
+  twins attend through torch's fused ``scaled_dot_product_attention``, which never holds the
+  score matrix: ``reference.fused_causal_attention``);
 * ``triton``: the Triton kernels, also on CPU tensors, where they run in the
   Triton interpreter (``TRITON_INTERPRET=1`` must be set before Triton is
   imported; the tests do this in ``tests/kernels/conftest.py``).
@@ -110,7 +112,8 @@ def chunked_prefill_attention(
         ``[total_q_tokens, H, D]`` in ``q.dtype``.
     """
     if select_backend(q.device) == "torch":
-        return reference.chunked_prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, out)
+        return reference.chunked_prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, out,
+                                                   fused=q.device.type == "cpu")
     from kernels import prefill_attention
 
     return prefill_attention.chunked_prefill_attention(
@@ -142,7 +145,8 @@ def paged_decode_attention(
         ``[B, H, D]`` in ``q.dtype``.
     """
     if select_backend(q.device) == "torch":
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                                fused=q.device.type == "cpu")
     from kernels import decode_attention
 
     return decode_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)

@@ -95,6 +95,31 @@ def dense_causal_attention(
     return out.permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim).to(q.dtype)  # [T, H, D]
 
 
+def fused_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, upcast: bool
+) -> torch.Tensor:
+    """:func:`dense_causal_attention` through torch's fused ``scaled_dot_product_attention``.
+
+    On a CPU that is a FlashAttention-style kernel: it walks the keys in blocks with an online
+    softmax, on every core, and never holds the ``[H, T, S]`` scores. The dense twin does, three
+    times over (scores, mask, probabilities): a 512-token chunk over a 32k-token history with 8
+    heads is 1.5 GiB of fresh pages per layer per step. The engine's CPU path runs this; the tests
+    hold it to the dense twin. ``upcast`` is the twin's; the kernel accumulates in fp32 anyway.
+    """
+    cdt = _compute_dtype(q.dtype, upcast)
+    qh = q.to(cdt).transpose(0, 1)[None]  # [1, H, T, D]
+    kh = k.to(cdt).transpose(0, 1)[None]  # [1, KVH, S, D]
+    vh = v.to(cdt).transpose(0, 1)[None]
+    num_keys = k.shape[0]
+    mask = None  # one query at the last position (a decode token) sees every key
+    if q.shape[0] > 1 or int(q_pos[0]) != num_keys - 1:
+        key_pos = torch.arange(num_keys, device=q.device)
+        mask = key_pos[None, :] <= q_pos[:, None].to(key_pos.device)  # [T, S]
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                           enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1).to(q.dtype)  # [T, H, D]
+
+
 def chunked_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -106,6 +131,7 @@ def chunked_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     upcast: bool = True,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Attention of one chunk of queries per sequence over its paged history and itself.
 
@@ -124,11 +150,14 @@ def chunked_prefill_attention(
         scale: softmax scale, usually ``D ** -0.5``.
         out: optional ``[total_q_tokens, H, D]`` buffer, written and returned.
         upcast: compute in at least fp32 (default) or in the input dtype.
+        fused: attend with :func:`fused_causal_attention` (the engine's CPU path) instead of
+            the dense twin.
 
     Returns:
         ``[total_q_tokens, H, D]`` in ``q.dtype``.
     """
     result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+    attend = fused_causal_attention if fused else dense_causal_attention
     cu = cu_q_lens.tolist()
     ctx = context_lens.tolist()
     for b in range(len(ctx)):
@@ -137,7 +166,7 @@ def chunked_prefill_attention(
             continue
         k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], ctx[b] + end - start)
         q_pos = torch.arange(ctx[b], ctx[b] + end - start, device=q.device)
-        result[start:end] = dense_causal_attention(q[start:end], k, v, q_pos, scale, upcast)
+        result[start:end] = attend(q[start:end], k, v, q_pos, scale, upcast)
     return result
 
 
@@ -151,6 +180,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     upcast: bool = True,
+    fused: bool = False,
 ) -> torch.Tensor:
     """One new query token per sequence attending to all its ``seq_lens[b]`` cached tokens.
 
@@ -164,18 +194,20 @@ def paged_decode_attention(
         scale: softmax scale.
         out: optional ``[B, H, D]`` buffer, written and returned.
         upcast: compute in at least fp32 (default) or in the input dtype.
+        fused: attend with :func:`fused_causal_attention` instead of the dense twin.
 
     Returns:
         ``[B, H, D]`` in ``q.dtype``.
     """
     result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+    attend = fused_causal_attention if fused else dense_causal_attention
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:  # batch padding
             result[b] = 0
             continue
         k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], seq_len)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
-        result[b] = dense_causal_attention(q[b : b + 1], k, v, q_pos, scale, upcast)[0]
+        result[b] = attend(q[b : b + 1], k, v, q_pos, scale, upcast)[0]
     return result
 
 
