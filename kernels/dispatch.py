@@ -112,8 +112,8 @@ def chunked_prefill_attention(
         ``[total_q_tokens, H, D]`` in ``q.dtype``.
     """
     if select_backend(q.device) == "torch":
-        return reference.chunked_prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, out,
-                                                   fused=q.device.type == "cpu")
+        return reference.chunked_prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale,
+                                                   out, fused=q.device.type == "cpu")
     from kernels import prefill_attention
 
     return prefill_attention.chunked_prefill_attention(
