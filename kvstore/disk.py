@@ -232,6 +232,19 @@ class FreeSpace:
                 del self.starts[i + 1], self.lens[i + 1]
 
 
+INDEX_BYTES_PER_BLOCK = 512
+"""The index's map per data block. A one-block value's record takes ~130 bytes of B-tree pages
+(measured: random keys), and LMDB's copy-on-write needs room beside the live pages."""
+
+
+def index_map_bytes(capacity_bytes: int) -> int:
+    """LMDB's map size for a tier of ``capacity_bytes``: room for a record per block, every value
+    one block long. It is address space only; the index file grows as records land. (It was 1/256 of
+    the tier, which filled at ~520,000 records, so a 16 GiB tier of values under ~40 KB said it was
+    full with most of its blocks free.)"""
+    return max(64 << 20, capacity_bytes // BLOCK * INDEX_BYTES_PER_BLOCK)
+
+
 def _lock_folder(path: str) -> int:
     """Takes the folder's ``LOCK`` file (an exclusive ``flock``, dropped by the kernel when the
     process ends) and writes this pid in it; returns its descriptor, held while the tier is open.
@@ -302,9 +315,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes // BLOCK * BLOCK
         self.sync = sync
         try:
-            # NOTE: index records are ~50 bytes: 1/256 of the tier (64 MiB at least) holds far more
-            # records than the tier holds blocks.
-            self.env = lmdb.open(path, map_size=max(64 << 20, capacity_bytes // 256), subdir=True, max_dbs=2,
+            self.env = lmdb.open(path, map_size=index_map_bytes(capacity_bytes), subdir=True, max_dbs=2,
                                  sync=sync, metasync=sync, readahead=False, lock=True)
             try:
                 self.env.open_db(b"values", create=False)

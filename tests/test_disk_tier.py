@@ -12,7 +12,7 @@ import lmdb
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.disk import BLOCK, DATA_FILE, DiskFullError, DiskTier, DiskTierError, disk_cost
+from kvstore.disk import BLOCK, DATA_FILE, DiskFullError, DiskTier, DiskTierError, disk_cost, index_map_bytes
 from kvstore.errors import DataLossError, ResourceExhaustedError
 from kvstore.store import Tier, TieredStore
 from tests.helpers import wait_for
@@ -184,6 +184,24 @@ def test_a_folder_one_tier_has_open_is_refused_to_a_second_until_the_first_close
     _OPEN.append(d)
     assert bytes(d.read(d.lookup(b"k"))) == val(1, 10_000)
     d.close()
+
+
+def test_the_index_has_room_for_a_record_per_block(tmp_path):
+    """A tier full of one-block values has a record per block. Measure what the index takes per
+    record (one-block values under random keys, as chunk keys are, in batches, with the pages
+    LMDB's copy-on-write has freed) and check that every tier size's map holds that per block. A
+    16 GiB tier's map was 64 MiB, full at a few hundred thousand such records: the tier said it was
+    full with most of its blocks free."""
+    d = DiskTier(str(tmp_path / "d"), 512 << 20, preallocate=False)
+    _OPEN.append(d)
+    n = 60_000
+    for _ in range(0, n, 500):
+        d.put_many([(os.urandom(32), b"x") for _ in range(500)])
+    per_record = (d.env.info()["last_pgno"] + 1) * d.env.stat()["psize"] / n
+    assert 60 < per_record < 400, per_record
+    d.close()
+    for capacity in (1 << 30, 16 << 30, 1 << 40):
+        assert index_map_bytes(capacity) >= per_record * (capacity // BLOCK), capacity
 
 
 def test_a_corrupt_value_in_a_batch_is_a_counted_miss_and_the_rest_read(tmp_path):
