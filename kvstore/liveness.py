@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from concurrent import futures
 
 import grpc
@@ -101,11 +102,57 @@ Prefill answer, or Generate's first): ~130 bytes a prompt token with 20 top logp
 default of 4 MiB refused every prompt past ~32,000 tokens that asked for them (RESOURCE_EXHAUSTED)."""
 
 
+class InFlight(grpc.ServerInterceptor):
+    """Counts a server's calls in flight: each holds one of its ``RPC_THREADS`` threads while it runs
+    (a stream, until it ends), and past them every new call is refused with RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def _add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+    def _unary(self, behavior):
+        def counted(request, context):
+            self._add(1)
+            try:
+                return behavior(request, context)
+            finally:
+                self._add(-1)
+        return counted
+
+    def _stream(self, behavior):
+        def counted(request, context):
+            self._add(1)
+            try:
+                yield from behavior(request, context)
+            finally:
+                self._add(-1)  # the stream ended, failed, or was cancelled (grpc closes the generator)
+        return counted
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not hasattr(handler, "_replace"):  # (grpc's handlers are named tuples)
+            return handler
+        for kind, wrap in (("unary_unary", self._unary), ("stream_unary", self._unary),
+                           ("unary_stream", self._stream), ("stream_stream", self._stream)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrap(behavior)})
+        return handler
+
+
 def rpc_server(name: str, options: list[tuple[str, int]], interceptors=()) -> tuple[grpc.Server,
-                                                                                  futures.ThreadPoolExecutor]:
-    """A gRPC server with ``RPC_THREADS`` handler threads (named ``name``-N) and its pool (to drain)."""
+                                                                                  futures.ThreadPoolExecutor, InFlight]:
+    """A gRPC server with ``RPC_THREADS`` handler threads (named ``name``-N), its pool (to drain),
+    and the count of its calls in flight (each server's ``*_rpcs_in_flight`` gauge)."""
     pool = futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix=name)
-    return grpc.server(pool, interceptors=interceptors, options=options, maximum_concurrent_rpcs=RPC_THREADS), pool
+    in_flight = InFlight()
+    server = grpc.server(pool, interceptors=(in_flight, *interceptors), options=options,
+                         maximum_concurrent_rpcs=RPC_THREADS)
+    return server, pool, in_flight
 
 
 def server_options(max_message_bytes: int | None = None) -> list[tuple[str, int]]:

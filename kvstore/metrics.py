@@ -6,7 +6,7 @@ import socket
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
@@ -102,6 +102,12 @@ class StoreMetrics:
         self.registry.register(StoreCollector(store))
         self.op_latency = Histogram("crescent_store_op_seconds", "Latency of store operations",
                                     ["op", "path"], buckets=_BUCKETS, registry=self.registry)
+
+    def watch_rpcs(self, rpcs) -> None:
+        """The gRPC server's calls in flight (``kvstore.liveness.InFlight``) as a gauge."""
+        Gauge("crescent_store_rpcs_in_flight", "gRPC calls in flight at this node (each holds one of its 1,024 "
+              "call threads; past them calls are refused with RESOURCE_EXHAUSTED)",
+              registry=self.registry).set_function(lambda: rpcs.count)
 
     def observe(self, op: str, seconds: float, path: str = "grpc") -> None:
         self.op_latency.labels(op, path).observe(seconds)

@@ -275,7 +275,8 @@ class StoreNode:
         self.stopping = False
         self._drained = threading.Event()  # set: cut a drain short (a second signal)
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
-        self.server, self._handlers = rpc_server("grpc", GRPC_OPTIONS, auth.server_interceptors(self.principals))
+        self.server, self._handlers, rpcs = rpc_server("grpc", GRPC_OPTIONS, auth.server_interceptors(self.principals))
+        self.metrics.watch_rpcs(rpcs)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
         self.health = HealthStatus(self.server, "crescent.v1.KVStore")
         host = config.listen.rpartition(":")[0]

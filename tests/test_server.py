@@ -266,6 +266,7 @@ def test_forty_puts_in_flight_leave_the_node_answering(make_node):
         wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] >= 40 * MiB, timeout_s=120,
                  what="40 puts in flight, each holding its reservation")
         assert s.Health(pb.HealthRequest(), timeout=30).serving
+        assert node.metrics.registry.get_sample_value("crescent_store_rpcs_in_flight") >= 40
         check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert check.status == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -273,6 +274,8 @@ def test_forty_puts_in_flight_leave_the_node_answering(make_node):
             f.cancel()
         hold.set()
     wait_for(lambda: node.store.stats()["tiers"][Tier.DRAM]["used_bytes"] == 0, what="every put aborted")
+    wait_for(lambda: node.metrics.registry.get_sample_value("crescent_store_rpcs_in_flight") == 0,
+             what="the gauge of calls in flight back at 0")
     ch.close()
 
 

@@ -202,7 +202,9 @@ class EngineNode:
         self.role = role
         self.engine = LLMEngine(cfg)
         self.metrics = EngineMetrics(role, self.engine)
-        self.server, _ = rpc_server("engine-rpc", server_options(ENGINE_MESSAGE_BYTES), auth.server_interceptors(auth.table()))
+        self.server, _, rpcs = rpc_server("engine-rpc", server_options(ENGINE_MESSAGE_BYTES),
+                                          auth.server_interceptors(auth.table()))
+        self.metrics.watch_rpcs(rpcs)
         self.port = tls.add_port(self.server, listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or not local)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.metrics import serve_http
@@ -38,6 +38,12 @@ class EngineMetrics:
         else:
             self.itl.observe(now - last)
         self._last[seq.seq_id] = now
+
+    def watch_rpcs(self, rpcs) -> None:
+        """The gRPC server's calls in flight (``kvstore.liveness.InFlight``) as a gauge."""
+        Gauge("crescent_engine_rpcs_in_flight", "gRPC calls in flight at this engine (a Generate stream holds "
+              "one of its 1,024 call threads until it ends; past them calls are refused with RESOURCE_EXHAUSTED)",
+              ["role"], registry=self.registry).labels(self.role).set_function(lambda: rpcs.count)
 
     def on_step_time(self, seconds: float, prefill_tokens: int) -> None:
         """After each step that ran something: its duration, and how many prompt tokens it computed."""

@@ -70,6 +70,11 @@ class ConductorCollector:
         yield GaugeMetricFamily("crescent_conductor_event_streams",
                                 "Store nodes' KV-event streams open now (each holds a call thread; an idle "
                                 "node's stream ends)", value=counters.get("event_streams_open", 0))
+        rpcs = getattr(self.conductor, "rpcs", None)
+        if rpcs is not None:
+            yield GaugeMetricFamily("crescent_conductor_rpcs_in_flight", "gRPC calls in flight at this conductor "
+                                    "(each holds one of its 1,024 call threads; open event streams among them)",
+                                    value=rpcs.count)
         yield GaugeMetricFamily("crescent_conductor_index_chunks", "Distinct chunks in the global index",
                                 value=num_chunks)
         yield GaugeMetricFamily("crescent_conductor_index_copies", "(chunk, node) pairs in the global index",

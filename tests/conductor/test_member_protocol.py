@@ -331,8 +331,17 @@ def test_forty_store_nodes_streaming_events_leave_every_other_call_answered(stub
         assert len(members(stub)) == 41
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert check.status == health_pb2.HealthCheckResponse.SERVING
+        assert _gauge(conductor, "crescent_conductor_rpcs_in_flight") >= 40
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
         channel.close()
+    wait_for(lambda: _gauge(conductor, "crescent_conductor_rpcs_in_flight") == 0, timeout_s=120,
+             what="the ended streams out of the gauge of calls in flight")
+
+
+def _gauge(conductor, name: str) -> float:
+    from kvstore.conductor.metrics import ConductorCollector
+
+    return next(s.value for m in ConductorCollector(conductor).collect() for s in m.samples if s.name == name)

@@ -84,10 +84,14 @@ def test_streams_past_the_batch_wait_in_the_engines_queue_and_probes_are_answere
             load = wait_for(lambda: (lambda x: x.num_running + x.num_waiting == 70 and x)(node.engine.load()),
                             timeout_s=120, what="all 70 requests in the engine, running or waiting")
             assert load.num_running <= 4 and load.num_waiting >= 66
+            in_flight = lambda: node.metrics.registry.get_sample_value(  # noqa: E731
+                "crescent_engine_rpcs_in_flight", {"role": "decode"})
+            assert in_flight() >= 70
             assert stub.Health(pb.EngineHealthRequest(), timeout=30).serving
             check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert check.status == health_pb2.HealthCheckResponse.SERVING
             for c in calls:
                 c.cancel()
+            wait_for(lambda: in_flight() == 0, timeout_s=120, what="every cancelled stream out of the gauge")
     finally:
         node.stop()
