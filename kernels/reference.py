@@ -57,6 +57,12 @@ def _gather_seq_kv(
     return k, v
 
 
+def _visible(q_pos: torch.Tensor, num_keys: int, device: torch.device) -> torch.Tensor:
+    """``[T, S]`` bool: key ``s`` is visible to the query at ``q_pos[t]`` when ``s <= q_pos[t]``."""
+    key_pos = torch.arange(num_keys, device=device)
+    return key_pos[None, :] <= q_pos[:, None].to(device)
+
+
 def dense_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, upcast: bool
 ) -> torch.Tensor:
@@ -85,9 +91,7 @@ def dense_causal_attention(
     kh = k.to(cdt).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
     vh = v.to(cdt).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [KVH, G, T, S]
-    key_pos = torch.arange(k.shape[0], device=q.device)
-    visible = key_pos[None, :] <= q_pos[:, None].to(key_pos.device)  # [T, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~_visible(q_pos, k.shape[0], q.device), float("-inf"))
     # NOTE: softmax in at least fp32 (as FlashAttention's low-precision reference
     # does); only the two matmuls run in the input dtype when upcast=False.
     probs = torch.softmax(scores.to(torch.promote_types(cdt, torch.float32)), dim=-1).to(cdt)
@@ -110,11 +114,9 @@ def fused_causal_attention(
     qh = q.to(cdt).transpose(0, 1)[None]  # [1, H, T, D]
     kh = k.to(cdt).transpose(0, 1)[None]  # [1, KVH, S, D]
     vh = v.to(cdt).transpose(0, 1)[None]
-    num_keys = k.shape[0]
     mask = None  # one query at the last position (a decode token) sees every key
-    if q.shape[0] > 1 or int(q_pos[0]) != num_keys - 1:
-        key_pos = torch.arange(num_keys, device=q.device)
-        mask = key_pos[None, :] <= q_pos[:, None].to(key_pos.device)  # [T, S]
+    if q.shape[0] > 1 or int(q_pos[0]) != k.shape[0] - 1:
+        mask = _visible(q_pos, k.shape[0], q.device)
     out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                                            enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1).to(q.dtype)  # [T, H, D]

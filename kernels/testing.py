@@ -114,3 +114,15 @@ def reference_error_rule(
     err = (out.double() - gold.double()).abs().max().item()
     ref_err = (lowp.double() - gold.double()).abs().max().item()
     return err <= factor * ref_err + floor, err, ref_err
+
+
+def check_against_twin(out: torch.Tensor, twin, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> None:
+    """Asserts :func:`reference_error_rule` for ``out`` against the attention ``twin`` on the same
+    inputs: gold in fp64 for fp32 inputs, else in fp32 (``upcast``), and low precision in the
+    inputs' own dtype."""
+    if q.dtype == torch.float32:
+        gold, lowp = twin(q.double(), k.double(), v.double(), *args), twin(q, k, v, *args)
+    else:
+        gold, lowp = twin(q, k, v, *args), twin(q, k, v, *args, upcast=False)
+    ok, err, ref_err = reference_error_rule(out, gold, lowp)
+    assert ok, f"error {err:.3e} > 2 x the twin's low-precision error {ref_err:.3e}"

@@ -18,8 +18,8 @@ treats it as recently used (``TieredStore``: a second chance).
 
 from __future__ import annotations
 
-import hashlib
 import fcntl
+import hashlib
 import hmac
 import mmap
 import os

@@ -233,15 +233,15 @@ class FreeSpace:
 
 
 INDEX_BYTES_PER_BLOCK = 512
-"""The index's map per data block. A one-block value's record takes ~130 bytes of B-tree pages
-(measured: random keys), and LMDB's copy-on-write needs room beside the live pages."""
+"""The index's map per data block. A one-block value's record takes 130-300 bytes of B-tree pages
+(measured: random keys, with the pages LMDB's copy-on-write has freed)."""
 
 
 def index_map_bytes(capacity_bytes: int) -> int:
     """LMDB's map size for a tier of ``capacity_bytes``: room for a record per block, every value
     one block long. It is address space only; the index file grows as records land. (It was 1/256 of
-    the tier, which filled at ~520,000 records, so a 16 GiB tier of values under ~40 KB said it was
-    full with most of its blocks free.)"""
+    the tier, which filled at a few hundred thousand records, so a 16 GiB tier of values under ~32 KiB
+    said it was full with most of its blocks free.)"""
     return max(64 << 20, capacity_bytes // BLOCK * INDEX_BYTES_PER_BLOCK)
 
 

@@ -139,7 +139,8 @@ class Conductor(cpb_grpc.ConductorServicer):
         self._sweep_wanted = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="conductor-sweeper", daemon=True)
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
-        self.server, _, self.rpcs = rpc_server("conductor", server_options(64 << 20), auth.server_interceptors(self.principals))
+        self.server, _, self.rpcs = rpc_server("conductor", server_options(64 << 20),
+                                               auth.server_interceptors(self.principals))
         cpb_grpc.add_ConductorServicer_to_server(self, self.server)
         self.health = HealthStatus(self.server, "crescent.v1.Conductor")
         self.port = tls.add_port(self.server, config.listen)

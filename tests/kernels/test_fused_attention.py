@@ -8,7 +8,7 @@ import torch
 
 from kernels import dispatch
 from kernels import reference as ref
-from kernels.testing import make_paged_kv, reference_error_rule
+from kernels.testing import check_against_twin, make_paged_kv
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 RAGGED = [
@@ -17,18 +17,6 @@ RAGGED = [
     [(31, 33), (0, 50), (7, 0)],
     [(100, 7), (1, 1), (33, 40)],
 ]
-
-
-def _gold_lowp(fn, q, k, v, *args):
-    if q.dtype == F32:
-        return fn(q.double(), k.double(), v.double(), *args), fn(q, k, v, *args)
-    return fn(q, k, v, *args), fn(q, k, v, *args, upcast=False)
-
-
-def _check(out, fn, q, k, v, *args):
-    gold, lowp = _gold_lowp(fn, q, k, v, *args)
-    ok, err, ref_err = reference_error_rule(out, gold, lowp)
-    assert ok, f"fused error {err:.3e} > 2 x the dense twin's low-precision error {ref_err:.3e}"
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page_size", "dtype", "seqs"), [
@@ -46,7 +34,7 @@ def test_chunked_prefill_fused_matches_the_dense_twin(heads, kv_heads, head_dim,
     args = (paged.block_tables, cu, ctx, head_dim**-0.5)
     out = ref.chunked_prefill_attention(q, paged.k_cache, paged.v_cache, *args, fused=True)
     assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
-    _check(out, ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache, *args)
+    check_against_twin(out, ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache, *args)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
@@ -58,7 +46,7 @@ def test_paged_decode_fused_matches_the_dense_twin(dtype, kv_heads):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = ref.paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, lens, 0.17, fused=True)
     assert out[-1].eq(0).all()
-    _check(out, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, lens, 0.17)
+    check_against_twin(out, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, lens, 0.17)
 
 
 def test_the_engine_on_cpu_attends_through_the_fused_path(monkeypatch):

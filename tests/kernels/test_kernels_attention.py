@@ -14,26 +14,13 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.testing import make_paged_kv, reference_error_rule
+from kernels.testing import check_against_twin, make_paged_kv
 
 pytest.importorskip("triton")
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
 from kernels.prefill_attention import chunked_prefill_attention  # noqa: E402
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _refs(fn, q, k, v, *args):
-    """(gold, lowp) per the error rule."""
-    if q.dtype == F32:
-        return fn(q.double(), k.double(), v.double(), *args), fn(q, k, v, *args)
-    return fn(q, k, v, *args), fn(q, k, v, *args, upcast=False)
-
-
-def _check(out, fn, q, k, v, *args):
-    gold, lowp = _refs(fn, q, k, v, *args)
-    ok, err, ref_err = reference_error_rule(out, gold, lowp)
-    assert ok, f"kernel error {err:.3e} > 2 x reference error {ref_err:.3e}"
 
 
 def _new_q(total, heads, head_dim, dtype, contiguous, seed):
@@ -92,7 +79,7 @@ def test_chunked_prefill_matches_reference(case):
     result = chunked_prefill_attention(q, paged.k_cache, paged.v_cache, *args, out, **tiles)
     if out is not None:
         assert result is out
-    _check(result, ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache, *args)
+    check_against_twin(result, ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache, *args)
 
 
 @pytest.mark.parametrize("dtype,chunks", [(BF16, [16, 16, 13]), (F16, [7, 30, 1, 7])])
@@ -116,7 +103,8 @@ def test_chunked_prefill_over_chunks_equals_one_shot(dtype, chunks):
         ctx = torch.tensor([start], dtype=torch.int32)
         pieces.append(chunked_prefill_attention(q[start : start + n], k, v, paged.block_tables, cu, ctx, scale))
         start += n
-    _check(torch.cat(pieces), ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache, *one_shot_args)
+    check_against_twin(torch.cat(pieces), ref.chunked_prefill_attention, q, paged.k_cache, paged.v_cache,
+                       *one_shot_args)
 
 
 SEQ_LENS = [[1, 17, 40], [33, 1, 64, 90], [70, 5], [100, 31, 1], [48, 16, 1, 47]]
@@ -149,7 +137,7 @@ def test_paged_decode_matches_reference(case):
     result = paged_decode_attention(q, paged.k_cache, paged.v_cache, *args, out, num_splits=num_splits)
     if out is not None:
         assert result is out
-    _check(result, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, *args)
+    check_against_twin(result, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, *args)
 
 
 def test_decode_slices_each_sequence_by_its_own_length_in_a_wide_table():
@@ -164,7 +152,8 @@ def test_decode_slices_each_sequence_by_its_own_length_in_a_wide_table():
     q = _new_q(len(lens), 8, 64, BF16, True, seed=2)
     for splits in (1, 5, 16):
         out = paged_decode_attention(q, paged.k_cache, paged.v_cache, wide, seq_lens, 0.125, num_splits=splits)
-        _check(out, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, 0.125)
+        check_against_twin(out, ref.paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables,
+                           seq_lens, 0.125)
 
 
 def test_occupancy_splits_fill_the_device_in_whole_waves():
