@@ -72,7 +72,12 @@ endef
 $(eval $(call integration-venv,lmcache,lmcache==0.5.6,))
 $(eval $(call integration-venv,sglang,sglang==0.5.23,[kernels]))
 
-test: setup setup-vllm setup-lmcache setup-sglang setup-tools rdma-setup
+# The four venvs and the tools build side by side (a fresh clone here: 2.7 min, against 6-7 one after
+# another: pip waits on downloads and unpacking as much as on the CPU); each one's output shows when it is done.
+test:
+	@echo "building .venv, .venv-vllm, .venv-lmcache, .venv-sglang side by side (a few minutes on a fresh clone)"
+	@$(MAKE) --no-print-directory -j5 --output-sync=target setup setup-vllm setup-lmcache setup-sglang setup-tools
+	@$(MAKE) --no-print-directory rdma-setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 demo: setup
