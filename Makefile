@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 setup-vllm:
-	@$(MAKE) --no-print-directory $(VLLM_STAMP) || { \
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) && rm -f $(VLLM_VENV)/.unavailable || { \
 	  if [ "$$CI" = true ]; then echo "make setup-vllm failed under CI: the vLLM integration cannot be tested" >&2; exit 1; fi; \
 	  mkdir -p $(VLLM_VENV); \
 	  echo "vLLM venv could not be created: make setup-vllm failed (see its output)" > $(VLLM_VENV)/.unavailable; }
@@ -52,7 +52,8 @@ setup-vllm:
 # $(call integration-venv,NAME,PACKAGE==VERSION,EXTRAS): .venv-NAME with this project (CPU torch), the
 # package without its declared dependencies (they name CUDA builds), then what it needs on CPU from
 # $(INTEGRATION_REQS)/NAME.txt, torch held by constraints.txt. As with vLLM: outside CI a failed
-# install leaves .venv-NAME/.unavailable and the tests skip with it; under CI it fails the run.
+# install leaves .venv-NAME/.unavailable and the tests skip with it (until a later make finds the venv
+# whole again); under CI it fails the run.
 define integration-venv
 .venv-$(1)/.installed-stamp: pyproject.toml $(INTEGRATION_REQS)/$(1).txt $(INTEGRATION_REQS)/constraints.txt
 	rm -f .venv-$(1)/.unavailable
@@ -64,7 +65,7 @@ define integration-venv
 	touch .venv-$(1)/.installed-stamp
 
 setup-$(1):
-	@$$(MAKE) --no-print-directory .venv-$(1)/.installed-stamp || { \
+	@$$(MAKE) --no-print-directory .venv-$(1)/.installed-stamp && rm -f .venv-$(1)/.unavailable || { \
 	  if [ "$$$$CI" = true ]; then echo "make setup-$(1) failed under CI: the $(1) integration cannot be tested" >&2; exit 1; fi; \
 	  mkdir -p .venv-$(1); \
 	  echo "$(1) venv could not be created: make setup-$(1) failed (see its output)" > .venv-$(1)/.unavailable; }
