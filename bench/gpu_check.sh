@@ -36,6 +36,7 @@ LLAMA8=(--model random:llama3-8b --hf-overrides '{"num_hidden_layers": 8}' --pro
 
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tail -n +1
+df -h /dev/shm /tmp | tail -n +1  # (the store node's arena lives in /dev/shm: 4 GiB in the steps below)
 python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
 
 step "carried wheels -> $SITE"

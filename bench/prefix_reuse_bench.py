@@ -89,6 +89,8 @@ def registered_shm_h2d_gbps(nbytes: int = 256 << 20) -> float:
     """cudaHostRegister on a /dev/shm mapping (as the node's arena is mapped), then a plain copy."""
     import torch
 
+    from kernels.host import register_host_memory, unregister_host_memory
+
     path = f"/dev/shm/crescent-bench-{os.getpid()}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     try:
@@ -96,14 +98,13 @@ def registered_shm_h2d_gbps(nbytes: int = 256 << 20) -> float:
         m = mmap.mmap(fd, nbytes)
         host = torch.frombuffer(m, dtype=torch.uint8)
         host.fill_(1)
-        rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(host.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed: {err}")
+        why = register_host_memory(host.data_ptr(), nbytes)
+        if why is not None:
+            raise RuntimeError(why)
         try:
             return _cuda_copy_gbps(host)
         finally:
-            rt.cudaHostUnregister(host.data_ptr())
+            unregister_host_memory(host.data_ptr())
             del host
             m.close()
     finally:
@@ -181,7 +182,12 @@ def main() -> None:
     hbm = ["--device", args.hbm] if args.hbm else []
     store = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "store", "--listen", "127.0.0.1:0",
                               "--dram", args.dram, *disk, *hbm], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    address = store.stdout.readline().split("listening on ")[1].split(",")[0]
+    first = store.stdout.readline()
+    if "listening on " not in first:  # it exited (its one-line reason is on stderr, above)
+        store.wait(timeout=30)
+        raise SystemExit(f"the store node did not start (exit {store.returncode}; --dram {args.dram}: "
+                         f"/dev/shm must hold it)")
+    address = first.split("listening on ")[1].split(",")[0]
     try:
         log(f"loading {args.model} {args.hf_overrides or ''} on {device}")
         t0 = time.perf_counter()

@@ -133,19 +133,12 @@ class ShmMover:
         if self._registered:
             return None
         try:
-            import torch
-
-            if not torch.cuda.is_available():
-                return "torch sees no CUDA device"
-            # NOTE: portable (cudaHostRegisterPortable = 1): pinned for every device's context, not
-            # only that of the thread's current device (a TP worker's GPU is often not device 0).
-            err = torch.cuda.cudart().cudaHostRegister(self.base, self.arena.size, 1)
-            if int(err) != 0:
-                return f"cudaHostRegister failed: {err}"
-        except Exception as exc:  # noqa: BLE001 - an old torch, a driver without it: stage instead
-            return f"cudaHostRegister unavailable: {exc}"
-        self._registered = True
-        return None
+            from kernels.host import register_host_memory
+        except ImportError as exc:  # no torch: nothing to register for
+            return f"torch unavailable: {exc}"
+        why = register_host_memory(self.base, self.arena.size)
+        self._registered = why is None
+        return why
 
     def close(self) -> None:
         if self._fd < 0:  # closed already
@@ -157,9 +150,9 @@ class ShmMover:
             if v is not None:
                 v.release()
         if self._registered:
-            import torch
+            from kernels.host import unregister_host_memory
 
-            torch.cuda.cudart().cudaHostUnregister(self.base)
+            unregister_host_memory(self.base)
             self._registered = False
         self._tensor = None
         try:

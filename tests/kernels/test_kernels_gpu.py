@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
+from kernels.host import register_host_memory, unregister_host_memory
 from kernels.testing import make_paged_kv, reference_error_rule
 
 pytestmark = [
@@ -85,15 +86,26 @@ def _registered(nbytes: int):
     f.truncate(nbytes)
     m = mmap.mmap(f.fileno(), nbytes)
     host = torch.frombuffer(m, dtype=torch.uint8)
-    rt = torch.cuda.cudart()
-    err = rt.cudaHostRegister(host.data_ptr(), nbytes, 0)
-    assert int(err) == 0, f"cudaHostRegister failed: {err}"
+    why = register_host_memory(host.data_ptr(), nbytes)
+    assert why is None, why
 
     def cleanup():
-        rt.cudaHostUnregister(host.data_ptr())
+        unregister_host_memory(host.data_ptr())
         f.close()
 
     return host, cleanup
+
+
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """Registering a range twice fails (cudaErrorHostMemoryAlreadyRegistered); the runtime keeps that
+    as the thread's last error, which torch's check after the next kernel launch would raise."""
+    host, cleanup = _registered(1 << 20)
+    try:
+        why = register_host_memory(host.data_ptr(), 1 << 20)
+        assert why is not None and "cudaHostRegister failed" in why
+        assert torch.arange(4, device=CUDA).sum().item() == 6
+    finally:
+        cleanup()
 
 
 def test_page_moves_read_and_write_page_locked_host_memory():
