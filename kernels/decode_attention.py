@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Keys per slice of a sequence of ``seq_len``: whole key tiles, at least one.
 
     NOTE: from the sequence's own length, not the block table's width: every
@@ -42,13 +42,17 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     for a padded table (a CUDA graph captured for the longest sequence) and a
     short sequence still fills the grid.
     """
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+# NOTE: the split count is a run-time argument (unspecialized), not a constexpr: it follows the
+# batch size, so as a constexpr every CUDA-graph bucket and every context length that changed it
+# compiled the kernel (and the reduce) anew, seconds each at an engine's start. SPLIT says which
+# epilogue: the output itself (one slice) or the partials the reduce combines.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_acc_ptr, mid_m_ptr, mid_l_ptr,
-    qk_scale,
+    qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -56,13 +60,13 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     # NOTE: the GQA group's query heads form the M side of the dot, so K/V are
     # read once per KV head (decode is bandwidth-bound). tl.dot needs M >= 16,
@@ -73,7 +77,7 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     if start >= seq_len:
-        if NUM_SPLITS == 1:  # seq_len == 0 (batch padding): zeros, as the twin writes
+        if not SPLIT:  # seq_len == 0 (batch padding): zeros, as the twin writes
             tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], out_ptr.dtype.element_ty), mask=head_ok[:, None])
         return  # the reduce kernel counts only the non-empty slices
     end = tl.minimum(start + split_len, seq_len)
@@ -114,32 +118,32 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERPRET), v, INTERPRET, PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptrs, cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=head_ok[:, None])
     else:
-        # mid_m / mid_l: [B, H, NUM_SPLITS]; mid_acc: [B, H, NUM_SPLITS, HEAD_DIM], fp32.
-        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
+        # mid_m / mid_l: [B, H, num_splits]; mid_acc: [B, H, num_splits, HEAD_DIM], fp32.
+        row = (b * NUM_HEADS + heads) * num_splits + split
         tl.store(mid_m_ptr + row, m_i, mask=head_ok)
         tl.store(mid_l_ptr + row, l_i, mask=head_ok)
         tl.store(mid_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     mid_acc_ptr, mid_m_ptr, mid_l_ptr, seq_lens_ptr, out_ptr,
-    stride_ob, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_ob, stride_oh, stride_od, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_valid = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
     valid = offs_s < num_valid
     offs_d = tl.arange(0, HEAD_DIM)
-    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    row = (b * NUM_HEADS + h) * num_splits + offs_s
     m = tl.load(mid_m_ptr + row, mask=valid, other=float("-inf"))  # [BLOCK_S]
     l = tl.load(mid_l_ptr + row, mask=valid, other=0.0)  # noqa: E741
     acc = tl.load(mid_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -279,22 +283,22 @@ def paged_decode_attention(
         mid_acc, mid_m, mid_l = mid[: rows * head_dim], mid[rows * head_dim : -rows], mid[-rows:]
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l,
-        scale * _LOG2E,
+        scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
         **cfg, **interpret_flags(q.dtype, q.device),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_acc, mid_m, mid_l, seq_lens, out,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, INTERPRET=q.device.type == "cpu", num_warps=4,
+            out.stride(0), out.stride(1), out.stride(2), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            INTERPRET=q.device.type == "cpu", num_warps=4,
         )  # fmt: skip
     return out
 

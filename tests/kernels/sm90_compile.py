@@ -111,7 +111,7 @@ def main() -> None:
                     decode_attention._decode_split_kernel, f"{dt}-D{head_dim}-splits{splits}",
                     {**attn_ptrs, "seq_lens_ptr": "*i32", "mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
                     {"NUM_HEADS": 32, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": head_dim, "PAGE_SIZE": 16,
-                     "NUM_SPLITS": splits, **cfg, **flags},
+                     "SPLIT": splits > 1, **cfg, **flags},
                     floats=("qk_scale",), num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
         if dtype == torch.bfloat16:  # the candidates bench/kernels_bench.py --sweep times (D=128)
@@ -130,14 +130,14 @@ def main() -> None:
                 compile_kernel(
                     decode_attention._decode_split_kernel, f"sweep{i}-{dt}-D128",
                     {**attn_ptrs, "seq_lens_ptr": "*i32", "mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
-                    {"NUM_HEADS": 32, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "NUM_SPLITS": 4,
+                    {"NUM_HEADS": 32, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "SPLIT": True,
                      **cfg, **flags},
                     floats=("qk_scale",), num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
         compile_kernel(
             decode_attention._decode_reduce_kernel, dt,
             {"mid_acc_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dt}"},
-            {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_N": 64, "INTERPRET": False},
+            {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_N": 64, "INTERPRET": False},
             num_stages=1,
         )  # fmt: skip
         for scatter in (False, True):
