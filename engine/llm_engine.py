@@ -13,6 +13,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_connector import StoreConnector
@@ -23,6 +25,7 @@ from engine.sequence import Sequence, SeqStatus
 from engine.spec_decode import NgramDrafter
 from engine.structured import Grammars
 from engine.tokenizer import load_tokenizer
+from kernels.host import to_device
 from kvstore.keys import ROOT_KEY, ModelFingerprint, chunk_key, make_namespace
 
 
@@ -50,6 +53,13 @@ def model_identity(cfg: EngineConfig) -> str:
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read(1 << 20))
     return f"{os.path.basename(os.path.normpath(cfg.model))}:{h.hexdigest()}{extra}"
+
+
+def _take_rows(logits, rows: list[int]):
+    """``logits[rows]`` without the host waiting for the device: a CUDA tensor indexed with a Python
+    list copies the index from pageable memory, which synchronises the stream (the step's whole
+    forward), and so a step launched with a prompt chunk beside its decodes ran in series."""
+    return logits.index_select(0, to_device(rows, torch.int64, logits.device))
 
 
 @dataclass
@@ -372,7 +382,7 @@ class LLMEngine:
             done += self._resolve()
         sampled = {}  # row: (token, its TokenLogprobs or None)
         if rows:
-            st = self.sampler.sample_async(logits[rows], params, ids, history)
+            st = self.sampler.sample_async(_take_rows(logits, rows), params, ids, history)
             sampled = dict(zip(rows, zip(st.tolist(), st.logprobs())))
         now = time.perf_counter()
         for s, r, b in zip(scheduled, first_row, before):
@@ -457,8 +467,8 @@ class LLMEngine:
         those tokens runs while the device computes this one. The step's prompt chunks that
         sample nothing are saved and registered when it is resolved too. Returns the outputs of
         the step resolved."""
-        sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else logits[rows], params, ids,
-                                            history)
+        sampled = self.sampler.sample_async(logits if len(rows) == len(scheduled) else _take_rows(logits, rows),
+                                            params, ids, history)
         entries, where, sampling = [], {}, set(rows)  # (row b is sequence b's: no drafts)
         for b, (s, bef) in enumerate(zip(scheduled, before)):
             seq = s.seq
