@@ -145,7 +145,10 @@ def main() -> None:
                 w.begin_step([req])
                 w.load([req], layerwise=True)
                 w.wait_layer("l0")
-                sync()  # (GPU: the compute stream has waited for layer 0)
+                # (GPU: the compute stream alone, which waited for layer 0's event; a device-wide
+                # sync would wait for the layers queued after it on the transfer stream too)
+                if cuda:
+                    torch.cuda.current_stream(dev).synchronize()
                 marks.append(time.perf_counter())
                 for layer in range(1, L):
                     w.wait_layer(f"l{layer}")

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.host import to_device
 from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, verify_header, wsum64_rows
 from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunks
@@ -162,10 +163,11 @@ class _Landing:
         def index(chunks: Sequence[ChunkOp]) -> tuple[torch.Tensor, torch.Tensor | None]:
             """Blocks written and, unless every block of every chunk, their rows in the source."""
             rows = [i * m + b for i, op in enumerate(chunks) for b in range(op.first_block, m)]
-            ids = torch.tensor([op.block_ids[b] for op in chunks for b in range(op.first_block, m)],
-                               dtype=torch.long, device=dev)
+            # NOTE: to_device: through pinned memory; torch.tensor(..., device=cuda) copies from
+            # pageable memory, which waits for the stream (the step in flight) first.
+            ids = to_device([op.block_ids[b] for op in chunks for b in range(op.first_block, m)], torch.long, dev)
             full = len(rows) == len(chunks) * m
-            return ids, None if full else torch.tensor(rows, dtype=torch.long, device=dev)
+            return ids, None if full else to_device(rows, torch.long, dev)
 
         self.scratch = w._scratch_for(sum(len(op.block_ids) for op in ops), who) if n else None
         self.expect = [e for _, _, es in fetched for e in es]
@@ -800,8 +802,7 @@ class WorkerSide:
             cache0 = self._kv[0][0]
             shape = (len(chunks), *self._shape)
             numel = int(np.prod(shape))
-            ids = torch.tensor([b for _, op, *_ in chunks for b in op.block_ids], dtype=torch.long,
-                               device=cache0.device)
+            ids = to_device([b for _, op, *_ in chunks for b in op.block_ids], torch.long, cache0.device)
             if cache0.is_cuda or not chunks:
                 # NOTE: device memory (the caching allocator's), held until the saver thread wrote
                 # it: at most ``save_queue_steps`` steps wait (a GiB moves in ~20 ms at 55 GB/s).
