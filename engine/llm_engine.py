@@ -56,9 +56,8 @@ def model_identity(cfg: EngineConfig) -> str:
 
 
 def _take_rows(logits, rows: list[int]):
-    """``logits[rows]`` without the host waiting for the device: a CUDA tensor indexed with a Python
-    list copies the index from pageable memory, which synchronises the stream (the step's whole
-    forward), and so a step launched with a prompt chunk beside its decodes ran in series."""
+    """``logits[rows]`` without the host waiting for the step's forward (a Python-list index is a
+    pageable copy that does; ``to_device``)."""
     return logits.index_select(0, to_device(rows, torch.int64, logits.device))
 
 

@@ -163,8 +163,7 @@ class _Landing:
         def index(chunks: Sequence[ChunkOp]) -> tuple[torch.Tensor, torch.Tensor | None]:
             """Blocks written and, unless every block of every chunk, their rows in the source."""
             rows = [i * m + b for i, op in enumerate(chunks) for b in range(op.first_block, m)]
-            # NOTE: to_device: through pinned memory; torch.tensor(..., device=cuda) copies from
-            # pageable memory, which waits for the stream (the step in flight) first.
+            # NOTE: to_device, not torch.tensor(..., device=cuda): no wait for the step in flight.
             ids = to_device([op.block_ids[b] for op in chunks for b in range(op.first_block, m)], torch.long, dev)
             full = len(rows) == len(chunks) * m
             return ids, None if full else to_device(rows, torch.long, dev)
