@@ -24,6 +24,7 @@ import hmac
 import mmap
 import os
 import secrets
+import weakref
 from array import array
 
 SHM_DIR = "/dev/shm"
@@ -150,6 +151,16 @@ class SlotAllocator:
         return (self.num_slots - self.num_free) * self.slot_bytes
 
 
+def _unlink_own(path: str, owner_pid: int) -> None:
+    """Unlinks ``path`` if this is the process that made it: a child forked from the node that
+    exits normally runs the parent's exit hooks, and must not take the live node's file away."""
+    if os.getpid() == owner_pid:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 class HostArena(SlotAllocator):
     """Slots in one file under /dev/shm, mapped shared so same-host clients can map it too.
 
@@ -201,6 +212,10 @@ class HostArena(SlotAllocator):
             raise
         self._lock_fd = fd
         """Open, with the file's ``flock``, until ``close``: the mark of a live owner."""
+        self._unlink = weakref.finalize(self, _unlink_own, self.path, os.getpid())
+        """Removes the file once: at ``close``, or when the arena is collected or its process exits
+        without closing it (an embedding program that never stopped its node). The reaper would
+        take it only at some later node's start; until then it holds its size of the host's RAM."""
         self.buf = memoryview(self._mmap)[: self.table_offset]
         self.generation, self.touched = slot_tables(self._mmap, self.table_offset, num_slots)
 
@@ -245,10 +260,7 @@ class HostArena(SlotAllocator):
             self._mmap.close()
         except BufferError:
             pass  # a view is still exported (a reader mid-copy at shutdown): the OS frees it at exit
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -39,9 +39,11 @@ def store_nodes(tmp_path, with_disk: bool, **defaults):
         nodes.append(node)
         return node
 
-    yield make
-    for n in nodes:
-        n.stop(grace=0)
+    try:
+        yield make
+    finally:  # also when a test closes the generator itself (gen.close() raises GeneratorExit here)
+        for n in nodes:
+            n.stop(grace=0)
 
 
 def fragment_arena(address: str, values: int) -> None:

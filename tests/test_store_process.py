@@ -275,6 +275,34 @@ def test_a_live_arena_file_is_kept_whatever_pid_its_name_carries():
             os.unlink(f"/dev/shm/{alias}")
 
 
+_EMBEDDED = """
+import os, sys
+from kvstore.config import StoreConfig
+from kvstore.server import StoreNode
+node = StoreNode(StoreConfig(listen="127.0.0.1:0", dram="16MiB")).start()
+mine = lambda: sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"crescent-{os.getpid()}-"))
+print(mine(), flush=True)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a normal exit: the child runs the exit hooks it inherited
+os.waitpid(child, 0)
+print(mine(), flush=True)
+"""  # and exits without node.stop()
+
+
+def test_a_program_that_never_stops_its_node_leaves_no_arena_file_and_its_forked_child_keeps_it():
+    """An embedding program (or a test) that exits without ``stop()`` left its node's arena in
+    /dev/shm, holding host RAM until some later node's start reaped it. The file goes with the
+    process now, and only with the process that made it: a child forked from it that exits normally
+    runs the same exit hooks, and must not take a live node's file away."""
+    out = subprocess.run([sys.executable, "-c", _EMBEDDED], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after_child = (ast.literal_eval(line) for line in out.stdout.splitlines())
+    assert len(before) == 1 and after_child == before, out.stdout
+    assert not os.path.exists(f"/dev/shm/{before[0]}"), "the exited program's arena file is still there"
+
+
 def _unshare_or_skip() -> None:
     probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True) \
         if shutil.which("unshare") else None
