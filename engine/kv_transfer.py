@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kernels.host import to_device
+from kernels.host import HostSlab, to_device
 from kvstore.chunk import CHECK_WSUM, WSUM_K
 from kvstore.errors import CrescentError
 
@@ -50,8 +50,14 @@ class StagingPool:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         on_host = self.device.type == "cpu"
         self.pinned = pin and on_host
-        self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.pinned, device=self.device)
-                      for _ in range(count)]
+        self.slab = None
+        if on_host:  # one slab, each buffer page-aligned in it (see HostSlab: pin_memory rounds each up)
+            stride = -(-slot_bytes // PAGE) * PAGE
+            self.slab = HostSlab(stride * count, pin=self.pinned)
+            self.pinned = self.slab.pinned
+            self._bufs = [self.slab.tensor[i * stride : i * stride + slot_bytes] for i in range(count)]
+        else:
+            self._bufs = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._views = [memoryview(b.numpy()) for b in self._bufs] if on_host else []
         self._free = list(range(count))
         self._cv = threading.Condition()
@@ -86,6 +92,8 @@ class StagingPool:
 
     def close(self) -> None:
         self.fetcher.shutdown(wait=True)
+        if self.slab is not None:
+            self.slab.close()
 
 
 Fetch = Callable[[int, int, list[memoryview]], list[int | None]]
@@ -343,6 +351,9 @@ class LayerwiseLanding:
         return self.sums
 
 
+PAGE = 4096
+"""Staging buffers start on page boundaries, as ``pin_memory``'s did (DMA and 16-byte vector loads)."""
+
 RING_UNITS = 3
 """Host buffers of a streamed load (``StreamRing``), each a group of up to ``STAGE_CHUNKS``
 chunk-layers: one fills from the socket while the one before it lands."""
@@ -360,7 +371,8 @@ class StreamRing:
 
     def __init__(self, units: int, group: int, layer_bytes: int, pin: bool,
                  direct: torch.device | None = None) -> None:
-        self.buf = torch.empty((units, group, layer_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.slab = HostSlab(units * group * layer_bytes, pin=pin)
+        self.buf = self.slab.tensor.view(units, group, layer_bytes)
         self.rows = [[memoryview(self.buf[u, r].numpy()) for r in range(group)] for u in range(units)]
         self.tables = None
         """With ``direct`` (a CUDA device; the buffers pinned): where the landing kernel there reads

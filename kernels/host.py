@@ -62,3 +62,56 @@ def register_host_memory(address: int, nbytes: int) -> str | None:
 def unregister_host_memory(address: int) -> None:
     """Undoes :func:`register_host_memory` (before the memory is unmapped)."""
     torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class HostSlab:
+    """``nbytes`` of host memory in one anonymous mapping (exactly that, page-rounded), page-locked
+    for CUDA when ``pin`` and a device is there: ``tensor`` is a uint8 tensor over all of it.
+
+    Staging pools take their buffers as slices of one slab. Each ``pin_memory`` allocation is
+    rounded up to a power of two by torch's pinned allocator: a 32 MiB chunk plus its header pinned
+    64 MiB, so the pools held about twice the host memory they used. Registered
+    (:func:`register_host_memory`) the mapping is locked as it is; copies from and to it are DMA
+    as from ``pin_memory``'s. If registration fails, the slab falls back to one ``pin_memory``
+    allocation (rounded, but page-locked); ``pinned`` says whether it is page-locked at all.
+
+    ``close`` (or the slab's collection, or the process's exit) waits for the devices' queued work,
+    which may still read or write the slab, and then unregisters it.
+    """
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        import mmap
+        import weakref
+
+        if nbytes <= 0:
+            raise ValueError("a host slab needs a positive size")
+        self.nbytes = nbytes
+        self.pinned = False
+        self.why_not_registered: str | None = None
+        buf = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
+        address = 0
+        if pin:
+            self.why_not_registered = register_host_memory(self.tensor.data_ptr(), nbytes)
+            if self.why_not_registered is None:
+                address, self.pinned = self.tensor.data_ptr(), True
+            elif torch.cuda.is_available():
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned = True
+        self._release = weakref.finalize(self, _release_slab, address, self.tensor)
+
+    def close(self) -> None:
+        self._release()
+
+
+def _release_slab(address: int, tensor: torch.Tensor) -> None:
+    """Unregisters a slab's mapping once the devices are done with it. ``tensor`` (held until
+    this runs) keeps the mapping alive: unmapped while registered, its pages would stay locked."""
+    if not address:
+        return
+    try:
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+        unregister_host_memory(address)
+    except Exception:  # noqa: BLE001 - at exit the runtime may be gone; the process frees it all
+        pass

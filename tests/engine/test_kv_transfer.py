@@ -74,6 +74,21 @@ def test_chunks_land_in_order_and_every_buffer_comes_back():
         assert log.index(("done", 2 * k)) < fetch_at and log.index(("done", 2 * k + 1)) < fetch_at
 
 
+def test_a_pools_buffers_are_page_aligned_disjoint_slices_of_one_slab():
+    """The buffers are cut from one mapping (pinned, on CUDA, by registering it: pin_memory would
+    round each buffer up to a power of two); each starts on a page and none overlaps the next."""
+    pool = StagingPool(5000, 3)
+    try:
+        starts = [pool.tensor(i).data_ptr() for i in range(3)]
+        assert [s % 4096 for s in starts] == [0, 0, 0] and starts[1] - starts[0] == 8192
+        assert pool.slab.nbytes == 3 * 8192 and not pool.pinned  # no CUDA here: nothing to pin
+        for i in range(3):
+            pool.view(i)[:] = bytes([i + 1]) * 5000
+        assert [bytes(pool.view(i)) for i in range(3)] == [bytes([i + 1]) * 5000 for i in range(3)]
+    finally:
+        pool.close()
+
+
 def test_the_next_batch_is_fetched_while_this_one_lands():
     pool = StagingPool(64, 4)
     second_fetch = threading.Event()

@@ -108,6 +108,30 @@ def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
         cleanup()
 
 
+def test_a_host_slab_is_registered_at_its_own_size_and_copies_through_it_are_dma():
+    """A staging pool's slab: page-locked by registration (exactly its size, where pin_memory would
+    round 32 MiB and a header up to 64), seen as pinned by torch, so its copies are asynchronous."""
+    from engine.kv_transfer import StagingPool
+    from kernels.host import HostSlab
+
+    slab = HostSlab((32 << 20) + 4096, pin=True)
+    try:
+        assert slab.pinned and slab.why_not_registered is None and slab.tensor.is_pinned()
+        assert slab.tensor.numel() == (32 << 20) + 4096
+        src = torch.randint(0, 256, (slab.nbytes,), dtype=torch.uint8, device=CUDA)
+        slab.tensor.copy_(src, non_blocking=True)
+        back = slab.tensor.to(CUDA, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+    finally:
+        slab.close()
+    pool = StagingPool((32 << 20) + 64, 2, pin=True)
+    try:
+        assert pool.pinned and pool.tensor(1).is_pinned() and pool.slab.nbytes == 2 * ((32 << 20) + 4096)
+    finally:
+        pool.close()
+
+
 def test_page_moves_read_and_write_page_locked_host_memory():
     """scatter_kv_pages from a pinned host chunk and gather_kv_pages into one: the kernel reaches
     the host bytes over the bus (no staging copy); the same pages as from a device chunk."""
