@@ -183,6 +183,7 @@ def bench_decode(device, timer, shapes, heads, kv_heads, head_dim, peak_tbs) -> 
         run = lambda: paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, seq_lens, scale)  # noqa: E731
         out = run()
         ms = timer(run)
+        probe = _launch_probe(run, device) if device.type == "cuda" and batch <= 8 else None
         # Dense copies [B, ctx, KVH, D]: the references and the SDPA baseline read them.
         pages = paged.block_tables.long()
         k_all = paged.k_cache[pages].flatten(1, 2)[:, :ctx]
@@ -200,6 +201,8 @@ def bench_decode(device, timer, shapes, heads, kv_heads, head_dim, peak_tbs) -> 
         tbs = decode_bytes([ctx] * batch, heads, kv_heads, head_dim, 2) / (ms * 1e-3) / 1e12
         rows.append(Row("decode", f"B={batch} ctx={ctx}", ms, tbs, tbs / peak_tbs, sdpa_ms, err, ref_err, ok))
         print(_fmt(rows[-1]), flush=True)
+        if probe:
+            print(probe, flush=True)
         del k_dense, v_dense
     return rows
 
@@ -288,8 +291,29 @@ def bench_pages(device, timer, layers, kv_heads, head_dim, peak_tbs) -> list[Row
         shape = f"{n} chunks x {CHUNK_TOKENS} tok" if name == "scatter layer" else f"L={layers} {CHUNK_TOKENS} tok"
         rows.append(Row(name, shape, ms, tbs, tbs / peak_tbs, None, 0.0, 0.0, checks[name]))
         print(_fmt(rows[-1]), flush=True)
+        if device.type == "cuda":
+            print(_launch_probe(fn, device), flush=True)
     rows += bench_host_landing(device, timer, many, layer_k, layer_v, rows_ids)
     return rows
+
+
+def _launch_probe(fn: Callable[[], object], device: torch.device, calls: int = 200) -> str:
+    """Whether a short op's figure is its kernel or the host's launch: ``calls`` calls queued back
+    to back, timed on the host (to queue them) and on the device (first to last, by events). If
+    the host per call is near the device per call, the device waited for launches: the kernel
+    itself is faster than the row above says (whose timer also waits for each launch)."""
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_ms = (time.perf_counter() - t) * 1e3 / calls
+    end.record()
+    end.synchronize()
+    device_ms = start.elapsed_time(end) / calls
+    bound = "launch-bound" if host_ms > 0.8 * device_ms else "kernel-bound"
+    return f"{'':15s} back to back: {device_ms:.4f} ms/call on the device, {host_ms:.4f} ms/call to launch ({bound})"
 
 
 def bench_host_landing(device, timer, many, layer_k, layer_v, rows_ids) -> list[Row]:
