@@ -3,6 +3,7 @@ and page-locking memory that something else allocated (the node's arena mapping)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -98,16 +99,17 @@ class HostSlab:
             elif torch.cuda.is_available():
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.pinned = True
-        self._release = weakref.finalize(self, _release_slab, address, self.tensor)
+        self._release = weakref.finalize(self, _release_slab, address, self.tensor, os.getpid())
 
     def close(self) -> None:
         self._release()
 
 
-def _release_slab(address: int, tensor: torch.Tensor) -> None:
+def _release_slab(address: int, tensor: torch.Tensor, owner_pid: int) -> None:
     """Unregisters a slab's mapping once the devices are done with it. ``tensor`` (held until
-    this runs) keeps the mapping alive: unmapped while registered, its pages would stay locked."""
-    if not address:
+    this runs) keeps the mapping alive: unmapped while registered, its pages would stay locked.
+    A forked child that exits runs it too, and has no CUDA of its own to unregister with."""
+    if not address or os.getpid() != owner_pid:
         return
     try:
         for d in range(torch.cuda.device_count()):
