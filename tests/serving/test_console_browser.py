@@ -39,7 +39,7 @@ def _browser_or_skip():
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     chromium, driver_path = _browser_or_skip()
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
@@ -50,7 +50,10 @@ def browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--window-size=1400,1700", "--disable-extensions"):
         opts.add_argument(arg)
-    d = webdriver.Chrome(service=Service(driver_path), options=opts)
+    # NOTE: chromium leaves its singleton socket's folder (org.chromium.Chromium.*) in TMPDIR when
+    # chromedriver ends it: in pytest's temporary folder, not one more in /tmp per run.
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))}
+    d = webdriver.Chrome(service=Service(driver_path, env=env), options=opts)
     d.set_page_load_timeout(120)
     d.set_script_timeout(60)
     yield d
