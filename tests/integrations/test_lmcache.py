@@ -47,8 +47,10 @@ def _run(tmp, name: str, mode: str, address: str) -> dict:
     config, out, log = (os.path.join(tmp, f"{name}.{ext}") for ext in ("yaml", "json", "log"))
     with open(config, "w") as f:
         f.write(CONFIG.format(chunk=CHUNK, address=address))
+    # NOTE: LMCache's metrics take PROMETHEUS_MULTIPROC_DIR, or make /tmp/lmcache_prometheus and leave it
+    prom = os.path.join(tmp, f"{name}.prometheus")
     env = dict(os.environ, LMCACHE_CONFIG_FILE=config, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
-               DO_NOT_TRACK="1")
+               DO_NOT_TRACK="1", PROMETHEUS_MULTIPROC_DIR=prom)
     return run_json_script(venv_python("lmcache"), SCRIPT, [mode], out, log, env=env, timeout_s=300)
 
 
