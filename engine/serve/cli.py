@@ -42,7 +42,8 @@ def register(sub) -> None:
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
                        description="OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions "
-                                   "(stream: true as SSE), /v1/responses, /v1/models, /health, /metrics.")
+                                   "(stream: true as SSE), /v1/responses (GET and DELETE /v1/responses/{id}), /v1/models, "
+                                   "/tokenize, /detokenize, /health, /metrics.")
     g.add_argument("--listen", default="127.0.0.1:8000", type=address_arg,
                    help="HTTP address host:port (default: 127.0.0.1:8000)")
     g.add_argument("--model", default="random:tiny", help="model (for the tokenizer and the served name)")
