@@ -237,7 +237,8 @@ class StoreConnector:
         # NOTE: made at start, with the store session (arena mapped, channels open), so that
         # the first load of a process costs what the others do
         pin = runner.device.type == "cuda"
-        self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin)
+        cuda = runner.device if pin else None
+        self.pool = StagingPool(self.chunk_bytes, 2 * load_batch, pin=pin, pin_device=cuda)
         self.payload_bytes = runner.page_bytes * (self.chunk_tokens // runner.cfg.page_size)
         self.land_direct = land_direct and pin and kernels.select_backend(runner.device) == "triton"
         """CUDA: the landing kernel reads chunks in place in page-locked host memory (no device stage)."""
@@ -248,7 +249,7 @@ class StoreConnector:
         """Chunks not readable in place arrive layer-major (``StreamedLanding``) when the node can stream."""
         layer_bytes = self.payload_bytes // len(runner.k_caches)
         self.stream_ring = (StreamRing(RING_UNITS, STAGE_CHUNKS, layer_bytes, pin,
-                                       direct=runner.device if self.land_direct else None)
+                                       direct=runner.device if self.land_direct else None, pin_device=cuda)
                             if self.stream_loads else None)
         self.stream_stage = (DeviceStage(STAGE_CHUNKS, layer_shape, runner.dtype, runner.device)
                              if pin and self.stream_loads and not self.land_direct else None)
@@ -264,7 +265,7 @@ class StoreConnector:
             getattr(client, "transport", None)
             session = self._in_place_session()
             if session is not None and pin:
-                why = session.register_cuda()  # once, at start
+                why = session.register_cuda(runner.device)  # once, at start
                 registered = self._arena_registered = why is None
                 if why:
                     log.warning("the store's arena stays pageable for the GPU (%s): loads stage through "
@@ -279,7 +280,7 @@ class StoreConnector:
         # bounce, no host memcpy on the saver thread); otherwise into pinned host buffers.
         on_device = registered and self.check == CHECK_WSUM
         self.save_pool = StagingPool(self.payload_bytes, save_buffers, pin=pin,
-                                     device=runner.device if on_device else None)
+                                     device=runner.device if on_device else None, pin_device=cuda)
         """Chunks gathered from the pages wait here for the saver (never a fresh tensor per save)."""
         self._host_buffers = self._long_lived_buffers()
         try:

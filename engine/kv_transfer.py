@@ -41,9 +41,11 @@ class StagingPool:
         count: buffers; a pipelined load of batches of ``b`` chunks needs ``2 * b``.
         pin: page-lock them (needs CUDA): device copies from them are asynchronous DMA.
         device: where the buffers are (default the host); a device pool has no byte views.
+        pin_device: the GPU whose copies use a pinned pool (default: the current one).
     """
 
-    def __init__(self, slot_bytes: int, count: int, pin: bool = False, device: torch.device | None = None) -> None:
+    def __init__(self, slot_bytes: int, count: int, pin: bool = False, device: torch.device | None = None,
+                 pin_device: torch.device | None = None) -> None:
         if slot_bytes <= 0 or count <= 0:
             raise ValueError("a staging pool needs a positive buffer size and count")
         self.slot_bytes, self.count = slot_bytes, count
@@ -53,7 +55,7 @@ class StagingPool:
         self.slab = None
         if on_host:  # one slab, each buffer page-aligned in it (see HostSlab: pin_memory rounds each up)
             stride = -(-slot_bytes // PAGE) * PAGE
-            self.slab = HostSlab(stride * count, pin=self.pinned)
+            self.slab = HostSlab(stride * count, pin=self.pinned, device=pin_device)
             self.pinned = self.slab.pinned
             self._bufs = [self.slab.tensor[i * stride : i * stride + slot_bytes] for i in range(count)]
         else:
@@ -370,8 +372,8 @@ class StreamRing:
     """
 
     def __init__(self, units: int, group: int, layer_bytes: int, pin: bool,
-                 direct: torch.device | None = None) -> None:
-        self.slab = HostSlab(units * group * layer_bytes, pin=pin)
+                 direct: torch.device | None = None, pin_device: torch.device | None = None) -> None:
+        self.slab = HostSlab(units * group * layer_bytes, pin=pin, device=pin_device or direct)
         self.buf = self.slab.tensor.view(units, group, layer_bytes)
         self.rows = [[memoryview(self.buf[u, r].numpy()) for r in range(group)] for u in range(units)]
         self.tables = None

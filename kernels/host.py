@@ -31,10 +31,14 @@ CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 kernel can read the bytes in place (``kv_pages`` asks the driver for the device alias)."""
 
 
-def register_host_memory(address: int, nbytes: int) -> str | None:
+def register_host_memory(address: int, nbytes: int, device: torch.device | int | None = None) -> str | None:
     """Page-locks ``nbytes`` of host memory at ``address`` for CUDA (``cudaHostRegister``; the pages
     stay their owner's), so that device copies from and to it are DMA. None when done, else why not
     (the caller then copies through the driver's staging, slower but correct).
+
+    ``device`` is the GPU the copies serve (default: this thread's current one). The call runs in
+    its context: a thread that set no device would otherwise make a context on GPU 0 (hundreds of
+    MiB of its memory) for an engine on another GPU.
 
     A failed registration leaves no error behind. The runtime records it as the thread's last error,
     and torch checks every kernel launch with ``cudaGetLastError``: the next kernel on this thread,
@@ -42,6 +46,11 @@ def register_host_memory(address: int, nbytes: int) -> str | None:
     """
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
+    with torch.cuda.device(device):
+        return _register(address, nbytes)
+
+
+def _register(address: int, nbytes: int) -> str | None:
     try:
         err = torch.cuda.cudart().cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
     except Exception as exc:  # noqa: BLE001 - an old torch, a driver without it: stage instead
@@ -60,9 +69,10 @@ def register_host_memory(address: int, nbytes: int) -> str | None:
     return why
 
 
-def unregister_host_memory(address: int) -> None:
-    """Undoes :func:`register_host_memory` (before the memory is unmapped)."""
-    torch.cuda.cudart().cudaHostUnregister(address)
+def unregister_host_memory(address: int, device: torch.device | int | None = None) -> None:
+    """Undoes :func:`register_host_memory` (before the memory is unmapped), in ``device``'s context."""
+    with torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class HostSlab:
@@ -76,11 +86,16 @@ class HostSlab:
     as from ``pin_memory``'s. If registration fails, the slab falls back to one ``pin_memory``
     allocation (rounded, but page-locked); ``pinned`` says whether it is page-locked at all.
 
-    ``close`` (or the slab's collection, or the process's exit) waits for the devices' queued work,
+    ``close`` (or the slab's collection, or the process's exit) waits for the device's queued work,
     which may still read or write the slab, and then unregisters it.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, pin: bool, device: torch.device | None = None) -> None:
+        """
+        Args:
+            pin: page-lock it (when a CUDA device is there).
+            device: the GPU whose copies read and write it (default: the current one).
+        """
         import mmap
         import weakref
 
@@ -91,29 +106,32 @@ class HostSlab:
         self.why_not_registered: str | None = None
         buf = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
-        address = 0
+        address, index = 0, -1
         if pin:
-            self.why_not_registered = register_host_memory(self.tensor.data_ptr(), nbytes)
+            self.why_not_registered = register_host_memory(self.tensor.data_ptr(), nbytes, device)
             if self.why_not_registered is None:
                 address, self.pinned = self.tensor.data_ptr(), True
+                with torch.cuda.device(device):
+                    index = torch.cuda.current_device()
             elif torch.cuda.is_available():
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.pinned = True
-        self._release = weakref.finalize(self, _release_slab, address, self.tensor, os.getpid())
+        self._release = weakref.finalize(self, _release_slab, address, index, self.tensor, os.getpid())
 
     def close(self) -> None:
         self._release()
 
 
-def _release_slab(address: int, tensor: torch.Tensor, owner_pid: int) -> None:
-    """Unregisters a slab's mapping once the devices are done with it. ``tensor`` (held until
-    this runs) keeps the mapping alive: unmapped while registered, its pages would stay locked.
-    A forked child that exits runs it too, and has no CUDA of its own to unregister with."""
+def _release_slab(address: int, device: int, tensor: torch.Tensor, owner_pid: int) -> None:
+    """Unregisters a slab's mapping once ``device`` (current when it was registered: the one whose
+    copies read and write it) is done with it. ``tensor`` (held until this runs) keeps the mapping
+    alive: unmapped while registered, its pages would stay locked. Not every device: that would
+    make a context on each GPU of the host that this process never used. A forked child that
+    exits runs this too, and has no CUDA of its own to unregister with."""
     if not address or os.getpid() != owner_pid:
         return
     try:
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(d)
-        unregister_host_memory(address)
+        torch.cuda.synchronize(device)
+        unregister_host_memory(address, device)
     except Exception:  # noqa: BLE001 - at exit the runtime may be gone; the process frees it all
         pass

@@ -358,6 +358,7 @@ class DescriptorSession:
         self.num_local_misses = 0
         """Values copied from remembered descriptors that the second check refused (read again via a grant)."""
         self._cuda_registered = False
+        self._cuda_device = None
         self._buffers: dict[int, int] = {}
         """Host buffers registered for good (``register_buffers``): addr → bytes."""
         self._put_streams: dict = {}
@@ -768,14 +769,15 @@ class DescriptorSession:
         with self._use() as h:
             return h.control.abort(lease_id)
 
-    def register_cuda(self) -> str | None:
-        """Page-locks the mapped arena for CUDA DMA (``ShmMover.register_cuda``; kept across
-        re-maps); None when done, else why not."""
+    def register_cuda(self, device=None) -> str | None:
+        """Page-locks the mapped arena for CUDA DMA (``ShmMover.register_cuda``, for ``device``'s
+        copies, default the current GPU; kept across re-maps); None when done, else why not."""
         with self._use() as h:
             if not hasattr(h.mover, "register_cuda"):
                 return f"{self.mover.value} maps no arena here"
-            why = h.mover.register_cuda()
+            why = h.mover.register_cuda(device)
         self._cuda_registered = why is None
+        self._cuda_device = device
         return why
 
     def register_buffers(self, buffers: Sequence[tuple[int, int]]) -> None:
@@ -956,7 +958,7 @@ class DescriptorSession:
             return
         self._retire(stale)
         if self._cuda_registered:  # the new arena is DMA-able too
-            self.register_cuda()
+            self.register_cuda(self._cuda_device)
         if self._buffers:  # and the long-lived buffers registered with the new mover
             with self._use() as h:
                 _register(h.mover, list(self._buffers.items()))

@@ -78,6 +78,7 @@ class ShmMover:
         self._engine = CopyEngine(threads)
         self._tensor = None  # the whole arena as a CPU tensor, made on first use (tensor())
         self._registered = False
+        self._cuda_device = None
 
     @property
     def slot_bytes(self) -> int:
@@ -126,9 +127,10 @@ class ShmMover:
         """Whether the mapping is page-locked for CUDA (device copies to and from it are DMA)."""
         return self._registered
 
-    def register_cuda(self) -> str | None:
+    def register_cuda(self, device=None) -> str | None:
         """Page-locks the mapping for CUDA (``cudaHostRegister``; the pages stay the node's),
-        so that a device copy from arena bytes is a DMA straight from them. None when done
+        so that a device copy from arena bytes is a DMA straight from them. ``device``: the GPU
+        whose copies use it (default the current one; its context makes the call). None when done
         (or done before), else why not (copies then stage through the driver)."""
         if self._registered:
             return None
@@ -136,8 +138,9 @@ class ShmMover:
             from kernels.host import register_host_memory
         except ImportError as exc:  # no torch: nothing to register for
             return f"torch unavailable: {exc}"
-        why = register_host_memory(self.base, self.arena.size)
+        why = register_host_memory(self.base, self.arena.size, device)
         self._registered = why is None
+        self._cuda_device = device
         return why
 
     def close(self) -> None:
@@ -152,7 +155,7 @@ class ShmMover:
         if self._registered:
             from kernels.host import unregister_host_memory
 
-            unregister_host_memory(self.base)
+            unregister_host_memory(self.base, self._cuda_device)
             self._registered = False
         self._tensor = None
         try:

@@ -114,7 +114,7 @@ def test_a_host_slab_is_registered_at_its_own_size_and_copies_through_it_are_dma
     from engine.kv_transfer import StagingPool
     from kernels.host import HostSlab
 
-    slab = HostSlab((32 << 20) + 4096, pin=True)
+    slab = HostSlab((32 << 20) + 4096, pin=True, device=torch.device(CUDA))
     try:
         assert slab.pinned and slab.why_not_registered is None and slab.tensor.is_pinned()
         assert slab.tensor.numel() == (32 << 20) + 4096
