@@ -43,8 +43,18 @@ class CudaStaging:
         self._torch = torch
         self.chunk_bytes = chunk_bytes
         self._bufs = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
-        self._streams = [torch.cuda.Stream() for _ in range(depth)]
+        self._by_device: dict = {}
         self._lock = threading.Lock()
+
+    def _streams_of(self, device) -> list:
+        """``depth`` streams on the tensor's own GPU (made on its first transfer). A stream of
+        another GPU would not order the copy: ``copy_`` into a tensor on GPU 1 runs on GPU 1's
+        current stream, so an event on a GPU 0 stream would say done before the DMA that still
+        reads the buffer."""
+        streams = self._by_device.get(device)
+        if streams is None:
+            streams = self._by_device[device] = [self._torch.cuda.Stream(device) for _ in self._bufs]
+        return streams
 
     def to_device(self, dst, nbytes: int, fill: Fill) -> None:
         """Writes ``nbytes`` value bytes into CUDA tensor ``dst``; ``fill`` puts each chunk in pinned memory."""
@@ -53,8 +63,9 @@ class CudaStaging:
         assert nbytes <= out.numel()
         with self._lock:
             events = [None] * len(self._bufs)
+            streams = self._streams_of(dst.device)
             caller = torch.cuda.current_stream(dst.device)
-            for s in self._streams:
+            for s in streams:
                 s.wait_stream(caller)  # earlier work on dst comes first
             for k, off in enumerate(range(0, nbytes, self.chunk_bytes)):
                 b = k % len(self._bufs)
@@ -62,10 +73,10 @@ class CudaStaging:
                 if events[b] is not None:
                     events[b].synchronize()  # its previous DMA has read the buffer
                 fill(self._bufs[b].data_ptr(), off, n)
-                with torch.cuda.stream(self._streams[b]):
+                with torch.cuda.stream(streams[b]):
                     out[off : off + n].copy_(self._bufs[b][:n], non_blocking=True)
                     events[b] = torch.cuda.Event()
-                    events[b].record(self._streams[b])
+                    events[b].record(streams[b])
             for ev in events:
                 if ev is not None:
                     ev.synchronize()
@@ -76,6 +87,7 @@ class CudaStaging:
         inp = _flat_bytes(src)
         assert nbytes <= inp.numel()
         with self._lock:
+            streams = self._streams_of(src.device)
             caller = torch.cuda.current_stream(src.device)
             offs = list(range(0, nbytes, self.chunk_bytes))
             events = []
@@ -83,7 +95,7 @@ class CudaStaging:
             def issue(k: int) -> None:
                 b, off = k % len(self._bufs), offs[k]
                 n = min(self.chunk_bytes, nbytes - off)
-                s = self._streams[b]
+                s = streams[b]
                 s.wait_stream(caller)
                 with torch.cuda.stream(s):
                     self._bufs[b][:n].copy_(inp[off : off + n], non_blocking=True)
