@@ -169,7 +169,7 @@ class DecodeGraphs:
             self._dev_i64[0, : len(input_ids)].copy_(input_ids)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         if self.captured:
             self._graphs[bucket].replay()
             return self._hidden[bucket][:batch]

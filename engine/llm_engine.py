@@ -91,6 +91,14 @@ class _Launched:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, client=None) -> None:
         self.cfg = cfg
+        device = cfg.torch_device()
+        self._gpu = device if device.type == "cuda" else None
+        """The engine's GPU, made the current one of each thread that runs ``step`` (and of this one).
+        Triton launches on the current GPU, and an event recorded without a stream records on its
+        stream: with ``cuda:1`` and GPU 0 current, kernels would get GPU 1's pointers in GPU 0's
+        context and events would not wait for the step."""
+        if self._gpu is not None:
+            torch.cuda.set_device(self._gpu)
         self.model_config = load_model_config(cfg.model, cfg.hf_overrides)
         self.runner = ModelRunner(cfg, self.model_config)
         self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
@@ -312,6 +320,8 @@ class LLMEngine:
         """Runs one step; returns the tokens it sampled. With ``async_scheduling`` a step without
         drafts is launched and its tokens returned by the next call, which launches the next step
         first when nothing it schedules depends on them (``_overlap_skip``)."""
+        if self._gpu is not None:
+            torch.cuda.set_device(self._gpu)  # (the serving loop's thread is not the one that made the engine)
         done: list[StepOutput] = []
         skip = self._overlap_skip() if self._launched is not None else ()
         if skip is None:

@@ -230,7 +230,7 @@ class SampledTokens:
             if logprobs is not None:
                 logprobs.to_host()
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tokens.device))
         else:
             self._host = tokens
 

@@ -860,7 +860,7 @@ class WorkerSide:
             batch.hashes = torch.empty(n, dtype=torch.int64, pin_memory=True)
             batch.hashes.copy_(wsum64_rows(step.gathered, 0, words), non_blocking=True)
             batch.ready = torch.cuda.Event()
-            batch.ready.record()
+            batch.ready.record(torch.cuda.current_stream(step.gathered.device))
         self._ensure_saver()
         self._queue.put(batch)
 

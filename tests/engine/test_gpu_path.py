@@ -55,9 +55,10 @@ def _engine(address, client=None, **kw):
     # bfloat16 sums in another order could flip a greedy token of a random model; eager: decode
     # graphs are test_cuda_graphs.py's, and capturing them for every engine here costs the
     # GPU run's minutes
-    return LLMEngine(EngineConfig(model="random:small", device="cuda", dtype="float32", chunk_tokens=CHUNK,
+    return LLMEngine(EngineConfig(model="random:small", dtype="float32", chunk_tokens=CHUNK,
                                   store=address, kv_cache_memory="256MiB", enable_prefix_caching=False,
-                                  store_load_batch=2, **{"enforce_eager": True, **kw}), client=client)
+                                  store_load_batch=2, **{"enforce_eager": True, "device": "cuda", **kw}),
+                     client=client)
 
 
 def _recomputed(prompt: list[int]) -> list[int]:
@@ -339,5 +340,33 @@ def test_an_overlapped_step_admitting_a_store_hit_returns_while_it_computes(node
             eng.step()
         assert list(late.output) == want and all(s.is_finished for s in decoders)
         assert eng.connector.stats.late_failures == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (an engine on cuda:1)")
+def test_an_engine_on_the_second_gpu_stepped_from_another_thread_gives_the_tokens_of_recompute(node):
+    """An engine on ``cuda:1``, made on this thread and stepped from a new one (whose current GPU
+    is 0, as a serving loop's is): Triton launches on the current GPU and an event without a
+    stream records on its stream, so the engine makes its GPU current wherever it steps."""
+    import threading
+
+    prompt = _prompt(5 * CHUNK + 3)
+    torch.cuda.set_device(0)
+    ref = _engine(None, device="cuda:1")
+    try:
+        want = list(_run(ref, prompt).output)
+    finally:
+        ref.close()
+    torch.cuda.set_device(0)
+    eng = _engine(node.address, device="cuda:1")
+    got = []
+    try:
+        for _ in range(2):  # computed and saved, then loaded from the store
+            t = threading.Thread(target=lambda: got.append(_run(eng, prompt)))
+            t.start()
+            t.join(timeout=600)
+            assert eng.connector.flush(timeout_s=120)
+        assert [list(s.output) for s in got] == [want, want] and got[1].num_store_tokens == 5 * CHUNK
     finally:
         eng.close()
