@@ -104,7 +104,8 @@ class HostSlab:
         self.nbytes = nbytes
         self.pinned = False
         self.why_not_registered: str | None = None
-        buf = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # NOTE: populated now (the pages faulted in at start, not by the first load that fills them)
+        buf = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
         address, index = 0, -1
         if pin:
