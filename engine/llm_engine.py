@@ -99,6 +99,7 @@ class LLMEngine:
         context and events would not wait for the step."""
         if self._gpu is not None:
             torch.cuda.set_device(self._gpu)
+            self._gpu = torch.cuda.current_device()  # (an index: the cheapest form to set at each step)
         self.model_config = load_model_config(cfg.model, cfg.hf_overrides)
         self.runner = ModelRunner(cfg, self.model_config)
         self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
