@@ -92,14 +92,14 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, client=None) -> None:
         self.cfg = cfg
         device = cfg.torch_device()
-        self._gpu = device if device.type == "cuda" else None
-        """The engine's GPU, made the current one of each thread that runs ``step`` (and of this one).
-        Triton launches on the current GPU, and an event recorded without a stream records on its
-        stream: with ``cuda:1`` and GPU 0 current, kernels would get GPU 1's pointers in GPU 0's
-        context and events would not wait for the step."""
-        if self._gpu is not None:
-            torch.cuda.set_device(self._gpu)
-            self._gpu = torch.cuda.current_device()  # (an index: the cheapest form to set at each step)
+        self._gpu: int | None = None
+        """The engine's GPU (an index), made the current one of each thread that runs ``step`` (and
+        of this one). Triton launches on the current GPU, and an event recorded without a stream
+        records on its stream: with ``cuda:1`` and GPU 0 current, kernels would get GPU 1's pointers
+        in GPU 0's context and events would not wait for the step."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            self._gpu = torch.cuda.current_device()
         self.model_config = load_model_config(cfg.model, cfg.hf_overrides)
         self.runner = ModelRunner(cfg, self.model_config)
         self.blocks = BlockManager(self.runner.num_pages, cfg.page_size)
