@@ -213,6 +213,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError when a prompt and its longest output do not fit the model's context
+        (a prefill engine checks the whole request with it: it computes only the first token)."""
+        if prompt_tokens + max_tokens > self.model_config.max_position_embeddings:
+            raise ValueError(f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"context of {self.model_config.max_position_embeddings}")
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises ValueError, naming the problem, for a request this engine cannot serve."""
         if not isinstance(prompt, (list, tuple)):
@@ -226,9 +233,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if len(prompt) + params.max_tokens > self.model_config.max_position_embeddings:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the model's "
-                             f"context of {self.model_config.max_position_embeddings}")
+        self.check_context(len(prompt), params.max_tokens)
         if self.blocks.pages_for(len(prompt) + params.max_tokens) > self.blocks.num_pages:
             raise ValueError("the request does not fit the KV cache even alone (raise num_pages)")
         if any(t >= vocab for t in params.token_ids()):

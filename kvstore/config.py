@@ -18,7 +18,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
 def check_address(flag: str, address: str) -> None:
     """Raises ValueError unless ``address`` is ``host:port`` with a port in [0, 65535]."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"{flag} must be host:port (port 0-65535), got {address!r}")
 
 
@@ -257,5 +257,5 @@ class StoreConfig:
         if self.conductor is not None:
             for c in self.conductor.split(","):
                 c_host, _, c_port = c.strip().rpartition(":")
-                if not c_host or not c_port.isdigit() or int(c_port) > 65535:
+                if not c_host or not (c_port.isascii() and c_port.isdigit()) or int(c_port) > 65535:
                     raise ValueError(f"--conductor must be host:port[,host:port...], got {self.conductor!r}")

@@ -55,7 +55,8 @@ def _parse(text: str) -> tuple[bool, list[tuple[str, int]]]:
         if not sep:
             scheme, rest = "http", part
         host, _, port = rest.rpartition(":")
-        if scheme not in ("http", "https") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if scheme not in ("http", "https") or not host or not (port.isascii() and port.isdigit()) \
+                or not 0 < int(port) < 65536:
             raise InvalidArgumentError(f"etcd endpoints must be [https://]host:port[,...], got {text!r}")
         schemes.add(scheme)
         out.append((host.strip("[]"), int(port)))

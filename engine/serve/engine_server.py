@@ -80,9 +80,13 @@ class EngineService(pb_grpc.EngineServicer):
         if self.role == "decode":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode engine")
         params = self._params(request.sampling, context)
+        prompt = list(request.prompt_token_ids)
+        try:  # (the whole request: the decode engine, the same model, would refuse it after this prefill)
+            self.engine.check_context(len(prompt), params.max_tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # (the request's first token only: its minimum length still masks a stop token there)
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
-        prompt = list(request.prompt_token_ids)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         t0 = time.perf_counter()
         h = self._submit(context, prompt, first_params, salt, replicate=request.replicate)

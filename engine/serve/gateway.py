@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import queue
+import re
 import sys
 import threading
 import time
@@ -55,6 +56,47 @@ MAX_DISCARD = 64 << 20
 """An over-limit body up to this size is read and dropped, so that its sender gets the 400."""
 RETRY_AFTER_S = 1
 """The Retry-After of a 429 or 503."""
+
+
+def _byte_count(raw: str) -> int | None:
+    """A header's byte count (HTTP's ASCII digits: ``"²".isdigit()`` holds, and ``int`` refuses
+    it), else None."""
+    raw = raw.strip()
+    return int(raw) if raw.isascii() and raw.isdigit() else None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_body(raw: bytes):
+    """A request body's JSON; BadRequest for what is not JSON, or is JSON no handler could use:
+    nested too deeply, a number of over 4,300 digits (Python's limit on reading an int), a
+    string holding an unpaired UTF-16 surrogate (``"\\ud800"``: valid JSON, but no UTF-8
+    text, so no prompt, salt or pattern)."""
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deeply") from None
+    except ValueError:  # (int's limit on digits)
+        raise BadRequest("the body's JSON holds a number too long to read") from None
+    if _SURROGATE_ESCAPE.search(raw):  # (only an escape can make one: the UTF-8 decoder refuses them)
+        todo = [body]
+        while todo:
+            v = todo.pop()
+            if isinstance(v, dict):
+                todo += v.keys()
+                todo += v.values()
+            elif isinstance(v, list):
+                todo += v
+            elif isinstance(v, str):
+                try:
+                    v.encode()
+                except UnicodeEncodeError:
+                    raise BadRequest("the body's JSON holds a string with an unpaired UTF-16 surrogate "
+                                     "(\\ud800-\\udfff)") from None
+    return body
 
 
 class StreamCut(Exception):
@@ -122,13 +164,14 @@ class Engines:
         with self._lock:
             return list(self._open)
 
-    def model(self, address: str, timeout_s: float) -> tuple[frozenset[int], int]:
-        """An engine's EOS tokens and context length (its Health), asked once while its channel is open."""
+    def model(self, address: str, timeout_s: float) -> tuple[frozenset[int], int, int]:
+        """An engine's EOS tokens, context length and vocabulary size (its Health), asked once while its
+        channel is open."""
         with self._lock:
             known = self._models.get(address)
         if known is None:
             h = self[address].Health(pb.EngineHealthRequest(), timeout=timeout_s)
-            known = frozenset(h.eos_token_ids), h.max_model_len
+            known = frozenset(h.eos_token_ids), h.max_model_len, h.vocab_size
             with self._lock:
                 if address in self._open:
                     self._models[address] = known
@@ -525,10 +568,12 @@ class Gateway:
                     self.m_fallbacks.inc()
                     targets.pop(0)
 
-        eos, context = on_target(lambda role, address: self._model(address))
+        eos, context, vocab = on_target(lambda role, address: self._model(address))
         if len(prompt) + req.max_tokens > context:
             raise BadRequest(f"prompt ({len(prompt)}) + max_tokens ({req.max_tokens}) exceeds the model's context "
                              f"of {context}", "max_tokens")
+        if any(t >= vocab for t in req.stop_token_ids):  # (the search applies them here: no engine sees them)
+            raise BadRequest(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         params = BeamSearchParams(beam_width=req.n, max_tokens=req.max_tokens, length_penalty=req.length_penalty,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
         first: dict = {}  # the first step's cached tokens and prompt logprobs
@@ -546,8 +591,8 @@ class Gateway:
         for i, b in enumerate(beam_search(expand, params, eos)):
             yield i, Piece(b.tokens, b.finish_reason, first["cached"], b.logprobs, first["plps"])
 
-    def _model(self, address: str) -> tuple[frozenset[int], int]:
-        """An engine's EOS tokens and context length."""
+    def _model(self, address: str) -> tuple[frozenset[int], int, int]:
+        """An engine's EOS tokens, context length and vocabulary size."""
         return self.engines.model(address, self.timeout_s)
 
     def _first_tokens(self, role: str, address: str, prompts: list[list[int]], req: ParsedRequest, sampling) \
@@ -905,7 +950,7 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             only drop (over MAX_BODY, or to a path it does not serve) is refused before the client
             sends it, on a connection then closed; otherwise the client is told to go on."""
             raw = self.headers.get("Content-Length", "")
-            too_big = raw.strip().isdigit() and int(raw) > MAX_BODY
+            too_big = (_byte_count(raw) or 0) > MAX_BODY
             if self.command == "POST" and (too_big or self.path not in POST_ROUTES):
                 endpoint = POST_ROUTES.get(self.path, "completions")
                 self.close_connection = True
@@ -926,8 +971,8 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             if self.headers.get("Transfer-Encoding"):
                 self.close_connection = True  # a length not known without parsing it: nothing more is read
             elif length is not None and length.strip() != "0":
-                if length.strip().isdigit():
-                    self._discard(int(length))
+                if (n := _byte_count(length)) is not None:
+                    self._discard(n)
                 self.close_connection = True
 
         def _not_allowed(self):
@@ -938,6 +983,11 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
 
         do_PUT = do_PATCH = do_OPTIONS = _not_allowed
 
+        def do_HEAD(self):
+            """A 405 as for the other methods, without a body (a HEAD response has none)."""
+            self._no_body()
+            self.send_error(405, "HEAD is not supported here")
+
         def _body_length(self) -> int:
             """The request's Content-Length; BadRequest (the connection then closed) when the
             body's length cannot be known: chunked, missing with a body, or not a number."""
@@ -945,11 +995,8 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
                 self.close_connection = True
                 raise BadRequest("send the body with a Content-Length (chunked transfer encoding is not supported)")
             raw = self.headers.get("Content-Length")
-            try:
-                length = int(raw) if raw is not None else 0
-            except ValueError:
-                length = -1
-            if length < 0 or (raw is not None and not raw.strip().isdigit()):
+            length = _byte_count(raw) if raw is not None else 0
+            if length is None:
                 self.close_connection = True
                 raise BadRequest(f"Content-Length must be a byte count, got {raw!r}")
             return length
@@ -1047,12 +1094,7 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
                 ok, tenant = self._authorized(endpoint)  # before the body's contents: no model name to a stranger
                 if not ok:
                     return
-                try:
-                    body = json.loads(body or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise BadRequest(f"the body is not valid JSON: {exc}") from None
-                except RecursionError:
-                    raise BadRequest("the body's JSON is nested too deeply") from None
+                body = parse_body(body)
                 if endpoint in ("tokenize", "detokenize"):
                     self._json(200, gw.tokenize(body) if endpoint == "tokenize" else gw.detokenize(body))
                     gw.m_requests.labels(endpoint, "200").inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -175,6 +176,8 @@ def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise BadRequest(f"'{name}' must be a{'n integer' if integer else ' number'}", name)
+    if isinstance(v, float) and not math.isfinite(v):  # (NaN passes every comparison below)
+        raise BadRequest(f"'{name}' must be a finite number, got {v}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
     return v
@@ -441,7 +444,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise bad
     out = {}
     for k, b in v.items():
-        if not (k.isascii() and k.isdigit()) or int(k) > UINT32_MAX or isinstance(b, bool) \
+        if not (k.isascii() and k.isdigit() and len(k) <= 10) or int(k) > UINT32_MAX or isinstance(b, bool) \
                 or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
             raise bad
         out[int(k)] = float(b)

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-from engine.serve.openai_protocol import REASONING_EFFORTS, BadRequest
+from engine.serve.openai_protocol import REASONING_EFFORTS, UINT32_MAX, BadRequest, _num
 from engine.serve.reasoning import END
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,8 @@ def to_chat(body, history: list[dict] | None = None, can_store: bool = False) ->
         raise BadRequest("'metadata' must be an object", "metadata")
     chat = {k: body[k] for k in _SAME if k in body}
     chat["messages"] = _messages(body, history)
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("max_output_tokens") is not None:  # (checked here: an error names the field the client sent)
+        chat["max_tokens"] = _num(body, "max_output_tokens", None, 1, UINT32_MAX, integer=True)
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):

@@ -223,9 +223,10 @@ def recommend(samples: Sequence[RequestSample], cost: CostModel, *, target_rps: 
     def ttft_q(k: int) -> float:
         return quantile(ttfts(k), q)
 
-    floor_p = max(1, math.ceil(rps * mean_service * (1 + 1e-9)))
+    work = rps * mean_service  # (inf when both are huge, where ceil would raise)
+    floor_p = max(1, math.ceil(work * (1 + 1e-9))) if work <= MAX_INSTANCES else MAX_INSTANCES + 1
     if floor_p > MAX_INSTANCES:  # (simulating that many would take the memory of as many instances' queues)
-        raise ValueError(f"{rps:.3g} req/s is {rps * mean_service:.3g} prefill instances' worth of work, more than "
+        raise ValueError(f"{rps:.3g} req/s is {work:.3g} prefill instances' worth of work, more than "
                          f"the {MAX_INSTANCES} sizing considers")
     feasible = True
     # With enough instances no request waits: its TTFT is its own service time.

@@ -168,6 +168,10 @@ def test_bad_flags_exit_2(capsys):
                        (("ctl", "nodes", "--conductor", "127.0.0.1"), "--conductor must be host:port"),
                        (("ctl", "nodes", "--conductor", ",,"), "--conductor must be host:port"),
                        (("ctl", "nodes", "--etcd", "bad"), "--etcd"),
+                       # ("²".isdigit() holds, and int() refuses it)
+                       (("ctl", "nodes", "--conductor", "127.0.0.1:\u00b2"), "--conductor must be host:port"),
+                       (("ctl", "nodes", "--etcd", "127.0.0.1:\u00b2"), "etcd endpoints must be"),
+                       (("store", "--listen", "127.0.0.1:\u00b2"), "--listen must be host:port"),
                        (("--log-level", "bogus", "ctl", "nodes"), "invalid choice: 'BOGUS'"),
                        (("conductor", "--metrics-port", "70000"), "--metrics-port must be a port"),
                        (("engine", "both", "--listen", "127.0.0.1:99999"), "--listen: must be host:port"),

@@ -166,6 +166,11 @@ def test_bad_input_is_a_clear_error():
     assert recommend(one, COST, target_rps=1.0).num_prefill == 1
     with pytest.raises(ValueError, match="quantile"):
         recommend(one, COST, target_rps=1.0, q=1.0)
+    # a finite rate whose work is not (1.7e308 req/s × 1.5 s overflows to inf): a ValueError, not ceil's OverflowError
+    long = [RequestSample(0.0, 32768, 0, 1)]
+    assert prefill_service_s(long[0], COST) > 1
+    with pytest.raises(ValueError, match="instances' worth of work"):
+        recommend(long, COST, target_rps=1.7e308)
 
 
 def test_ctl_sizing_errors_are_one_line(conductor):

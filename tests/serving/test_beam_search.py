@@ -102,9 +102,10 @@ def test_the_decode_engine_goes_on_when_the_prefill_engine_is_down(offline):
 
 
 def test_the_gateway_learns_the_engines_eos_tokens(disagg):
-    eos, context = disagg.gw._model(disagg.decode.address)
+    eos, context, vocab = disagg.gw._model(disagg.decode.address)
     engine = disagg.decode.engine
     assert eos == frozenset(engine.eos) and context == engine.model_config.max_position_embeddings
+    assert vocab == engine.model_config.vocab_size
 
 
 @pytest.mark.parametrize("body,field", [
@@ -114,6 +115,7 @@ def test_the_gateway_learns_the_engines_eos_tokens(disagg):
     ({"guided_regex": "a+"}, "response_format"), ({"length_penalty": 11}, "length_penalty"),
     ({"length_penalty": 2, "use_beam_search": False}, "length_penalty"), ({"max_tokens": 10 ** 6}, "max_tokens"),
     ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"stop_token_ids": [99_999]}, "stop_token_ids"),  # (beyond the vocabulary: no engine sees the search's stops)
 ])
 def test_what_a_beam_search_cannot_honour_is_a_400_naming_it(disagg, body, field):
     body = {"model": MODEL, "prompt": "abc", "use_beam_search": True, "n": 2, **body}

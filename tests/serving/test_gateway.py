@@ -882,6 +882,14 @@ def test_malformed_http_gets_an_openai_error_and_never_desyncs_the_connection(di
     assert status == 405 and json.loads(data)["error"]["code"] == "method_not_allowed"
     status, headers, data = raw_exchange(disagg.url, b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 501 and json.loads(data)["error"]["type"] == "server_error"
+    u = urllib.parse.urlparse(disagg.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:  # HEAD: a 405 as for PUT, and no body (a HEAD response has none)
+        conn.request("HEAD", "/v1/models")
+        r = conn.getresponse()
+        assert r.status == 405 and r.read() == b""
+    finally:
+        conn.close()
     # a POST to an unknown path: its body is read, not taken for the connection's next request
     u = urllib.parse.urlparse(disagg.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
@@ -894,6 +902,54 @@ def test_malformed_http_gets_an_openai_error_and_never_desyncs_the_connection(di
     finally:
         conn.close()
 
+
+
+def test_a_content_length_of_non_ascii_digits_is_answered_not_dropped(disagg):
+    """``"²".isdigit()`` holds and ``int("²")`` raises: before, a GET (or a POST sent with
+    ``Expect: 100-continue``) with that length lost its connection, unanswered, to a traceback."""
+    status, headers, data = raw_exchange(disagg.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+                                         b"Content-Length: \xb2\r\n\r\n")
+    assert status == 200 and headers["connection"] == "close" and json.loads(data)["data"]
+    status, headers, data = raw_exchange(disagg.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                         b"Expect: 100-continue\r\nContent-Length: \xb2\r\n\r\n")
+    assert status == 400 and "Content-Length" in json.loads(data)["error"]["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"model": "%s", "prompt": "hi", "max_tokens": 1%s}' % (MODEL.encode(), b"1" * 5000), None),
+    (b'{"model": "%s", "prompt": "hi\\ud800", "max_tokens": 2}' % MODEL.encode(), None),
+    (b'{"model": "%s", "prompt": "hi", "cache_salt": "\\udfff", "max_tokens": 2}' % MODEL.encode(), None),
+    (b'{"model": "%s", "prompt": "hi", "logit_bias": {"1%s": 1}, "max_tokens": 2}' % (MODEL.encode(), b"0" * 5000),
+     "logit_bias"),
+    (b'{"model": "%s", "prompt": "hi", "use_beam_search": true, "n": 2, "length_penalty": NaN}' % MODEL.encode(),
+     "length_penalty")], ids=["5000-digit-number", "lone-surrogate-prompt", "lone-surrogate-salt",
+                              "5000-digit-logit-bias-key", "nan-length-penalty"])
+def test_json_no_handler_can_use_is_a_400_not_a_500(disagg, body, param):
+    """Valid JSON (or what Python's reader takes) that no field can hold: before, each was a 500 and a
+    traceback in the gateway's log (int's 4,300-digit limit, a string that is no UTF-8 text, NaN
+    passing every range check)."""
+    status, data = request(disagg.url, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
+    status, data = request(disagg.url, "POST", "/tokenize", b'{"model": "%s", "prompt": "\\ud83d"}' % MODEL.encode(),
+                           {"Content-Type": "application/json"})
+    assert status == 400, data
+    # a surrogate pair is one character: served
+    status, data = request(disagg.url, "POST", "/tokenize", b'{"model": "%s", "prompt": "\\ud83d\\ude00"}'
+                           % MODEL.encode(), {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(data)["tokens"], data
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_streamed_request_longer_than_the_context_is_a_400_before_any_token(disagg, chat):
+    """The prefill engine computes the first token only, and used to check only that: a streamed
+    request whose max_tokens overran the context was sent its 200 and a token before the decode
+    engine refused it (and its prefill was computed and saved for nothing)."""
+    body = {"model": MODEL, "max_tokens": 1_000_000, "stream": True,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    status, data = request(disagg.url, "POST", "/v1/chat/completions" if chat else "/v1/completions",
+                           json.dumps(body).encode(), {"Content-Type": "application/json"})
+    assert status == 400 and "exceeds the model's context" in json.loads(data)["error"]["message"], data[:300]
 
 # ---- metrics ----------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ def test_reasoning_comes_as_its_own_item(cluster):
     ("input", []), ("input", [{"type": "image", "url": "x"}]), ("input", [{"role": "robot", "content": "x"}]),
     ("reasoning", {"effort": "extreme"}), ("reasoning", {"summary": "auto"}), ("include", ["reasoning.encrypted_content"]), ("background", True),
     ("truncation", "auto"), ("instructions", 5), ("prompt_cache_key", "k"), ("top_logprobs", 21),
-    ("include", "message.output_text.logprobs")])
+    ("include", "message.output_text.logprobs"), ("max_output_tokens", -1), ("max_output_tokens", "5")])
 def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(cluster, field, value):
     body = {"model": MODEL, "input": "hi", field: value}
     with pytest.raises(openai.BadRequestError) as e:
