@@ -461,9 +461,9 @@ class TieredStore:
 
     def note_hits(self, tier: Tier, values: int, nbytes: int) -> None:
         """Counts reads served without this store seeing them (a same-host client's local reads)."""
-        with self._lock:  # (saturating: the counters are u64 in Stats, and a client says these)
-            self.counters["hits"][tier] = min(self.counters["hits"][tier] + values, U64_MAX)
-            self.counters["bytes_out"] = min(self.counters["bytes_out"] + nbytes, U64_MAX)
+        with self._lock:  # (stats() saturates them at the u64 of Stats)
+            self.counters["hits"][tier] += values
+            self.counters["bytes_out"] += nbytes
 
     def get(self, key: bytes) -> bytes | None:
         lease = self.acquire(key)
@@ -559,10 +559,12 @@ class TieredStore:
                                     "used_bytes": self._disk_used,
                                     "num_entries": len(self._lru[Tier.DISK]),
                                     "num_copies": len(self._copies)}
+            # NOTE: saturated at 2^64 - 1, the u64 of Stats and of the conductor's heartbeat (clients
+            # report reads the node did not see; a sum over them once killed the heartbeat's thread)
             for tier, t in tiers.items():
-                t["hits"] = self.counters["hits"][tier]
+                t["hits"] = min(self.counters["hits"][tier], U64_MAX)
                 t["evictions"] = self.counters["evictions"][tier]
-            c = self.counters
+            c = {k: min(v, U64_MAX) if isinstance(v, int) else v for k, v in self.counters.items()}
             return {"tiers": tiers, "misses": c["misses"], "demotions": c["demotions"],
                     "promotions": c["promotions"], "drops": c["drops"], "corrupt": c["corrupt"],
                     "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],

@@ -291,16 +291,11 @@ class MemberAgent:
                     backoff = min(backoff * 2, 2.0)
                     continue
             req = cpb.HeartbeatRequest(member_id=self.member_id, incarnation=self._incarnation)
-            if self.kind is MemberKind.STORE:
-                load = self._store_load()
-                if load is not None:
-                    req.store.CopyFrom(load)
-            else:
-                req.engine.CopyFrom(self._load.to_pb())
-                while self._samples:
-                    req.prefill_samples.append(self._samples.popleft())
-                while self._decode_samples:
-                    req.decode_samples.append(self._decode_samples.popleft())
+            try:
+                self._add_load(req)
+            except Exception:  # noqa: BLE001 - a beat without its load still keeps the member alive
+                log.exception("heartbeat of %s sent without its load", self.member_id)
+                req = cpb.HeartbeatRequest(member_id=self.member_id, incarnation=self._incarnation)
             try:
                 resp = self._stub.Heartbeat(req, timeout=self.timeout_s)
                 if resp.known:
@@ -315,6 +310,18 @@ class MemberAgent:
                 self._follow(exc)
             self._wake.wait(self._interval)
             self._wake.clear()
+
+    def _add_load(self, req: cpb.HeartbeatRequest) -> None:
+        if self.kind is MemberKind.STORE:
+            load = self._store_load()
+            if load is not None:
+                req.store.CopyFrom(load)
+        else:
+            req.engine.CopyFrom(self._load.to_pb())
+            while self._samples:
+                req.prefill_samples.append(self._samples.popleft())
+            while self._decode_samples:
+                req.decode_samples.append(self._decode_samples.popleft())
 
     def _events_loop(self) -> None:
         backoff = 0.05

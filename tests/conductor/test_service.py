@@ -1,5 +1,7 @@
 """The conductor's gRPC service with in-process store nodes and engine agents (real gRPC on loopback)."""
 
+import logging
+
 import grpc
 import pytest
 
@@ -40,6 +42,24 @@ def engines(conductor):
     yield make
     for a in agents:
         a.stop()
+
+
+def test_a_heartbeat_whose_load_cannot_be_built_still_keeps_the_member_alive(engines, cc, caplog):
+    """Before, one exception while building a heartbeat's load (a node's counters past the u64 a
+    client's reports had pushed them to) ended the heartbeat thread for good: the member was
+    declared dead, silently, and left the cluster while it kept serving."""
+    caplog.set_level(logging.ERROR, logger="kvstore.conductor.agent")
+    a = engines("p")
+
+    class Broken:
+        def to_pb(self):
+            raise ValueError("Value out of range: 18446744073709551715")
+
+    a._load = Broken()
+    wait_for(lambda: sum("sent without its load" in r.getMessage() for r in caplog.records) >= 3,
+             what="three heartbeats sent without their load")
+    m = next(m for m in cc.members() if m.member_id == "p")
+    assert m.state == "alive" and m.last_seen_s < DEAD_S
 
 
 def holders(cc, keys):

@@ -325,7 +325,10 @@ def test_local_reads_are_reported_to_the_node(make_node, reports_only_at_close):
         node.transport.local_reads(1 << 63, 1 << 63, 1 << 63)
     with StoreClient(node.address, transport="grpc") as g:
         st = g.stats()
-    assert st["tiers"]["dram"]["hits"] == U64_MAX and st["movers"]["shm"]["bytes_read"] == U64_MAX
+        assert st["tiers"]["dram"]["hits"] == U64_MAX and st["movers"]["shm"]["bytes_read"] == U64_MAX
+        assert g.get(b"k") == b"v" * 1000  # a read the node serves adds to them: still a u64 (it failed Stats)
+        st = g.stats()
+    assert st["tiers"]["dram"]["hits"] == U64_MAX and node.store.stats()["bytes_out"] == U64_MAX
 
 
 def test_local_reads_are_reported_while_the_session_runs(make_node, monkeypatch):
