@@ -153,16 +153,14 @@ def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None
         sock.send_views(views)
         return
     pending = [memoryview(v).cast("B") for v in views if len(v)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        sent = sock.sendmsg(batch)
-        i = 0
-        while i < len(batch) and sent >= batch[i].nbytes:
-            sent -= batch[i].nbytes
-            i += 1
-        pending = pending[i:]
+    at = 0  # (an index, not a shorter list per call: a list of many views cost its square)
+    while at < len(pending):
+        sent = sock.sendmsg(pending[at : at + _IOV_MAX])
+        while sent and sent >= pending[at].nbytes:
+            sent -= pending[at].nbytes
+            at += 1
         if sent:
-            pending[0] = pending[0][sent:]
+            pending[at] = pending[at][sent:]
 
 
 def tune(sock: socket.socket) -> None:
@@ -183,6 +181,12 @@ def layered_arg(head: int, layer: int) -> int:
     return head << LAYER_BITS | layer
 
 
+MAX_LAYERS = 1024
+"""Layers of one value in a GET_LAYERED read, at most (a model has a few hundred at the most: the
+node does work and holds memory per part, so 1-byte layers of a large value would cost it far
+more than the value)."""
+
+
 def split_layered_arg(arg: int) -> tuple[int, int]:
     return arg >> LAYER_BITS, arg & ((1 << LAYER_BITS) - 1)
 
@@ -190,10 +194,10 @@ def split_layered_arg(arg: int) -> tuple[int, int]:
 def layered_parts(sizes: Sequence[int | None], head: int, layer: int) -> list[tuple[int, int, int, int]]:
     """The order GET_LAYERED sends the values of ``sizes`` (None: not sent) in: ``(value, part,
     offset, length)``, part -1 the head, then ``l`` for layer ``l`` (the same list on both ends)."""
-    layers = [None if n is None else (n - head) // layer for n in sizes]
-    out = [(j, -1, 0, head) for j, n in enumerate(layers) if n is not None and head]
-    for l in range(max((n for n in layers if n is not None), default=0)):
-        out += [(j, l, head + l * layer, layer) for j, n in enumerate(layers) if n is not None and l < n]
+    sent = [(j, (n - head) // layer) for j, n in enumerate(sizes) if n is not None]
+    out = [(j, -1, 0, head) for j, _ in sent] if head else []
+    for l in range(max((n for _, n in sent), default=0)):
+        out += [(j, l, head + l * layer, layer) for j, n in sent if l < n]
     return out
 
 

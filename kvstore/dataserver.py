@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
+import itertools
 import logging
 import math
 import secrets
@@ -12,7 +14,7 @@ import threading
 import time
 
 from kvstore import tls
-from kvstore.datachannel import (HELLO, TOKEN_BYTES, Op, ProtocolError, Status,
+from kvstore.datachannel import (HELLO, MAX_LAYERS, TOKEN_BYTES, Op, ProtocolError, Status,
                                  encode_grant, encode_response, layered_parts, read_request, recv_exact,
                                  recv_exact_into, send_views, split_layered_arg, tune)
 from kvstore.errors import CrescentError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -27,10 +29,15 @@ ACCEPT_RETRY_S = 0.1
 _DRAIN = 1 << 20
 
 
-def _cut(views: list[memoryview], off: int, n: int) -> list[memoryview]:
-    """Bytes ``off .. off+n`` of a value laid out as ``views`` back to back."""
+def _cut(views: list[memoryview], off: int, n: int, starts: list[int] | None = None) -> list[memoryview]:
+    """Bytes ``off .. off+n`` of a value laid out as ``views`` back to back (``starts``: each
+    view's offset in the value, to find the first view by bisection)."""
     out = []
-    for v in views:
+    i = 0
+    if starts is not None:
+        i = bisect.bisect_right(starts, off) - 1
+        off -= starts[i]
+    for v in views[i:]:
         if n <= 0:
             break
         if off >= v.nbytes:
@@ -206,6 +213,10 @@ class DataChannelServer:
                 elif layered and (layer == 0 or not 0 <= head <= lease.size or (lease.size - head) % layer):
                     items.append((Status.INVALID, lease.size))
                     msg = msg or f"value of {lease.size} bytes is not {head} + layers of {layer}"
+                elif layered and (lease.size - head) // layer > MAX_LAYERS:
+                    items.append((Status.INVALID, lease.size))
+                    msg = msg or (f"value of {lease.size} bytes is {(lease.size - head) // layer} layers of {layer}, "
+                                  f"more than the {MAX_LAYERS} a layered read takes")
                 elif not layered and 0 <= arg < lease.size:
                     items.append((Status.TOO_LARGE, lease.size))
                     msg = msg or f"value of {lease.size} bytes does not fit a buffer of {arg}"
@@ -216,9 +227,11 @@ class DataChannelServer:
                 body = [v for ls in sending for v in ls.views]
             else:  # every OK value's head, then layer 0 of each, layer 1, … (datachannel.layered_parts)
                 ok_leases = [ls if st is Status.OK else None for ls, (st, _) in zip(leases, items)]
+                starts = [None if ls is None else list(itertools.accumulate((v.nbytes for v in ls.views[:-1]),
+                                                                            initial=0)) for ls in ok_leases]
                 body = [v for j, _, off, n in layered_parts([None if ls is None else ls.size for ls in ok_leases],
                                                            head, layer)
-                        for v in _cut(ok_leases[j].views, off, n)]
+                        for v in _cut(ok_leases[j].views, off, n, starts[j])]
             send_views(conn, [encode_response(items, msg), *body])
         finally:
             self.store.release_many(ls for ls in leases if ls is not None)

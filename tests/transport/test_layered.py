@@ -80,6 +80,33 @@ def test_a_layout_no_client_can_ask_for_is_invalid_and_sends_no_bytes(make_node)
         assert got == _value(1, 2)
 
 
+def test_a_layered_read_of_more_layers_than_a_model_has_is_invalid(make_node):
+    """Before, 1-byte layers of a 1 MiB value made the node build a part (and a view) per byte: 400
+    MiB of memory and 17 s for that one read, a 256 MiB value would have taken ~100 GiB. Now at most
+    MAX_LAYERS layers a value; that many are sent, in order."""
+    import socket
+
+    from kvstore.datachannel import HELLO, MAX_LAYERS, Op, Status, encode_request, read_response
+
+    node = make_node()
+    value = random.Random(7).randbytes(MAX_LAYERS * 1024)
+    with StoreClient(node.address, transport="tcp") as c:
+        c.put(b"big", value)
+    with socket.create_connection(("127.0.0.1", node.data_server.port), timeout=30) as s:
+        s.sendall(HELLO + node.data_server.token)
+        s.sendall(encode_request(Op.GET_LAYERED, [b"big"], [layered_arg(0, 1)]))
+        items, msg = read_response(s)
+        assert items == [(Status.INVALID, len(value))] and f"more than the {MAX_LAYERS}" in msg
+        s.sendall(encode_request(Op.GET_LAYERED, [b"big", b"big"], [layered_arg(0, 1024)] * 2))
+        items, _ = read_response(s)
+        assert items == [(Status.OK, len(value))] * 2
+        got = bytearray()
+        while len(got) < 2 * len(value):
+            got += s.recv(2 * len(value) - len(got))
+    # layer-major: layer l of the first, then of the second
+    assert bytes(got) == b"".join(value[l * 1024 : (l + 1) * 1024] * 2 for l in range(MAX_LAYERS))
+
+
 def test_values_on_the_disk_tier_stream_layer_major_too(make_node, tmp_path):
     node = make_node(dram=1 << 20, disk=str(tmp_path / "disk"), disk_size=64 << 20)
     c = StoreClient(node.address, transport="tcp")
