@@ -24,6 +24,10 @@ from kvstore.transport.descriptors import ItemStatus, Mover
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 30.0
 """How long a new connection has for its TLS handshake and its hello (``CRDC`` + session token)."""
+STALL_S = 60.0
+"""How long a request may go without progress once its first byte is in: a client that stops
+sending a PUT's bytes, or stops reading a GET's, loses its connection, and the reservations or
+leases it held go back (an idle connection between requests is kept: keepalive finds a dead one)."""
 ACCEPT_RETRY_S = 0.1
 """The pause before accepting again after an accept failed (out of descriptors: connections closing free them)."""
 _DRAIN = 1 << 20
@@ -151,10 +155,10 @@ class DataChannelServer:
             prefix = self._prefixes.get(hello[4:]) if hello[:4] == HELLO else None
             if prefix is None:
                 return
-            conn.settimeout(None)
             proven = False  # shm grants wait for a PROVE (kvstore/datachannel.py)
             while not self._closed:
-                req = read_request(conn)
+                conn.settimeout(None)
+                req = read_request(conn, stall_s=STALL_S)  # (STALL_S from its first byte to the answer's last)
                 if req is None:
                     return
                 op, keys, args, mover = req
@@ -200,8 +204,11 @@ class DataChannelServer:
             except CrescentError as exc:
                 ok.append(False)
                 msg = msg or str(exc)
-        got = iter(self.store.acquire_many([k for k, v in zip(keys, ok) if v]))  # disk reads in parallel
-        leases = [next(got) if v else None for v in ok]
+        # NOTE: each key leased once (disk reads in parallel), its views sent as often as it is named:
+        # a key named 64 times once read its disk value 64 times into memory before anything was sent
+        unique = list(dict.fromkeys(bytes(k) for k, v in zip(keys, ok) if v))
+        held = dict(zip(unique, self.store.acquire_many(unique)))
+        leases = [held[bytes(k)] if v else None for k, v in zip(keys, ok)]
         sending: list[Lease] = []
         try:
             head, layer = split_layered_arg(args[0]) if layered and args else (0, 0)  # (one layout per request)
@@ -234,7 +241,7 @@ class DataChannelServer:
                         for v in _cut(ok_leases[j].views, off, n, starts[j])]
             send_views(conn, [encode_response(items, msg), *body])
         finally:
-            self.store.release_many(ls for ls in leases if ls is not None)
+            self.store.release_many(ls for ls in held.values() if ls is not None)
 
     def _put(self, conn: socket.socket, keys: list[bytes], sizes: list[int]) -> None:
         reservations: list[Reservation | None] = []

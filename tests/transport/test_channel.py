@@ -201,6 +201,65 @@ def test_a_connection_that_stalls_before_its_hello_is_dropped_and_an_idle_sessio
     idle.close()
 
 
+def test_a_request_that_stalls_midway_loses_its_connection_and_what_it_held(make_node, monkeypatch):
+    """A PUT whose bytes stop coming held its reservations, and a GET whose answer is never read its
+    leases, for as long as the connection stayed open (the node's room with them); now for STALL_S
+    without progress. A session idle between requests keeps its connection."""
+    from kvstore import dataserver
+
+    monkeypatch.setattr(dataserver, "STALL_S", 1.0)
+    node = make_node(dram=64 * 2**20)
+    store = node.store
+    StoreClient(node.address).batch_put([(b"v%d" % i, bytes([i]) * (2 << 20)) for i in range(24)])
+    idle = _conn(node)
+    put = _conn(node)
+    put.sendall(encode_request(Op.PUT, [b"big"], [12 << 20]) + b"x" * 1024)  # 12 MiB promised, 1 KiB sent
+    wait_for(lambda: store.stats()["tiers"][Tier.DRAM]["used_bytes"] > 48 << 20, what="the PUT's reservation")
+    get = _conn(node)
+    get.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    get.sendall(encode_request(Op.GET, [b"v%d" % i for i in range(24)], [-1] * 24))  # 48 MiB, never read
+    wait_for(lambda: store.stats()["num_leases"] == 24, what="the GET's leases")
+    assert put.recv(100) == b""  # (closed by the node, after STALL_S)
+    wait_for(lambda: store.stats()["num_leases"] == 0, what="the unread GET's leases released")
+    wait_for(lambda: store.stats()["tiers"][Tier.DRAM]["used_bytes"] <= (48 << 20) + (1 << 20),
+             what="the stalled PUT's reservation given back")
+    assert len(store) == 24
+    idle.sendall(encode_request(Op.EXISTS, [b"v0", b"big"], [0, 0]))  # the idle session is still served
+    assert read_response(idle) == ([(Status.OK, 0), (Status.NOT_FOUND, 0)], "")
+    for s in (idle, put, get):
+        s.close()
+
+
+def test_a_get_naming_a_disk_value_many_times_reads_it_once(tmp_path):
+    """A key named 64 times in one GET was leased (and its disk value read into memory) 64 times
+    before anything was sent; now once, and its bytes go out as often as it is named."""
+    from tests.helpers import store_nodes
+
+    gen = store_nodes(tmp_path, with_disk=True)
+    make = next(gen)
+    try:
+        node = make(dram=1 << 20, promote=False)
+        value = os.urandom(4 << 20)
+        with StoreClient(node.address, transport="grpc") as c:
+            c.put(b"d", value)
+        wait_for(lambda: node.store.stats()["tiers"][Tier.DISK]["num_entries"] == 1, what="the value on disk")
+        read0 = node.store.stats()["disk_bytes_read"]
+        s = _conn(node, prove=False)
+        s.sendall(encode_request(Op.GET, [b"d"] * 64 + [b"nope"], [-1] * 65))
+        items, _ = read_response(s)
+        assert items == [(Status.OK, len(value))] * 64 + [(Status.NOT_FOUND, 0)]
+        for _ in range(64):
+            got = bytearray()
+            while len(got) < len(value):
+                got += s.recv(len(value) - len(got))
+            assert got == value
+        s.close()
+        assert node.store.stats()["disk_bytes_read"] - read0 == len(value)
+        assert node.store.stats()["num_leases"] == 0
+    finally:
+        gen.close()
+
+
 def test_reads_release_without_waiting_and_leave_nothing_leased(make_node):
     node = make_node()
     c = StoreClient(node.address)
