@@ -21,7 +21,7 @@ from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.datachannel import DATA_OPS
 from kvstore.dataserver import DataChannelServer
 from kvstore.liveness import rpc_server, server_options
-from kvstore.errors import CrescentError, InvalidArgumentError
+from kvstore.errors import CrescentError, InvalidArgumentError, ResourceExhaustedError
 from kvstore.health import HealthStatus, advertised_host
 from kvstore.metrics import StoreMetrics, stop_http
 from kvstore.procs import StopSignals, say, wait_in_slices
@@ -106,7 +106,14 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
                             f"value for key {filler.res.key.hex()} truncated: "
                             f"{filler.remaining} bytes missing before the next header")
                     key, = auth.scoped(prefix, [frame.header.key])
-                    filler = _Filler(self.store.reserve(key, frame.header.size))
+                    try:
+                        filler = _Filler(self.store.reserve(key, frame.header.size))
+                    except ResourceExhaustedError as exc:
+                        if not pending:
+                            raise
+                        raise ResourceExhaustedError(  # (its own values may be what fills the node)
+                            f"{exc}; this Put holds {len(pending)} values ({sum(r.size for r in pending)} bytes) "
+                            "not committed until it ends: put fewer at a time") from None
                 elif which == "data":
                     if filler is None:
                         raise InvalidArgumentError("a data frame without a header")

@@ -640,3 +640,23 @@ def test_metrics_and_console_listeners_close_a_silent_connection_and_serve_on(li
         if stop is not None:
             stop()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_put_whose_own_values_fill_the_node_says_so(make_node):
+    """A gRPC Put commits its values when it ends: before, one whose own values filled the node was
+    told that "every resident value is leased or pinned, or the store is full", naming other values."""
+    node = make_node(dram=4 * MiB, with_disk=False)
+    ch, s = stub(node)
+
+    def frames():
+        for i in range(100):  # 100 × 64 KiB: more than the 4 MiB the node has
+            yield pb.PutFrame(header=pb.ValueHeader(key=b"k%d" % i, size=64 << 10))
+            yield pb.PutFrame(data=bytes(64 << 10))
+
+    with pytest.raises(grpc.RpcError) as e:
+        s.Put(frames(), timeout=60)
+    assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "this Put holds" in e.value.details() and "put fewer at a time" in e.value.details()
+    assert s.Put(iter([pb.PutFrame(header=pb.ValueHeader(key=b"after", size=1)), pb.PutFrame(data=b"x")]),
+                 timeout=60).num_stored == 1  # every reservation of the failed Put was given back
+    ch.close()
