@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from kernels.host import one_intra_op_thread
 from engine.kv_transfer import (RING_UNITS, STAGE_CHUNKS, DeviceStage, LayerwiseLanding, StagingPool, source_rows,
                                 StreamedLanding, StreamRing, pipelined_load)
 from engine.model_runner import ModelRunner
@@ -253,7 +254,7 @@ class StoreConnector:
                             if self.stream_loads else None)
         self.stream_stage = (DeviceStage(STAGE_CHUNKS, layer_shape, runner.dtype, runner.device)
                              if pin and self.stream_loads and not self.land_direct else None)
-        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="kv-stream", initializer=one_intra_op_thread)
         self.stream_timeout_s = float(getattr(client, "timeout_s", 60.0))
         wsum = check == "wsum" or (check == "auto" and pin)
         self.check = CHECK_WSUM if wsum and self.payload_bytes % 8 == 0 else CHECK_XXH3
@@ -299,8 +300,6 @@ class StoreConnector:
             with torch.cuda.stream(r.transfer_stream):
                 torch.zeros(8, device=r.device).add_(1)
             r.transfer_stream.synchronize()
-        else:
-            torch.zeros(1 << 16).add_(1)  # (the thread's first parallel op starts its pool)
 
     def _open_stream_connection(self) -> None:
         channel = getattr(self.client, "_data_channel", None)
@@ -735,6 +734,7 @@ class StoreConnector:
         self._queue.put((ns, items))
 
     def _save_loop(self) -> None:
+        one_intra_op_thread()  # (kernels.host: a team of its own would slow every op of the forward's)
         # NOTE: on CUDA the saver's own work (a wsum64 read back, the put stream's wait) queues on
         # the save stream: on the default stream it would wait behind the steps the engine
         # launched since, and each save would end a step late

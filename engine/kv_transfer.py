@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kernels.host import HostSlab, to_device
+from kernels.host import HostSlab, one_intra_op_thread, to_device
 from kvstore.chunk import CHECK_WSUM, WSUM_K
 from kvstore.errors import CrescentError
 
@@ -63,7 +63,7 @@ class StagingPool:
         self._views = [memoryview(b.numpy()) for b in self._bufs] if on_host else []
         self._free = list(range(count))
         self._cv = threading.Condition()
-        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch", initializer=one_intra_op_thread)
 
     def take(self, n: int, timeout_s: float = 60.0) -> list[int]:
         """``n`` free buffers' ids, waiting for copies in flight to give theirs back."""
@@ -389,7 +389,7 @@ class StreamRing:
         for ev in self.free:
             ev.set()
         self.copies: list = [None] * units
-        self.lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land", initializer=one_intra_op_thread)
 
     @property
     def units(self) -> int:

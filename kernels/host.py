@@ -25,6 +25,22 @@ def to_device(values: Sequence[int] | torch.Tensor, dtype: torch.dtype, device: 
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def one_intra_op_thread() -> None:
+    """Gives the calling side thread (lander, loader, saver, fetcher) one intra-op thread: its torch
+    ops run beside the forward, whose OpenMP team has the cores.
+
+    A side thread with a team of its own is worse than slow: libgomp then manages more threads
+    than there are CPUs and cuts every team's spinning at barriers to almost nothing, so the
+    forward's threads sleep and wake at each of its ops. Measured in vLLM on 2 cores: its two
+    forward threads went from 26 and 41 voluntary context switches in a run to 12,891 and 17,511
+    with an idle lander alive, and the run took a few percent longer. In this project's engine on
+    2 cores: 224 small page writes (a load's landing) took 4.3 ms, 23.6 ms once another thread had
+    run one parallel op; a decode step of ``random:small`` 1.2-1.5 ms, 2.0 ms. Calls torch's own setter:
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (its threads are bound), and
+    the count set here is the calling thread's only (libgomp's is per thread)."""
+    torch._C.set_num_threads(1)
+
+
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 """``cudaHostRegisterPortable | cudaHostRegisterMapped``: page-locked for every device's context
 (a TP worker's GPU is often not device 0) and mapped into the device's address space, so that a

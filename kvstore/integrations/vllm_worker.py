@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.host import to_device
+from kernels.host import one_intra_op_thread, to_device
 from kvstore.chunk import CHECK_WSUM, CHECK_XXH3, check_payload, encode_chunk, verify_header, wsum64_rows
 from kvstore.errors import ChunkVerificationError, CrescentError
 from kvstore.integrations.paged import BlockLayout, gather_chunks, scatter_chunks
@@ -48,20 +48,6 @@ from kvstore.transport.descriptors import ItemStatus, Mover
 from kvstore.transport.session import leased_head, safe_end
 
 log = logging.getLogger("crescent.integrations")
-
-
-def one_intra_op_thread() -> None:
-    """Gives the calling side thread (lander, loader, saver) one intra-op thread: its torch ops run
-    beside the forward, whose OpenMP team has the cores.
-
-    A side thread with a team of its own is worse than slow: libgomp then manages more threads
-    than there are CPUs and cuts every team's spinning at barriers to almost nothing, so the
-    forward's threads sleep and wake at each of its ops. Measured in vLLM on 2 cores: its two
-    forward threads went from 26 and 41 voluntary context switches in a run to 12,891 and 17,511
-    with an idle lander alive, and the run took a few percent longer. Calls torch's own setter:
-    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (its threads are bound), and
-    the count set here is the calling thread's only (libgomp's is per thread)."""
-    torch._C.set_num_threads(1)
 
 
 @dataclass

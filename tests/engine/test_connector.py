@@ -228,3 +228,30 @@ def test_save_failures_are_counted_when_the_node_is_full(nodes, reference):
         assert st.chunks_saved == 0 and st.save_failures == 4
     finally:
         eng.close()
+
+
+def test_the_connectors_side_threads_run_torch_on_one_intra_op_thread(nodes):
+    """The threads beside the forward (fetcher, lander, streamer, saver) make no OpenMP team of their
+    own: with one, libgomp manages more threads than there are CPUs and cuts every team's spinning,
+    and each small op of the forward paid a sleep and a wake (kernels.host.one_intra_op_thread)."""
+    import torch
+
+    node = nodes()
+    eng = make_engine(node.address)
+    try:
+        conn = eng.connector
+        pools = [conn.pool.fetcher, conn._streamer] + ([conn.stream_ring.lander] if conn.stream_ring else [])
+        assert [p.submit(torch.get_num_threads).result(timeout=60) for p in pools] == [1] * len(pools)
+        seen = []
+        real = conn.client.batch_put
+
+        def batch_put(batch):  # called on the saver thread
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return real(batch)
+
+        conn.client.batch_put = batch_put
+        run(eng, PROMPT)
+        assert conn.flush(timeout_s=120) and seen and set(seen) == {("kv-saver", 1)}
+        assert torch.get_num_threads() > 1 or os.cpu_count() == 1  # (the caller's own count is untouched)
+    finally:
+        eng.close()
