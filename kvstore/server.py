@@ -15,7 +15,7 @@ import threading
 import time
 
 
-from kvstore import auth, tls
+from kvstore import auth, dataserver, tls
 from kvstore.arena import reap_stale_segments
 from kvstore.config import MAX_KEY_BYTES, StoreConfig
 from kvstore.datachannel import DATA_OPS
@@ -85,11 +85,57 @@ class _Filler:
         self.remaining -= len(data)
 
 
+class StallWatch:
+    """Cancels a streamed call (Put, Get) that goes ``dataserver.STALL_S`` without progress: a
+    client that stops sending a Put's frames, or stops reading a Get's, held the reservations or
+    leases of its call for as long as it stayed open (the data channel's rule, on gRPC). One
+    thread, started with the first call watched, checking a few times per STALL_S."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, list] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, context) -> list:
+        """A call's entry: set ``entry[1] = time.monotonic()`` at each sign of progress; ``done`` at its end."""
+        entry = [context, time.monotonic()]
+        with self._lock:
+            self._calls[id(entry)] = entry
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="grpc-stalls", daemon=True)
+                self._thread.start()
+        return entry
+
+    def done(self, entry: list) -> None:
+        with self._lock:
+            self._calls.pop(id(entry), None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, dataserver.STALL_S / 4)):
+            now, limit = time.monotonic(), dataserver.STALL_S
+            with self._lock:
+                stalled = [e for e in self._calls.values() if now - e[1] > limit]
+                for e in stalled:
+                    self._calls.pop(id(e), None)
+            for context, since in stalled:
+                log.info("cancelling a call from %s: no progress for %.0f s", context.peer(), now - since)
+                context.cancel()  # (its handler unwinds: reservations aborted, leases released)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            t, self._thread = self._thread, None
+        if t is not None:
+            t.join(timeout=10)
+
+
 class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
     def __init__(self, node: StoreNode) -> None:
         self.node = node
         self.store = node.store
         self.metrics = node.metrics
+        self.stalls = node.stalls
 
     @_rpc("put")
     def Put(self, request_iterator, context):
@@ -97,8 +143,10 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         filler: _Filler | None = None
         committed = False
         prefix = auth.prefix_of(context, self.node.principals)
+        watch = self.stalls.watch(context)
         try:
             for frame in request_iterator:
+                watch[1] = time.monotonic()
                 which = frame.WhichOneof("frame")
                 if which == "header":
                     if filler is not None:
@@ -131,6 +179,7 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
             self.node.transport.count(Mover.GRPC, "write", sum(r.size for r in pending))
             return pb.PutResponse(num_stored=len(pending), num_bytes=sum(r.size for r in pending))
         finally:
+            self.stalls.done(watch)
             if filler is not None:
                 self.store.abort(filler.res)
             if not committed:
@@ -146,21 +195,28 @@ class KVStoreServicer(DescriptorRpcs, pb_grpc.KVStoreServicer):
         except CrescentError as exc:
             context.abort(exc.grpc_code, str(exc))
         nbytes = 0
-        for w in range(0, len(keys), _GET_WINDOW):  # a window's disk values are read in parallel
-            leases = self.store.acquire_many(keys[w : w + _GET_WINDOW])
-            try:
-                for i, lease in enumerate(leases, w):
-                    if lease is None:
-                        yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
-                        continue
-                    nbytes += lease.size
-                    yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
-                                                          tier=int(lease.tier)))
-                    for frame in _frames(lease.views):
-                        yield pb.GetFrame(data=frame)
-                    self.store.release(lease)
-            finally:
-                self.store.release_many(ls for ls in leases if ls is not None)
+        watch = self.stalls.watch(context)  # (progress: each frame the client took)
+        try:
+            for w in range(0, len(keys), _GET_WINDOW):  # a window's disk values are read in parallel
+                watch[1] = time.monotonic()
+                leases = self.store.acquire_many(keys[w : w + _GET_WINDOW])
+                try:
+                    for i, lease in enumerate(leases, w):
+                        if lease is None:
+                            yield pb.GetFrame(header=pb.GetHeader(index=i, found=False))
+                            continue
+                        nbytes += lease.size
+                        yield pb.GetFrame(header=pb.GetHeader(index=i, found=True, size=lease.size,
+                                                              tier=int(lease.tier)))
+                        watch[1] = time.monotonic()
+                        for frame in _frames(lease.views):
+                            yield pb.GetFrame(data=frame)
+                            watch[1] = time.monotonic()
+                        self.store.release(lease)
+                finally:
+                    self.store.release_many(ls for ls in leases if ls is not None)
+        finally:
+            self.stalls.done(watch)
         self.node.transport.count(Mover.GRPC, "read", nbytes)
         self.metrics.observe("get", time.perf_counter() - t0)
 
@@ -282,6 +338,7 @@ class StoreNode:
         self.stopping = False
         self._drained = threading.Event()  # set: cut a drain short (a second signal)
         self.principals = auth.table()  # the auth file's tokens (None: every call is taken)
+        self.stalls = StallWatch()
         self.server, self._handlers, rpcs = rpc_server("grpc", GRPC_OPTIONS, auth.server_interceptors(self.principals))
         self.metrics.watch_rpcs(rpcs)
         pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self), self.server)
@@ -352,6 +409,7 @@ class StoreNode:
         drain = threading.Thread(target=self._handlers.shutdown, name="grpc-drain", daemon=True)
         drain.start()
         drain.join(timeout=max(grace, 0.0) + 10.0)
+        self.stalls.stop()
         if self._metrics_server is not None:
             stop_http(self._metrics_server)
         if self.kv_events is not None:

@@ -660,3 +660,45 @@ def test_a_put_whose_own_values_fill_the_node_says_so(make_node):
     assert s.Put(iter([pb.PutFrame(header=pb.ValueHeader(key=b"after", size=1)), pb.PutFrame(data=b"x")]),
                  timeout=60).num_stored == 1  # every reservation of the failed Put was given back
     ch.close()
+
+
+def test_a_streamed_call_that_stalls_is_cancelled_and_gives_back_what_it_held(make_node, monkeypatch):
+    """A Put whose frames stop coming held its reservation, and a Get whose frames are not read its
+    leases, for as long as the client kept the call open (no deadline); now STALL_S without progress
+    (the data channel's rule) cancels the call."""
+    import threading
+
+    from kvstore import dataserver
+
+    monkeypatch.setattr(dataserver, "STALL_S", 1.0)
+    node = make_node(dram=128 * MiB, with_disk=False)
+    store = node.store
+    ch = grpc.insecure_channel(node.address, options=[("grpc.max_receive_message_length", 8 * MiB)])
+    s = pb_grpc.KVStoreStub(ch)
+    vals = [(b"v%d" % i, bytes([i]) * (4 * MiB)) for i in range(12)]  # (48 MiB: more than a flow-control window)
+    with StoreClient(node.address, transport="grpc") as c:
+        c.batch_put(vals)
+    used = store.stats()["tiers"][Tier.DRAM]["used_bytes"]
+    hold = threading.Event()
+
+    def frames():
+        yield pb.PutFrame(header=pb.ValueHeader(key=b"big", size=12 * MiB))
+        yield pb.PutFrame(data=bytes(1024))
+        hold.wait(120)  # ... and nothing more
+
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            s.Put(frames(), timeout=120)
+        assert e.value.code() is grpc.StatusCode.CANCELLED
+        wait_for(lambda: store.stats()["tiers"][Tier.DRAM]["used_bytes"] == used, what="the reservation back")
+        it = s.Get(pb.GetRequest(keys=[k for k, _ in vals]), timeout=120)  # never read past its first frame
+        assert next(it).header.found
+        wait_for(lambda: store.stats()["num_leases"] == 0, what="the unread Get's leases released")
+        with pytest.raises(grpc.RpcError) as e:
+            list(it)
+        assert e.value.code() is grpc.StatusCode.CANCELLED
+        with StoreClient(node.address, transport="grpc") as c:  # the node serves on
+            assert c.get(b"v3") == vals[3][1] and c.get(b"big") is None
+    finally:
+        hold.set()
+        ch.close()
