@@ -160,6 +160,11 @@ class StoreConfig:
     pairs 1.27x those into a sparse file on ext4, docs/architecture.md), and a file system too small
     for ``disk_size`` is a warning at start. Off, without the room, or on tmpfs (its blocks are
     memory): a sparse file, taken as values land."""
+    disk_staging: int = field(default=1 << 30, metadata={"size": True})
+    """Bytes of disk-bound values the node holds in memory at once while their puts arrive (a value
+    bound for the disk tier is received whole, then written); a put that would pass it is refused
+    (RESOURCE_EXHAUSTED: the client stores what it can value by value) until those in flight are
+    written. At least ``max_value_size``."""
     disk_read_threads: int = 8
     """Disk reads a batch keeps in flight (each one large direct read of a whole value)."""
     device: int = field(default=0, metadata={"size": True})
@@ -225,7 +230,7 @@ class StoreConfig:
     register: with it the conductor addresses come from there (--conductor may then be left out)."""
 
     def __post_init__(self) -> None:
-        for name in ("dram", "slot_size", "disk_size", "device", "max_value_size"):
+        for name in ("dram", "slot_size", "disk_size", "disk_staging", "device", "max_value_size"):
             setattr(self, name, parse_size(getattr(self, name)))
         if self.slot_size < 4096 or self.slot_size & (self.slot_size - 1):
             raise ValueError(f"--slot-size must be a power of two >= 4KiB, got {self.slot_size}")
@@ -241,6 +246,9 @@ class StoreConfig:
             raise ValueError(f"--disk-read-threads must be in [1, 256], got {self.disk_read_threads}")
         if self.max_value_size <= 0:
             raise ValueError("--max-value-size must be positive")
+        if self.disk_staging < self.max_value_size:
+            raise ValueError(f"--disk-staging ({self.disk_staging} B) must hold a value of --max-value-size "
+                             f"({self.max_value_size} B)")
         if not 0.0 < self.lease_ttl_s <= 86400.0:  # also rejects NaN
             raise ValueError(f"--lease-ttl-s must be in (0, 86400] seconds, got {self.lease_ttl_s}")
         if not 0.0 <= self.drain_s <= 3600.0:  # also rejects NaN

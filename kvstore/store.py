@@ -161,6 +161,7 @@ class TieredStore:
         self._index: dict[bytes, _Entry] = {}
         self._lru: dict[Tier, OrderedDict[bytes, _Entry]] = {t: OrderedDict() for t in Tier}
         self._disk_used = 0  # committed and reserved disk cost
+        self._disk_staged = 0  # bytes of disk-bound reservations held in memory until their commit
         self.counters = {"hits": {t: 0 for t in Tier}, "evictions": {t: 0 for t in Tier},
                          "misses": 0, "demotions": 0, "promotions": 0, "drops": 0,
                          "corrupt": 0, "bytes_in": 0, "bytes_out": 0,
@@ -247,8 +248,14 @@ class TieredStore:
             if only in (None, Tier.DISK) and self.disk is not None:
                 if ns is not None and not self._quota_room(ns, Tier.DISK, size):
                     self._quota_refusal(ns, size)
+                if self._disk_staged + size > self.config.disk_staging:
+                    raise ResourceExhaustedError(
+                        f"no room for {size} bytes: the faster tiers are full and {self._disk_staged} bytes bound for "
+                        f"the disk tier are held in memory until their puts end (--disk-staging "
+                        f"{self.config.disk_staging})")
                 if self._make_disk_room(disk_cost(size)):
                     self._disk_used += disk_cost(size)
+                    self._disk_staged += size
                     self._charge(key, Tier.DISK, size)
                     buf = bytearray(size)
                     return Reservation(key, size, Tier.DISK, buffer=buf, views=[memoryview(buf)])
@@ -291,6 +298,8 @@ class TieredStore:
                     raise
             for r in reservations:
                 r.done = True
+                if r.tier is Tier.DISK:
+                    self._disk_staged -= r.size
                 slots = r.slots
                 if r.tier is Tier.DEVICE:
                     self._arena(Tier.DEVICE).write(slots, r.views)
@@ -913,6 +922,7 @@ class TieredStore:
         self._charge(r.key, r.tier, -r.size)
         if r.tier is Tier.DISK:
             self._disk_used -= disk_cost(r.size)
+            self._disk_staged -= r.size
         else:
             self._arena(r.tier).free(r.slots)
         r.views = []

@@ -616,3 +616,28 @@ def test_a_value_leased_deleted_or_replaced_during_its_run_keeps_a_copy_goes_or_
     s.close()
     s = make(tmp_path / "d", slots=128)  # restart: the deleted key is gone, the replaced one never old
     assert s.get(b"k1") is None and s.get(b"k2") in (None, val(1002)) and s.get(b"k0") == val(0)
+
+
+def test_disk_bound_values_held_in_memory_until_their_puts_end_are_bounded(tmp_path):
+    """A value bound for the disk tier is received whole in memory, then written at its commit: before,
+    a batch of them (one gRPC Put stream, one data-channel PUT) held as many bytes of RAM as the disk
+    tier had room (16 GiB by default). Now ``disk_staging`` at once: a reservation past it is refused
+    until those before it are committed or aborted."""
+    with pytest.raises(ValueError, match="--disk-staging"):
+        StoreConfig(disk_staging=1 << 20, max_value_size=2 << 20)
+    s = make(tmp_path / "d", slots=1, disk_staging=64 * SLOT, max_value_size=32 * SLOT, promote=False)
+    s.put(b"dram", val(0))
+    s.pin([b"dram"], 3600)  # the one DRAM slot, held: every reservation below is bound for the disk
+    a = s.reserve(b"a", 32 * SLOT)
+    b = s.reserve(b"b", 32 * SLOT)
+    assert (a.tier, b.tier) == (Tier.DISK, Tier.DISK)
+    with pytest.raises(ResourceExhaustedError, match="--disk-staging"):
+        s.reserve(b"c", 1)
+    s.abort(a)
+    c = s.reserve(b"c", 32 * SLOT)
+    for r, tag in ((b, 2), (c, 3)):
+        r.views[0][:] = val(tag, 32 * SLOT)
+    s.commit_many([b, c])
+    d = s.reserve(b"d", 32 * SLOT)  # the committed ones are on disk, no longer in memory
+    s.abort(d)
+    assert s.get(b"b") == val(2, 32 * SLOT) and s.get(b"c") == val(3, 32 * SLOT) and s.get(b"a") is None
