@@ -866,6 +866,9 @@ class _Connections:
 def make_handler(gw: Gateway, idle_s: float = IDLE_S):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        default_request_version = "HTTP/1.0"
+        """What a request line too garbled to name its version is answered in: http.server's
+        HTTP/0.9 wrote the error's body alone, with no status line or headers."""
         server_version = "crescent-gateway"
         timeout = idle_s  # (http.server sets it on the socket; a silent connection ends in TimeoutError)
 
@@ -902,8 +905,8 @@ def make_handler(gw: Gateway, idle_s: float = IDLE_S):
             if self.command == "HEAD":
                 super().send_error(code, message, explain)
                 return
-            self._error(code, message or HTTPStatus(code).phrase,
-                        "invalid_request_error" if code < 500 else "server_error")
+            self._error(code, message or HTTPStatus(code).phrase,  # (505: the client's HTTP version)
+                        "invalid_request_error" if code < 500 or code == 505 else "server_error")
 
         def parse_request(self) -> bool:
             """http.server's parsing, and then the framing it lets through that a proxy in front may read

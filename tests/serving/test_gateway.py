@@ -882,6 +882,11 @@ def test_malformed_http_gets_an_openai_error_and_never_desyncs_the_connection(di
     assert status == 405 and json.loads(data)["error"]["code"] == "method_not_allowed"
     status, headers, data = raw_exchange(disagg.url, b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 501 and json.loads(data)["error"]["type"] == "server_error"
+    # a request line too garbled to name its version, and HTTP/2's preface: a status line and headers
+    # (before, HTTP/0.9's bare body), the 505 a client's error
+    for line, want in ((b"garbage\r\n\r\n", 400), (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505)):
+        status, headers, data = raw_exchange(disagg.url, line)
+        assert status == want and json.loads(data)["error"]["type"] == "invalid_request_error", (line, data)
     u = urllib.parse.urlparse(disagg.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     try:  # HEAD: a 405 as for PUT, and no body (a HEAD response has none)
