@@ -38,8 +38,8 @@ def test_channels_to_engines_routed_to_close_once_idle_and_named_ones_stay(engin
         stub = e[routed.address]
         h = stub.Health(pb.EngineHealthRequest(), timeout=30)
         assert h.serving and h.max_model_len > 0 and h.eos_token_ids
-        eos, context = e.model(routed.address, timeout_s=30)
-        assert (eos, context) == (frozenset(h.eos_token_ids), h.max_model_len)
+        eos, context, vocab = e.model(routed.address, timeout_s=30)
+        assert (eos, context, vocab) == (frozenset(h.eos_token_ids), h.max_model_len, h.vocab_size)
         assert sorted(e.addresses()) == sorted([named.address, routed.address])
 
         clock.now += 600
@@ -58,7 +58,7 @@ def test_channels_to_engines_routed_to_close_once_idle_and_named_ones_stay(engin
         assert e.health(timeout_s=30) == {named.address: True}
         # the engine routed to again gets a new channel
         assert e[routed.address].Health(pb.EngineHealthRequest(), timeout=30).serving
-        assert e.model(routed.address, timeout_s=30) == (eos, context)
+        assert e.model(routed.address, timeout_s=30) == (eos, context, vocab)
     finally:
         e.close()
 
