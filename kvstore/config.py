@@ -264,6 +264,7 @@ class StoreConfig:
         check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint)
         if self.conductor is not None:
             for c in self.conductor.split(","):
-                c_host, _, c_port = c.strip().rpartition(":")
-                if not c_host or not (c_port.isascii() and c_port.isdigit()) or int(c_port) > 65535:
-                    raise ValueError(f"--conductor must be host:port[,host:port...], got {self.conductor!r}")
+                try:
+                    check_address("--conductor", c.strip())
+                except ValueError:
+                    raise ValueError(f"--conductor must be host:port[,host:port...], got {self.conductor!r}") from None

@@ -215,22 +215,16 @@ def encode_response(items: Sequence[tuple[Status, int]], msg: str = "", grant: b
     return _RES.pack(b"CRRS", len(items), len(tail)) + tail
 
 
-def read_request(sock: socket.socket, stall_s: float | None = None) -> tuple[Op, list[bytes], list[int], int] | None:
+def read_request(sock: socket.socket, stall_s: float) -> tuple[Op, list[bytes], list[int], int] | None:
     """Reads one request header and body: ``(op, keys, args, mover)``; None when the
-    peer closed cleanly between requests. ``stall_s``: the socket's timeout from the request's
-    first byte on (the wait for that byte keeps the socket's own)."""
-    if isinstance(sock, tls.TlsStream) or stall_s is not None:  # (no recv flags under TLS)
-        first = sock.recv(_REQ.size)
-        if stall_s is not None:
-            sock.settimeout(stall_s)
-        if first and len(first) < _REQ.size:
-            first += recv_exact(sock, _REQ.size - len(first))
-    else:
-        first = sock.recv(_REQ.size, socket.MSG_WAITALL)
+    peer closed cleanly between requests. The wait for the request's first byte keeps the
+    socket's timeout; from that byte on it is ``stall_s``."""
+    first = sock.recv(_REQ.size)
+    sock.settimeout(stall_s)
     if not first:
         return None
     if len(first) < _REQ.size:
-        raise ProtocolError("truncated request header")
+        first += recv_exact(sock, _REQ.size - len(first))
     magic, op, mover, _, n, body_len = _REQ.unpack(first)
     if magic != b"CRRQ" or op not in _OPS:
         raise ProtocolError("bad request magic or op")

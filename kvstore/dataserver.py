@@ -33,14 +33,12 @@ ACCEPT_RETRY_S = 0.1
 _DRAIN = 1 << 20
 
 
-def _cut(views: list[memoryview], off: int, n: int, starts: list[int] | None = None) -> list[memoryview]:
+def _cut(views: list[memoryview], starts: list[int], off: int, n: int) -> list[memoryview]:
     """Bytes ``off .. off+n`` of a value laid out as ``views`` back to back (``starts``: each
     view's offset in the value, to find the first view by bisection)."""
     out = []
-    i = 0
-    if starts is not None:
-        i = bisect.bisect_right(starts, off) - 1
-        off -= starts[i]
+    i = bisect.bisect_right(starts, off) - 1
+    off -= starts[i]
     for v in views[i:]:
         if n <= 0:
             break
@@ -238,7 +236,7 @@ class DataChannelServer:
                                                                             initial=0)) for ls in ok_leases]
                 body = [v for j, _, off, n in layered_parts([None if ls is None else ls.size for ls in ok_leases],
                                                            head, layer)
-                        for v in _cut(ok_leases[j].views, off, n, starts[j])]
+                        for v in _cut(ok_leases[j].views, starts[j], off, n)]
             send_views(conn, [encode_response(items, msg), *body])
         finally:
             self.store.release_many(ls for ls in held.values() if ls is not None)
